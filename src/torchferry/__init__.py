@@ -1,0 +1,11 @@
+"""torchferry: move PyTorch training state between GPU and a pinned host pool.
+
+Importing this package does not initialise CUDA.
+"""
+
+from ._ferry import Ferry
+from ._handle import TransferHandle
+from ._residency import Residency
+
+__all__ = ["Ferry", "Residency", "TransferHandle"]
+__version__ = "0.1.0"

@@ -1,0 +1,351 @@
+"""The transfer engine: offload a state set to the host pool and reload it.
+
+[Note: storage moves keep every tensor object]
+The ferry moves ``UntypedStorage`` bytes, never tensor objects. On offload it
+copies each device storage into its slot of the host pool, re-points every
+tensor it knows at a view of that slot (same dtype, size, stride, offset), and
+releases the device storage with ``resize_(0)``: the storage *object* is kept.
+On reload it ``resize_``s the same storage objects, copies the bytes back and
+re-points the tensors at them. Aliases the ferry does not know (FSDP2's padded
+``_sharded_param_data``, a user's views) share those storage objects, so they
+are valid again after reload, and fail loudly (empty storage) while offloaded.
+Tensor objects keep their Python identity; their addresses change, so CUDA
+graphs captured over them must be captured again after a reload.
+
+[Note: release is safe against the in-flight copy]
+The D2H copies read a storage on the D2H stream while the caller's stream
+carries on. Before ``resize_(0)`` frees the block we ``record_stream`` it on the
+D2H stream, so the caching allocator does not hand it to the caller's stream
+until the copy has finished (otherwise a new allocation could overwrite bytes
+not yet copied: silent corruption of the offloaded state).
+
+[Note: reload allocates on the caller's stream]
+Reload re-allocates each storage on the caller's (current) stream, the stream
+that will use it, and the H2D stream first waits for everything already queued
+there: the block may have been freed by pending current-stream work, and
+writing it before that work ran would corrupt it. The current stream then
+waits for the H2D event, so the next kernel sees complete data without a host
+sync. Allocation and copies are interleaved per storage so the copy engine
+starts while the host is still allocating.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+
+import torch
+from torch import nn
+
+from ._guards import OffloadGuards
+from ._handle import TransferHandle
+from ._plan import Plan, build_plan, fsdp_modules
+from ._pool import HostPool, layout_slots
+from ._repoint import Repointer, view_on
+from ._residency import Residency
+from ._streams import TransferStreams
+
+__all__ = ["Ferry"]
+
+logger = logging.getLogger("torchferry")
+
+
+def _storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """1D ``torch.uint8`` tensor over all of ``storage``'s bytes."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+class _Offloaded:
+    """What a ferry holds while its state is on the host."""
+
+    def __init__(self, plan: Plan, repointer: Repointer, device_locals: list[torch.Tensor],
+                 slots: list[torch.Tensor]) -> None:
+        self.plan = plan
+        self.repointer = repointer
+        self.device_locals = device_locals  # the tensors' device data, to point back at
+        self.slots = slots  # 1D uint8 pool views, one per storage
+
+
+class Ferry:
+    """Moves a set of training state between its GPU and a pinned host pool.
+
+    Args:
+        *targets: ``nn.Module``s (parameters, buffers, ``.grad``s), optimizers
+            (every tensor in ``optimizer.state``, ``step`` included, where it
+            is on the device) and tensors. FSDP2 modules are resharded before
+            each offload, so the sharded DTensor parameters are what moves.
+            Modules and optimizers are held by weak reference.
+        device: the device the state lives on; inferred if ``None``. With
+            ``"cpu"`` (or when every tensor is on the CPU) the same moves run
+            synchronously into an unpinned pool, so CPU tests exercise
+            everything but DMA and pinning.
+
+    Raises:
+        ValueError: no targets, or tensors on several devices.
+        TypeError: a target that is not a module, optimizer or tensor.
+        NotImplementedError: meta tensors, non-strided tensors, tensor
+            subclasses other than DTensor, storages that cannot be resized.
+
+    Example::
+
+        ferry = torchferry.Ferry(model, optimizer)
+        ferry.offload()            # D2H on its own stream; GPU memory released
+        torch.cuda.empty_cache()   # return it to the driver (e.g. for rollout)
+        ...
+        ferry.reload()             # H2D; the current stream waits for it
+        loss = model(batch).sum()  # no host sync needed
+
+    The tensor objects keep their identity across cycles; their addresses
+    change, so CUDA graphs captured over them must be re-captured after a
+    reload (see [Note: storage moves keep every tensor object]).
+    """
+
+    def __init__(self, *targets: object, device: torch.device | str | None = None) -> None:
+        plan = build_plan(targets, device)  # validates every target now
+        self.device: torch.device = plan.device
+        self._targets: list[object] = [
+            weakref.ref(t) if isinstance(t, (nn.Module, torch.optim.Optimizer)) else t for t in targets
+        ]
+        self._streams = TransferStreams(self.device)
+        self._pool = HostPool(pin=self.device.type == "cuda")
+        self._guards = OffloadGuards(lambda: repr(self))
+        self._layout: tuple[tuple, list[int]] | None = None  # (plan signature, slot offsets)
+        self._offloaded: _Offloaded | None = None
+        self._state = Residency.DEVICE
+        self._last: TransferHandle | None = None
+        self._state_bytes = plan.state_bytes
+        self._closed = False
+
+    # ------------------------------------------------------------------ state
+    @property
+    def residency(self) -> Residency:
+        """Where the state is now; in-flight states turn final once their copies are done."""
+        if self._state in (Residency.D2H_IN_FLIGHT, Residency.H2D_IN_FLIGHT):
+            assert self._last is not None
+            if self._last.done():
+                self._state = Residency.HOST if self._state is Residency.D2H_IN_FLIGHT else Residency.DEVICE
+        return self._state
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the unique storages in the last plan (what one transfer moves)."""
+        return self._state_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host memory the pool holds (pinned when the device is a GPU)."""
+        return self._pool.nbytes
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the host pool is page-locked (True for GPU ferries once allocated)."""
+        return self._pool.pin and self._pool.nbytes > 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Ferry(device={self.device}, residency={self._state.name}, "
+            f"state_bytes={self._state_bytes}, host_bytes={self.host_bytes})"
+        )
+
+    def _live_targets(self) -> list[object]:
+        out = []
+        for t in self._targets:
+            if isinstance(t, weakref.ref):
+                obj = t()
+                if obj is None:
+                    raise RuntimeError("torchferry: a module or optimizer target of this ferry was garbage collected")
+                out.append(obj)
+            else:
+                out.append(t)
+        return out
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("torchferry: this ferry is closed; make a new Ferry")
+
+    def _done_handle(self, direction: str) -> TransferHandle:
+        return self._last if self._last is not None else TransferHandle(direction, 0, None)  # type: ignore[arg-type]
+
+    # ---------------------------------------------------------------- offload
+    @torch.no_grad()
+    def offload(self) -> TransferHandle:
+        """Copies the state to the host pool and releases its device memory.
+
+        The copies run on the D2H stream after the current stream's pending
+        work. When this returns, the known tensors are CPU tensors viewing the
+        pinned pool (``device.type == "cpu"``, ``is_pinned()``), and the device
+        storages are empty (their blocks go back to the caching allocator once
+        the copies finish; ``torch.cuda.empty_cache()`` returns them to the
+        driver). Read the tensors on the host only after ``handle.wait()``.
+        A no-op (returning the last handle) when already offloaded.
+
+        Returns:
+            A :class:`TransferHandle` for the D2H copies.
+
+        Raises:
+            RuntimeError: host memory for the pool could not be allocated or
+                pinned, a tensor cannot be re-pointed, or the ferry is closed.
+                The state is then left on the device, unchanged.
+            ValueError, TypeError, NotImplementedError: as for the constructor,
+                if the targets changed since.
+        """
+        self._check_open()
+        if self.residency.on_host:
+            return self._done_handle("d2h")
+        targets = self._live_targets()
+        for m in targets:
+            if isinstance(m, nn.Module):
+                for unit in fsdp_modules(m):
+                    unit.reshard()  # register the sharded parameters, free unsharded ones
+        plan = build_plan(targets, self.device)
+        offsets = self._slot_offsets(plan)  # may raise: nothing moved yet
+        slots = [self._pool.view(o, n) for o, n in zip(offsets, plan.nbytes, strict=True)]
+        sources = [_storage_bytes(s, self.device) for s in plan.storages]
+        cuda = self._streams.is_cuda
+        nbytes = plan.state_bytes
+        with torch.profiler.record_function("torchferry::d2h"):
+            event = None
+            if cuda:
+                d2h = self._streams.d2h
+                d2h.wait_stream(self._streams.current())  # copy what pending kernels write
+                with torch.cuda.stream(d2h):
+                    for slot, src in zip(slots, sources):
+                        if src.numel():
+                            slot.copy_(src, non_blocking=True)
+                event = self._streams.event(d2h)
+            else:
+                for slot, src in zip(slots, sources):
+                    slot.copy_(src)
+            handle = TransferHandle("d2h", nbytes, event)
+            repointer = Repointer([r.tensor for r in plan.tensors], [r.name for r in plan.tensors])
+            host_locals = [view_on(r.local, slots[r.storage_index]) for r in plan.tensors]
+            device_locals = repointer.apply(host_locals)  # all or nothing
+            self._offloaded = _Offloaded(plan, repointer, device_locals, slots)
+            self._state = Residency.D2H_IN_FLIGHT if cuda else Residency.HOST
+            self._last = handle
+            self._guards.install(plan.modules, plan.optimizers)
+            # See [Note: release is safe against the in-flight copy].
+            for src, storage in zip(sources, plan.storages):
+                if cuda and src.numel():
+                    src.record_stream(d2h)
+                storage.resize_(0)
+        self._state_bytes = nbytes
+        logger.debug("offload: %d bytes in %d storages from %s", nbytes, len(plan.storages), self.device)
+        return handle
+
+    def _slot_offsets(self, plan: Plan) -> list[int]:
+        sig = plan.signature()
+        if self._layout is not None and self._layout[0] == sig:
+            return self._layout[1]
+        offsets, total = layout_slots(plan.nbytes)
+        self._pool.reserve(total)
+        self._layout = (sig, offsets)
+        return offsets
+
+    # ----------------------------------------------------------------- reload
+    @torch.no_grad()
+    def reload(self) -> TransferHandle:
+        """Re-allocates the device storages and copies the state back.
+
+        The copies run on the H2D stream; the current stream is made to wait
+        for them, so kernels queued after this call see the data without a
+        host sync (use ``handle.wait_stream(s)`` for another stream ``s``).
+        The known tensors are device tensors again when this returns. A no-op
+        (returning the last handle) when already resident.
+
+        Returns:
+            A :class:`TransferHandle` for the H2D copies.
+
+        Raises:
+            RuntimeError: the device ran out of memory (the message names the
+                bytes needed; the state stays on the host, nothing is lost), or
+                a tensor cannot be re-pointed, or the ferry is closed.
+        """
+        self._check_open()
+        if not self.residency.on_host:
+            return self._done_handle("h2d")
+        off = self._offloaded
+        assert off is not None
+        plan = off.plan
+        cuda = self._streams.is_cuda
+        with torch.profiler.record_function("torchferry::h2d"):
+            event = None
+            done = 0
+            try:
+                if cuda:
+                    # See [Note: reload allocates on the caller's stream].
+                    h2d = self._streams.h2d
+                    h2d.wait_stream(self._streams.current())
+                    h2d.wait_stream(self._streams.d2h)  # the slots may still be filling
+                for storage, n, slot in zip(plan.storages, plan.nbytes, off.slots):
+                    storage.resize_(n)
+                    done += 1
+                    if not n:
+                        continue
+                    dst = _storage_bytes(storage, self.device)
+                    if cuda:
+                        with torch.cuda.stream(h2d):
+                            dst.copy_(slot, non_blocking=True)
+                    else:
+                        dst.copy_(slot)
+            except BaseException as e:
+                self._undo_partial_reload(plan, done)
+                if isinstance(e, torch.OutOfMemoryError):
+                    raise RuntimeError(
+                        f"torchferry: reload needs {plan.state_bytes} bytes on {self.device} "
+                        f"and ran out of device memory after {sum(plan.nbytes[:done])} bytes "
+                        "(free memory, e.g. the rollout engine's KV cache, and call reload() "
+                        "again); the state is still offloaded, nothing was lost"
+                    ) from e
+                raise
+            if cuda:
+                event = self._streams.event(h2d)
+                self._streams.current().wait_event(event)
+            handle = TransferHandle("h2d", plan.state_bytes, event)
+            try:
+                off.repointer.apply(off.device_locals)
+            except BaseException:
+                self._undo_partial_reload(plan, len(plan.storages))
+                raise
+        self._offloaded = None
+        self._guards.remove()
+        self._state = Residency.H2D_IN_FLIGHT if cuda else Residency.DEVICE
+        self._last = handle
+        logger.debug("reload: %d bytes in %d storages to %s", plan.state_bytes, len(plan.storages), self.device)
+        return handle
+
+    def _undo_partial_reload(self, plan: Plan, count: int) -> None:
+        """Frees the first ``count`` re-allocated storages again (after their copies)."""
+        if self._streams.is_cuda:
+            self._streams.h2d.synchronize()
+        for storage in plan.storages[:count]:
+            storage.resize_(0)
+
+    # ------------------------------------------------------------------ close
+    def close(self) -> None:
+        """Returns the host pool to the OS. The state must be resident.
+
+        Raises:
+            RuntimeError: the state is offloaded (closing would lose it): call
+                ``reload()`` first.
+        """
+        if self._closed:
+            return
+        if self.residency.on_host:
+            raise RuntimeError(
+                "torchferry: close() while the state is offloaded would lose it; call reload() first"
+            )
+        if self._last is not None:
+            self._last.wait()
+        self._pool.release()
+        self._closed = True
+
+    def __enter__(self) -> Ferry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(RuntimeError):
+            if self.residency.on_host and exc[0] is None:
+                self.reload()
+        self.close()

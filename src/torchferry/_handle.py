@@ -1,0 +1,68 @@
+"""Completion handles for transfers."""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import torch
+
+__all__ = ["TransferHandle"]
+
+
+class TransferHandle:
+    """Completion of one offload (D2H) or reload (H2D).
+
+    Attributes:
+        direction: ``"d2h"`` (offload) or ``"h2d"`` (reload).
+        nbytes: bytes the transfer moves (0 for a no-op).
+        issued_at: ``time.perf_counter()`` when the transfer was issued.
+    """
+
+    def __init__(
+        self,
+        direction: Literal["d2h", "h2d"],
+        nbytes: int,
+        event: torch.cuda.Event | None,
+        issued_at: float | None = None,
+    ) -> None:
+        self.direction = direction
+        self.nbytes = nbytes
+        self._event = event  # recorded on the copy stream after the last copy
+        self.issued_at = time.perf_counter() if issued_at is None else issued_at
+        self._completed_at: float | None = None if event is not None else self.issued_at
+
+    def done(self) -> bool:
+        """True when every copy of the transfer has finished (never blocks)."""
+        if self._completed_at is None and self._event is not None and self._event.query():
+            self._completed_at = time.perf_counter()
+        return self._completed_at is not None
+
+    def wait(self) -> None:
+        """Blocks the host until every copy of the transfer has finished.
+
+        After an offload's ``wait()`` the host copies are safe to read; after a
+        reload's, the device tensors are complete for any stream.
+        """
+        if self._completed_at is None:
+            assert self._event is not None
+            self._event.synchronize()
+            self._completed_at = time.perf_counter()
+
+    def wait_stream(self, stream: torch.cuda.Stream) -> None:
+        """Makes ``stream`` wait for the transfer without blocking the host.
+
+        ``reload()`` already does this for the stream that was current when it
+        was called; use this to consume the state on another stream.
+        """
+        if self._event is not None:
+            stream.wait_event(self._event)
+
+    @property
+    def seconds(self) -> float | None:
+        """Host seconds from issue to observed completion, once ``wait()`` or ``done()`` saw it."""
+        return None if self._completed_at is None else self._completed_at - self.issued_at
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "in flight"
+        return f"TransferHandle({self.direction}, {self.nbytes} bytes, {state})"

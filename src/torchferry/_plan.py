@@ -1,0 +1,233 @@
+"""Planning: which storages move, and which tensor objects view them.
+
+The unit of transfer is a ``torch.UntypedStorage``. We collect every tensor
+behind the targets (module parameters, buffers and ``.grad``s; every tensor in
+``optimizer.state``; plain tensors), look through DTensors to their local
+tensor (for FSDP2 a view of the padded ``_sharded_param_data``), and
+deduplicate storages by identity (``StorageImpl`` address, not ``data_ptr()``:
+every zero-size storage has pointer 0), so tied weights and views move once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["Plan", "TensorRef", "build_plan", "fsdp_modules", "is_dtensor"]
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """True if ``t`` is a ``torch.distributed.tensor.DTensor`` (without importing it eagerly)."""
+    if type(t) in (torch.Tensor, nn.Parameter):
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def fsdp_modules(module: nn.Module) -> list[nn.Module]:
+    """The FSDP units (``fully_shard``-ed modules) in ``module``'s tree, root first."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorRef:
+    """A tensor object the ferry re-points between device and host.
+
+    Attributes:
+        tensor: the object callers hold (Parameter, DTensor, ``.grad``,
+            optimizer state, buffer). Its Python identity never changes.
+        name: where it was found, for error messages
+            (``"model.fc.weight.grad"``, ``"optimizer.state[0]['exp_avg']"``).
+        storage_index: index into ``Plan.storages`` of the storage it views.
+    """
+
+    tensor: torch.Tensor
+    name: str
+    storage_index: int
+
+    @property
+    def local(self) -> torch.Tensor:
+        """The plain tensor whose storage moves (the local shard of a DTensor)."""
+        return self.tensor._local_tensor if is_dtensor(self.tensor) else self.tensor
+
+
+@dataclasses.dataclass(slots=True)
+class Plan:
+    """The storages to move and the tensors that view them.
+
+    Attributes:
+        device: the device the state lives on when resident.
+        storages: unique storages, in discovery order (module order, so FSDP
+            units come in forward order).
+        nbytes: bytes of each storage, ``len(nbytes) == len(storages)``.
+        tensors: every known tensor object, each once.
+        modules: module targets (for forward guards).
+        optimizers: optimizer targets (for step guards).
+    """
+
+    device: torch.device
+    storages: list[torch.UntypedStorage]
+    nbytes: list[int]
+    tensors: list[TensorRef]
+    modules: list[nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+
+    @property
+    def state_bytes(self) -> int:
+        """Total bytes of the unique storages (what a transfer moves)."""
+        return sum(self.nbytes)
+
+    def signature(self) -> tuple:
+        """Identity of the layout: equal signatures can reuse the same slots."""
+        return tuple(
+            (s._cdata, n) for s, n in zip(self.storages, self.nbytes, strict=True)
+        )
+
+
+def _named_tensors(targets: Sequence[object]) -> Iterable[tuple[str, torch.Tensor]]:
+    for i, target in enumerate(targets):
+        if isinstance(target, nn.Module):
+            prefix = type(target).__name__ if len(targets) == 1 else f"targets[{i}]"
+            for name, p in target.named_parameters():
+                yield f"{prefix}.{name}", p
+                if p.grad is not None:
+                    yield f"{prefix}.{name}.grad", p.grad
+            for name, b in target.named_buffers():
+                yield f"{prefix}.{name}", b
+        elif isinstance(target, torch.optim.Optimizer):
+            index = 0
+            for group in target.param_groups:
+                for p in group["params"]:
+                    for key, value in target.state.get(p, {}).items():
+                        if isinstance(value, torch.Tensor):
+                            yield f"optimizer.state[{index}][{key!r}]", value
+                    index += 1
+        elif isinstance(target, torch.Tensor):
+            yield f"tensors[{i}]", target
+        else:
+            raise TypeError(
+                "torchferry: a target must be an nn.Module, a torch.optim.Optimizer "
+                f"or a torch.Tensor; targets[{i}] is {type(target).__name__}"
+            )
+
+
+def _check_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
+    """Validates ``t`` and returns the plain tensor whose storage moves."""
+    if t.is_meta:
+        raise NotImplementedError(
+            f"torchferry: {name} is a meta tensor ({t.shape=}); it has no data to "
+            "move. Materialise it (e.g. module.to_empty(device=...)) first."
+        )
+    local = t
+    if is_dtensor(t):
+        local = t._local_tensor
+    elif type(t) is not torch.Tensor and not isinstance(t, nn.Parameter):
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+        if is_traceable_wrapper_subclass(t):
+            raise NotImplementedError(
+                f"torchferry: {name} is a {type(t).__name__}; of the tensor "
+                "subclasses only DTensor is supported"
+            )
+    if local.layout != torch.strided:
+        raise NotImplementedError(
+            f"torchferry: {name} has layout {local.layout}; only strided tensors move"
+        )
+    if local.is_meta:
+        raise NotImplementedError(f"torchferry: {name} has a meta local shard ({local.shape=})")
+    return local
+
+
+def _resolve_device(
+    found: list[tuple[str, torch.Tensor, torch.Tensor]], device: torch.device | None
+) -> torch.device:
+    accel: dict[torch.device, str] = {}
+    for name, _, local in found:
+        if local.device.type != "cpu":
+            accel.setdefault(local.device, name)
+    if device is None:
+        if len(accel) > 1:
+            listing = ", ".join(f"{n} on {d}" for d, n in accel.items())
+            raise ValueError(
+                f"torchferry: the targets span several devices ({listing}); "
+                "make one Ferry per device"
+            )
+        device = next(iter(accel), torch.device("cpu"))
+    for d, name in accel.items():
+        if d != device:
+            raise ValueError(f"torchferry: {name} is on {d}, but the ferry's device is {device}")
+    if device.type not in ("cpu", "cuda"):
+        raise NotImplementedError(f"torchferry: device type {device.type!r} is not supported")
+    return device
+
+
+def build_plan(targets: Sequence[object], device: torch.device | str | None = None) -> Plan:
+    """Collects and deduplicates the storages behind ``targets``.
+
+    Tensors on the CPU are left alone when the ferry's device is a GPU (for
+    example AdamW's ``step`` counters, which already live in host memory).
+
+    Args:
+        targets: ``nn.Module``s, ``torch.optim.Optimizer``s and tensors.
+        device: the device to move from; inferred from the tensors if ``None``
+            (the CPU when every tensor is on the CPU).
+
+    Returns:
+        A :class:`Plan`. Nothing is modified.
+
+    Raises:
+        ValueError: no targets, or tensors on several devices.
+        TypeError: a target of another type.
+        NotImplementedError: a meta tensor, a non-strided tensor, a tensor
+            subclass other than DTensor, or a storage that cannot be resized
+            (e.g. one borrowed from NumPy or DLPack).
+    """
+    if not targets:
+        raise ValueError("torchferry: Ferry() needs at least one target (module, optimizer or tensor)")
+    found: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    seen: set[int] = set()
+    for name, t in _named_tensors(targets):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        found.append((name, t, _check_tensor(name, t)))
+    dev = _resolve_device(found, None if device is None else torch.device(device))
+
+    storages: list[torch.UntypedStorage] = []
+    nbytes: list[int] = []
+    index_of: dict[int, int] = {}
+    refs: list[TensorRef] = []
+    for name, t, local in found:
+        if local.device != dev:
+            continue
+        st = local.untyped_storage()
+        key = st._cdata
+        if key not in index_of:
+            if not st.resizable():
+                raise NotImplementedError(
+                    f"torchferry: the storage of {name} cannot be resized (it is "
+                    "borrowed, e.g. from NumPy or DLPack), so its memory cannot be "
+                    "released; clone the tensor into a torch-owned one first"
+                )
+            index_of[key] = len(storages)
+            storages.append(st)
+            nbytes.append(st.nbytes())
+        refs.append(TensorRef(t, name, index_of[key]))
+    return Plan(
+        device=dev,
+        storages=storages,
+        nbytes=nbytes,
+        tensors=refs,
+        modules=[t for t in targets if isinstance(t, nn.Module)],
+        optimizers=[t for t in targets if isinstance(t, torch.optim.Optimizer)],
+    )

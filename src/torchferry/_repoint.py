@@ -1,0 +1,105 @@
+"""Re-pointing tensor objects between device storage and host slots, keeping identity.
+
+Plain tensors and ``nn.Parameter``s are re-pointed with ``t.data = other``
+(``set_data``: the same ``TensorImpl`` takes the other tensor's storage,
+sizes, strides and device, as ``nn.Module._apply`` does for ``model.cpu()``).
+That keeps the Python object, its autograd metadata and its ``.grad``.
+
+A DTensor is a wrapper subclass: its device is fixed in the wrapper and its
+data lives in ``_local_tensor``, so ``.data =`` would leave the local shard
+where it was. For DTensors we build a twin DTensor with the same spec over the
+other local tensor and exchange the two with ``torch.utils.swap_tensors``
+(which also moves the local tensor slot), then hand each Python object its own
+``__dict__`` back, so attributes such as ``_is_param`` stay with the object.
+``swap_tensors`` refuses tensors that are weakly referenced or whose
+``TensorImpl`` is shared (e.g. a live autograd graph); the grad link of a
+DTensor parameter lives in its ``TensorImpl`` and is carried over by hand.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._plan import is_dtensor
+
+__all__ = ["view_on", "Repointer"]
+
+
+def view_on(local: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """A tensor shaped like ``local`` over the bytes of ``base``.
+
+    Args:
+        local: the plain tensor to mirror (dtype, size, stride, storage offset).
+        base: 1D ``torch.uint8`` view of a whole storage's bytes (a pool slot,
+            or a device storage), possibly at an offset into a larger storage.
+
+    Returns:
+        A tensor on ``base``'s device with ``local``'s dtype, size and stride,
+        at ``local``'s storage offset counted from the start of ``base``.
+    """
+    itemsize = local.element_size()
+    byte_offset = base.storage_offset() + local.storage_offset() * itemsize
+    if byte_offset % itemsize:
+        raise AssertionError(f"slot misaligned for {local.dtype}: {byte_offset=}")
+    out = torch.empty(0, dtype=local.dtype, device=base.device)
+    return out.set_(base.untyped_storage(), byte_offset // itemsize, local.size(), local.stride())
+
+
+def _swap_keep_dicts(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.utils.swap_tensors(a, b)
+    a_dict, b_dict = a.__dict__, b.__dict__
+    a.__dict__, b.__dict__ = b_dict, a_dict
+
+
+class Repointer:
+    """Re-points a list of tensor objects at new data, all or nothing.
+
+    ``apply(new_locals)`` re-points ``tensors[i]`` so that its (local) data is
+    ``new_locals[i]``; it returns the previous locals so the move can be undone
+    with another ``apply``. If one re-point fails, the ones already done are
+    undone before the error propagates.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor], names: list[str]) -> None:
+        self.tensors = tensors
+        self.names = names
+
+    def _set(self, t: torch.Tensor, new_local: torch.Tensor) -> torch.Tensor:
+        """Re-points one tensor; returns what it pointed at before."""
+        if is_dtensor(t):
+            from torch.distributed.tensor import DTensor
+
+            twin = DTensor(new_local, t._spec, requires_grad=t.requires_grad)
+            _swap_keep_dicts(t, twin)
+            return twin._local_tensor
+        old = t.detach()
+        t.data = new_local
+        return old
+
+    def apply(self, new_locals: list[torch.Tensor]) -> list[torch.Tensor]:
+        # A DTensor parameter's grad is held by its TensorImpl, which the swap
+        # exchanges: unlink the grads, move everything, link them again.
+        grad_links = [
+            (t, t.grad) for t in self.tensors if is_dtensor(t) and t.requires_grad and t.grad is not None
+        ]
+        for t, _ in grad_links:
+            t.grad = None
+        old: list[torch.Tensor] = []
+        try:
+            for t, name, new in zip(self.tensors, self.names, new_locals, strict=True):
+                try:
+                    old.append(self._set(t, new))
+                except RuntimeError as e:
+                    raise RuntimeError(
+                        f"torchferry: cannot re-point {name} ({type(t).__name__}, "
+                        f"{tuple(t.shape)}): {e}"
+                    ) from e
+        except BaseException:
+            for t, prev in zip(self.tensors, old):
+                self._set(t, prev)
+            for t, g in grad_links:
+                t.grad = g
+            raise
+        for t, g in grad_links:
+            t.grad = g
+        return old

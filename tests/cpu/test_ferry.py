@@ -1,0 +1,271 @@
+"""The engine on the CPU: round trips, identity, release, state machine, errors, faults."""
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import torchferry
+from torchferry import Ferry, Residency
+from tests.helpers import Mixed, assert_same, identities, snapshot
+
+IDS = torch.tensor([[1, 5, 7], [32, 0, 3]])
+
+
+def trained(steps: int = 1, seed: int = 0):
+    torch.manual_seed(seed)
+    m = Mixed()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    for _ in range(steps):
+        m(IDS).backward()
+        opt.step()
+    return m, opt
+
+
+def test_round_trip_is_bit_exact_and_keeps_identity():
+    m, opt = trained()
+    m(IDS).backward()  # grads present
+    before, ids = snapshot(m, opt), identities(m, opt)
+    user_view = m.proj.weight[1:3]  # an alias the ferry does not know
+    storages = {r.name: r.tensor.untyped_storage() for r in torchferry._plan.build_plan([m, opt]).tensors}
+    ferry = Ferry(m, opt)
+    assert ferry.residency is Residency.DEVICE
+    handle = ferry.offload()
+    handle.wait()
+    assert handle.done() and ferry.residency is Residency.HOST
+    # Every device storage released; every known tensor now views the host pool.
+    assert all(s.nbytes() == 0 for s in storages.values())
+    assert user_view.untyped_storage().nbytes() == 0
+    assert_same(before, snapshot(m, opt))  # host copies readable after wait()
+    ferry.reload().wait()
+    assert ferry.residency is Residency.DEVICE
+    assert_same(before, snapshot(m, opt))
+    assert identities(m, opt) == ids
+    assert m.head.weight is m.emb.weight
+    torch.testing.assert_close(user_view, m.proj.weight[1:3], atol=0, rtol=0)
+    assert user_view.untyped_storage().data_ptr() == m.proj.weight.untyped_storage().data_ptr()
+
+
+def test_state_bytes_and_pool_size():
+    m, opt = trained()
+    plan = torchferry._plan.build_plan([m, opt])
+    want = sum(s.nbytes() for s in plan.storages)
+    ferry = Ferry(m, opt)
+    ferry.offload()
+    assert ferry.state_bytes == want > 0
+    # Exact size: the storages plus alignment padding (< 512 B each), no power-of-two rounding.
+    assert want <= ferry.host_bytes < want + 512 * len(plan.storages)
+    ferry.reload()
+
+
+def test_training_after_cycles_matches_training_without():
+    ref_m, ref_opt = trained(steps=3)
+    m, opt = trained(steps=1)
+    ferry = Ferry(m, opt)
+    for _ in range(2):
+        ferry.offload().wait()
+        ferry.reload().wait()
+        m(IDS).backward()
+        opt.step()
+    assert_same(snapshot(ref_m, ref_opt), snapshot(m, opt))
+
+
+def test_calls_are_idempotent_and_residency_is_explicit():
+    m, opt = trained()
+    ferry = Ferry(m, opt)
+    r1 = ferry.reload()  # resident: no-op
+    assert r1.nbytes == 0 and r1.done()
+    h1 = ferry.offload()
+    assert ferry.offload() is h1  # offloaded: no-op, same handle
+    h2 = ferry.reload()
+    assert ferry.reload() is h2
+    assert ferry.residency is Residency.DEVICE
+
+
+def test_forward_and_step_while_offloaded_raise_and_change_nothing():
+    m, opt = trained()
+    ferry = Ferry(m, opt)
+    ferry.offload()
+    before = snapshot(m, opt)
+    with pytest.raises(RuntimeError, match=r"forward of Mixed .* offloaded .*call ferry.reload\(\)"):
+        m(IDS)
+    with pytest.raises(RuntimeError, match=r"forward of Linear 'proj' .*offloaded"):
+        m.proj(torch.randn(1, 8))
+    with pytest.raises(RuntimeError, match=r"AdamW.step\(\) while its state is offloaded"):
+        opt.step()
+    assert_same(before, snapshot(m, opt))
+    ferry.reload()
+    m(IDS).backward()  # hooks gone
+    opt.step()
+
+
+def test_state_that_appears_later_is_planned_again():
+    torch.manual_seed(0)
+    m = Mixed()
+    opt = torch.optim.AdamW(m.parameters())
+    ferry = Ferry(m, opt)  # no grads, no optimizer state yet
+    ferry.offload()
+    small = ferry.host_bytes
+    ferry.reload()
+    m(IDS).backward()
+    opt.step()
+    before = snapshot(m, opt)
+    ferry.offload()
+    assert ferry.host_bytes > small  # grew for grads + exp_avg/exp_avg_sq/step
+    assert all(p.grad.untyped_storage().data_ptr() != 0 for p in m.parameters())
+    ferry.reload()
+    assert_same(before, snapshot(m, opt))
+    opt.zero_grad(set_to_none=True)  # grads gone: the pool is kept, not shrunk
+    grown = ferry.host_bytes
+    ferry.offload()
+    ferry.reload()
+    assert ferry.host_bytes == grown
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8,
+     torch.int32, torch.int64, torch.bool, torch.complex64]
+    + [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)],
+)
+def test_every_dtype_round_trips_bit_exact(dtype):
+    g = torch.Generator().manual_seed(1)
+    raw = torch.randint(0, 256, (3 * 5 * 16,), dtype=torch.uint8, generator=g)
+    t = raw.view(dtype)[: (raw.numel() // raw.view(dtype).element_size() * raw.view(dtype).element_size()) // 1]
+    odd = t[1:-1]  # a view at an odd offset
+    t_bytes = raw.clone()
+    ferry = Ferry(t, odd)
+    ferry.offload()
+    assert torch.equal(t.view(torch.uint8), t_bytes)  # bitwise, NaN payloads included
+    ferry.reload()
+    assert torch.equal(t.view(torch.uint8), t_bytes)
+    assert odd.data_ptr() == t.data_ptr() + odd.element_size()
+
+
+def test_non_contiguous_and_scalar_tensors():
+    base = torch.randn(6, 5)
+    strided = base.t()[::2]
+    scalar = torch.tensor(3.5)
+    before = (base.clone(), strided.clone(), scalar.clone())
+    stride = strided.stride()
+    ferry = Ferry(strided, scalar)
+    ferry.offload()
+    assert strided.stride() == stride and strided.device.type == "cpu"
+    torch.testing.assert_close(strided, before[1], atol=0, rtol=0)
+    assert base.untyped_storage().nbytes() == 0  # an alias the ferry does not know: released
+    ferry.reload()
+    assert torch.equal(base, before[0]) and torch.equal(strided, before[1]) and torch.equal(scalar, before[2])
+    assert strided.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+
+
+def test_host_pool_failure_leaves_state_on_device(monkeypatch):
+    m, opt = trained()
+    before, ids = snapshot(m, opt), identities(m, opt)
+    import torchferry._host_memory as hm
+
+    def no_memory(*a, **k):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(hm.mmap, "mmap", no_memory)
+    ferry = Ferry(m, opt)
+    with pytest.raises(RuntimeError, match=r"could not allocate a host pool of \d+ bytes .*available host memory: (\d+ bytes|unknown)"):
+        ferry.offload()
+    assert ferry.residency is Residency.DEVICE and ferry.host_bytes == 0
+    assert_same(before, snapshot(m, opt))
+    assert identities(m, opt) == ids
+    m(IDS).backward()  # no guard left behind
+    monkeypatch.undo()
+    ferry.offload()  # retry after the cause is gone
+    ferry.reload()
+
+
+def test_failure_while_repointing_is_rolled_back(monkeypatch):
+    m, opt = trained()
+    before = snapshot(m, opt)
+    storages = [p.untyped_storage() for p in m.parameters()]
+    from torchferry._repoint import Repointer
+
+    calls = {"n": 0}
+    real = Repointer._set
+
+    def flaky(self, t, new):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real(self, t, new)
+
+    monkeypatch.setattr(Repointer, "_set", flaky)
+    ferry = Ferry(m, opt)
+    with pytest.raises(KeyboardInterrupt):
+        ferry.offload()
+    assert ferry.residency is Residency.DEVICE
+    assert all(s.nbytes() > 0 for s in storages)
+    assert all(p.untyped_storage().data_ptr() == s.data_ptr() for p, s in zip(m.parameters(), storages))
+    assert_same(before, snapshot(m, opt))
+    monkeypatch.undo()
+    ferry.offload()
+    ferry.reload()
+    assert_same(before, snapshot(m, opt))
+
+
+def test_out_of_memory_during_reload_keeps_state_on_host(monkeypatch):
+    m, opt = trained()
+    before = snapshot(m, opt)
+    ferry = Ferry(m, opt)
+    ferry.offload()
+    import torchferry._ferry as fm
+
+    real = fm._storage_bytes
+    calls = {"n": 0}
+
+    def oom_on_third(storage, device):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(storage, device)
+
+    monkeypatch.setattr(fm, "_storage_bytes", oom_on_third)
+    with pytest.raises(RuntimeError, match=r"reload needs \d+ bytes .*ran out of device memory.*nothing was lost"):
+        ferry.reload()
+    assert ferry.residency is Residency.HOST
+    assert all(s.nbytes() == 0 for s in ferry._offloaded.plan.storages)
+    assert_same(before, snapshot(m, opt))  # the host copies are intact
+    with pytest.raises(RuntimeError, match="offloaded"):
+        m(IDS)
+    monkeypatch.undo()
+    ferry.reload()
+    assert_same(before, snapshot(m, opt))
+
+
+def test_close():
+    m, opt = trained()
+    ferry = Ferry(m, opt)
+    ferry.offload()
+    with pytest.raises(RuntimeError, match=r"close\(\) while the state is offloaded would lose it"):
+        ferry.close()
+    ferry.reload()
+    ferry.close()
+    assert ferry.host_bytes == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        ferry.offload()
+
+
+def test_module_targets_are_weakly_held():
+    m, opt = trained()
+    ferry = Ferry(m)
+    del m
+    gc.collect()
+    with pytest.raises(RuntimeError, match="garbage collected"):
+        ferry.offload()
+
+
+def test_cpu_tensors_stay_put_when_the_ferry_is_on_a_gpu(monkeypatch):
+    # The planner skips host tensors (AdamW's step counters) for a GPU ferry.
+    from types import SimpleNamespace
+
+    from torchferry._plan import _resolve_device
+
+    found = [("w", None, SimpleNamespace(device=torch.device("cuda", 0))),
+             ("step", None, SimpleNamespace(device=torch.device("cpu")))]
+    assert _resolve_device(found, None) == torch.device("cuda", 0)

@@ -1,0 +1,137 @@
+"""GPU tier: pinning, release, stream ordering. Skipped cleanly without CUDA."""
+
+import pytest
+import torch
+from torch import nn
+
+import torchferry
+from torchferry import Ferry, Residency
+from tests.helpers import Mixed, assert_same, identities, snapshot
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+IDS = torch.tensor([[1, 5, 7], [32, 0, 3]])
+
+
+def _trained():
+    torch.manual_seed(0)
+    m = Mixed(DEV)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    m(IDS.to(DEV)).backward()
+    opt.step()
+    m(IDS.to(DEV)).backward()
+    return m, opt
+
+
+def test_round_trip_pinned_bit_exact_identity():
+    m, opt = _trained()
+    before, ids = snapshot(m, opt), identities(m, opt)
+    ferry = Ferry(m, opt)
+    assert ferry.device == torch.device("cuda", torch.cuda.current_device())
+    h = ferry.offload()
+    h.wait()
+    assert ferry.residency is Residency.HOST and ferry.pinned
+    for p in m.parameters():
+        assert p.device.type == "cpu" and p.is_pinned()
+        assert p.grad.device.type == "cpu" and p.grad.is_pinned()
+    for st in opt.state.values():
+        for k, v in st.items():
+            assert v.device.type == "cpu", k
+            if k != "step":  # AdamW's step counter already lived on the host
+                assert v.is_pinned(), k
+    assert_same(before, snapshot(m, opt))
+    ferry.reload()
+    assert ferry.residency in (Residency.H2D_IN_FLIGHT, Residency.DEVICE)
+    assert all(p.device.type == "cuda" for p in m.parameters())
+    assert_same(before, snapshot(m, opt))
+    assert identities(m, opt) == ids
+    m(IDS.to(DEV)).backward()
+    opt.step()
+
+
+def test_pool_exact_size_and_memory_released():
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    big = [torch.randn(n, device=DEV) for n in (64 << 20, 16 << 20, 3 << 20, 12345)]
+    want = [t.clone() for t in big]
+    state_bytes = sum(t.untyped_storage().nbytes() for t in big)
+    ferry = Ferry(*big)
+    torch.cuda.synchronize()
+    reserved_before = torch.cuda.memory_reserved()
+    ferry.offload().wait()
+    torch.cuda.empty_cache()
+    reserved_after = torch.cuda.memory_reserved()
+    assert reserved_before - reserved_after >= 0.99 * state_bytes, (reserved_before, reserved_after, state_bytes)
+    assert state_bytes <= ferry.host_bytes <= 1.01 * state_bytes
+    ferry.reload()
+    for t, w in zip(big, want):
+        torch.testing.assert_close(t, w, atol=0, rtol=0)
+
+
+def test_offload_sees_pending_writes_and_release_waits_for_the_copy():
+    x = torch.randn(32 << 20, device=DEV)  # 128 MiB
+    ferry = Ferry(x)
+    ferry.offload()
+    ferry.reload()
+    expected = (x * 3).cpu()
+    # Queue a long kernel, then the write the offload must see.
+    torch.cuda._sleep(50_000_000)
+    x.mul_(3)
+    # Delay the D2H stream too, so the released block would be recycled first
+    # if the release did not wait for the copy.
+    with torch.cuda.stream(ferry._streams.d2h):
+        torch.cuda._sleep(50_000_000)
+    h = ferry.offload()
+    scribble = torch.full((32 << 20,), float("nan"), device=DEV)  # may reuse x's old block
+    h.wait()
+    torch.testing.assert_close(x, expected, atol=0, rtol=0)
+    del scribble
+    ferry.reload()
+    torch.testing.assert_close(x.cpu(), expected, atol=0, rtol=0)
+
+
+def test_reload_consumed_on_another_stream_while_a_long_kernel_runs():
+    w = torch.randn(4096, 4096, device=DEV)
+    want = w.clone()
+    ferry = Ferry(w)
+    ferry.offload().wait()
+    side = torch.cuda.Stream()
+    a = torch.randn(4096, 4096, device=DEV)
+    torch.cuda._sleep(50_000_000)  # the current stream is busy
+    h = ferry.reload()
+    h.wait_stream(side)
+    with torch.cuda.stream(side):
+        out = w @ a
+        ref = want @ a
+    side.synchronize()
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    torch.testing.assert_close(w, want, atol=0, rtol=0)
+    # and the current stream is ordered after the copy without any wait
+    torch.testing.assert_close((w + 0).cpu(), want.cpu(), atol=0, rtol=0)
+
+
+def test_cycles_hold_memory_flat():
+    m, opt = _trained()
+    ferry = Ferry(m, opt)
+    ferry.offload().wait()
+    ferry.reload().wait()
+    host, reserved = ferry.host_bytes, torch.cuda.memory_reserved()
+    for _ in range(50):
+        ferry.offload()
+        ferry.reload()
+    torch.cuda.synchronize()
+    assert ferry.host_bytes == host
+    assert torch.cuda.memory_reserved() == reserved
+
+
+def test_compat_helpers_on_gpu():
+    from torchferry.compat import verl
+
+    m, opt = _trained()
+    before = snapshot(m, opt)
+    verl.offload_fsdp2_model_to_cpu(m)
+    verl.offload_fsdp_optimizer(opt)
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in m.parameters())
+    verl.load_fsdp2_model_to_gpu(m)
+    verl.load_fsdp_optimizer(opt, torch.cuda.current_device())
+    assert_same(before, snapshot(m, opt))

@@ -167,6 +167,30 @@ class Ferry:
     def _done_handle(self, direction: str) -> TransferHandle:
         return self._last if self._last is not None else TransferHandle(direction, 0, None)  # type: ignore[arg-type]
 
+    # ------------------------------------------------------------------- pool
+    @torch.no_grad()
+    def reserve_host(self) -> float:
+        """Plans the state now and allocates (and pins) the host pool for it.
+
+        Optional: ``offload()`` does this on first use. Calling it ahead, e.g.
+        at setup, keeps the one-time cost of pinning out of the first offload.
+
+        Returns:
+            Host seconds spent allocating, touching and pinning (0.0 when the
+            pool already fits the state).
+
+        Raises:
+            RuntimeError: host memory could not be allocated or pinned.
+        """
+        self._check_open()
+        if self.residency.on_host:
+            return 0.0
+        before = self._pool.nbytes
+        plan = self._plan_now()
+        self._slot_offsets(plan)
+        self._state_bytes = plan.state_bytes
+        return self._pool.pin_seconds if self._pool.nbytes != before else 0.0
+
     # ---------------------------------------------------------------- offload
     @torch.no_grad()
     def offload(self) -> TransferHandle:
@@ -193,12 +217,7 @@ class Ferry:
         self._check_open()
         if self.residency.on_host:
             return self._done_handle("d2h")
-        targets = self._live_targets()
-        for m in targets:
-            if isinstance(m, nn.Module):
-                for unit in fsdp_modules(m):
-                    unit.reshard()  # register the sharded parameters, free unsharded ones
-        plan = build_plan(targets, self.device)
+        plan = self._plan_now()
         offsets = self._slot_offsets(plan)  # may raise: nothing moved yet
         slots = [self._pool.view(o, n) for o, n in zip(offsets, plan.nbytes, strict=True)]
         sources = [_storage_bytes(s, self.device) for s in plan.storages]
@@ -233,6 +252,14 @@ class Ferry:
         self._state_bytes = nbytes
         logger.debug("offload: %d bytes in %d storages from %s", nbytes, len(plan.storages), self.device)
         return handle
+
+    def _plan_now(self) -> Plan:
+        targets = self._live_targets()
+        for m in targets:
+            if isinstance(m, nn.Module):
+                for unit in fsdp_modules(m):
+                    unit.reshard()  # register the sharded parameters, free unsharded ones
+        return build_plan(targets, self.device)
 
     def _slot_offsets(self, plan: Plan) -> list[int]:
         sig = plan.signature()

@@ -31,7 +31,11 @@ def fsdp_params(m):
 
     out = []
     for unit in fsdp_modules(m):
-        for group in unit._get_fsdp_state()._fsdp_param_groups:
+        state = unit._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.12
+        if groups is None:  # torch 2.11: one group per state
+            groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+        for group in groups:
             out += group.fsdp_params
     return out
 

@@ -30,6 +30,8 @@ class LinkPeak:
 
 def release_host_cache() -> None:
     """Empties PyTorch's caching host allocator (pinned blocks back to the OS)."""
+    if not torch.cuda.is_available():
+        return
     for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):
         fn = getattr(torch._C, name, None)
         if fn is not None:

@@ -58,7 +58,11 @@ def build_model(preset: str | None, device: torch.device, *, path: str | None = 
         p = Path(path)
         if not (p / "config.json").is_file():
             raise ValueError(f"--model {path}: not a Hugging Face checkpoint folder (no config.json)")
-        return transformers.AutoModelForCausalLM.from_pretrained(p, torch_dtype=torch.float32).to(device)
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)
+        except TypeError:  # transformers < 4.56 names it torch_dtype
+            model = transformers.AutoModelForCausalLM.from_pretrained(p, torch_dtype=torch.float32)
+        return model.to(device)
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     sizes = dataclasses.asdict(PRESETS[preset])

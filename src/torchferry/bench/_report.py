@@ -1,0 +1,103 @@
+"""Presenting bench results: the terminal table, the JSON file, the PNG timeline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["render_table", "write_json", "plot_timeline"]
+
+_COLORS = {"rollout": "#c8c8c8", "h2d": "#1f77b4", "compute": "#2ca02c", "d2h": "#ff7f0e"}
+_LABELS = {"rollout": "rollout (KV cache)", "h2d": "reload (H2D)", "compute": "compute", "d2h": "offload (D2H)"}
+
+
+def _gb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e9:.2f}"
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def render_table(result: dict):
+    """A ``rich.table.Table`` of the strategies, one row each."""
+    from rich.table import Table
+
+    m = result["model"]
+    state = sum(m["state_bytes"].values())
+    peak = result["link_peak_GBps"]
+    title = (
+        f"{m['preset'] or m['path']} ({m['layers']} layers), {result['env']['world_size']} rank(s), "
+        f"state {state / 1e9:.2f} GB/rank on {result['env']['gpu'] or 'CPU'}"
+    )
+    if peak:
+        title += f"; link peak H2D {peak['h2d']:.1f} / D2H {peak['d2h']:.1f} / both {peak['bidir']:.1f} GB/s"
+    t = Table(title=title)
+    for col in ("strategy", "offload s\nfirst / steady", "reload s\nfirst / steady", "offload\nGB/s (% peak)",
+                "reload\nGB/s (% peak)", "exposed\ns/step", "step s", "pinned host\nGB", "GPU left\noffloaded GB",
+                "rollout\nalloc", "bit-exact"):
+        t.add_column(col, justify="right")
+    for name, r in result["strategies"].items():
+        t.add_row(
+            name,
+            f"{_s(r['offload_s']['first'])} / {_s(r['offload_s']['steady'])}",
+            f"{_s(r['reload_s']['first'])} / {_s(r['reload_s']['steady'])}",
+            f"{r['offload_GBps']:.1f} ({_pct(r['offload_frac_of_peak'])})",
+            f"{r['reload_GBps']:.1f} ({_pct(r['reload_frac_of_peak'])})",
+            _s(r["exposed_transfer_s_per_step"]),
+            _s(r["step_s"]),
+            _gb(r["pinned_host_bytes"]),
+            _gb(r["gpu_bytes_left_offloaded"]),
+            "ok" if r["rollout_alloc_ok"] else "FAILED",
+            "yes" if r["round_trip_bit_exact"] else "NO",
+        )
+    return t
+
+
+def write_json(result: dict, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def plot_timeline(result: dict, path: str | Path) -> None:
+    """One steady step per strategy as horizontal bars: rollout, reloads, compute, offloads."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    names = list(result["strategies"])
+    fig, ax = plt.subplots(figsize=(11, 1.1 + 0.8 * len(names)))
+    for row, name in enumerate(names):
+        spans = result["strategies"][name]["timeline_step"]
+        for s in spans:
+            ax.broken_barh([(s["start"], s["end"] - s["start"])], (row - 0.35, 0.7), color=_COLORS[s["kind"]])
+        end = max(s["end"] for s in spans)
+        transfer = result["strategies"][name]["exposed_transfer_s_per_step"]
+        ax.text(end, row, f"  {end:.2f} s (transfers {transfer:.2f} s)", va="center", fontsize=9)
+        for phase in ("old_log_prob", "update_actor"):
+            ph = [s for s in spans if s["phase"] == phase]
+            if ph:
+                ax.text(ph[0]["start"], row + 0.42, phase, fontsize=7, color="#444")
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds from the start of one steady step")
+    m = result["model"]
+    ax.set_title(
+        f"One colocated RL step: {m['preset'] or m['path']}, {result['env']['world_size']} rank(s), "
+        f"{result['env']['gpu'] or 'CPU'}, torch {result['env']['torch']}",
+        fontsize=10,
+    )
+    ax.legend(handles=[Patch(color=c, label=_LABELS[k]) for k, c in _COLORS.items()],
+              loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(names) < 3 else -0.2), ncol=4, fontsize=8)
+    ax.set_xlim(0, max(max(s["end"] for s in r["timeline_step"]) for r in result["strategies"].values()) * 1.35)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

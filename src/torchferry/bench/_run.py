@@ -1,0 +1,270 @@
+"""``run(...)``: the bench as a typed function (the CLI is a thin layer over it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ._link import measure_link_peak, release_host_cache
+from ._model import PRESETS, build_model
+from ._strategies import STRATEGIES, make_strategy
+from ._workload import StepRecord, run_step
+
+__all__ = ["BenchConfig", "run"]
+
+SCHEMA = "torchferry.bench/1"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """What ``torchferry bench`` runs."""
+
+    preset: str | None = None
+    """Model size, a key of ``PRESETS``; default ``qwen2.5-1.5b`` on a GPU, ``tiny`` on the CPU."""
+    model_path: str | None = None
+    """A local Hugging Face checkpoint folder, instead of a preset (default: none)."""
+    layers: int | None = None
+    """Override the number of decoder layers (default: the preset's)."""
+    strategies: tuple[str, ...] = tuple(STRATEGIES)
+    """Strategies, run one after another in this order (default: all)."""
+    steps: int = 3
+    """RL steps per strategy (>= 2: the first cycle is reported apart from the steady ones)."""
+    seq_len: int = 512
+    """Tokens per sequence of the forward/backward batch (default 512; 32 for ``tiny``)."""
+    batch_size: int = 1
+    """Sequences per batch (default 1)."""
+    rollout_s: float = 0.0
+    """Seconds the simulated rollout holds its KV cache (default 0)."""
+    phase_gap_s: float = 0.5
+    """Untimed host seconds between phases, as verl's reward and advantage computation (default 0.5)."""
+
+    def __post_init__(self) -> None:
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
+        if self.model_path is not None and not (Path(self.model_path) / "config.json").is_file():
+            raise ValueError(f"--model {self.model_path}: not a Hugging Face checkpoint folder (no config.json)")
+        for s in self.strategies:
+            if s not in STRATEGIES:
+                raise ValueError(f"unknown strategy {s!r}; choose from {', '.join(STRATEGIES)}")
+        if not self.strategies:
+            raise ValueError("no strategy to run")
+        if self.steps < 2:
+            raise ValueError(f"steps must be >= 2 (first and steady cycles), got {self.steps}")
+        if self.layers is not None and self.layers < 1:
+            raise ValueError(f"layers must be >= 1, got {self.layers}")
+        if self.seq_len < 2 or self.batch_size < 1 or self.rollout_s < 0 or self.phase_gap_s < 0:
+            raise ValueError("seq_len must be >= 2, batch_size >= 1, rollout_s and phase_gap_s >= 0")
+
+
+def _init_distributed(use_cuda: bool) -> tuple[int, int, torch.device]:
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        n = torch.cuda.device_count()
+        if world > n and int(os.environ.get("LOCAL_WORLD_SIZE", world)) > n:
+            raise ValueError(f"{world} ranks on this node but only {n} CUDA device(s); use --nproc_per_node <= {n}")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        backend = "nccl" if use_cuda else "gloo"
+        if world > 1 or "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def _shard(model: nn.Module, device: torch.device, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _state_bytes(model: nn.Module, opt: torch.optim.Optimizer, device: torch.device) -> dict[str, int]:
+    def unique(ts):
+        seen = {}
+        for t in ts:
+            st = _local(t).untyped_storage()
+            if _local(t).device == device:
+                seen[st._cdata] = st.nbytes()
+        return sum(seen.values())
+
+    return {
+        "params": unique(model.parameters()),
+        "grads": unique(p.grad for p in model.parameters() if p.grad is not None),
+        "optimizer": unique(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)),
+    }
+
+
+def _checksum(model: nn.Module) -> list[float]:
+    with torch.no_grad():
+        return [float(_local(p).double().sum()) for p in model.parameters()]
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _summarise(first_offload_s: float, first_reload_s: float, pin_s: float, records: list[StepRecord],
+               sizes: dict[str, int], peak: dict | None, bit_exact: bool) -> dict:
+    state = sizes["params"] + sizes["grads"] + sizes["optimizer"]
+
+    def spans(phase: str, kind: str) -> list[float]:
+        return [s.seconds for r in records for s in r.spans if s.phase == phase and s.kind == kind]
+
+    off_steady = _median(spans("update_actor", "d2h"))
+    re_first, re_steady = first_reload_s, _median(spans("update_actor", "h2d"))
+    out = {
+        "offload_s": {"first": first_offload_s, "steady": off_steady},
+        "reload_s": {"first": re_first, "steady": re_steady},
+        "offload_GBps": state / off_steady / 1e9,
+        "reload_GBps": state / re_steady / 1e9,
+        "offload_frac_of_peak": None,
+        "reload_frac_of_peak": None,
+        "model_only": {"offload_s": _median(spans("old_log_prob", "d2h")),
+                       "reload_s": _median(spans("old_log_prob", "h2d")), "bytes": sizes["params"]},
+        "exposed_transfer_s_per_step": _median([r.exposed_transfer_s for r in records[1:]]),
+        "step_s": _median([r.train_s for r in records[1:]]),
+        "pinned_host_bytes": max(r.pinned_host_bytes for r in records),
+        "gpu_bytes_left_offloaded": _median([r.gpu_bytes_left_offloaded for r in records]),
+        "rollout_alloc_ok": all(r.rollout_alloc_ok for r in records),
+        "rollout_alloc_bytes": records[0].rollout_alloc_bytes,
+        "pinning": {"seconds": pin_s, "GBps": (state / pin_s / 1e9) if pin_s else None},
+        "round_trip_bit_exact": bit_exact,
+        "losses": [r.loss for r in records],
+        "timeline_step": [dataclasses.asdict(s) for s in records[min(1, len(records) - 1)].spans],
+    }
+    if peak:
+        out["offload_frac_of_peak"] = out["offload_GBps"] / peak["d2h"]
+        out["reload_frac_of_peak"] = out["reload_GBps"] / peak["h2d"]
+    return out
+
+
+def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None = None) -> dict:
+    """Runs the bench and returns its results (the ``torchferry.bench/1`` JSON, as a dict).
+
+    Every rank runs the same steps; rank 0's figures are the headline and
+    ``per_rank`` holds every rank's. Bytes are per rank; seconds are wall
+    clock from the call to completion (synchronised); GB/s = 1e9 B/s.
+
+    Args:
+        config: what to run.
+        on_progress: called with (message, fraction done) on rank 0.
+
+    Raises:
+        ValueError: a preset that needs a GPU on a machine without one, or
+            more ranks than GPUs.
+    """
+    import torch.distributed as dist
+
+    use_cuda = torch.cuda.is_available()
+    preset = config.preset or ("qwen2.5-1.5b" if use_cuda else "tiny")
+    if not use_cuda and config.model_path is None and preset != "tiny":
+        raise ValueError(f"preset {preset!r} needs a GPU; on a machine without CUDA use --preset tiny")
+    rank, world, device = _init_distributed(use_cuda)
+    say = on_progress if (on_progress and rank == 0) else (lambda msg, frac: None)
+    seq_len = config.seq_len if preset != "tiny" or config.seq_len != 512 else 32
+
+    peak = None
+    if use_cuda:
+        say("measuring the link peak (pinned 1 GiB copies)", 0.0)
+        p = measure_link_peak(device, barrier=dist.barrier)
+        peak = {"h2d": p.h2d, "d2h": p.d2h, "bidir": p.bidir}
+    say(f"building {config.model_path or preset}", 0.02)
+    model = build_model(preset, device, path=config.model_path, layers=config.layers)
+    _shard(model, device, world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    gen = torch.Generator().manual_seed(rank)
+    vocab = model.config.vocab_size
+    batch = torch.randint(0, vocab, (config.batch_size, seq_len), generator=gen).to(device)
+    model(input_ids=batch, labels=batch).loss.backward()  # warm-up: optimizer state exists
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sizes = _state_bytes(model, opt, device)
+    state = sum(sizes.values())
+
+    results: dict[str, dict] = {}
+    n = len(config.strategies)
+    for i, name in enumerate(config.strategies):
+        say(f"{name}: setting up", 0.05 + 0.95 * i / n)
+        release_host_cache()
+        if use_cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+        strategy = make_strategy(name, model, opt, device)
+        dist.barrier()
+        pin_s = strategy.setup()
+        before = _checksum(model)
+        dist.barrier()
+        t = time.perf_counter()
+        strategy.offload(optimizer=True)
+        first_offload = time.perf_counter() - t
+        time.sleep(config.phase_gap_s)
+        dist.barrier()
+        t = time.perf_counter()
+        strategy.reload(optimizer=True)
+        first_reload = time.perf_counter() - t
+        bit_exact = _checksum(model) == before  # the first round trip changed no bit
+        strategy.offload(optimizer=True)
+        records = []
+        for step in range(config.steps):
+            say(f"{name}: step {step + 1}/{config.steps}", 0.05 + 0.95 * (i + (step + 1) / (config.steps + 1)) / n)
+            dist.barrier()
+            records.append(run_step(strategy, batch, param_bytes=sizes["params"], state_bytes=state,
+                                    rollout_s=config.rollout_s, phase_gap_s=config.phase_gap_s))
+        strategy.reload(optimizer=True)
+        strategy.close()
+        del strategy
+        release_host_cache()
+        results[name] = _summarise(first_offload, first_reload, pin_s, records, sizes, peak, bit_exact)
+    say("done", 1.0)
+
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, results)
+    out = {
+        "schema": SCHEMA,
+        "env": {
+            "gpu": torch.cuda.get_device_name(device) if use_cuda else None,
+            "torch": torch.__version__,
+            "world_size": world,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "device": str(device),
+        },
+        "link_peak_GBps": peak,
+        "model": {
+            "preset": None if config.model_path else preset,
+            "path": config.model_path,
+            "layers": model.config.num_hidden_layers,
+            "state_bytes": sizes,
+            "seq_len": seq_len,
+            "batch_size": config.batch_size,
+        },
+        "config": dataclasses.asdict(config),
+        "strategies": results,
+        "per_rank": gathered,
+        "notes": [] if use_cuda else ["no CUDA device: ran on the CPU end to end; transfer figures need a GPU"],
+    }
+    return out

@@ -1,0 +1,55 @@
+"""``torchferry bench`` end to end on the CPU (tiny preset), and its argument errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+
+def _bench(*args, tmp_path=None):
+    return subprocess.run([sys.executable, "-m", "torchferry", "bench", *args], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)
+
+
+def test_tiny_preset_runs_on_cpu_and_writes_json_and_png(tmp_path):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    p = _bench("--steps", "2", "--phase-gap-s", "0", "--json", str(out), "--plot", str(png))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "transfer figures need a GPU" in p.stderr
+    r = json.loads(out.read_text())
+    assert r["schema"] == "torchferry.bench/1"
+    assert set(r["env"]) >= {"gpu", "torch", "world_size", "date", "command"}
+    assert r["env"]["world_size"] == 1 and r["link_peak_GBps"] is None
+    sb = r["model"]["state_bytes"]
+    assert r["model"]["preset"] == "tiny" and sb["params"] > 0 and sb["optimizer"] >= 2 * sb["params"]
+    assert list(r["strategies"]) == ["blocking", "seed", "torchferry"]
+    for name, s in r["strategies"].items():
+        for k in ("offload_s", "reload_s"):
+            assert s[k]["first"] > 0 and s[k]["steady"] > 0, (name, k)
+        for k in ("offload_GBps", "reload_GBps", "exposed_transfer_s_per_step", "step_s"):
+            assert s[k] > 0, (name, k)
+        assert s["offload_frac_of_peak"] is None  # no link on a CPU
+        assert s["rollout_alloc_ok"] and s["round_trip_bit_exact"], name
+        assert len(s["losses"]) == 2 and all(x == x for x in s["losses"])  # finite, training ran
+        assert {sp["kind"] for sp in s["timeline_step"]} == {"rollout", "h2d", "compute", "d2h"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--preset", "qwen9"], "unknown preset 'qwen9'"),
+        (["--model", "."], "not a Hugging Face checkpoint folder"),
+        (["--strategies", "seed,teleport"], "unknown strategy 'teleport'"),
+        (["--steps", "1"], "steps must be >= 2"),
+        (["--preset", "qwen2.5-7b"], "needs a GPU"),
+    ],
+)
+def test_bad_arguments_exit_nonzero_with_a_message(args, message, tmp_path):
+    p = _bench(*args, tmp_path=tmp_path)
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert message in " ".join(p.stderr.split())
+    assert "Traceback" not in p.stderr

@@ -2,9 +2,12 @@
 
     torchrun --nproc_per_node 2 benchmarks/engine_fsdp2.py --preset qwen2.5-7b --json OUT.json
 
-Per rank: the link peak (pinned 1 GiB copies, all ranks at once), then
-torchferry offload/reload cycles (first and steady, host seconds from the call
-to ``handle.wait()``; ``empty_cache`` timed apart), a bit-exact check of every
+Per rank: the link peak (pinned 1 GiB copies, all ranks at once), then the
+one-time pinning of the pool (``reserve_host``), then torchferry
+offload/reload cycles (first and steady, host seconds from the call to
+``handle.wait()``; ``empty_cache`` timed apart; ``--gap-s`` of idle host time
+between ``empty_cache`` and the reload, as a rollout phase would leave),
+a bit-exact check of every
 parameter after every cycle, pinned host bytes against state bytes, GPU
 memory released; then the seed's ``model.to(..., non_blocking=True)`` in the
 same process for the ratio. Rank 0 writes one JSON with every rank.
@@ -38,6 +41,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--cycles", type=int, default=5)
     ap.add_argument("--seed-cycles", type=int, default=3)
+    ap.add_argument("--gap-s", type=float, default=1.0,
+                    help="host seconds between empty_cache and reload (a rollout phase lies there)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
 
@@ -77,6 +82,7 @@ def main() -> None:
     res = {"rank": rank, "link_peak_GBps": {"h2d": peak.h2d, "d2h": peak.d2h, "bidir": peak.bidir},
            "state_bytes": state_bytes, "n_params": len(params), "torchferry": [], "seed": []}
     ferry = torchferry.Ferry(model)
+    res["pool_pin_s"] = ferry.reserve_host()  # the one-time pinning, apart from the first offload
     for i in range(args.cycles):
         dist.barrier()
         torch.cuda.synchronize()
@@ -87,6 +93,7 @@ def main() -> None:
         empty_s, _ = _wall(torch.cuda.empty_cache)
         reserved_off = torch.cuda.memory_reserved(dev)
         pinned = all(local(p).is_pinned() for p in params)
+        time.sleep(args.gap_s)
         dist.barrier()
         t0 = time.perf_counter()
         ferry.reload().wait()
@@ -96,7 +103,6 @@ def main() -> None:
             "offload_s": off_s, "empty_cache_s": empty_s, "reload_s": on_s,
             "offload_GBps": ferry.state_bytes / off_s / 1e9, "reload_GBps": ferry.state_bytes / on_s / 1e9,
             "all_pinned": pinned, "gpu_bytes_released": reserved_on - reserved_off,
-            "pool_pin_s": ferry._pool.pin_seconds if i == 0 else None,
         })
         if rank == 0:
             print("torchferry", json.dumps(res["torchferry"][-1]), flush=True)
@@ -111,6 +117,7 @@ def main() -> None:
         d, _ = _wall(lambda: (model.to("cpu", non_blocking=True), torch.cuda.empty_cache()))
         pinned = all(local(p).is_pinned() for p in params)
         stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+        time.sleep(args.gap_s)
         dist.barrier()
         h, _ = _wall(lambda: model.to(dev, non_blocking=True))
         check()
@@ -143,6 +150,7 @@ def main() -> None:
                 "offload_frac_of_peak": off / r["link_peak_GBps"]["d2h"],
                 "reload_frac_of_peak": on / r["link_peak_GBps"]["h2d"],
                 "first_offload_s": r["torchferry"][0]["offload_s"],
+                "pool_pin_s": r["pool_pin_s"], "pool_pin_GBps": r["torchferry_host_bytes"] / r["pool_pin_s"] / 1e9,
                 "all_pinned": all(x["all_pinned"] for x in r["torchferry"]),
                 "seed_steady_offload_GBps": statistics.median(x["offload_GBps"] for x in seed) if seed else None,
                 "seed_steady_reload_GBps": statistics.median(x["reload_GBps"] for x in seed) if seed else None,

@@ -38,13 +38,14 @@ import weakref
 import torch
 from torch import nn
 
+from ._device_alloc import ReloadArena
 from ._guards import OffloadGuards
 from ._handle import TransferHandle
 from ._plan import Plan, build_plan, fsdp_modules
 from ._pool import HostPool, layout_slots
 from ._repoint import Repointer, view_on
 from ._residency import Residency
-from ._streams import TransferStreams
+from ._streams import streams_for
 
 __all__ = ["Ferry"]
 
@@ -107,13 +108,14 @@ class Ferry:
         self._targets: list[object] = [
             weakref.ref(t) if isinstance(t, (nn.Module, torch.optim.Optimizer)) else t for t in targets
         ]
-        self._streams = TransferStreams(self.device)
+        self._streams = streams_for(self.device)
         self._pool = HostPool(pin=self.device.type == "cuda")
         self._guards = OffloadGuards(lambda: repr(self))
         self._layout: tuple[tuple, list[int]] | None = None  # (plan signature, slot offsets)
         self._offloaded: _Offloaded | None = None
         self._state = Residency.DEVICE
         self._last: TransferHandle | None = None
+        self._arena: ReloadArena | None = None  # see [Note: reload arena]
         self._state_bytes = plan.state_bytes
         self._closed = False
 
@@ -249,6 +251,9 @@ class Ferry:
                 if cuda and src.numel():
                     src.record_stream(d2h)
                 storage.resize_(0)
+            if self._arena is not None:
+                self._arena.release()
+                self._arena = None
         self._state_bytes = nbytes
         logger.debug("offload: %d bytes in %d storages from %s", nbytes, len(plan.storages), self.device)
         return handle
@@ -305,6 +310,7 @@ class Ferry:
                     h2d = self._streams.h2d
                     h2d.wait_stream(self._streams.current())
                     h2d.wait_stream(self._streams.d2h)  # the slots may still be filling
+                    arena = ReloadArena.seed(self.device, plan.nbytes)
                 for storage, n, slot in zip(plan.storages, plan.nbytes, off.slots):
                     storage.resize_(n)
                     done += 1
@@ -329,6 +335,9 @@ class Ferry:
             if cuda:
                 event = self._streams.event(h2d)
                 self._streams.current().wait_event(event)
+                if arena is not None:
+                    arena.seal()
+                    self._arena = arena
             handle = TransferHandle("h2d", plan.state_bytes, event)
             try:
                 off.repointer.apply(off.device_locals)

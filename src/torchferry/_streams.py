@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["TransferStreams"]
+__all__ = ["TransferStreams", "streams_for"]
 
 
 class TransferStreams:
@@ -60,3 +60,15 @@ class TransferStreams:
         ev = torch.cuda.Event()
         ev.record(stream if stream is not None else self.current())
         return ev
+
+
+_per_device: dict[torch.device, TransferStreams] = {}
+
+
+def streams_for(device: torch.device) -> TransferStreams:
+    """The process-wide :class:`TransferStreams` of ``device``: every ferry on a
+    device shares its two copy streams, so their transfers queue on the copy
+    engine instead of competing from several streams."""
+    if device not in _per_device:
+        _per_device[device] = TransferStreams(device)
+    return _per_device[device]

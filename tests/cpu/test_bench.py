@@ -34,7 +34,7 @@ def test_tiny_preset_runs_on_cpu_and_writes_json_and_png(tmp_path):
         assert s["offload_frac_of_peak"] is None  # no link on a CPU
         assert s["rollout_alloc_ok"] and s["round_trip_bit_exact"], name
         assert len(s["losses"]) == 2 and all(x == x for x in s["losses"])  # finite, training ran
-        assert {sp["kind"] for sp in s["timeline_step"]} == {"rollout", "h2d", "compute", "d2h"}
+        assert {sp["kind"] for sp in s["timeline_step"]} == {"rollout", "h2d", "compute", "d2h", "release"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

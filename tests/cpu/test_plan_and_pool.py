@@ -97,3 +97,18 @@ def test_pool_is_exact_size_persistent_and_grows():
     assert pool.nbytes == 0
     with pytest.raises(AssertionError, match="outside the pool"):
         pool.view(0, 1)
+
+
+@pytest.mark.parametrize(
+    "conf", ["expandable_segments:True", "max_split_size_mb:128", "roundup_power2_divisions:4"]
+)
+def test_reload_arena_off_for_allocator_settings_it_cannot_rely_on(monkeypatch, conf):
+    from torchferry import _device_alloc
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    _device_alloc.arena_supported.cache_clear()
+    try:
+        assert not _device_alloc.arena_supported()
+        assert _device_alloc.ReloadArena.seed(torch.device("cuda", 0), [1 << 30]) is None
+    finally:
+        _device_alloc.arena_supported.cache_clear()

@@ -135,3 +135,40 @@ def test_compat_helpers_on_gpu():
     verl.load_fsdp2_model_to_gpu(m)
     verl.load_fsdp_optimizer(opt, torch.cuda.current_device())
     assert_same(before, snapshot(m, opt))
+
+
+def test_reload_arena_one_segment_and_full_release():
+    """After empty_cache, reload puts the large storages in one segment ([Note: reload arena]),
+    and the next offload + empty_cache returns all of it."""
+    from torchferry._device_alloc import arena_supported
+
+    if not arena_supported():
+        pytest.skip("allocator settings disable the reload arena")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    ts = [torch.randn(n, device=DEV) for n in (40 << 20, 3 << 20, 7 << 20 | 5, 1000, 25 << 20)]
+    want = [t.clone() for t in ts]
+    state = sum(t.untyped_storage().nbytes() for t in ts)
+    ferry = Ferry(*ts)
+    ferry.offload().wait()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    ferry.reload().wait()
+    ptrs = {t.untyped_storage().data_ptr() for t in ts if t.untyped_storage().nbytes() > (1 << 20)}
+    segs = [s for s in torch.cuda.memory_snapshot() if any(
+        s["address"] <= p < s["address"] + s["total_size"] for p in ptrs)]
+    assert len(segs) == 1, [(s["address"], s["total_size"]) for s in segs]
+    for t, w in zip(ts, want):
+        torch.testing.assert_close(t, w, atol=0, rtol=0)
+    grown = torch.cuda.memory_reserved() - base
+    ferry.offload().wait()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() <= base + 0.01 * state, (torch.cuda.memory_reserved(), base, grown)
+    ferry.reload()
+    for t, w in zip(ts, want):
+        torch.testing.assert_close(t, w, atol=0, rtol=0)
+
+
+def test_two_ferries_share_the_copy_streams():
+    a, b = Ferry(torch.ones(10, device=DEV)), Ferry(torch.ones(10, device=DEV))
+    assert a._streams is b._streams

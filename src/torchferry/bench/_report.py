@@ -7,8 +7,9 @@ from pathlib import Path
 
 __all__ = ["render_table", "write_json", "plot_timeline"]
 
-_COLORS = {"rollout": "#c8c8c8", "h2d": "#1f77b4", "compute": "#2ca02c", "d2h": "#ff7f0e"}
-_LABELS = {"rollout": "rollout (KV cache)", "h2d": "reload (H2D)", "compute": "compute", "d2h": "offload (D2H)"}
+_COLORS = {"rollout": "#c8c8c8", "h2d": "#1f77b4", "compute": "#2ca02c", "d2h": "#ff7f0e", "release": "#9467bd"}
+_LABELS = {"rollout": "rollout (KV cache)", "h2d": "reload (H2D)", "compute": "compute", "d2h": "offload (D2H)",
+           "release": "empty_cache"}
 
 
 def _gb(n: int | None) -> str:
@@ -95,7 +96,7 @@ def plot_timeline(result: dict, path: str | Path) -> None:
         fontsize=10,
     )
     ax.legend(handles=[Patch(color=c, label=_LABELS[k]) for k, c in _COLORS.items()],
-              loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(names) < 3 else -0.2), ncol=4, fontsize=8)
+              loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(names) < 3 else -0.2), ncol=5, fontsize=8)
     ax.set_xlim(0, max(max(s["end"] for s in r["timeline_step"]) for r in result["strategies"].values()) * 1.35)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -151,6 +151,7 @@ def _summarise(first_offload_s: float, first_reload_s: float, pin_s: float, reco
         "gpu_bytes_left_offloaded": _median([r.gpu_bytes_left_offloaded for r in records]),
         "rollout_alloc_ok": all(r.rollout_alloc_ok for r in records),
         "rollout_alloc_bytes": records[0].rollout_alloc_bytes,
+        "empty_cache_s": _median(spans("update_actor", "release")),
         "pinning": {"seconds": pin_s, "GBps": (state / pin_s / 1e9) if pin_s else None},
         "round_trip_bit_exact": bit_exact,
         "losses": [r.loss for r in records],
@@ -221,6 +222,7 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
         t = time.perf_counter()
         strategy.offload(optimizer=True)
         first_offload = time.perf_counter() - t
+        strategy.release()
         time.sleep(config.phase_gap_s)
         dist.barrier()
         t = time.perf_counter()
@@ -228,6 +230,7 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
         first_reload = time.perf_counter() - t
         bit_exact = _checksum(model) == before  # the first round trip changed no bit
         strategy.offload(optimizer=True)
+        strategy.release()
         records = []
         for step in range(config.steps):
             say(f"{name}: step {step + 1}/{config.steps}", 0.05 + 0.95 * (i + (step + 1) / (config.steps + 1)) / n)

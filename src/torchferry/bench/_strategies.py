@@ -7,8 +7,10 @@
 * ``torchferry``: one :class:`~torchferry.Ferry` for the model, one for the
   optimizer, pools reserved at setup.
 
-Every offload ends as verl's does: ``torch.cuda.empty_cache()``, so the
-memory really goes back to the driver for the rollout engine.
+``offload`` returns when the host copies are complete and the device memory
+is back in the caching allocator; the caller then calls ``release()``
+(``torch.cuda.empty_cache()``, as verl does after every offload) and times it
+apart: it costs one ``cudaFree`` per cached segment, whatever moved the bytes.
 """
 
 from __future__ import annotations
@@ -21,10 +23,9 @@ from .. import Ferry
 __all__ = ["STRATEGIES", "Strategy", "make_strategy"]
 
 
-def _empty_cache(device: torch.device) -> None:
+def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
 
 
 def _caching_host_bytes() -> int:
@@ -51,6 +52,12 @@ class Strategy:
     def offload(self, optimizer: bool) -> None:
         raise NotImplementedError
 
+    def release(self) -> None:
+        """Returns cached device memory to the driver, as verl does after an offload."""
+        _sync(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def reload(self, optimizer: bool) -> None:
         raise NotImplementedError
 
@@ -72,7 +79,7 @@ class Blocking(Strategy):
                 for k, v in st.items():
                     if torch.is_tensor(v) and v.device.type != "cpu":
                         st[k] = v.cpu()
-        _empty_cache(self.device)
+        _sync(self.device)
 
     @torch.no_grad()
     def reload(self, optimizer: bool) -> None:
@@ -82,8 +89,7 @@ class Blocking(Strategy):
                 for k, v in st.items():
                     if torch.is_tensor(v) and k != "step":
                         st[k] = v.to(self.device)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        _sync(self.device)
 
 
 class Seed(Strategy):
@@ -97,7 +103,7 @@ class Seed(Strategy):
                 for k, v in st.items():
                     if torch.is_tensor(v):
                         st[k] = v.to("cpu", non_blocking=True)
-        _empty_cache(self.device)
+        _sync(self.device)
 
     @torch.no_grad()
     def reload(self, optimizer: bool) -> None:
@@ -107,8 +113,7 @@ class Seed(Strategy):
                 for k, v in st.items():
                     if torch.is_tensor(v) and k != "step":
                         st[k] = v.to(self.device, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        _sync(self.device)
 
     def pinned_host_bytes(self) -> int:
         return _caching_host_bytes()
@@ -131,7 +136,6 @@ class Torchferry(Strategy):
             handles.append(self.opt_ferry.offload())
         for h in handles:
             h.wait()
-        _empty_cache(self.device)
 
     def reload(self, optimizer: bool) -> None:
         handles = [self.model_ferry.reload()]

@@ -24,7 +24,7 @@ class Span:
     """One bar of the timeline: seconds from the step's start."""
 
     phase: str  # "rollout", "old_log_prob", "update_actor"
-    kind: str  # "d2h", "h2d", "compute", "rollout"
+    kind: str  # "d2h", "h2d", "compute", "rollout", "release" (empty_cache)
     start: float
     end: float
     nbytes: int = 0
@@ -122,6 +122,7 @@ def run_step(strategy: Strategy, batch: torch.Tensor, *, param_bytes: int, state
     clock.run("old_log_prob", "h2d", lambda: strategy.reload(optimizer=False), param_bytes)
     clock.run("old_log_prob", "compute", forward_only)
     clock.run("old_log_prob", "d2h", lambda: strategy.offload(optimizer=False), param_bytes)
+    clock.run("old_log_prob", "release", strategy.release)
     time.sleep(phase_gap_s)
 
     def train():
@@ -134,4 +135,5 @@ def run_step(strategy: Strategy, batch: torch.Tensor, *, param_bytes: int, state
     clock.run("update_actor", "h2d", lambda: strategy.reload(optimizer=True), state_bytes)
     loss = clock.run("update_actor", "compute", train)
     clock.run("update_actor", "d2h", lambda: strategy.offload(optimizer=True), state_bytes)
+    clock.run("update_actor", "release", strategy.release)
     return StepRecord(clock.spans, ok, kv_bytes, left, pinned, float(loss))

@@ -28,7 +28,7 @@ def bench(
     seq_len: int = typer.Option(512, help="Tokens per sequence (tiny: 32 unless set)."),
     batch_size: int = typer.Option(1, help="Sequences per batch."),
     rollout_s: float = typer.Option(0.0, help="Seconds the simulated rollout holds its KV cache."),
-    phase_gap_s: float = typer.Option(0.5, help="Untimed host seconds between phases (verl: rewards, advantages)."),
+    phase_gap_s: float = typer.Option(1.0, help="Untimed host seconds between phases (verl: rewards, advantages)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results JSON here."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG timeline of one step per strategy here."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logs of every transfer."),

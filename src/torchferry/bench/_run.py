@@ -44,8 +44,8 @@ class BenchConfig:
     """Sequences per batch (default 1)."""
     rollout_s: float = 0.0
     """Seconds the simulated rollout holds its KV cache (default 0)."""
-    phase_gap_s: float = 0.5
-    """Untimed host seconds between phases, as verl's reward and advantage computation (default 0.5)."""
+    phase_gap_s: float = 1.0
+    """Untimed host seconds between phases, as verl's reward and advantage computation (default 1.0)."""
 
     def __post_init__(self) -> None:
         if self.preset is not None and self.preset not in PRESETS:

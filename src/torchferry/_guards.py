@@ -38,9 +38,7 @@ class OffloadGuards:
                     True for _ in m.buffers(recurse=False)
                 )
                 if m is root or owns_state:
-                    self._handles.append(
-                        m.register_forward_pre_hook(self._forward_hook(name or type(root).__name__), prepend=True)
-                    )
+                    self._handles.append(m.register_forward_pre_hook(self._forward_hook(name), prepend=True))
         for opt in optimizers:
             self._handles.append(opt.register_step_pre_hook(self._step_hook))
 
@@ -51,10 +49,11 @@ class OffloadGuards:
 
     def _forward_hook(self, name: str):
         def hook(module: nn.Module, args: object) -> None:
+            where = f"{type(module).__name__} '{name}'" if name else f"the {type(module).__name__} target"
             raise RuntimeError(
-                f"torchferry: forward of {type(module).__name__} '{name}' while its "
-                f"state is offloaded to host memory ({self._describe()}); call "
-                "ferry.reload() before running it"
+                f"torchferry: forward of {where} while its state is offloaded to host "
+                f"memory ({self._describe()}); call ferry.reload() (with the verl helpers: "
+                "load_fsdp2_model_to_gpu(model)) before running it"
             )
 
         return hook

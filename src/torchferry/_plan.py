@@ -115,9 +115,12 @@ def _named_tensors(targets: Sequence[object]) -> Iterable[tuple[str, torch.Tenso
         elif isinstance(target, torch.Tensor):
             yield f"tensors[{i}]", target
         else:
+            hint = ""
+            if isinstance(target, (list, tuple, dict)) or hasattr(target, "__next__"):
+                hint = " (pass tensors as separate arguments: Ferry(*tensors), or pass the module itself)"
             raise TypeError(
                 "torchferry: a target must be an nn.Module, a torch.optim.Optimizer "
-                f"or a torch.Tensor; targets[{i}] is {type(target).__name__}"
+                f"or a torch.Tensor; targets[{i}] is {type(target).__name__}{hint}"
             )
 
 
@@ -151,6 +154,7 @@ def _check_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
 def _resolve_device(
     found: list[tuple[str, torch.Tensor, torch.Tensor]], device: torch.device | None
 ) -> torch.device:
+    explicit = device is not None
     accel: dict[torch.device, str] = {}
     for name, _, local in found:
         if local.device.type != "cpu":
@@ -168,6 +172,15 @@ def _resolve_device(
             raise ValueError(f"torchferry: {name} is on {d}, but the ferry's device is {device}")
     if device.type not in ("cpu", "cuda"):
         raise NotImplementedError(f"torchferry: device type {device.type!r} is not supported")
+    if explicit and device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"torchferry: device {device} was asked for, but CUDA is not available")
+    if not accel and device.type == "cuda":
+        on_host = [name for name, _, _ in found if not name.startswith("optimizer.")]
+        if on_host:
+            raise ValueError(
+                f"torchferry: the ferry's device is {device} but none of the targets' tensors "
+                f"is on it ({len(on_host)} on the CPU, e.g. {on_host[0]}); move the model first"
+            )
     return device
 
 

@@ -35,11 +35,17 @@ def bench(
 ) -> None:
     """A colocated RL step (rollout, old_log_prob, update_actor) on Qwen2, strategies side by side.
 
-    Run under `torchrun --nproc_per_node N torchferry bench ...` for N GPUs.
+    Run under `torchrun --nproc_per_node N -m torchferry bench ...` for N GPUs.
     """
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    try:
+        import matplotlib  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        typer.echo(f"error: torchferry bench needs {e.name}: pip install 'torchferry[bench]'", err=True)
+        raise typer.Exit(2) from None
     from .bench._report import plot_timeline, render_table, write_json
     from .bench._run import BenchConfig, run
 

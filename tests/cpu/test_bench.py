@@ -1,6 +1,7 @@
 """``torchferry bench`` end to end on the CPU (tiny preset), and its argument errors."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -10,8 +11,10 @@ pytest.importorskip("transformers")
 
 
 def _bench(*args, tmp_path=None):
+    # The CPU path of the bench, also on a machine with GPUs.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run([sys.executable, "-m", "torchferry", "bench", *args], capture_output=True, text=True,
-                          timeout=600, cwd=tmp_path)
+                          timeout=600, cwd=tmp_path, env=env)
 
 
 def test_tiny_preset_runs_on_cpu_and_writes_json_and_png(tmp_path):
@@ -23,6 +26,7 @@ def test_tiny_preset_runs_on_cpu_and_writes_json_and_png(tmp_path):
     assert r["schema"] == "torchferry.bench/1"
     assert set(r["env"]) >= {"gpu", "torch", "world_size", "date", "command"}
     assert r["env"]["world_size"] == 1 and r["link_peak_GBps"] is None
+    assert r["per_rank"][0]["rank"] == 0 and "torchferry" in r["per_rank"][0]["strategies"]
     sb = r["model"]["state_bytes"]
     assert r["model"]["preset"] == "tiny" and sb["params"] > 0 and sb["optimizer"] >= 2 * sb["params"]
     assert list(r["strategies"]) == ["blocking", "seed", "torchferry"]
@@ -46,6 +50,8 @@ def test_tiny_preset_runs_on_cpu_and_writes_json_and_png(tmp_path):
         (["--strategies", "seed,teleport"], "unknown strategy 'teleport'"),
         (["--steps", "1"], "steps must be >= 2"),
         (["--preset", "qwen2.5-7b"], "needs a GPU"),
+        (["--seq-len", "1"], "seq_len must be >= 2, got 1"),
+        (["--phase-gap-s", "-1"], "phase_gap_s must be >= 0, got -1.0"),
     ],
 )
 def test_bad_arguments_exit_nonzero_with_a_message(args, message, tmp_path):

@@ -52,11 +52,19 @@ def test_grads_and_optimizer_state_are_collected():
         ((torch.empty(3, device="meta"),), NotImplementedError, r"meta tensor .*t.shape=torch.Size\(\[3\]\)"),
         ((torch.from_numpy(np.zeros(4)),), NotImplementedError, "cannot be resized"),
         ((torch.eye(3).to_sparse(),), NotImplementedError, "layout"),
+        ((list(nn.Linear(2, 2).parameters()),), TypeError, r"targets\[0\] is list \(pass tensors as separate arguments"),
     ],
 )
 def test_bad_targets_raise_clear_errors(targets, exc, match):
     with pytest.raises(exc, match=match):
         build_plan(list(targets))
+
+
+def test_cuda_device_without_cuda_is_refused():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        build_plan([nn.Linear(2, 2)], "cuda")
 
 
 def test_several_devices_are_refused():

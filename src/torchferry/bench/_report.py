@@ -79,6 +79,10 @@ def plot_timeline(result: dict, path: str | Path) -> None:
         spans = result["strategies"][name]["timeline_step"]
         for s in spans:
             ax.broken_barh([(s["start"], s["end"] - s["start"])], (row - 0.35, 0.7), color=_COLORS[s["kind"]])
+        for a, b in zip(spans, spans[1:]):  # untimed host work between phases (--phase-gap-s)
+            if b["start"] - a["end"] > 0.02:
+                ax.broken_barh([(a["end"], b["start"] - a["end"])], (row - 0.2, 0.4), facecolor="none",
+                               edgecolor="#bbbbbb", hatch="///", linewidth=0)
         end = max(s["end"] for s in spans)
         transfer = result["strategies"][name]["exposed_transfer_s_per_step"]
         ax.text(end, row, f"  {end:.2f} s (transfers {transfer:.2f} s)", va="center", fontsize=9)
@@ -95,8 +99,9 @@ def plot_timeline(result: dict, path: str | Path) -> None:
         f"{result['env']['gpu'] or 'CPU'}, torch {result['env']['torch']}",
         fontsize=10,
     )
-    ax.legend(handles=[Patch(color=c, label=_LABELS[k]) for k, c in _COLORS.items()],
-              loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(names) < 3 else -0.2), ncol=5, fontsize=8)
+    gap = Patch(facecolor="none", edgecolor="#bbbbbb", hatch="///", label="host work between phases (untimed)")
+    ax.legend(handles=[Patch(color=c, label=_LABELS[k]) for k, c in _COLORS.items()] + [gap],
+              loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(names) < 3 else -0.2), ncol=3, fontsize=8)
     ax.set_xlim(0, max(max(s["end"] for s in r["timeline_step"]) for r in result["strategies"].values()) * 1.35)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -61,8 +61,12 @@ class BenchConfig:
             raise ValueError(f"steps must be >= 2 (first and steady cycles), got {self.steps}")
         if self.layers is not None and self.layers < 1:
             raise ValueError(f"layers must be >= 1, got {self.layers}")
-        if self.seq_len < 2 or self.batch_size < 1 or self.rollout_s < 0 or self.phase_gap_s < 0:
-            raise ValueError("seq_len must be >= 2, batch_size >= 1, rollout_s and phase_gap_s >= 0")
+        for name, value, low in (("seq_len", self.seq_len, 2), ("batch_size", self.batch_size, 1),
+                                 ("rollout_s", self.rollout_s, 0), ("phase_gap_s", self.phase_gap_s, 0)):
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+        if self.preset is not None and self.model_path is not None:
+            raise ValueError("give either a preset or --model, not both")
 
 
 def _init_distributed(use_cuda: bool) -> tuple[int, int, torch.device]:
@@ -121,6 +125,16 @@ def _state_bytes(model: nn.Module, opt: torch.optim.Optimizer, device: torch.dev
 def _checksum(model: nn.Module) -> list[float]:
     with torch.no_grad():
         return [float(_local(p).double().sum()) for p in model.parameters()]
+
+
+def _command_line() -> str:
+    """The command as the user typed it (``python -m torchferry``, under ``torchrun`` if so)."""
+    prog = "python -m torchferry" if sys.argv[0].endswith("__main__.py") else Path(sys.argv[0]).name
+    launcher = ""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        launcher = f"torchrun --nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', '?')} "
+        prog = "-m torchferry" if prog.startswith("python -m") else prog
+    return launcher + " ".join([prog, *sys.argv[1:]])
 
 
 def _median(xs: list[float]) -> float | None:
@@ -194,7 +208,15 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
         p = measure_link_peak(device, barrier=dist.barrier)
         peak = {"h2d": p.h2d, "d2h": p.d2h, "bidir": p.bidir}
     say(f"building {config.model_path or preset}", 0.02)
-    model = build_model(preset, device, path=config.model_path, layers=config.layers)
+    try:
+        model = build_model(preset, device, path=config.model_path, layers=config.layers)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"--model {config.model_path}: could not load it ({e})") from e
+    if not hasattr(getattr(model, "model", None), "layers"):
+        raise ValueError(
+            f"--model {config.model_path}: {type(model).__name__} has no model.layers; the bench needs a "
+            "decoder-only causal LM laid out like Qwen2 or Llama"
+        )
     _shard(model, device, world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     gen = torch.Generator().manual_seed(rank)
@@ -245,7 +267,7 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
     say("done", 1.0)
 
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, results)
+    dist.all_gather_object(gathered, {"rank": rank, "link_peak_GBps": peak, "strategies": results})
     out = {
         "schema": SCHEMA,
         "env": {
@@ -253,7 +275,7 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
             "torch": torch.__version__,
             "world_size": world,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "command": _command_line(),
             "device": str(device),
         },
         "link_peak_GBps": peak,

@@ -8,9 +8,13 @@ releases the device storage with ``resize_(0)``: the storage *object* is kept.
 On reload it ``resize_``s the same storage objects, copies the bytes back and
 re-points the tensors at them. Aliases the ferry does not know (FSDP2's padded
 ``_sharded_param_data``, a user's views) share those storage objects, so they
-are valid again after reload, and fail loudly (empty storage) while offloaded.
-Tensor objects keep their Python identity; their addresses change, so CUDA
-graphs captured over them must be captured again after a reload.
+are valid again after reload; while offloaded their storage is empty and they
+must not be used (making a new view of them raises, but a kernel reading them
+reads released memory: undefined, possibly a crash). Tensor objects keep their
+Python identity; their addresses change, so CUDA graphs captured over them
+must be captured again after a reload. ``torch.compile``d modules skip the
+forward guard (Dynamo does not guard on hooks added after compilation): do not
+run them while offloaded.
 
 [Note: release is safe against the in-flight copy]
 The D2H copies read a storage on the D2H stream while the caller's stream
@@ -31,7 +35,6 @@ starts while the host is still allocating.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
 
@@ -105,13 +108,16 @@ class Ferry:
     def __init__(self, *targets: object, device: torch.device | str | None = None) -> None:
         plan = build_plan(targets, device)  # validates every target now
         self.device: torch.device = plan.device
+        # With no tensor yet (an optimizer before its first step) and no device
+        # given, the device is decided at the first offload, not guessed now.
+        self._device_fixed = device is not None or bool(plan.tensors)
         self._targets: list[object] = [
             weakref.ref(t) if isinstance(t, (nn.Module, torch.optim.Optimizer)) else t for t in targets
         ]
         self._streams = streams_for(self.device)
         self._pool = HostPool(pin=self.device.type == "cuda")
         self._guards = OffloadGuards(lambda: repr(self))
-        self._layout: tuple[tuple, list[int]] | None = None  # (plan signature, slot offsets)
+        self._layout: tuple[tuple, list[int], int] | None = None  # (plan signature, slot offsets, bytes)
         self._offloaded: _Offloaded | None = None
         self._state = Residency.DEVICE
         self._last: TransferHandle | None = None
@@ -241,11 +247,15 @@ class Ferry:
             handle = TransferHandle("d2h", nbytes, event)
             repointer = Repointer([r.tensor for r in plan.tensors], [r.name for r in plan.tensors])
             host_locals = [view_on(r.local, slots[r.storage_index]) for r in plan.tensors]
-            device_locals = repointer.apply(host_locals)  # all or nothing
+            self._guards.install(plan.modules, plan.optimizers)  # may fail: nothing re-pointed yet
+            try:
+                device_locals = repointer.apply(host_locals)  # all or nothing
+            except BaseException:
+                self._guards.remove()
+                raise
             self._offloaded = _Offloaded(plan, repointer, device_locals, slots)
             self._state = Residency.D2H_IN_FLIGHT if cuda else Residency.HOST
             self._last = handle
-            self._guards.install(plan.modules, plan.optimizers)
             # See [Note: release is safe against the in-flight copy].
             for src, storage in zip(sources, plan.storages):
                 if cuda and src.numel():
@@ -264,15 +274,22 @@ class Ferry:
             if isinstance(m, nn.Module):
                 for unit in fsdp_modules(m):
                     unit.reshard()  # register the sharded parameters, free unsharded ones
-        return build_plan(targets, self.device)
+        plan = build_plan(targets, self.device if self._device_fixed else None)
+        if not self._device_fixed and plan.tensors:
+            self.device = plan.device
+            self._streams = streams_for(self.device)
+            self._pool = HostPool(pin=self.device.type == "cuda")
+            self._device_fixed = True
+        return plan
 
     def _slot_offsets(self, plan: Plan) -> list[int]:
         sig = plan.signature()
         if self._layout is not None and self._layout[0] == sig:
-            return self._layout[1]
-        offsets, total = layout_slots(plan.nbytes)
-        self._pool.reserve(total)
-        self._layout = (sig, offsets)
+            offsets, total = self._layout[1], self._layout[2]
+        else:
+            offsets, total = layout_slots(plan.nbytes)
+            self._layout = (sig, offsets, total)
+        self._pool.reserve(total)  # a no-op when it fits; also after a failed growth
         return offsets
 
     # ----------------------------------------------------------------- reload
@@ -380,8 +397,14 @@ class Ferry:
     def __enter__(self) -> Ferry:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        with contextlib.suppress(RuntimeError):
-            if self.residency.on_host and exc[0] is None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        """Reloads what is offloaded, then closes; never masks the exception in flight."""
+        try:
+            if not self._closed and self.residency.on_host:
                 self.reload()
-        self.close()
+            self.close()
+        except Exception:
+            if exc_type is None:
+                raise
+            logger.warning("torchferry: could not reload/close the ferry while leaving on an exception",
+                           exc_info=True)

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["HostBuffer", "available_host_bytes"]
+__all__ = ["HostBuffer", "available_host_bytes", "in_host_pool"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,41 @@ def _describe_available() -> str:
     return "unknown" if avail is None else f"{avail} bytes"
 
 
+class _Mapping(mmap.mmap):
+    """An anonymous mapping that unpins itself when the last tensor viewing it dies.
+
+    ``torch.frombuffer`` keeps a reference to this object for as long as any
+    storage views it, so ``__del__`` runs only when no tensor can read the
+    memory any more: unregister from CUDA first, then unmap. Closing it any
+    earlier would leave views (a user's ``state_dict()`` taken while offloaded,
+    say) pointing at unmapped memory.
+    """
+
+    pinned_ptr: int = 0
+
+    def __del__(self) -> None:
+        _live.pop(id(self), None)
+        if self.pinned_ptr:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.pinned_ptr)
+            except Exception:  # interpreter shutdown: CUDA may already be gone
+                pass
+            self.pinned_ptr = 0
+        try:
+            self.close()
+        except (BufferError, ValueError):
+            pass
+
+
+# id(mapping) -> (start, end) of every live host block, to recognise pool memory.
+_live: dict[int, tuple[int, int]] = {}
+
+
+def in_host_pool(ptr: int) -> bool:
+    """True if ``ptr`` lies in a torchferry host block (state offloaded by some ferry)."""
+    return any(start <= ptr < end for start, end in _live.values())
+
+
 def _map_anonymous(nbytes: int) -> mmap.mmap:
     """Maps ``nbytes`` of private anonymous memory (page aligned).
 
@@ -53,7 +88,7 @@ def _map_anonymous(nbytes: int) -> mmap.mmap:
         RuntimeError: the kernel refused the mapping (host memory exhausted).
     """
     try:
-        mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mm = _Mapping(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except (OSError, MemoryError, OverflowError) as e:
         raise RuntimeError(
             f"torchferry: could not allocate a host pool of {nbytes} bytes "
@@ -111,8 +146,10 @@ class HostBuffer:
         self.nbytes = nbytes
         self.pinned = False
         t0 = time.perf_counter()
-        self._mmap = _map_anonymous(nbytes)
-        self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)  # 1D uint8
+        mm = _map_anonymous(nbytes)
+        self.tensor = torch.frombuffer(mm, dtype=torch.uint8)  # 1D uint8; keeps `mm` alive
+        _live[id(mm)] = (self.tensor.data_ptr(), self.tensor.data_ptr() + nbytes)
+        self._mapping = mm
         _touch(self.tensor)
         if pin:
             self._register()
@@ -135,24 +172,14 @@ class HostBuffer:
                 f"available host memory: {_describe_available()}"
             )
         self.pinned = True
+        self._mapping.pinned_ptr = self.tensor.data_ptr()
 
     def free(self) -> None:
-        """Unregisters and unmaps the block. Idempotent."""
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            self.pinned = False
-        self.tensor = None  # type: ignore[assignment]
-        mm, self._mmap = self._mmap, None
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                # A view of the block is still referenced somewhere: the
-                # mapping goes when the last view does.
-                pass
+        """Drops the pool's references to the block. Idempotent.
 
-    def __del__(self) -> None:
-        try:
-            self.free()
-        except Exception:  # interpreter shutdown: CUDA may already be gone
-            pass
+        The block is unpinned and unmapped when the last tensor viewing it
+        is gone (see :class:`_Mapping`): at once if the state is resident,
+        later if the caller still holds host views.
+        """
+        self.tensor = None  # type: ignore[assignment]
+        self._mapping = None

@@ -94,8 +94,22 @@ class Plan:
         )
 
 
+def _state_tensors(prefix: str, value: object) -> Iterable[tuple[str, torch.Tensor]]:
+    """Tensors in an optimizer-state value: a tensor, or lists/tuples of them (LBFGS history)."""
+    if isinstance(value, torch.Tensor):
+        yield prefix, value
+    elif isinstance(value, (list, tuple)):
+        for j, v in enumerate(value):
+            yield from _state_tensors(f"{prefix}[{j}]", v)
+
+
 def _named_tensors(targets: Sequence[object]) -> Iterable[tuple[str, torch.Tensor]]:
     for i, target in enumerate(targets):
+        if isinstance(target, torch.jit.ScriptModule):
+            raise NotImplementedError(
+                f"torchferry: targets[{i}] is a TorchScript module; its forward cannot be guarded while "
+                "offloaded. Make the ferry over the eager module."
+            )
         if isinstance(target, nn.Module):
             prefix = type(target).__name__ if len(targets) == 1 else f"targets[{i}]"
             for name, p in target.named_parameters():
@@ -105,13 +119,12 @@ def _named_tensors(targets: Sequence[object]) -> Iterable[tuple[str, torch.Tenso
             for name, b in target.named_buffers():
                 yield f"{prefix}.{name}", b
         elif isinstance(target, torch.optim.Optimizer):
-            index = 0
-            for group in target.param_groups:
-                for p in group["params"]:
-                    for key, value in target.state.get(p, {}).items():
-                        if isinstance(value, torch.Tensor):
-                            yield f"optimizer.state[{index}][{key!r}]", value
-                    index += 1
+            order = {id(p): k for k, p in enumerate(p for g in target.param_groups for p in g["params"])}
+            # Every entry of optimizer.state, also of parameters no longer in a group.
+            for n, (p, state) in enumerate(target.state.items()):
+                index = order.get(id(p), f"extra{n}")
+                for key, value in state.items():
+                    yield from _state_tensors(f"optimizer.state[{index}][{key!r}]", value)
         elif isinstance(target, torch.Tensor):
             yield f"tensors[{i}]", target
         else:
@@ -142,13 +155,48 @@ def _check_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
                 f"torchferry: {name} is a {type(t).__name__}; of the tensor "
                 "subclasses only DTensor is supported"
             )
-    if local.layout != torch.strided:
+    if local.layout != torch.strided or local.is_nested:
         raise NotImplementedError(
             f"torchferry: {name} has layout {local.layout}; only strided tensors move"
         )
     if local.is_meta:
         raise NotImplementedError(f"torchferry: {name} has a meta local shard ({local.shape=})")
+    if local.is_quantized:
+        raise NotImplementedError(f"torchferry: {name} is a quantized tensor ({local.dtype}); not supported")
+    if local.is_conj() or local.is_neg():
+        raise NotImplementedError(
+            f"torchferry: {name} has the conjugate or negative bit set; call .resolve_conj() / "
+            ".resolve_neg() on it first"
+        )
+    if local.device.type == "cpu" and local.is_shared():
+        raise NotImplementedError(
+            f"torchferry: {name} is in shared memory (share_memory_()); releasing it would break "
+            "the other processes' view of it"
+        )
+    _check_backed(name, local)
     return local
+
+
+def _check_backed(name: str, local: torch.Tensor) -> None:
+    """Refuses tensors whose storage is not there: offloaded by another ferry, or released."""
+    from ._host_memory import in_host_pool
+
+    if local.numel() == 0:
+        return
+    st = local.untyped_storage()
+    if local.device.type == "cpu" and in_host_pool(st.data_ptr()):
+        raise RuntimeError(
+            f"torchferry: {name} is already offloaded by another Ferry (it views that ferry's "
+            "host pool); reload that ferry first"
+        )
+    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(local.shape, local.stride()))
+    needed = (local.storage_offset() + extent) * local.element_size()
+    if st.nbytes() < needed:
+        raise RuntimeError(
+            f"torchferry: the storage of {name} holds {st.nbytes()} bytes but the tensor needs "
+            f"{needed}: its memory was released (offloaded by another Ferry, or resize_(0)); "
+            "reload it first"
+        )
 
 
 def _resolve_device(

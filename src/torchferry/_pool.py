@@ -13,12 +13,18 @@ __all__ = ["SLOT_ALIGN", "HostPool", "layout_slots"]
 # Slot alignment in bytes. 512 B is the CUDA caching allocator's minimum block
 # size and alignment (c10/cuda/CUDACachingAllocator.cpp, kMinBlockSize), so a
 # slot is aligned at least as well as the device storage it mirrors, and every
-# dtype's element size (at most 16 B) divides it.
+# dtype's element size (at most 16 B) divides it. Storages under 512 B get
+# 16-B slots, so thousands of scalars do not cost 512 B each.
 SLOT_ALIGN = 512
+SMALL_SLOT_ALIGN = 16
 
 
 def _align_up(n: int, align: int = SLOT_ALIGN) -> int:
     return (n + align - 1) // align * align
+
+
+def _slot_align(n: int) -> int:
+    return SLOT_ALIGN if n >= SLOT_ALIGN else SMALL_SLOT_ALIGN
 
 
 def layout_slots(sizes: Sequence[int]) -> tuple[list[int], int]:
@@ -29,15 +35,19 @@ def layout_slots(sizes: Sequence[int]) -> tuple[list[int], int]:
 
     Returns:
         ``(offsets, total)``: the byte offset of each slot (a multiple of
-        :data:`SLOT_ALIGN`) and the block size in bytes. ``total`` exceeds
-        ``sum(sizes)`` by less than ``SLOT_ALIGN`` per non-empty storage.
+        :data:`SLOT_ALIGN` for storages of at least that size, of
+        :data:`SMALL_SLOT_ALIGN` below) and the block size in bytes. Padding
+        is under ``SLOT_ALIGN`` per large storage and under
+        ``SMALL_SLOT_ALIGN`` per small one, plus the large slots' alignment.
     """
     offsets, total = [], 0
     for n in sizes:
         if n < 0:
             raise ValueError(f"storage size must be >= 0, got {n}")
+        if n:
+            total = _align_up(total, _slot_align(n))
         offsets.append(total)
-        total = _align_up(total + n) if n else total
+        total += n
     return offsets, total
 
 

@@ -69,6 +69,14 @@ class Repointer:
         if is_dtensor(t):
             from torch.distributed.tensor import DTensor
 
+            use_count = getattr(t, "_use_count", None)
+            if use_count is not None and use_count() > 1:
+                # swap_tensors would poison the AccumulateGrad node of a live
+                # graph (the backward then fails far from here): refuse now.
+                raise RuntimeError(
+                    "it is held by a live autograd graph or another reference to its TensorImpl; "
+                    "run backward (or drop the graph) before offloading"
+                )
             twin = DTensor(new_local, t._spec, requires_grad=t.requires_grad)
             _swap_keep_dicts(t, twin)
             return twin._local_tensor

@@ -167,7 +167,7 @@ def test_host_pool_failure_leaves_state_on_device(monkeypatch):
     def no_memory(*a, **k):
         raise OSError(12, "Cannot allocate memory")
 
-    monkeypatch.setattr(hm.mmap, "mmap", no_memory)
+    monkeypatch.setattr(hm, "_Mapping", no_memory)
     ferry = Ferry(m, opt)
     with pytest.raises(RuntimeError, match=r"could not allocate a host pool of \d+ bytes .*available host memory: (\d+ bytes|unknown)"):
         ferry.offload()

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from torchferry._plan import _resolve_device, build_plan
-from torchferry._pool import SLOT_ALIGN, HostPool, layout_slots
+from torchferry._pool import SLOT_ALIGN, SMALL_SLOT_ALIGN, HostPool, layout_slots
 from tests.helpers import Mixed
 
 
@@ -79,13 +79,18 @@ def test_several_devices_are_refused():
 
 
 def test_slots_are_aligned_and_tight():
-    sizes = [3, 0, 512, 1000, 1 << 20, 7]
+    sizes = [3, 0, 512, 1000, 1 << 20, 7, 16, 600]
     offsets, total = layout_slots(sizes)
-    assert all(o % SLOT_ALIGN == 0 for o in offsets)
+    for o, n in zip(offsets, sizes):
+        if n:  # an empty slot has no bytes to align
+                assert o % (SLOT_ALIGN if n >= SLOT_ALIGN else SMALL_SLOT_ALIGN) == 0, (o, n)
     for (o, n), nxt in zip(zip(offsets, sizes), offsets[1:] + [total]):
         assert o + n <= nxt  # no overlap
-    assert total - sum(sizes) < SLOT_ALIGN * sum(1 for n in sizes if n)
-    # A model-sized layout (Qwen2.5-7B-like shard sizes) is within 1.01x.
+    assert total == offsets[-1] + sizes[-1]
+    # Many scalars: 16-B slots, not 512-B ones (4 B of state each).
+    _, total = layout_slots([4] * 10_000)
+    assert total == 16 * 9_999 + 4
+    # A model-sized layout (Qwen2.5-7B-like shard sizes) is within 1.0001x.
     shard_sizes = [545_128_448] * 2 + [25_690_112, 3_670_016, 3_670_016, 25_690_112, 135_790_592 * 3, 7168] * 28
     _, total = layout_slots(shard_sizes)
     assert total <= 1.0001 * sum(shard_sizes)

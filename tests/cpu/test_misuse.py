@@ -156,3 +156,43 @@ def test_optimizer_ferry_made_before_the_first_step_finds_its_device_later():
     ferry.reload()
     got = [v for st in opt.state.values() for v in st.values()]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def _interrupt_on_nth_copy(n: int):
+    """A Tensor.copy_ replacement whose n-th call raises KeyboardInterrupt."""
+    calls = [0]
+
+    def copy_(dst, src, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == n:
+            raise KeyboardInterrupt("injected between copies")
+        return torch._C.TensorBase.copy_(dst, src, *args, **kwargs)
+
+    return copy_
+
+
+@pytest.mark.parametrize("direction", ["offload", "reload"])
+def test_interrupt_between_copies_leaves_a_well_defined_state(monkeypatch, direction):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    m(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    want = [t.detach().clone() for t in list(m.parameters()) + [v for s in opt.state.values() for v in s.values()]]
+    ferry = Ferry(m, opt)
+    if direction == "reload":
+        ferry.offload()
+    monkeypatch.setattr(torch.Tensor, "copy_", _interrupt_on_nth_copy(3))
+    with pytest.raises(KeyboardInterrupt):
+        getattr(ferry, direction)()
+    monkeypatch.undo()
+    expected = Residency.DEVICE if direction == "offload" else Residency.HOST
+    assert ferry.residency is expected
+    got = [t.detach() for t in list(m.parameters()) + [v for s in opt.state.values() for v in s.values()]]
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    if direction == "offload":
+        m(torch.randn(2, 8))  # no guard left behind
+    ferry.offload()
+    ferry.reload()  # a retry succeeds
+    got = [t.detach() for t in list(m.parameters()) + [v for s in opt.state.values() for v in s.values()]]
+    assert all(torch.equal(a, b) for a, b in zip(want, got))

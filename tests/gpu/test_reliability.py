@@ -1,0 +1,63 @@
+"""GPU reliability: a real out-of-memory during reload, and a 1,000-cycle soak."""
+
+import gc
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from torchferry import Ferry, Residency
+
+pytestmark = pytest.mark.gpu
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_real_out_of_memory_during_reload_keeps_state_and_retry_succeeds():
+    torch.cuda.empty_cache()
+    x = torch.randn(256 << 20, device="cuda")  # 1 GiB
+    want = x.cpu()
+    ferry = Ferry(x)
+    ferry.offload().wait()
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    hog = torch.empty(free - (256 << 20), dtype=torch.uint8, device="cuda")  # leave 256 MiB
+    with pytest.raises(RuntimeError, match=r"reload needs \d+ bytes .*ran out of device memory"):
+        ferry.reload()
+    assert ferry.residency is Residency.HOST
+    torch.testing.assert_close(x, want, atol=0, rtol=0)  # the host copy is intact
+    del hog
+    ferry.reload().wait()
+    torch.testing.assert_close(x.cpu(), want, atol=0, rtol=0)
+
+
+def test_thousand_cycles_hold_memory_flat():
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).cuda()
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(8, 1024, device="cuda")).sum().backward()
+    opt.step()
+    want = [p.detach().clone() for p in m.parameters()]
+    ferry = Ferry(m, opt)
+    for _ in range(20):
+        ferry.offload()
+        ferry.reload()
+    torch.cuda.synchronize()
+    gc.collect()
+    rss0, objs0 = _rss(), len(gc.get_objects())
+    reserved0, host0 = torch.cuda.memory_reserved(), ferry.host_bytes
+    for _ in range(1000):
+        ferry.offload()
+        ferry.reload()
+    torch.cuda.synchronize()
+    gc.collect()
+    growth = {"rss": _rss() - rss0, "objects": len(gc.get_objects()) - objs0,
+              "reserved": torch.cuda.memory_reserved() - reserved0, "host": ferry.host_bytes - host0}
+    print("growth over 1000 cycles:", growth)
+    assert growth["host"] == 0 and growth["reserved"] == 0
+    assert growth["rss"] < (16 << 20) and growth["objects"] < 200, growth
+    assert all(torch.equal(a, p) for a, p in zip(want, m.parameters()))

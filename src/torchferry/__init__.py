@@ -6,6 +6,7 @@ Importing this package does not initialise CUDA.
 from ._ferry import Ferry
 from ._handle import TransferHandle
 from ._residency import Residency
+from ._stats import TransferStats
 
-__all__ = ["Ferry", "Residency", "TransferHandle"]
+__all__ = ["Ferry", "Residency", "TransferHandle", "TransferStats"]
 __version__ = "0.1.0"

@@ -35,7 +35,9 @@ starts while the host is still allocating.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 import weakref
 
 import torch
@@ -48,6 +50,7 @@ from ._plan import Plan, build_plan, fsdp_modules
 from ._pool import HostPool, layout_slots
 from ._repoint import Repointer, view_on
 from ._residency import Residency
+from ._stats import TransferStats
 from ._streams import streams_for
 
 __all__ = ["Ferry"]
@@ -123,6 +126,7 @@ class Ferry:
         self._last: TransferHandle | None = None
         self._arena: ReloadArena | None = None  # see [Note: reload arena]
         self._state_bytes = plan.state_bytes
+        self._stats = TransferStats()
         self._closed = False
 
     # ------------------------------------------------------------------ state
@@ -134,6 +138,32 @@ class Ferry:
             if self._last.done():
                 self._state = Residency.HOST if self._state is Residency.D2H_IN_FLIGHT else Residency.DEVICE
         return self._state
+
+    @property
+    def stats(self) -> TransferStats:
+        """Last and cumulative transfer figures (see :class:`TransferStats`)."""
+        return self._stats
+
+    def _issued(self, direction: str, nbytes: int) -> None:
+        kind = "offload" if direction == "d2h" else "reload"
+        st = self._stats
+        self._stats = dataclasses.replace(
+            st,
+            **{f"{kind}s": getattr(st, f"{kind}s") + 1,
+               f"bytes_{kind}ed": getattr(st, f"bytes_{kind}ed") + nbytes,
+               f"last_{kind}_bytes": nbytes, f"last_{kind}_s": None},
+        )
+
+    def _completed(self, handle: TransferHandle) -> None:
+        kind = "offload" if handle.direction == "d2h" else "reload"
+        seconds = handle.seconds or 0.0
+        st = self._stats
+        changes = {f"{kind}_seconds": getattr(st, f"{kind}_seconds") + seconds}
+        if handle is self._last:
+            changes[f"last_{kind}_s"] = seconds
+        self._stats = dataclasses.replace(st, **changes)
+        logger.debug("%s done: %d bytes in %.6f s (%.2f GB/s) on %s", kind, handle.nbytes, seconds,
+                     handle.nbytes / seconds / 1e9 if seconds else float("nan"), self.device)
 
     @property
     def state_bytes(self) -> int:
@@ -231,31 +261,34 @@ class Ferry:
         sources = [_storage_bytes(s, self.device) for s in plan.storages]
         cuda = self._streams.is_cuda
         nbytes = plan.state_bytes
-        with torch.profiler.record_function("torchferry::d2h"):
-            event = None
+        issued_at = time.perf_counter()
+        with torch.profiler.record_function("torchferry::d2h", f"bytes={nbytes}"):
+            event = start = None
             if cuda:
                 d2h = self._streams.d2h
                 d2h.wait_stream(self._streams.current())  # copy what pending kernels write
+                start = self._streams.event(d2h, timing=True)
                 with torch.cuda.stream(d2h):
                     for slot, src in zip(slots, sources):
                         if src.numel():
                             slot.copy_(src, non_blocking=True)
-                event = self._streams.event(d2h)
+                event = self._streams.event(d2h, timing=True)
             else:
                 for slot, src in zip(slots, sources):
                     slot.copy_(src)
-            handle = TransferHandle("d2h", nbytes, event)
             repointer = Repointer([r.tensor for r in plan.tensors], [r.name for r in plan.tensors])
             host_locals = [view_on(r.local, slots[r.storage_index]) for r in plan.tensors]
-            self._guards.install(plan.modules, plan.optimizers)  # may fail: nothing re-pointed yet
             try:
+                self._guards.install(plan.modules, plan.optimizers)
                 device_locals = repointer.apply(host_locals)  # all or nothing
             except BaseException:
                 self._guards.remove()
                 raise
             self._offloaded = _Offloaded(plan, repointer, device_locals, slots)
             self._state = Residency.D2H_IN_FLIGHT if cuda else Residency.HOST
-            self._last = handle
+            self._issued("d2h", nbytes)
+            handle = self._last = TransferHandle("d2h", nbytes, event, issued_at, start_event=start)
+            handle.add_done_callback(self._completed)
             # See [Note: release is safe against the in-flight copy].
             for src, storage in zip(sources, plan.storages):
                 if cuda and src.numel():
@@ -318,8 +351,9 @@ class Ferry:
         assert off is not None
         plan = off.plan
         cuda = self._streams.is_cuda
-        with torch.profiler.record_function("torchferry::h2d"):
-            event = None
+        issued_at = time.perf_counter()
+        with torch.profiler.record_function("torchferry::h2d", f"bytes={plan.state_bytes}"):
+            event = start = None
             done = 0
             try:
                 if cuda:
@@ -328,6 +362,7 @@ class Ferry:
                     h2d.wait_stream(self._streams.current())
                     h2d.wait_stream(self._streams.d2h)  # the slots may still be filling
                     arena = ReloadArena.seed(self.device, plan.nbytes)
+                    start = self._streams.event(h2d, timing=True)
                 for storage, n, slot in zip(plan.storages, plan.nbytes, off.slots):
                     storage.resize_(n)
                     done += 1
@@ -350,12 +385,11 @@ class Ferry:
                     ) from e
                 raise
             if cuda:
-                event = self._streams.event(h2d)
+                event = self._streams.event(h2d, timing=True)
                 self._streams.current().wait_event(event)
                 if arena is not None:
                     arena.seal()
                     self._arena = arena
-            handle = TransferHandle("h2d", plan.state_bytes, event)
             try:
                 off.repointer.apply(off.device_locals)
             except BaseException:
@@ -364,7 +398,9 @@ class Ferry:
         self._offloaded = None
         self._guards.remove()
         self._state = Residency.H2D_IN_FLIGHT if cuda else Residency.DEVICE
-        self._last = handle
+        self._issued("h2d", plan.state_bytes)
+        handle = self._last = TransferHandle("h2d", plan.state_bytes, event, issued_at, start_event=start)
+        handle.add_done_callback(self._completed)
         logger.debug("reload: %d bytes in %d storages to %s", plan.state_bytes, len(plan.storages), self.device)
         return handle
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -25,17 +26,39 @@ class TransferHandle:
         nbytes: int,
         event: torch.cuda.Event | None,
         issued_at: float | None = None,
+        *,
+        start_event: torch.cuda.Event | None = None,
     ) -> None:
         self.direction = direction
         self.nbytes = nbytes
         self._event = event  # recorded on the copy stream after the last copy
+        self._start_event = start_event  # recorded on the copy stream before the first copy
+        self._on_complete: Callable[[TransferHandle], None] | None = None
         self.issued_at = time.perf_counter() if issued_at is None else issued_at
-        self._completed_at: float | None = None if event is not None else self.issued_at
+        self._completed_at: float | None = None
+        if event is None:
+            self._complete(time.perf_counter())
+
+    def _complete(self, when: float) -> None:
+        self._completed_at = when
+        callback, self._on_complete = self._on_complete, None
+        if callback is not None:
+            callback(self)
+
+    def add_done_callback(self, fn: Callable[[TransferHandle], None]) -> None:
+        """Calls ``fn(self)`` once the transfer is seen complete (now, if it already is).
+
+        Completion is observed by ``wait()`` or ``done()``, on the thread that calls them.
+        """
+        if self._completed_at is not None:
+            fn(self)
+        else:
+            self._on_complete = fn
 
     def done(self) -> bool:
         """True when every copy of the transfer has finished (never blocks)."""
         if self._completed_at is None and self._event is not None and self._event.query():
-            self._completed_at = time.perf_counter()
+            self._complete(time.perf_counter())
         return self._completed_at is not None
 
     def wait(self) -> None:
@@ -47,7 +70,7 @@ class TransferHandle:
         if self._completed_at is None:
             assert self._event is not None
             self._event.synchronize()
-            self._completed_at = time.perf_counter()
+            self._complete(time.perf_counter())
 
     def wait_stream(self, stream: torch.cuda.Stream) -> None:
         """Makes ``stream`` wait for the transfer without blocking the host.
@@ -60,8 +83,17 @@ class TransferHandle:
 
     @property
     def seconds(self) -> float | None:
-        """Host seconds from issue to observed completion, once ``wait()`` or ``done()`` saw it."""
-        return None if self._completed_at is None else self._completed_at - self.issued_at
+        """Seconds the transfer took, once ``wait()`` or ``done()`` saw it complete.
+
+        On a GPU the copy engine's time from the first copy to the last (CUDA
+        events on the copy stream: waiting for the caller's pending kernels is
+        not counted); on the CPU the host time of the synchronous copies.
+        """
+        if self._completed_at is None:
+            return None
+        if self._start_event is not None and self._event is not None:
+            return self._start_event.elapsed_time(self._event) / 1e3
+        return self._completed_at - self.issued_at
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "in flight"

@@ -55,9 +55,9 @@ class TransferStreams:
         """The caller's current stream on this device."""
         return torch.cuda.current_stream(self.device)
 
-    def event(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
+    def event(self, stream: torch.cuda.Stream | None = None, *, timing: bool = False) -> torch.cuda.Event:
         """A new event recorded on ``stream`` (the current stream if ``None``)."""
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event(enable_timing=timing)
         ev.record(stream if stream is not None else self.current())
         return ev
 

@@ -269,3 +269,26 @@ def test_cpu_tensors_stay_put_when_the_ferry_is_on_a_gpu(monkeypatch):
     found = [("w", None, SimpleNamespace(device=torch.device("cuda", 0))),
              ("step", None, SimpleNamespace(device=torch.device("cpu")))]
     assert _resolve_device(found, None) == torch.device("cuda", 0)
+
+
+def test_stats_logging_and_profiler_ranges(caplog):
+    import logging
+
+    m, opt = trained()
+    ferry = Ferry(m, opt)
+    with caplog.at_level(logging.DEBUG, logger="torchferry"):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            ferry.offload().wait()
+            ferry.reload().wait()
+            ferry.offload()
+            ferry.offload()  # a no-op: not counted
+    st = ferry.stats
+    assert (st.offloads, st.reloads) == (2, 1)
+    assert st.bytes_offloaded == 2 * ferry.state_bytes and st.bytes_reloaded == ferry.state_bytes
+    assert st.last_offload_bytes == ferry.state_bytes and st.last_offload_s is not None and st.last_offload_s >= 0
+    assert st.offload_seconds >= st.last_offload_s and st.last_reload_GBps is None or st.last_reload_GBps > 0
+    names = [e.name for e in prof.events()]
+    assert names.count("torchferry::d2h") == 2 and names.count("torchferry::h2d") == 1
+    done = [r.getMessage() for r in caplog.records if " done: " in r.getMessage()]
+    assert len(done) == 3 and all("bytes in" in d and "GB/s" in d for d in done)
+    ferry.reload()

@@ -5,8 +5,9 @@ Importing this package does not initialise CUDA.
 
 from ._ferry import Ferry
 from ._handle import TransferHandle
+from ._prefetch import Prefetch
 from ._residency import Residency
 from ._stats import TransferStats
 
-__all__ = ["Ferry", "Residency", "TransferHandle", "TransferStats"]
+__all__ = ["Ferry", "Prefetch", "Residency", "TransferHandle", "TransferStats"]
 __version__ = "0.1.0"

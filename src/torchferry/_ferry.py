@@ -47,6 +47,7 @@ from ._device_alloc import ReloadArena
 from ._guards import OffloadGuards
 from ._handle import TransferHandle
 from ._plan import Plan, build_plan, fsdp_modules
+from ._prefetch import Group, Prefetch, forward_prefetch_units, group_plan, lazy_init_done
 from ._pool import HostPool, layout_slots
 from ._repoint import Repointer, view_on
 from ._residency import Residency
@@ -72,6 +73,23 @@ class _Offloaded:
         self.repointer = repointer
         self.device_locals = device_locals  # the tensors' device data, to point back at
         self.slots = slots  # 1D uint8 pool views, one per storage
+
+
+class _Prefetching:
+    """What a ferry holds while a layer-wise reload is under way."""
+
+    def __init__(self, off: _Offloaded, groups: list[Group], policy: Prefetch) -> None:
+        self.off = off
+        self.groups = groups
+        self.policy = policy
+        self.issued = 0  # groups issued, in order
+        self.events: list[torch.cuda.Event | None] = []  # per issued group, on the H2D stream
+        self.resident: set[int] = set()  # groups whose tensors point at the device again
+        self.allocated: list[int] = []  # storage indices re-allocated so far
+        self.hooks: list = []
+        self.start: torch.cuda.Event | None = None
+        self.arena: ReloadArena | None = None
+        self.issued_at = 0.0
 
 
 class Ferry:
@@ -125,6 +143,7 @@ class Ferry:
         self._state = Residency.DEVICE
         self._last: TransferHandle | None = None
         self._arena: ReloadArena | None = None  # see [Note: reload arena]
+        self._prefetching: _Prefetching | None = None  # see [Note: prefetch reload]
         self._state_bytes = plan.state_bytes
         self._stats = TransferStats()
         self._closed = False
@@ -255,6 +274,8 @@ class Ferry:
         self._check_open()
         if self.residency.on_host:
             return self._done_handle("d2h")
+        if self._prefetching is not None:
+            self._finish_prefetch()
         plan = self._plan_now()
         offsets = self._slot_offsets(plan)  # may raise: nothing moved yet
         slots = [self._pool.view(o, n) for o, n in zip(offsets, plan.nbytes, strict=True)]
@@ -327,8 +348,14 @@ class Ferry:
 
     # ----------------------------------------------------------------- reload
     @torch.no_grad()
-    def reload(self) -> TransferHandle:
+    def reload(self, prefetch: bool | Prefetch = False) -> TransferHandle:
         """Re-allocates the device storages and copies the state back.
+
+        With ``prefetch`` (``True`` or a :class:`Prefetch`), an FSDP2 model's
+        state comes back unit by unit in forward order and each unit's forward
+        waits only for its own copies (see [Note: prefetch reload]); the
+        returned handle covers the copies issued by this call. Without FSDP
+        units (or before FSDP2's lazy init) it is a plain reload.
 
         The copies run on the H2D stream; the current stream is made to wait
         for them, so kernels queued after this call see the data without a
@@ -345,11 +372,20 @@ class Ferry:
                 a tensor cannot be re-pointed, or the ferry is closed.
         """
         self._check_open()
+        if self._prefetching is not None:
+            if prefetch:
+                return self._done_handle("h2d")
+            return self._finish_prefetch()
         if not self.residency.on_host:
             return self._done_handle("h2d")
         off = self._offloaded
         assert off is not None
         plan = off.plan
+        if prefetch:
+            groups = group_plan(plan) if lazy_init_done(plan) else []
+            if len(groups) > 1:
+                policy = prefetch if isinstance(prefetch, Prefetch) else Prefetch()
+                return self._start_prefetch(off, groups, policy)
         cuda = self._streams.is_cuda
         issued_at = time.perf_counter()
         with torch.profiler.record_function("torchferry::h2d", f"bytes={plan.state_bytes}"):
@@ -404,6 +440,136 @@ class Ferry:
         logger.debug("reload: %d bytes in %d storages to %s", plan.state_bytes, len(plan.storages), self.device)
         return handle
 
+    # --------------------------------------------------------------- prefetch
+    def _start_prefetch(self, off: _Offloaded, groups: list[Group], policy: Prefetch) -> TransferHandle:
+        pf = _Prefetching(off, groups, policy)
+        cuda = self._streams.is_cuda
+        issued_at = time.perf_counter()
+        if cuda:
+            h2d = self._streams.h2d
+            h2d.wait_stream(self._streams.current())
+            h2d.wait_stream(self._streams.d2h)
+            pf.start = self._streams.event(h2d, timing=True)
+            if policy.lookahead_bytes is None:
+                pf.arena = ReloadArena.seed(self.device, off.plan.nbytes)
+        self._guards.remove()
+        self._prefetching = pf
+        self._state = Residency.PREFETCHING
+        try:
+            self._issue_ahead(pf, 0)
+        except BaseException:
+            self._prefetching = None
+            self._undo_groups(pf)
+            self._state = Residency.HOST
+            self._guards.install(off.plan.modules, off.plan.optimizers)
+            raise
+        if pf.arena is not None:
+            pf.arena.seal()
+        for gi, g in enumerate(groups):
+            if g.unit is not None:
+                pf.hooks.append(g.unit.register_forward_pre_hook(self._unit_hook(gi), prepend=True))
+        for opt in off.plan.optimizers:
+            pf.hooks.append(opt.register_step_pre_hook(self._prefetch_step_hook))
+        nbytes = sum(groups[i].nbytes for i in range(pf.issued))
+        self._issued("h2d", off.plan.state_bytes)  # all of it comes back, unit by unit
+        pf.issued_at = issued_at
+        handle = self._last = TransferHandle("h2d", nbytes, pf.events[pf.issued - 1], issued_at, start_event=pf.start)
+        logger.debug("prefetch reload: %d groups, %d of %d bytes issued", len(groups), nbytes, off.plan.state_bytes)
+        return handle
+
+    def _issue_ahead(self, pf: _Prefetching, upto: int) -> None:
+        """Issues groups until group ``upto`` is issued and the look-ahead budget is used."""
+        limit = pf.policy.lookahead_bytes
+        while pf.issued < len(pf.groups):
+            ahead = sum(pf.groups[i].nbytes for i in range(upto, pf.issued))
+            if pf.issued > upto and limit is not None and ahead >= limit:
+                break
+            self._issue_group(pf, pf.issued)
+
+    def _issue_group(self, pf: _Prefetching, gi: int) -> None:
+        plan, off, cuda = pf.off.plan, pf.off, self._streams.is_cuda
+        if cuda and pf.issued > 0 and pf.policy.lookahead_bytes is not None:
+            # Issued from a forward hook: the blocks allocated now may have been
+            # freed by kernels still queued (see [Note: reload allocates on the caller's stream]).
+            self._streams.h2d.wait_stream(self._streams.current())
+        for si in pf.groups[gi].storages:
+            plan.storages[si].resize_(plan.nbytes[si])
+            pf.allocated.append(si)
+            if not plan.nbytes[si]:
+                continue
+            dst = _storage_bytes(plan.storages[si], self.device)
+            if cuda:
+                with torch.cuda.stream(self._streams.h2d):
+                    dst.copy_(off.slots[si], non_blocking=True)
+            else:
+                dst.copy_(off.slots[si])
+        pf.events.append(self._streams.event(self._streams.h2d, timing=True) if cuda else None)
+        pf.issued += 1
+
+    def _unit_hook(self, gi: int):
+        def hook(module: nn.Module, args: object) -> None:
+            pf = self._prefetching
+            if pf is None or gi in pf.resident:
+                return
+            targets = forward_prefetch_units(module)
+            wanted = [gi] + [j for j, g in enumerate(pf.groups)
+                             if g.unit is not None and any(g.unit is u for u in targets)]
+            self._issue_ahead(pf, max(wanted))
+            for j in wanted:
+                self._make_resident(pf, j)
+            if all(j in pf.resident for j, g in enumerate(pf.groups) if g.unit is not None):
+                self._issue_ahead(pf, len(pf.groups) - 1)  # the tail follows on the copy stream
+                if not pf.off.plan.optimizers:
+                    self._finish_prefetch()
+                # else: the optimizers' step pre-hook completes the tail group
+
+        return hook
+
+    def _prefetch_step_hook(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        if self._prefetching is not None:
+            self._finish_prefetch()  # optimizer state (and anything not yet used) resident first
+
+    def _make_resident(self, pf: _Prefetching, gi: int) -> None:
+        if gi in pf.resident:
+            return
+        ev = pf.events[gi]
+        if ev is not None:
+            self._streams.current().wait_event(ev)
+        idx = pf.groups[gi].tensors
+        if idx:
+            sub = Repointer([pf.off.repointer.tensors[i] for i in idx], [pf.off.repointer.names[i] for i in idx])
+            sub.apply([pf.off.device_locals[i] for i in idx])
+        pf.resident.add(gi)
+
+    def _finish_prefetch(self) -> TransferHandle:
+        """Issues what is left and makes every group resident (``reload()`` while prefetching)."""
+        pf = self._prefetching
+        assert pf is not None
+        self._issue_ahead(pf, len(pf.groups) - 1)
+        for gi in range(len(pf.groups)):
+            self._make_resident(pf, gi)
+        return self._end_prefetch(pf)
+
+    def _end_prefetch(self, pf: _Prefetching) -> TransferHandle:
+        for h in pf.hooks:
+            h.remove()
+        if pf.arena is not None:
+            self._arena = pf.arena
+        self._prefetching = None
+        self._offloaded = None
+        cuda = self._streams.is_cuda
+        self._state = Residency.H2D_IN_FLIGHT if cuda else Residency.DEVICE
+        handle = self._last = TransferHandle("h2d", pf.off.plan.state_bytes, pf.events[-1], pf.issued_at,
+                                             start_event=pf.start)
+        handle.add_done_callback(self._completed)
+        return handle
+
+    def _undo_groups(self, pf: _Prefetching) -> None:
+        if self._streams.is_cuda:
+            self._streams.h2d.synchronize()
+        for si in pf.allocated:
+            pf.off.plan.storages[si].resize_(0)
+
     def _undo_partial_reload(self, plan: Plan, count: int) -> None:
         """Frees the first ``count`` re-allocated storages again (after their copies)."""
         if self._streams.is_cuda:
@@ -421,6 +587,8 @@ class Ferry:
         """
         if self._closed:
             return
+        if self._prefetching is not None:
+            self._finish_prefetch()
         if self.residency.on_host:
             raise RuntimeError(
                 "torchferry: close() while the state is offloaded would lose it; call reload() first"

@@ -21,12 +21,16 @@ class Residency(enum.Enum):
     * ``H2D_IN_FLIGHT``: ``reload()`` was issued; the tensors are device tensors
       again and the current stream waits for the copies, but the host has not
       seen them finish.
+    * ``PREFETCHING``: ``reload(prefetch=...)`` was issued; each FSDP unit's
+      tensors become device tensors when its forward starts (see
+      ``torchferry._prefetch``); ``reload()`` completes the rest at once.
     """
 
     DEVICE = "device"
     D2H_IN_FLIGHT = "d2h_in_flight"
     HOST = "host"
     H2D_IN_FLIGHT = "h2d_in_flight"
+    PREFETCHING = "prefetching"
 
     @property
     def on_host(self) -> bool:

@@ -1,0 +1,128 @@
+"""Layer-wise reload: FSDP units come back in forward order, each forward waits only for its own.
+
+[Note: prefetch reload]
+``ferry.reload(prefetch=...)`` splits the state into groups, one per FSDP unit
+(a ``fully_shard``-ed module: its parameters, their grads, its buffers) in
+forward order (module pre-order, so the root unit comes first: FSDP2's root
+pre-forward all-gathers it before any layer runs), plus a tail group for the
+rest (optimizer state, plain tensors). Copies for the groups are issued on the
+H2D stream in that order, all at once or, with ``lookahead_bytes``, keeping at
+most that many bytes issued ahead of the unit being computed.
+
+Every unit gets a forward pre-hook, prepended so that it runs before FSDP2's
+own (which all-gathers the unit's ``_sharded_param_data``). The hook makes the
+current stream wait for the unit's copy event (and for the units FSDP2 will
+prefetch from there, ``_states_to_forward_prefetch``), re-points the unit's
+tensors at their device storages, and issues further groups to keep the
+look-ahead. The tail group is completed by a step pre-hook of each optimizer
+target, so ``optimizer.step()`` cannot run on state still in flight. When the
+last group is resident the hooks are removed. Until its unit runs, a group's
+tensors stay CPU tensors viewing the pool (still correct, just not moved yet);
+``ferry.reload()`` without prefetch completes everything at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from ._plan import Plan, fsdp_modules
+
+__all__ = ["Group", "Prefetch", "group_plan"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Prefetch:
+    """How a layer-wise reload runs.
+
+    Attributes:
+        lookahead_bytes: bytes of copies kept issued ahead of the unit being
+            computed (at least one group is always issued). ``None`` (the
+            default) issues every group at the ``reload()`` call: the copy
+            engine then streams them back to back in forward order, and the
+            device memory is allocated at once, as for a plain reload.
+    """
+
+    lookahead_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.lookahead_bytes is not None and self.lookahead_bytes < 0:
+            raise ValueError(f"lookahead_bytes must be >= 0 or None, got {self.lookahead_bytes}")
+
+
+@dataclasses.dataclass
+class Group:
+    """The storages and tensors one FSDP unit needs (``unit is None``: the tail group)."""
+
+    unit: nn.Module | None
+    storages: list[int] = dataclasses.field(default_factory=list)  # indices into plan.storages
+    tensors: list[int] = dataclasses.field(default_factory=list)  # indices into plan.tensors
+    nbytes: int = 0
+
+
+def group_plan(plan: Plan) -> list[Group]:
+    """Groups a plan's storages by FSDP unit, in forward order, tail group last.
+
+    A parameter belongs to the innermost unit that holds it (as in FSDP2); its
+    ``.grad`` goes with it; buffers likewise. A storage goes to the first
+    group (in forward order) of any tensor viewing it. Returns only non-empty
+    groups; an empty list when the targets hold no FSDP unit.
+    """
+    units = [u for m in plan.modules for u in fsdp_modules(m)]
+    if not units:
+        return []
+    owner: dict[int, int] = {}  # id(tensor) -> group index
+    for gi in reversed(range(len(units))):  # innermost first claims
+        for p in units[gi].parameters():
+            owner.setdefault(id(p), gi)
+            if p.grad is not None:
+                owner.setdefault(id(p.grad), gi)
+        for b in units[gi].buffers():
+            owner.setdefault(id(b), gi)
+    tail = len(units)
+    groups = [Group(u) for u in units] + [Group(None)]
+    storage_group: dict[int, int] = {}
+    for ti, ref in enumerate(plan.tensors):
+        gi = owner.get(id(ref.tensor), tail)
+        si = ref.storage_index
+        storage_group[si] = min(storage_group.get(si, gi), gi)
+    for ti, ref in enumerate(plan.tensors):
+        groups[storage_group[ref.storage_index]].tensors.append(ti)
+    for si, gi in sorted(storage_group.items()):
+        groups[gi].storages.append(si)
+        groups[gi].nbytes += plan.nbytes[si]
+    return [g for g in groups if g.storages or g.tensors]
+
+
+def forward_prefetch_units(unit: nn.Module) -> list[nn.Module]:
+    """The units whose all-gather FSDP2 issues from ``unit``'s pre-forward (explicit prefetch)."""
+    try:
+        state = unit._get_fsdp_state()
+    except AttributeError:
+        return []
+    out = []
+    for other in getattr(state, "_states_to_forward_prefetch", []) or []:
+        for group in ([getattr(other, "_fsdp_param_group", None)]
+                      + list(getattr(other, "_fsdp_param_groups", []) or [])):
+            module = getattr(group, "module", None) if group is not None else None
+            if module is not None:
+                out.append(module)
+    return out
+
+
+def lazy_init_done(plan: Plan) -> bool:
+    """FSDP2 initialises lazily at the first forward (and may re-pad shards then): prefetch
+    only after it, when a unit's shards are left as they are."""
+    for m in plan.modules:
+        for unit in fsdp_modules(m):
+            state = unit._get_fsdp_state()
+            if getattr(state, "_is_root", None) is None:
+                return False
+    return True
+
+
+def is_tensor_on(t: torch.Tensor, device: torch.device) -> bool:
+    local = t._local_tensor if hasattr(t, "_local_tensor") else t
+    return local.device == device

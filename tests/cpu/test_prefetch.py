@@ -1,0 +1,110 @@
+"""Layer-wise reload with prefetch ([Note: prefetch reload]): ordering, look-ahead, step guard,
+bit-identical training, on FSDP2 over gloo (2 CPU processes)."""
+
+import pytest
+import torch
+from torch import nn
+
+from tests.spawn import run_spawned
+from torchferry import Ferry, Prefetch, Residency
+
+
+def _in_pool(t: torch.Tensor) -> bool:
+    from torchferry._host_memory import in_host_pool
+
+    local = t._local_tensor if hasattr(t, "_local_tensor") else t
+    return local.numel() > 0 and in_host_pool(local.untyped_storage().data_ptr())
+
+
+def test_prefetch_policy_validation():
+    with pytest.raises(ValueError, match="lookahead_bytes must be >= 0"):
+        Prefetch(lookahead_bytes=-1)
+
+
+def test_without_fsdp_units_prefetch_is_a_plain_reload():
+    m = nn.Linear(4, 4)
+    want = m.weight.detach().clone()
+    ferry = Ferry(m)
+    ferry.offload()
+    ferry.reload(prefetch=True)
+    assert ferry.residency is Residency.DEVICE and not _in_pool(m.weight)
+    assert torch.equal(m.weight, want)
+
+
+def _prefetch_checks(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.cpu.test_fsdp2_gloo import build_uneven, train_step
+    from tests.helpers import assert_same, snapshot
+
+    mesh = init_device_mesh("cpu", (world,))
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+    ref_m, ref_opt = build_uneven(mesh)
+    m, opt = build_uneven(mesh)
+    layers = [m[0], m[2], m[3]]
+
+    # 1. Ordering: each unit's parameters come back when its forward starts, not before.
+    seen = []
+
+    def probe(i):
+        def hook(mod, args):
+            seen.append((i, [_in_pool(p) for p in mod.parameters()], [_in_pool(p) for p in layers[-1].parameters()]))
+        return hook
+
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(probe(i))  # appended: runs after torchferry's
+    ferry = Ferry(m, opt)
+    for step in range(3):
+        ref_loss = train_step(ref_m, ref_opt, x)
+        if step == 0:
+            loss = train_step(m, opt, x)  # FSDP2 lazy init happens in the first forward
+        else:
+            ferry.offload().wait()
+            seen.clear()
+            ferry.reload(prefetch=True)
+            assert ferry.residency is Residency.PREFETCHING
+            assert any(_in_pool(p) for p in layers[-1].parameters() if p._local_tensor.numel())
+            loss = train_step(m, opt, x)
+            assert ferry.residency is Residency.DEVICE
+            assert [s[0] for s in seen] == [0, 1, 2]
+            assert all(not any(own) for _, own, _ in seen)  # own unit resident at its forward
+            assert any(seen[0][2])  # the last unit still on the host during the first one
+        assert torch.equal(ref_loss, loss), (step, ref_loss, loss)
+    assert_same(snapshot(ref_m, ref_opt), snapshot(m, opt))
+
+    # 2. The optimizer step completes the reload by itself (no forward in between).
+    ferry.offload()
+    before = snapshot(m, opt)
+    ferry.reload(prefetch=True)
+    opt.step()  # grads were zeroed: AdamW still decays, on device state
+    ref_opt.step()
+    assert ferry.residency is Residency.DEVICE
+    assert_same(snapshot(ref_m, ref_opt), snapshot(m, opt))
+
+    # 3. Look-ahead: with a tiny budget, later units are allocated only when reached.
+    storages = {i: [p._local_tensor.untyped_storage() for p in layer.parameters()] for i, layer in enumerate(layers)}
+    ferry.offload()
+    ferry.reload(prefetch=Prefetch(lookahead_bytes=1))
+    assert all(s.nbytes() == 0 for s in storages[2])  # not allocated yet
+    assert any(s.nbytes() > 0 for s in storages[0])
+    loss = train_step(m, opt, x)
+    assert torch.equal(loss, train_step(ref_m, ref_opt, x))
+    assert ferry.residency is Residency.DEVICE
+
+    # 4. reload() while prefetching completes at once; offload while prefetching is fine too.
+    ferry.offload()
+    ferry.reload(prefetch=True)
+    ferry.reload()
+    assert ferry.residency is Residency.DEVICE and not any(_in_pool(p) for p in m.parameters())
+    ferry.offload()
+    ferry.reload(prefetch=True)
+    ferry.offload()
+    ferry.reload()
+    assert_same(snapshot(ref_m, ref_opt), snapshot(m, opt))
+    del before
+
+
+def test_prefetch_fsdp2_two_ranks_gloo():
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed not available")
+    run_spawned(_prefetch_checks, world=2, backend="gloo")

@@ -383,7 +383,7 @@ class Ferry:
         plan = off.plan
         if prefetch:
             groups = group_plan(plan) if lazy_init_done(plan) else []
-            if len(groups) > 1:
+            if len(groups) > 1 or (groups and plan.optimizers):
                 policy = prefetch if isinstance(prefetch, Prefetch) else Prefetch()
                 return self._start_prefetch(off, groups, policy)
         cuda = self._streams.is_cuda

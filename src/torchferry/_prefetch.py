@@ -68,10 +68,16 @@ def group_plan(plan: Plan) -> list[Group]:
     A parameter belongs to the innermost unit that holds it (as in FSDP2); its
     ``.grad`` goes with it; buffers likewise. A storage goes to the first
     group (in forward order) of any tensor viewing it. Returns only non-empty
-    groups; an empty list when the targets hold no FSDP unit.
+    groups; without FSDP units, one tail group if there are optimizer targets
+    (else an empty list: a plain reload).
     """
     units = [u for m in plan.modules for u in fsdp_modules(m)]
     if not units:
+        # Optimizer state alone: one tail group, completed by the step pre-hook,
+        # so the forward before the step does not wait for it.
+        if plan.optimizers and plan.storages:
+            tail = Group(None, list(range(len(plan.storages))), list(range(len(plan.tensors))), plan.state_bytes)
+            return [tail]
         return []
     owner: dict[int, int] = {}  # id(tensor) -> group index
     for gi in reversed(range(len(units))):  # innermost first claims

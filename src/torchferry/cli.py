@@ -23,10 +23,12 @@ def bench(
                                          "[default: qwen2.5-1.5b on a GPU, tiny on the CPU]"),
     model: Optional[Path] = typer.Option(None, "--model", help="A local Hugging Face checkpoint folder instead of a preset."),
     layers: Optional[int] = typer.Option(None, help="Override the number of decoder layers."),
-    strategies: str = typer.Option("blocking,seed,torchferry", help="Comma-separated, run in this order."),
+    strategies: str = typer.Option("blocking,seed,torchferry,torchferry+prefetch",
+                                   help="Comma-separated, run in this order."),
     steps: int = typer.Option(3, help="RL steps per strategy (>= 2)."),
     seq_len: int = typer.Option(512, help="Tokens per sequence (tiny: 32 unless set)."),
     batch_size: int = typer.Option(1, help="Sequences per batch."),
+    micro_batches: int = typer.Option(1, help="Forward(/backward) passes per phase, gradients accumulated."),
     rollout_s: float = typer.Option(0.0, help="Seconds the simulated rollout holds its KV cache."),
     phase_gap_s: float = typer.Option(1.0, help="Untimed host seconds between phases (verl: rewards, advantages)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results JSON here."),
@@ -56,7 +58,8 @@ def bench(
         config = BenchConfig(
             preset=preset, model_path=str(model) if model else None, layers=layers,
             strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()), steps=steps,
-            seq_len=seq_len, batch_size=batch_size, rollout_s=rollout_s, phase_gap_s=phase_gap_s,
+            seq_len=seq_len, batch_size=batch_size, micro_batches=micro_batches, rollout_s=rollout_s,
+            phase_gap_s=phase_gap_s,
         )
         with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
                       transient=True) as progress:

@@ -29,7 +29,9 @@ def test_tiny_preset_runs_on_cpu_and_writes_json_and_png(tmp_path):
     assert r["per_rank"][0]["rank"] == 0 and "torchferry" in r["per_rank"][0]["strategies"]
     sb = r["model"]["state_bytes"]
     assert r["model"]["preset"] == "tiny" and sb["params"] > 0 and sb["optimizer"] >= 2 * sb["params"]
-    assert list(r["strategies"]) == ["blocking", "seed", "torchferry"]
+    assert list(r["strategies"]) == ["blocking", "seed", "torchferry", "torchferry+prefetch"]
+    pf = r["strategies"]["torchferry+prefetch"]
+    assert pf["overlap_baseline"] == "torchferry" and pf["exposed_transfer_s_per_step"] >= pf["transfer_spans_s_per_step"]
     for name, s in r["strategies"].items():
         for k in ("offload_s", "reload_s"):
             assert s[k]["first"] > 0 and s[k]["steady"] > 0, (name, k)

@@ -152,7 +152,19 @@ class Torchferry(Strategy):
         self.opt_ferry.close()
 
 
-STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (Blocking, Seed, Torchferry)}
+class TorchferryPrefetch(Torchferry):
+    """torchferry with layer-wise reload ([Note: prefetch reload]): the forward starts as soon
+    as the first FSDP unit is back; the optimizer state follows and the step waits for it."""
+
+    name = "torchferry+prefetch"
+
+    def reload(self, optimizer: bool) -> None:
+        self.model_ferry.reload(prefetch=True)
+        if optimizer:
+            self.opt_ferry.reload(prefetch=True)
+
+
+STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (Blocking, Seed, Torchferry, TorchferryPrefetch)}
 
 
 def make_strategy(name: str, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> Strategy:

@@ -82,7 +82,7 @@ def _reserved(device: torch.device) -> int:
 
 
 def run_step(strategy: Strategy, batch: torch.Tensor, *, param_bytes: int, state_bytes: int,
-             rollout_s: float, phase_gap_s: float) -> StepRecord:
+             rollout_s: float, phase_gap_s: float, micro_batches: int = 1) -> StepRecord:
     """Runs one step, starting and ending with the actor state offloaded.
 
     ``phase_gap_s`` of host time separates the phases, untimed: in verl the
@@ -117,7 +117,8 @@ def run_step(strategy: Strategy, batch: torch.Tensor, *, param_bytes: int, state
 
     def forward_only():
         with torch.no_grad():
-            return model(input_ids=batch).logits.float().logsumexp(-1).mean()
+            out = [model(input_ids=batch).logits.float().logsumexp(-1).mean() for _ in range(micro_batches)]
+        return torch.stack(out).mean()
 
     clock.run("old_log_prob", "h2d", lambda: strategy.reload(optimizer=False), param_bytes)
     clock.run("old_log_prob", "compute", forward_only)
@@ -126,8 +127,9 @@ def run_step(strategy: Strategy, batch: torch.Tensor, *, param_bytes: int, state
     time.sleep(phase_gap_s)
 
     def train():
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
+        for _ in range(micro_batches):  # gradient accumulation, as verl's ppo_micro_batch_size
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()

@@ -8,6 +8,7 @@ from ._handle import TransferHandle
 from ._prefetch import Prefetch
 from ._residency import Residency
 from ._stats import TransferStats
+from ._swap import swap
 
-__all__ = ["Ferry", "Prefetch", "Residency", "TransferHandle", "TransferStats"]
+__all__ = ["Ferry", "Prefetch", "Residency", "TransferHandle", "TransferStats", "swap"]
 __version__ = "0.1.0"

@@ -39,6 +39,7 @@ import dataclasses
 import logging
 import time
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -57,6 +58,8 @@ from ._streams import streams_for
 __all__ = ["Ferry"]
 
 logger = logging.getLogger("torchferry")
+
+_PROGRESS_CHUNK = 256 << 20  # bytes between D2H progress events when swap() tracks them
 
 
 def _storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
@@ -144,6 +147,11 @@ class Ferry:
         self._last: TransferHandle | None = None
         self._arena: ReloadArena | None = None  # see [Note: reload arena]
         self._prefetching: _Prefetching | None = None  # see [Note: prefetch reload]
+        # Used by swap(): D2H progress events of the last offload, (bytes copied, event),
+        # and a callback before each reload allocation with the bytes allocated so far.
+        self._track_progress = False
+        self._progress: list[tuple[int, torch.cuda.Event]] = []
+        self._before_alloc: Callable[[int], None] | None = None
         self._state_bytes = plan.state_bytes
         self._stats = TransferStats()
         self._closed = False
@@ -289,11 +297,18 @@ class Ferry:
                 d2h = self._streams.d2h
                 d2h.wait_stream(self._streams.current())  # copy what pending kernels write
                 start = self._streams.event(d2h, timing=True)
+                self._progress, copied, mark = [], 0, 0
                 with torch.cuda.stream(d2h):
                     for slot, src in zip(slots, sources):
                         if src.numel():
                             slot.copy_(src, non_blocking=True)
+                            copied += src.numel()
+                            if self._track_progress and copied - mark >= _PROGRESS_CHUNK:
+                                self._progress.append((copied, self._streams.event(d2h)))
+                                mark = copied
                 event = self._streams.event(d2h, timing=True)
+                if self._track_progress:
+                    self._progress.append((copied, event))
             else:
                 for slot, src in zip(slots, sources):
                     slot.copy_(src)
@@ -397,9 +412,13 @@ class Ferry:
                     h2d = self._streams.h2d
                     h2d.wait_stream(self._streams.current())
                     h2d.wait_stream(self._streams.d2h)  # the slots may still be filling
-                    arena = ReloadArena.seed(self.device, plan.nbytes)
+                    arena = None if self._before_alloc else ReloadArena.seed(self.device, plan.nbytes)
                     start = self._streams.event(h2d, timing=True)
+                allocated = 0
                 for storage, n, slot in zip(plan.storages, plan.nbytes, off.slots):
+                    allocated += n
+                    if self._before_alloc is not None:
+                        self._before_alloc(allocated)
                     storage.resize_(n)
                     done += 1
                     if not n:

@@ -185,3 +185,28 @@ def test_reload_arena_one_segment_and_full_release():
 def test_two_ferries_share_the_copy_streams():
     a, b = Ferry(torch.ones(10, device=DEV)), Ferry(torch.ones(10, device=DEV))
     assert a._streams is b._streams
+
+
+def test_swap_within_a_budget_bit_exact():
+    import torchferry
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    a = [torch.randn(64 << 20, device=DEV) for _ in range(4)]  # 1 GiB out
+    b = [torch.randn(64 << 20, device=DEV) for _ in range(4)]  # 1 GiB in
+    want_a, want_b = [t.cpu() for t in a], [t.cpu() for t in b]
+    fa, fb = Ferry(*a), Ferry(*b)
+    fb.offload().wait()
+    torch.cuda.empty_cache()
+    base, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    h_out, h_in = torchferry.swap(fa, fb, gpu_budget_bytes=base + (256 << 20))
+    h_out.wait()
+    h_in.wait()
+    # The incoming blocks reuse the outgoing ones as their copies finish: the
+    # device never holds more than the budget (one 256 MiB block of headroom).
+    assert torch.cuda.max_memory_reserved() <= reserved + (256 << 20), (torch.cuda.max_memory_reserved(), reserved)
+    for t, w in zip(a, want_a):
+        torch.testing.assert_close(t, w, atol=0, rtol=0)
+    for t, w in zip(b, want_b):
+        torch.testing.assert_close(t.cpu(), w, atol=0, rtol=0)

@@ -30,6 +30,7 @@ def bench(
     batch_size: int = typer.Option(1, help="Sequences per batch."),
     micro_batches: int = typer.Option(1, help="Forward(/backward) passes per phase, gradients accumulated."),
     rollout_s: float = typer.Option(0.0, help="Seconds the simulated rollout holds its KV cache."),
+    swap: bool = typer.Option(True, help="Also measure a swap: actor out while a critic of the same size comes in."),
     phase_gap_s: float = typer.Option(1.0, help="Untimed host seconds between phases (verl: rewards, advantages)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results JSON here."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG timeline of one step per strategy here."),
@@ -59,7 +60,7 @@ def bench(
             preset=preset, model_path=str(model) if model else None, layers=layers,
             strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()), steps=steps,
             seq_len=seq_len, batch_size=batch_size, micro_batches=micro_batches, rollout_s=rollout_s,
-            phase_gap_s=phase_gap_s,
+            phase_gap_s=phase_gap_s, swap=swap,
         )
         with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
                       transient=True) as progress:
@@ -76,6 +77,11 @@ def bench(
     if not out.is_terminal:
         out = Console(width=170)  # logs and pipes: keep the table on one line per strategy
     out.print(render_table(result))
+    sw = result.get("swap")
+    if sw:
+        frac = f" ({100 * sw['frac_of_bidir_peak']:.1f}% of the bidirectional peak)" if sw["frac_of_bidir_peak"] else ""
+        out.print(f"swap (torchferry.swap, actor out + critic in): {sw['seconds']:.3f} s, "
+                  f"{sw['GBps']:.1f} GB/s both ways{frac}, bit-exact: {'yes' if sw['bit_exact'] else 'NO'}")
     for note in result["notes"]:
         console.print(f"[yellow]note:[/] {note}")
     if json_path:

@@ -41,6 +41,8 @@ def test_tiny_preset_runs_on_cpu_and_writes_json_and_png(tmp_path):
         assert s["rollout_alloc_ok"] and s["round_trip_bit_exact"], name
         assert len(s["losses"]) == 2 and all(x == x for x in s["losses"])  # finite, training ran
         assert {sp["kind"] for sp in s["timeline_step"]} == {"rollout", "h2d", "compute", "d2h", "release"}
+    sw = r["swap"]
+    assert sw["bit_exact"] and sw["out_bytes"] == sw["in_bytes"] > 0 and sw["GBps"] > 0 and sw["frac_of_bidir_peak"] is None
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

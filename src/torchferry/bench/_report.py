@@ -78,7 +78,8 @@ def plot_timeline(result: dict, path: str | Path) -> None:
     from matplotlib.patches import Patch
 
     names = list(result["strategies"])
-    fig, ax = plt.subplots(figsize=(11, 1.1 + 0.8 * len(names)))
+    rows = names + (["swap"] if result.get("swap") else [])
+    fig, ax = plt.subplots(figsize=(11, 1.1 + 0.8 * len(rows)))
     for row, name in enumerate(names):
         spans = result["strategies"][name]["timeline_step"]
         for s in spans:
@@ -94,7 +95,14 @@ def plot_timeline(result: dict, path: str | Path) -> None:
             ph = [s for s in spans if s["phase"] == phase]
             if ph:
                 ax.text(ph[0]["start"], row + 0.42, phase, fontsize=7, color="#444")
-    ax.set_yticks(range(len(names)), names)
+    sw = result.get("swap")
+    if sw:
+        row = len(names)
+        for span, y in zip(sw["timeline"], (row - 0.35, row + 0.02)):
+            ax.broken_barh([(span["start"], span["end"] - span["start"])], (y, 0.33), color=_COLORS[span["kind"]])
+        ax.text(max(x["end"] for x in sw["timeline"]), row,
+                f"  actor out + critic in: {sw['seconds']:.2f} s, {sw['GBps']:.1f} GB/s both ways", va="center", fontsize=9)
+    ax.set_yticks(range(len(rows)), [*names, "swap (not a step)"] if sw else names)
     ax.invert_yaxis()
     ax.set_xlabel("seconds from the start of one steady step")
     m = result["model"]

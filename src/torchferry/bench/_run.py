@@ -46,6 +46,8 @@ class BenchConfig:
     """Seconds the simulated rollout holds its KV cache (default 0)."""
     micro_batches: int = 1
     """Forward(/backward) passes per phase over the batch, gradients accumulated (default 1)."""
+    swap: bool = True
+    """Also measure a swap (actor out, a critic of the same size in) with ``torchferry.swap`` (default on)."""
     phase_gap_s: float = 1.0
     """Untimed host seconds between phases, as verl's reward and advantage computation (default 1.0)."""
 
@@ -190,6 +192,65 @@ def _summarise(first_offload_s: float, first_reload_s: float, pin_s: float, reco
     return out
 
 
+def _swap_scenario(config: BenchConfig, preset: str, actor: nn.Module, actor_opt: torch.optim.Optimizer,
+                   device: torch.device, world: int, batch: torch.Tensor, peak: dict | None, reps: int = 3) -> dict:
+    """Actor out while a critic of the same size comes in, both directions at once.
+
+    Returns ``{"GBps", "out_bytes", "in_bytes", "seconds", "frac_of_bidir_peak", "bit_exact", "timeline"}``:
+    medians over ``reps`` swaps alternating direction; seconds from the call until both
+    transfers are complete; GB/s counts both directions.
+    """
+    import torch.distributed as dist
+
+    from .. import Ferry, swap
+
+    critic = build_model(preset, device, path=config.model_path, layers=config.layers, seed=1)
+    _shard(critic, device, world)
+    critic_opt = torch.optim.AdamW(critic.parameters(), lr=1e-5)
+    critic(input_ids=batch, labels=batch).loss.backward()
+    critic_opt.step()
+    critic_opt.zero_grad(set_to_none=True)
+    a, c = Ferry(actor, actor_opt), Ferry(critic, critic_opt)
+    a.reserve_host()
+    c.reserve_host()
+    want = (_checksum(actor), _checksum(critic))
+    c.offload().wait()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    pairs, times, timeline = [(a, c), (c, a)], [], None
+    for i in range(reps):
+        out, into = pairs[i % 2]
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        h_out, h_in = swap(out, into)
+        h_out.wait()
+        t_out = time.perf_counter() - t0
+        h_in.wait()
+        t = time.perf_counter() - t0
+        times.append((t, h_out.nbytes, h_in.nbytes))
+        if i == 0:
+            timeline = [{"phase": "swap", "kind": "d2h", "start": 0.0, "end": h_out.seconds or t_out, "nbytes": h_out.nbytes},
+                        {"phase": "swap", "kind": "h2d", "start": 0.0, "end": h_in.seconds or t, "nbytes": h_in.nbytes}]
+    if a.residency.on_host:
+        a.reload().wait()
+    c.offload().wait()
+    bit_exact = _checksum(actor) == want[0]
+    c.reload().wait()
+    bit_exact = bit_exact and _checksum(critic) == want[1]
+    a.close()
+    c.close()
+    del critic, critic_opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    t, out_b, in_b = sorted(times)[len(times) // 2]
+    gbps = (out_b + in_b) / t / 1e9
+    return {"GBps": gbps, "out_bytes": out_b, "in_bytes": in_b, "seconds": t,
+            "frac_of_bidir_peak": gbps / peak["bidir"] if peak else None, "bit_exact": bit_exact,
+            "reps": [{"seconds": x[0], "out_bytes": x[1], "in_bytes": x[2]} for x in times], "timeline": timeline}
+
+
 def _account_overlap(results: dict[str, dict]) -> None:
     """Exposed transfer time of overlapped strategies.
 
@@ -303,6 +364,10 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
         release_host_cache()
         results[name] = _summarise(first_offload, first_reload, pin_s, records, sizes, peak, bit_exact)
     _account_overlap(results)
+    swap_result = None
+    if config.swap:
+        say("swap: actor out, critic in", 0.98)
+        swap_result = _swap_scenario(config, preset, model, opt, device, world, batch, peak)
     say("done", 1.0)
 
     gathered: list = [None] * world
@@ -328,6 +393,7 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
         },
         "config": dataclasses.asdict(config),
         "strategies": results,
+        "swap": swap_result,
         "per_rank": gathered,
         "notes": [] if use_cuda else ["no CUDA device: ran on the CPU end to end; transfer figures need a GPU"],
     }

@@ -1,0 +1,78 @@
+"""torchferry.integrations.verl against the real verl package (CPU).
+
+CI installs verl 0.9.1 without its dependencies, plus only what importing
+``verl.utils.fsdp_utils`` and the FSDP engine module needs (see .ci/run)."""
+
+import inspect
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+verl_fsdp_utils = pytest.importorskip("verl.utils.fsdp_utils", reason="verl not installed")
+
+import torchferry.integrations.verl as tf_verl  # noqa: E402
+from torchferry.compat import verl as compat  # noqa: E402
+from tests.helpers import Mixed, assert_same, snapshot  # noqa: E402
+
+IDS = torch.tensor([[1, 2, 3]])
+
+
+@pytest.fixture
+def patched():
+    names = tf_verl.patch()
+    yield names
+    tf_verl.unpatch()
+
+
+def test_patch_reaches_verl_call_sites_and_round_trips_bit_exact(patched):
+    assert "verl.utils.fsdp_utils.offload_fsdp2_model_to_cpu" in patched
+    engine = sys.modules.get("verl.workers.engine.fsdp.transformer_impl")
+    if engine is not None:  # the FSDP engine imports the helpers by name
+        assert "verl.workers.engine.fsdp.transformer_impl.offload_fsdp_model_to_cpu" in patched
+        assert engine.offload_fsdp_model_to_cpu is verl_fsdp_utils.offload_fsdp_model_to_cpu
+    torch.manual_seed(0)
+    m = Mixed()
+    opt = torch.optim.AdamW(m.parameters())
+    m(IDS).backward()
+    opt.step()
+    before = snapshot(m, opt)
+    ids = [id(p) for p in m.parameters()]
+    # verl's own dispatcher (fsdp_version(model) == 0 -> the FSDP2 path) reaches torchferry:
+    verl_fsdp_utils.offload_fsdp_model_to_cpu(m)
+    verl_fsdp_utils.offload_fsdp_optimizer(opt)
+    assert compat.ferry_for(m) is not None and compat.ferry_for(m).residency.on_host
+    assert compat.ferry_for(opt).residency.on_host
+    with pytest.raises(RuntimeError, match="load_fsdp2_model_to_gpu"):
+        m(IDS)
+    mod = engine or verl_fsdp_utils
+    mod.load_fsdp_model_to_gpu(m)
+    mod.load_fsdp_optimizer(opt, "cpu")
+    assert_same(before, snapshot(m, opt))
+    assert [id(p) for p in m.parameters()] == ids
+    m(IDS).backward()
+    opt.step()
+
+
+def test_unpatch_restores_verl_and_patch_is_idempotent():
+    original = verl_fsdp_utils.offload_fsdp2_model_to_cpu
+    first = tf_verl.patch()
+    assert tf_verl.patch() == first and tf_verl.is_patched()
+    assert verl_fsdp_utils.offload_fsdp2_model_to_cpu is compat.offload_fsdp2_model_to_cpu
+    tf_verl.unpatch()
+    assert verl_fsdp_utils.offload_fsdp2_model_to_cpu is original and not tf_verl.is_patched()
+    assert "model.to(\"cpu\", non_blocking=True)" in inspect.getsource(original)
+
+
+def test_changed_helper_is_refused_and_nothing_patched(monkeypatch):
+    monkeypatch.setattr(verl_fsdp_utils, "load_fsdp_optimizer", lambda optimizer: None)
+    with pytest.raises(RuntimeError, match=r"load_fsdp_optimizer\('optimizer',\) does not have the parameters"):
+        tf_verl.patch()
+    assert not tf_verl.is_patched()
+
+
+def test_verl_not_importable(monkeypatch):
+    monkeypatch.setitem(sys.modules, "verl.utils.fsdp_utils", None)
+    with pytest.raises(RuntimeError, match="verl is not importable"):
+        tf_verl.patch()

@@ -35,6 +35,7 @@ starts while the host is still allocating.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -49,7 +50,8 @@ from ._guards import OffloadGuards
 from ._handle import TransferHandle
 from ._plan import Plan, build_plan, fsdp_modules
 from ._prefetch import Group, Prefetch, forward_prefetch_units, group_plan, lazy_init_done
-from ._pool import HostPool, layout_slots
+from ._packing import PackChunk, layout, pack_to_host, unpack_from_host
+from ._pool import HostPool
 from ._repoint import Repointer, view_on
 from ._residency import Residency
 from ._stats import TransferStats
@@ -71,11 +73,13 @@ class _Offloaded:
     """What a ferry holds while its state is on the host."""
 
     def __init__(self, plan: Plan, repointer: Repointer, device_locals: list[torch.Tensor],
-                 slots: list[torch.Tensor]) -> None:
+                 slots: list[torch.Tensor], chunks: list[PackChunk], pool_chunks: list[torch.Tensor]) -> None:
         self.plan = plan
         self.repointer = repointer
         self.device_locals = device_locals  # the tensors' device data, to point back at
         self.slots = slots  # 1D uint8 pool views, one per storage
+        self.chunks = chunks  # small storages, moved in batches (see _packing)
+        self.pool_chunks = pool_chunks  # 1D uint8 pool views, one per chunk
 
 
 class _Prefetching:
@@ -141,7 +145,7 @@ class Ferry:
         self._streams = streams_for(self.device)
         self._pool = HostPool(pin=self.device.type == "cuda")
         self._guards = OffloadGuards(lambda: repr(self))
-        self._layout: tuple[tuple, list[int], int] | None = None  # (plan signature, slot offsets, bytes)
+        self._layout: tuple[tuple, list[int], int, list[PackChunk]] | None = None  # (signature, offsets, bytes, chunks)
         self._offloaded: _Offloaded | None = None
         self._state = Residency.DEVICE
         self._last: TransferHandle | None = None
@@ -285,8 +289,10 @@ class Ferry:
         if self._prefetching is not None:
             self._finish_prefetch()
         plan = self._plan_now()
-        offsets = self._slot_offsets(plan)  # may raise: nothing moved yet
+        offsets, chunks = self._slot_offsets(plan)  # may raise: nothing moved yet
         slots = [self._pool.view(o, n) for o, n in zip(offsets, plan.nbytes, strict=True)]
+        pool_chunks = [self._pool.view(ch.pool_offset, ch.nbytes) for ch in chunks]
+        packed = {si for ch in chunks for si in ch.storages}
         sources = [_storage_bytes(s, self.device) for s in plan.storages]
         cuda = self._streams.is_cuda
         nbytes = plan.state_bytes
@@ -299,19 +305,25 @@ class Ferry:
                 start = self._streams.event(d2h, timing=True)
                 self._progress, copied, mark = [], 0, 0
                 with torch.cuda.stream(d2h):
-                    for slot, src in zip(slots, sources):
-                        if src.numel():
+                    for si, (slot, src) in enumerate(zip(slots, sources)):
+                        if src.numel() and si not in packed:
                             slot.copy_(src, non_blocking=True)
                             copied += src.numel()
                             if self._track_progress and copied - mark >= _PROGRESS_CHUNK:
                                 self._progress.append((copied, self._streams.event(d2h)))
                                 mark = copied
+                    for ch, pool_chunk in zip(chunks, pool_chunks):
+                        pack_to_host(ch, sources, pool_chunk, self.device)
+                        copied += ch.nbytes
                 event = self._streams.event(d2h, timing=True)
                 if self._track_progress:
                     self._progress.append((copied, event))
             else:
-                for slot, src in zip(slots, sources):
-                    slot.copy_(src)
+                for si, (slot, src) in enumerate(zip(slots, sources)):
+                    if si not in packed:
+                        slot.copy_(src)
+                for ch, pool_chunk in zip(chunks, pool_chunks):
+                    pack_to_host(ch, sources, pool_chunk, self.device)
             repointer = Repointer([r.tensor for r in plan.tensors], [r.name for r in plan.tensors])
             host_locals = [view_on(r.local, slots[r.storage_index]) for r in plan.tensors]
             try:
@@ -320,7 +332,7 @@ class Ferry:
             except BaseException:
                 self._guards.remove()
                 raise
-            self._offloaded = _Offloaded(plan, repointer, device_locals, slots)
+            self._offloaded = _Offloaded(plan, repointer, device_locals, slots, chunks, pool_chunks)
             self._state = Residency.D2H_IN_FLIGHT if cuda else Residency.HOST
             self._issued("d2h", nbytes)
             handle = self._last = TransferHandle("d2h", nbytes, event, issued_at, start_event=start)
@@ -351,15 +363,15 @@ class Ferry:
             self._device_fixed = True
         return plan
 
-    def _slot_offsets(self, plan: Plan) -> list[int]:
+    def _slot_offsets(self, plan: Plan) -> tuple[list[int], list[PackChunk]]:
         sig = plan.signature()
         if self._layout is not None and self._layout[0] == sig:
-            offsets, total = self._layout[1], self._layout[2]
+            offsets, total, chunks = self._layout[1], self._layout[2], self._layout[3]
         else:
-            offsets, total = layout_slots(plan.nbytes)
-            self._layout = (sig, offsets, total)
+            offsets, total, chunks = layout(plan.nbytes)
+            self._layout = (sig, offsets, total, chunks)
         self._pool.reserve(total)  # a no-op when it fits; also after a failed growth
-        return offsets
+        return offsets, chunks
 
     # ----------------------------------------------------------------- reload
     @torch.no_grad()
@@ -415,7 +427,9 @@ class Ferry:
                     arena = None if self._before_alloc else ReloadArena.seed(self.device, plan.nbytes)
                     start = self._streams.event(h2d, timing=True)
                 allocated = 0
-                for storage, n, slot in zip(plan.storages, plan.nbytes, off.slots):
+                packed = {si for ch in off.chunks for si in ch.storages}
+                dests: dict[int, torch.Tensor] = {}
+                for si, (storage, n, slot) in enumerate(zip(plan.storages, plan.nbytes, off.slots)):
                     allocated += n
                     if self._before_alloc is not None:
                         self._before_alloc(allocated)
@@ -424,11 +438,16 @@ class Ferry:
                     if not n:
                         continue
                     dst = _storage_bytes(storage, self.device)
-                    if cuda:
+                    if si in packed:
+                        dests[si] = dst
+                    elif cuda:
                         with torch.cuda.stream(h2d):
                             dst.copy_(slot, non_blocking=True)
                     else:
                         dst.copy_(slot)
+                with torch.cuda.stream(h2d) if cuda else contextlib.nullcontext():
+                    for ch, pool_chunk in zip(off.chunks, off.pool_chunks):
+                        unpack_from_host(ch, pool_chunk, dests, self.device)
             except BaseException as e:
                 self._undo_partial_reload(plan, done)
                 if isinstance(e, torch.OutOfMemoryError):

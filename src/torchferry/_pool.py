@@ -1,55 +1,12 @@
-"""The host pool: one exact-size host block, cut into aligned slots, reused every cycle."""
+"""The host pool: one exact-size host block, cut into slots (``_packing.layout``), reused every cycle."""
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 
 from ._host_memory import HostBuffer
 
-__all__ = ["SLOT_ALIGN", "HostPool", "layout_slots"]
-
-# Slot alignment in bytes. 512 B is the CUDA caching allocator's minimum block
-# size and alignment (c10/cuda/CUDACachingAllocator.cpp, kMinBlockSize), so a
-# slot is aligned at least as well as the device storage it mirrors, and every
-# dtype's element size (at most 16 B) divides it. Storages under 512 B get
-# 16-B slots, so thousands of scalars do not cost 512 B each.
-SLOT_ALIGN = 512
-SMALL_SLOT_ALIGN = 16
-
-
-def _align_up(n: int, align: int = SLOT_ALIGN) -> int:
-    return (n + align - 1) // align * align
-
-
-def _slot_align(n: int) -> int:
-    return SLOT_ALIGN if n >= SLOT_ALIGN else SMALL_SLOT_ALIGN
-
-
-def layout_slots(sizes: Sequence[int]) -> tuple[list[int], int]:
-    """Packs storages of ``sizes`` bytes into one block.
-
-    Args:
-        sizes: bytes per storage, in transfer order (zero allowed).
-
-    Returns:
-        ``(offsets, total)``: the byte offset of each slot (a multiple of
-        :data:`SLOT_ALIGN` for storages of at least that size, of
-        :data:`SMALL_SLOT_ALIGN` below) and the block size in bytes. Padding
-        is under ``SLOT_ALIGN`` per large storage and under
-        ``SMALL_SLOT_ALIGN`` per small one, plus the large slots' alignment.
-    """
-    offsets, total = [], 0
-    for n in sizes:
-        if n < 0:
-            raise ValueError(f"storage size must be >= 0, got {n}")
-        if n:
-            total = _align_up(total, _slot_align(n))
-        offsets.append(total)
-        total += n
-    return offsets, total
-
+__all__ = ["HostPool"]
 
 class HostPool:
     """Persistent host memory for one ferry.

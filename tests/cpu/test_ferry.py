@@ -292,3 +292,21 @@ def test_stats_logging_and_profiler_ranges(caplog):
     done = [r.getMessage() for r in caplog.records if " done: " in r.getMessage()]
     assert len(done) == 3 and all("bytes in" in d and "GB/s" in d for d in done)
     ferry.reload()
+
+
+def test_thousands_of_small_tensors_round_trip_through_packing():
+    from torchferry import _packing
+
+    g = torch.Generator().manual_seed(3)
+    ts = [torch.randn(int(n), generator=g) for n in torch.randint(1, 70_000, (3000,), generator=g)]
+    ts += [torch.randint(0, 2, (5,), generator=g).bool(), torch.randn(2 << 18, generator=g)]  # + one large
+    want = [t.clone() for t in ts]
+    ferry = Ferry(*ts)
+    ferry.offload()
+    _, _, chunks = ferry._layout[1], ferry._layout[2], ferry._layout[3]
+    assert len(chunks) >= 3 and sum(len(c.storages) for c in chunks) == 3001  # packed, chunked
+    assert all(c.nbytes <= _packing.PACK_CHUNK for c in chunks)
+    assert all(torch.equal(a, b) for a, b in zip(ts, want))
+    ferry.reload()
+    assert all(torch.equal(a, b) for a, b in zip(ts, want))
+    assert ferry.host_bytes < 1.01 * ferry.state_bytes

@@ -174,9 +174,9 @@ def _interrupt_on_nth_copy(n: int):
 @pytest.mark.parametrize("direction", ["offload", "reload"])
 def test_interrupt_between_copies_leaves_a_well_defined_state(monkeypatch, direction):
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    m = nn.Sequential(nn.Linear(1024, 512), nn.Linear(512, 1024))  # 2 MiB weights: one copy each
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
-    m(torch.randn(2, 8)).sum().backward()
+    m(torch.randn(2, 1024)).sum().backward()
     opt.step()
     want = [t.detach().clone() for t in list(m.parameters()) + [v for s in opt.state.values() for v in s.values()]]
     ferry = Ferry(m, opt)
@@ -191,7 +191,7 @@ def test_interrupt_between_copies_leaves_a_well_defined_state(monkeypatch, direc
     got = [t.detach() for t in list(m.parameters()) + [v for s in opt.state.values() for v in s.values()]]
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     if direction == "offload":
-        m(torch.randn(2, 8))  # no guard left behind
+        m(torch.randn(2, 1024))  # no guard left behind
     ferry.offload()
     ferry.reload()  # a retry succeeds
     got = [t.detach() for t in list(m.parameters()) + [v for s in opt.state.values() for v in s.values()]]

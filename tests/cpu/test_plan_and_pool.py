@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from torchferry._plan import _resolve_device, build_plan
-from torchferry._pool import SLOT_ALIGN, SMALL_SLOT_ALIGN, HostPool, layout_slots
+from torchferry._packing import PACK_BELOW, layout
+from torchferry._pool import HostPool
 from tests.helpers import Mixed
 
 
@@ -78,21 +79,29 @@ def test_several_devices_are_refused():
         _resolve_device(found[:1], torch.device("cpu"))
 
 
-def test_slots_are_aligned_and_tight():
-    sizes = [3, 0, 512, 1000, 1 << 20, 7, 16, 600]
-    offsets, total = layout_slots(sizes)
-    for o, n in zip(offsets, sizes):
-        if n:  # an empty slot has no bytes to align
-                assert o % (SLOT_ALIGN if n >= SLOT_ALIGN else SMALL_SLOT_ALIGN) == 0, (o, n)
-    for (o, n), nxt in zip(zip(offsets, sizes), offsets[1:] + [total]):
-        assert o + n <= nxt  # no overlap
-    assert total == offsets[-1] + sizes[-1]
-    # Many scalars: 16-B slots, not 512-B ones (4 B of state each).
-    _, total = layout_slots([4] * 10_000)
-    assert total == 16 * 9_999 + 4
-    # A model-sized layout (Qwen2.5-7B-like shard sizes) is within 1.0001x.
+def test_layout_large_slots_aligned_small_ones_packed_in_chunks():
+    sizes = [3, 0, 512, 1000, 3 << 20, 7, 16, 600, 2 << 20]
+    offsets, total, chunks = layout(sizes, chunk=1024)
+    large = [i for i, n in enumerate(sizes) if n >= PACK_BELOW]
+    small = [i for i, n in enumerate(sizes) if 0 < n < PACK_BELOW]
+    assert all(offsets[i] % 512 == 0 for i in large)
+    assert all(offsets[i] % 16 == 0 for i in small)
+    assert max(offsets[i] for i in large) < min(offsets[i] for i in small)  # large first
+    spans = sorted((offsets[i], offsets[i] + sizes[i]) for i in large + small)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))  # no overlap
+    assert total == spans[-1][1]
+    # chunks: consecutive, within the bound (but for a single larger storage), covering all small ones
+    assert [si for ch in chunks for si in ch.storages] == small
+    for ch in chunks:
+        assert ch.nbytes <= 1024 or len(ch.storages) == 1
+        for si, o in zip(ch.storages, ch.offsets):
+            assert offsets[si] == ch.pool_offset + o
+    # many scalars pack at 16 B each
+    _, total, chunks = layout([4] * 10_000)
+    assert total == 16 * 9_999 + 4 and len(chunks) == 1
+    # a Qwen2.5-7B-like shard layout stays within 1.0001x
     shard_sizes = [545_128_448] * 2 + [25_690_112, 3_670_016, 3_670_016, 25_690_112, 135_790_592 * 3, 7168] * 28
-    _, total = layout_slots(shard_sizes)
+    _, total, _ = layout(shard_sizes)
     assert total <= 1.0001 * sum(shard_sizes)
 
 

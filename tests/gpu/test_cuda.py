@@ -210,3 +210,21 @@ def test_swap_within_a_budget_bit_exact():
         torch.testing.assert_close(t, w, atol=0, rtol=0)
     for t, w in zip(b, want_b):
         torch.testing.assert_close(t.cpu(), w, atol=0, rtol=0)
+
+
+def test_small_tensors_packed_round_trip_bit_exact():
+    g = torch.Generator(device=DEV).manual_seed(0)
+    ts = [torch.randn(64 << 10, device=DEV, generator=g) for _ in range(4096)]  # 4096 x 256 KiB
+    want = [t.clone() for t in ts]
+    ferry = Ferry(*ts)
+    h = ferry.offload()
+    scribble = torch.full((256 << 20,), float("nan"), device=DEV)  # may reuse the released blocks
+    h.wait()
+    assert len(ferry._layout[3]) == 16  # 1 GiB in 64 MiB chunks
+    for t, w in zip(ts, want):
+        assert t.is_pinned()
+        torch.testing.assert_close(t, w.cpu(), atol=0, rtol=0)
+    del scribble
+    ferry.reload()
+    for t, w in zip(ts, want):
+        torch.testing.assert_close(t, w, atol=0, rtol=0)

@@ -108,13 +108,13 @@ def forward_prefetch_units(unit: nn.Module) -> list[nn.Module]:
         state = unit._get_fsdp_state()
     except AttributeError:
         return []
-    out = []
+    out: list[nn.Module] = []
     for other in getattr(state, "_states_to_forward_prefetch", []) or []:
+        out.extend(getattr(other, "_modules", ()) or ())  # the FSDPState's modules
         for group in ([getattr(other, "_fsdp_param_group", None)]
                       + list(getattr(other, "_fsdp_param_groups", []) or [])):
-            module = getattr(group, "module", None) if group is not None else None
-            if module is not None:
-                out.append(module)
+            if group is not None:
+                out.extend(getattr(group, "modules", ()) or ())
     return out
 
 

@@ -108,3 +108,35 @@ def test_prefetch_fsdp2_two_ranks_gloo():
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed not available")
     run_spawned(_prefetch_checks, world=2, backend="gloo")
+
+
+def _explicit_prefetch_checks(rank: int, world: int) -> None:
+    """FSDP2's explicit forward prefetch all-gathers the next unit from this unit's pre-forward:
+    that unit must be made resident too, before FSDP2 reads it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.cpu.test_fsdp2_gloo import build_uneven, train_step
+    from torchferry._prefetch import forward_prefetch_units
+
+    mesh = init_device_mesh("cpu", (world,))
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+    ref_m, ref_opt = build_uneven(mesh)
+    m, opt = build_uneven(mesh)
+    m[0].set_modules_to_forward_prefetch([m[2]])
+    assert any(u is m[2] for u in forward_prefetch_units(m[0]))
+    ferry = Ferry(m, opt)
+    train_step(ref_m, ref_opt, x)
+    train_step(m, opt, x)
+    for _ in range(2):
+        ferry.offload()
+        ferry.reload(prefetch=Prefetch(lookahead_bytes=1))
+        seen = []
+        m[0].register_forward_pre_hook(lambda mod, args: seen.append(not any(_in_pool(p) for p in m[2].parameters())))
+        assert torch.equal(train_step(ref_m, ref_opt, x), train_step(m, opt, x))
+        assert seen and seen[0]  # m[2] resident already at m[0]'s forward
+
+
+def test_explicit_forward_prefetch_units_are_made_resident_early():
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed not available")
+    run_spawned(_explicit_prefetch_checks, world=2, backend="gloo")

@@ -82,6 +82,31 @@ class _Offloaded:
         self.pool_chunks = pool_chunks  # 1D uint8 pool views, one per chunk
 
 
+# Ferries with a layer-wise reload under way. While any is, every optimizer's
+# step first completes them all: a step must not update parameters still on
+# the host (an optimizer outside the ferry, a unit its forward skipped).
+_prefetching_ferries: dict[int, Ferry] = {}
+_global_step_hook: list = []
+
+
+def _complete_all_prefetches(optimizer: object, args: object, kwargs: object) -> None:
+    for ferry in list(_prefetching_ferries.values()):
+        if ferry._prefetching is not None:
+            ferry._finish_prefetch()
+
+
+def _install_global_step_hook() -> None:
+    if not _global_step_hook:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _global_step_hook.append(register_optimizer_step_pre_hook(_complete_all_prefetches))
+
+
+def _remove_global_step_hook_if_idle() -> None:
+    if not _prefetching_ferries and _global_step_hook:
+        _global_step_hook.pop().remove()
+
+
 class _Prefetching:
     """What a ferry holds while a layer-wise reload is under way."""
 
@@ -91,6 +116,7 @@ class _Prefetching:
         self.policy = policy
         self.issued = 0  # groups issued, in order
         self.events: list[torch.cuda.Event | None] = []  # per issued group, on the H2D stream
+        self.versions: list[list[int]] = []  # per issued group: its host tensors' versions at issue
         self.resident: set[int] = set()  # groups whose tensors point at the device again
         self.allocated: list[int] = []  # storage indices re-allocated so far
         self.hooks: list = []
@@ -158,6 +184,7 @@ class Ferry:
         self._before_alloc: Callable[[int], None] | None = None
         self._state_bytes = plan.state_bytes
         self._stats = TransferStats()
+        self._latest: dict[str, TransferHandle] = {}  # the last handle of each direction
         self._closed = False
 
     # ------------------------------------------------------------------ state
@@ -190,7 +217,7 @@ class Ferry:
         seconds = handle.seconds or 0.0
         st = self._stats
         changes = {f"{kind}_seconds": getattr(st, f"{kind}_seconds") + seconds}
-        if handle is self._last:
+        if handle is self._latest.get(handle.direction):
             changes[f"last_{kind}_s"] = seconds
         self._stats = dataclasses.replace(st, **changes)
         logger.debug("%s done: %d bytes in %.6f s (%.2f GB/s) on %s", kind, handle.nbytes, seconds,
@@ -252,6 +279,8 @@ class Ferry:
             RuntimeError: host memory could not be allocated or pinned.
         """
         self._check_open()
+        if self._prefetching is not None:
+            self._finish_prefetch()
         if self.residency.on_host:
             return 0.0
         before = self._pool.nbytes
@@ -335,7 +364,8 @@ class Ferry:
             self._offloaded = _Offloaded(plan, repointer, device_locals, slots, chunks, pool_chunks)
             self._state = Residency.D2H_IN_FLIGHT if cuda else Residency.HOST
             self._issued("d2h", nbytes)
-            handle = self._last = TransferHandle("d2h", nbytes, event, issued_at, start_event=start)
+            handle = self._last = self._latest["d2h"] = TransferHandle("d2h", nbytes, event, issued_at,
+                                                                        start_event=start)
             handle.add_done_callback(self._completed)
             # See [Note: release is safe against the in-flight copy].
             for src, storage in zip(sources, plan.storages):
@@ -408,7 +438,10 @@ class Ferry:
         off = self._offloaded
         assert off is not None
         plan = off.plan
-        if prefetch:
+        # Gradients in the state: a zero_grad(set_to_none=False) before the forward
+        # would write their host copies with _foreach_zero_, which DTensors do not
+        # count in their version counters. Reload those plainly.
+        if prefetch and not any(r.name.endswith(".grad") for r in plan.tensors):
             groups = group_plan(plan) if lazy_init_done(plan) else []
             if len(groups) > 1 or (groups and plan.optimizers):
                 policy = prefetch if isinstance(prefetch, Prefetch) else Prefetch()
@@ -473,7 +506,8 @@ class Ferry:
         self._guards.remove()
         self._state = Residency.H2D_IN_FLIGHT if cuda else Residency.DEVICE
         self._issued("h2d", plan.state_bytes)
-        handle = self._last = TransferHandle("h2d", plan.state_bytes, event, issued_at, start_event=start)
+        handle = self._last = self._latest["h2d"] = TransferHandle("h2d", plan.state_bytes, event, issued_at,
+                                                                    start_event=start)
         handle.add_done_callback(self._completed)
         logger.debug("reload: %d bytes in %d storages to %s", plan.state_bytes, len(plan.storages), self.device)
         return handle
@@ -508,6 +542,8 @@ class Ferry:
                 pf.hooks.append(g.unit.register_forward_pre_hook(self._unit_hook(gi), prepend=True))
         for opt in off.plan.optimizers:
             pf.hooks.append(opt.register_step_pre_hook(self._prefetch_step_hook))
+        _prefetching_ferries[id(self)] = self
+        _install_global_step_hook()
         nbytes = sum(groups[i].nbytes for i in range(pf.issued))
         self._issued("h2d", off.plan.state_bytes)  # all of it comes back, unit by unit
         pf.issued_at = issued_at
@@ -533,6 +569,14 @@ class Ferry:
         for si in pf.groups[gi].storages:
             plan.storages[si].resize_(plan.nbytes[si])
             pf.allocated.append(si)
+        pf.versions.append(self._group_versions(pf, gi))
+        self._copy_group(pf, gi)
+        pf.events.append(self._streams.event(self._streams.h2d, timing=True) if cuda else None)
+        pf.issued += 1
+
+    def _copy_group(self, pf: _Prefetching, gi: int) -> None:
+        plan, off, cuda = pf.off.plan, pf.off, self._streams.is_cuda
+        for si in pf.groups[gi].storages:
             if not plan.nbytes[si]:
                 continue
             dst = _storage_bytes(plan.storages[si], self.device)
@@ -541,17 +585,29 @@ class Ferry:
                     dst.copy_(off.slots[si], non_blocking=True)
             else:
                 dst.copy_(off.slots[si])
-        pf.events.append(self._streams.event(self._streams.h2d, timing=True) if cuda else None)
-        pf.issued += 1
+
+    @staticmethod
+    def _group_versions(pf: _Prefetching, gi: int) -> list[int]:
+        """Version counters of a group's host tensors (bumped by every in-place write)."""
+        tensors = pf.off.repointer.tensors
+        # A DTensor's in-place ops bump the outer counter (zero_, mul_) or neither
+        # (the _foreach_ ops): both are read; see [Note: prefetch reload].
+        return [t._version + (t._local_tensor._version if hasattr(t, "_local_tensor") else 0)
+                for t in (tensors[i] for i in pf.groups[gi].tensors)]
 
     def _unit_hook(self, gi: int):
         def hook(module: nn.Module, args: object) -> None:
             pf = self._prefetching
-            if pf is None or gi in pf.resident:
+            if pf is None:
                 return
+            # This unit, and the ones FSDP2 all-gathers ahead from its pre-forward
+            # (which may already be resident themselves, their targets not).
             targets = forward_prefetch_units(module)
-            wanted = [gi] + [j for j, g in enumerate(pf.groups)
-                             if g.unit is not None and any(g.unit is u for u in targets)]
+            wanted = [j for j, g in enumerate(pf.groups)
+                      if j == gi or (g.unit is not None and any(g.unit is u for u in targets))]
+            wanted = [j for j in wanted if j not in pf.resident]
+            if not wanted:
+                return
             self._issue_ahead(pf, max(wanted))
             for j in wanted:
                 self._make_resident(pf, j)
@@ -570,6 +626,13 @@ class Ferry:
     def _make_resident(self, pf: _Prefetching, gi: int) -> None:
         if gi in pf.resident:
             return
+        if self._group_versions(pf, gi) != pf.versions[gi]:
+            # Written on the host after its copy was issued: copy it again.
+            if self._streams.is_cuda:
+                self._streams.h2d.wait_stream(self._streams.current())
+            self._copy_group(pf, gi)
+            if self._streams.is_cuda:
+                pf.events[gi] = self._streams.event(self._streams.h2d)
         ev = pf.events[gi]
         if ev is not None:
             self._streams.current().wait_event(ev)
@@ -591,14 +654,16 @@ class Ferry:
     def _end_prefetch(self, pf: _Prefetching) -> TransferHandle:
         for h in pf.hooks:
             h.remove()
+        _prefetching_ferries.pop(id(self), None)
+        _remove_global_step_hook_if_idle()
         if pf.arena is not None:
             self._arena = pf.arena
         self._prefetching = None
         self._offloaded = None
         cuda = self._streams.is_cuda
         self._state = Residency.H2D_IN_FLIGHT if cuda else Residency.DEVICE
-        handle = self._last = TransferHandle("h2d", pf.off.plan.state_bytes, pf.events[-1], pf.issued_at,
-                                             start_event=pf.start)
+        handle = self._last = self._latest["h2d"] = TransferHandle(
+            "h2d", pf.off.plan.state_bytes, pf.events[-1], pf.issued_at, start_event=pf.start)
         handle.add_done_callback(self._completed)
         return handle
 

@@ -33,7 +33,7 @@ class TransferHandle:
         self.nbytes = nbytes
         self._event = event  # recorded on the copy stream after the last copy
         self._start_event = start_event  # recorded on the copy stream before the first copy
-        self._on_complete: Callable[[TransferHandle], None] | None = None
+        self._callbacks: list[Callable[[TransferHandle], None]] = []
         self.issued_at = time.perf_counter() if issued_at is None else issued_at
         self._completed_at: float | None = None
         if event is None:
@@ -41,8 +41,8 @@ class TransferHandle:
 
     def _complete(self, when: float) -> None:
         self._completed_at = when
-        callback, self._on_complete = self._on_complete, None
-        if callback is not None:
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
             callback(self)
 
     def add_done_callback(self, fn: Callable[[TransferHandle], None]) -> None:
@@ -53,7 +53,7 @@ class TransferHandle:
         if self._completed_at is not None:
             fn(self)
         else:
-            self._on_complete = fn
+            self._callbacks.append(fn)
 
     def done(self) -> bool:
         """True when every copy of the transfer has finished (never blocks)."""

@@ -9,6 +9,7 @@ rest (optimizer state, plain tensors). Copies for the groups are issued on the
 H2D stream in that order, all at once or, with ``lookahead_bytes``, keeping at
 most that many bytes issued ahead of the unit being computed.
 
+A unit is an FSDP2 state: ``fully_shard([a, b])`` makes one unit of both.
 Every unit gets a forward pre-hook, prepended so that it runs before FSDP2's
 own (which all-gathers the unit's ``_sharded_param_data``). The hook makes the
 current stream wait for the unit's copy event (and for the units FSDP2 will
@@ -19,6 +20,18 @@ target, so ``optimizer.step()`` cannot run on state still in flight. When the
 last group is resident the hooks are removed. Until its unit runs, a group's
 tensors stay CPU tensors viewing the pool (still correct, just not moved yet);
 ``ferry.reload()`` without prefetch completes everything at once.
+
+Between ``reload(prefetch=...)`` and a unit's forward its tensors are host
+tensors. In-place writes to them there (``p.mul_(2)``) are not lost: version
+counters are recorded when the copies are issued and a group written since is
+copied again when made resident. Writes the counters do not see are: the
+``_foreach_`` ops on DTensors, writes through ``p.data`` or through views
+taken before the offload. So: state holding gradients is reloaded plainly
+(``zero_grad(set_to_none=False)`` before the forward uses ``_foreach_zero_``),
+every optimizer step first completes every prefetch under way (a global step
+pre-hook while one is), and you should not write parameters between the
+reload and the forward otherwise. FSDP2's ``unshard()`` called by hand there
+would read a unit not yet resident.
 """
 
 from __future__ import annotations
@@ -54,7 +67,10 @@ class Prefetch:
 
 @dataclasses.dataclass
 class Group:
-    """The storages and tensors one FSDP unit needs (``unit is None``: the tail group)."""
+    """The storages and tensors one FSDP unit needs (``unit is None``: the tail group).
+
+    ``units`` lists every module of the unit (several for ``fully_shard([a, b])``).
+    """
 
     unit: nn.Module | None
     storages: list[int] = dataclasses.field(default_factory=list)  # indices into plan.storages
@@ -71,7 +87,16 @@ def group_plan(plan: Plan) -> list[Group]:
     groups; without FSDP units, one tail group if there are optimizer targets
     (else an empty list: a plain reload).
     """
-    units = [u for m in plan.modules for u in fsdp_modules(m)]
+    units: list[nn.Module] = []
+    seen_states: dict[int, int] = {}  # id(FSDPState) -> index in units
+    alias: dict[int, int] = {}  # id(module) -> unit index, for grouped fully_shard([a, b])
+    for m in plan.modules:
+        for u in fsdp_modules(m):
+            key = id(u._get_fsdp_state())
+            if key not in seen_states:
+                seen_states[key] = len(units)
+                units.append(u)
+            alias[id(u)] = seen_states[key]
     if not units:
         # Optimizer state alone: one tail group, completed by the step pre-hook,
         # so the forward before the step does not wait for it.
@@ -80,12 +105,14 @@ def group_plan(plan: Plan) -> list[Group]:
             return [tail]
         return []
     owner: dict[int, int] = {}  # id(tensor) -> group index
-    for gi in reversed(range(len(units))):  # innermost first claims
-        for p in units[gi].parameters():
+    members = [m for root in plan.modules for m in fsdp_modules(root)]
+    for u in reversed(members):  # innermost first claims
+        gi = alias[id(u)]
+        for p in u.parameters():
             owner.setdefault(id(p), gi)
             if p.grad is not None:
                 owner.setdefault(id(p.grad), gi)
-        for b in units[gi].buffers():
+        for b in u.buffers():
             owner.setdefault(id(b), gi)
     tail = len(units)
     groups = [Group(u) for u in units] + [Group(None)]
@@ -94,6 +121,16 @@ def group_plan(plan: Plan) -> list[Group]:
         gi = owner.get(id(ref.tensor), tail)
         si = ref.storage_index
         storage_group[si] = min(storage_group.get(si, gi), gi)
+    # A parameter and its grad must move together (the grad link of a DTensor
+    # parameter is re-made in the same re-pointing batch): unify their groups.
+    tensor_of = {id(r.tensor): r for r in plan.tensors}
+    for _ in range(2):
+        for ref in plan.tensors:
+            g = getattr(ref.tensor, "grad", None) if ref.tensor.requires_grad else None
+            if g is not None and id(g) in tensor_of:
+                a, b = ref.storage_index, tensor_of[id(g)].storage_index
+                low = min(storage_group[a], storage_group[b])
+                storage_group[a] = storage_group[b] = low
     for ti, ref in enumerate(plan.tensors):
         groups[storage_group[ref.storage_index]].tensors.append(ti)
     for si, gi in sorted(storage_group.items()):

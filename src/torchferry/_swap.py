@@ -40,12 +40,19 @@ def swap(out: Ferry, into: Ferry, *, gpu_budget_bytes: int | None = None) -> tup
 
     Raises:
         ValueError: the two ferries are one, or on different devices, or the
-            budget cannot hold what is allocated besides ``out`` plus ``into``'s state.
+            budget is negative or cannot hold what is allocated besides ``out``
+            plus ``into``'s state.
+        RuntimeError: a ferry is closed, or ``into``'s reload failed (``out``
+            is then reloaded too, so neither moved).
     """
     if out is into:
         raise ValueError("torchferry.swap: out and into are the same ferry")
     if out.device != into.device:
         raise ValueError(f"torchferry.swap: out is on {out.device} but into on {into.device}")
+    if gpu_budget_bytes is not None and gpu_budget_bytes < 0:
+        raise ValueError(f"torchferry.swap: gpu_budget_bytes must be >= 0, got {gpu_budget_bytes}")
+    out._check_open()
+    into._check_open()
     cuda = out.device.type == "cuda"
     base = torch.cuda.memory_allocated(out.device) if cuda else 0
     out_bytes = out.state_bytes if not out.residency.on_host else 0
@@ -78,6 +85,9 @@ def swap(out: Ferry, into: Ferry, *, gpu_budget_bytes: int | None = None) -> tup
         into._before_alloc = before_alloc
     try:
         h_in = into.reload()
+    except BaseException:
+        out.reload()  # all or nothing: bring the outgoing state back before raising
+        raise
     finally:
         into._before_alloc = None
     return h_out, h_in

@@ -40,11 +40,11 @@ def fsdp_params(m):
     return out
 
 
-def train_step(m, opt, x):
+def train_step(m, opt, x, set_to_none=False):
     loss = m(x).square().mean()
     loss.backward()
     opt.step()
-    opt.zero_grad(set_to_none=False)
+    opt.zero_grad(set_to_none=set_to_none)
     return loss.detach()
 
 

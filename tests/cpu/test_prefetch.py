@@ -34,8 +34,12 @@ def test_without_fsdp_units_prefetch_is_a_plain_reload():
 def _prefetch_checks(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tests.cpu.test_fsdp2_gloo import build_uneven, train_step
+    from tests.cpu.test_fsdp2_gloo import build_uneven
+    from tests.cpu.test_fsdp2_gloo import train_step as _train
     from tests.helpers import assert_same, snapshot
+
+    def train_step(model, o, x):  # grads dropped after the step, as verl does
+        return _train(model, o, x, set_to_none=True)
 
     mesh = init_device_mesh("cpu", (world,))
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
@@ -91,7 +95,16 @@ def _prefetch_checks(rank: int, world: int) -> None:
     assert torch.equal(loss, train_step(ref_m, ref_opt, x))
     assert ferry.residency is Residency.DEVICE
 
-    # 4. reload() while prefetching completes at once; offload while prefetching is fine too.
+    # 4. State holding grads is reloaded plainly (see [Note: prefetch reload]).
+    m(x).sum().backward()
+    ref_m(x).sum().backward()
+    ferry.offload()
+    ferry.reload(prefetch=True)
+    assert ferry.residency is Residency.DEVICE
+    opt.zero_grad(set_to_none=True)
+    ref_opt.zero_grad(set_to_none=True)
+
+    # 5. reload() while prefetching completes at once; offload while prefetching is fine too.
     ferry.offload()
     ferry.reload(prefetch=True)
     ferry.reload()
@@ -115,8 +128,12 @@ def _explicit_prefetch_checks(rank: int, world: int) -> None:
     that unit must be made resident too, before FSDP2 reads it."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tests.cpu.test_fsdp2_gloo import build_uneven, train_step
+    from tests.cpu.test_fsdp2_gloo import build_uneven
+    from tests.cpu.test_fsdp2_gloo import train_step as _train
     from torchferry._prefetch import forward_prefetch_units
+
+    def train_step(model, o, x):
+        return _train(model, o, x, set_to_none=True)
 
     mesh = init_device_mesh("cpu", (world,))
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))

@@ -59,7 +59,7 @@ def test_unpatch_restores_verl_and_patch_is_idempotent():
     original = verl_fsdp_utils.offload_fsdp2_model_to_cpu
     first = tf_verl.patch()
     assert tf_verl.patch() == first and tf_verl.is_patched()
-    assert verl_fsdp_utils.offload_fsdp2_model_to_cpu is compat.offload_fsdp2_model_to_cpu
+    assert verl_fsdp_utils.offload_fsdp2_model_to_cpu.__wrapped__ is compat.offload_fsdp2_model_to_cpu
     tf_verl.unpatch()
     assert verl_fsdp_utils.offload_fsdp2_model_to_cpu is original and not tf_verl.is_patched()
     assert "model.to(\"cpu\", non_blocking=True)" in inspect.getsource(original)
@@ -76,3 +76,15 @@ def test_verl_not_importable(monkeypatch):
     monkeypatch.setitem(sys.modules, "verl.utils.fsdp_utils", None)
     with pytest.raises(RuntimeError, match="verl is not importable"):
         tf_verl.patch()
+
+
+def test_unpatch_also_restores_verl_modules_imported_after_patch(monkeypatch):
+    import types
+
+    tf_verl.patch()
+    late = types.ModuleType("verl.late_engine")
+    late.offload_fsdp2_model_to_cpu = verl_fsdp_utils.offload_fsdp2_model_to_cpu  # bound by name after patch()
+    monkeypatch.setitem(sys.modules, "verl.late_engine", late)
+    tf_verl.unpatch()
+    assert late.offload_fsdp2_model_to_cpu is verl_fsdp_utils.offload_fsdp2_model_to_cpu
+    assert not hasattr(late.offload_fsdp2_model_to_cpu, "__torchferry_original__")

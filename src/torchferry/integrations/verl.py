@@ -16,6 +16,7 @@ code), ``offload_fsdp2_model_to_cpu``, ``load_fsdp2_model_to_gpu``,
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import sys
@@ -69,9 +70,18 @@ def _replacements(fsdp_utils) -> dict[str, Callable]:
         "offload_fsdp_optimizer": compat.offload_fsdp_optimizer,
         "load_fsdp_optimizer": compat.load_fsdp_optimizer,
     }
-    for name, fn in out.items():
-        fn.__torchferry_original__ = original[name]  # type: ignore[attr-defined]
-    return out
+    return {name: _tagged(fn, original[name]) for name, fn in out.items()}
+
+
+def _tagged(fn: Callable, original: Callable) -> Callable:
+    """A wrapper of ``fn`` that remembers verl's ``original`` (for :func:`unpatch`)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    wrapper.__torchferry_original__ = original  # type: ignore[attr-defined]
+    return wrapper
 
 
 def patch() -> list[str]:
@@ -120,9 +130,17 @@ def patch() -> list[str]:
 
 
 def unpatch() -> None:
-    """Puts verl's own helpers back. Idempotent."""
+    """Puts verl's own helpers back, also in verl modules imported after :func:`patch`. Idempotent."""
     while _patched:
         mod_name, name, orig = _patched.pop()
         module = sys.modules.get(mod_name)
         if module is not None:
             setattr(module, name, orig)
+    for mod_name, module in list(sys.modules.items()):
+        if module is None or not (mod_name == "verl" or mod_name.startswith("verl.")):
+            continue
+        for name in _HELPERS:
+            fn = getattr(module, name, None)
+            original = getattr(fn, "__torchferry_original__", None)
+            if original is not None:
+                setattr(module, name, original)

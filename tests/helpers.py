@@ -65,3 +65,11 @@ def identities(module: nn.Module, optimizer: torch.optim.Optimizer | None = None
     if optimizer is not None:
         ids += [id(v) for st in optimizer.state.values() for v in st.values()]
     return ids
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process, bytes (Linux)."""
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

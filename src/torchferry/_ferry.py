@@ -561,7 +561,7 @@ class Ferry:
             self._issue_group(pf, pf.issued)
 
     def _issue_group(self, pf: _Prefetching, gi: int) -> None:
-        plan, off, cuda = pf.off.plan, pf.off, self._streams.is_cuda
+        plan, cuda = pf.off.plan, self._streams.is_cuda
         if cuda and pf.issued > 0 and pf.policy.lookahead_bytes is not None:
             # Issued from a forward hook: the blocks allocated now may have been
             # freed by kernels still queued (see [Note: reload allocates on the caller's stream]).

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 from torch import nn
 
 from ._plan import Plan, fsdp_modules
@@ -164,8 +163,3 @@ def lazy_init_done(plan: Plan) -> bool:
             if getattr(state, "_is_root", None) is None:
                 return False
     return True
-
-
-def is_tensor_on(t: torch.Tensor, device: torch.device) -> bool:
-    local = t._local_tensor if hasattr(t, "_local_tensor") else t
-    return local.device == device

@@ -4,7 +4,6 @@ import gc
 
 import pytest
 import torch
-from torch import nn
 
 import torchferry
 from torchferry import Ferry, Residency

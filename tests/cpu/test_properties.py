@@ -2,7 +2,6 @@
 modules with tied weights, optimizers, grads present or not, any number of cycles:
 the round trip is bit-exact and every tensor object keeps its identity."""
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -4,6 +4,8 @@ integration (each test failed before its fix)."""
 
 from __future__ import annotations
 
+import functools
+
 import sys
 import types
 
@@ -197,26 +199,18 @@ def _lookahead_body(mode):
     return body
 
 
-def _explicit_body(rank, world):
-    _lookahead_body("explicit")(rank, world)
-
-
-def _grouped_body(rank, world):
-    _lookahead_body("grouped")(rank, world)
-
-
-def _unshard_body(rank, world):
-    _lookahead_body("unshard")(rank, world)
+def _lookahead_case(rank, world, mode):
+    _lookahead_body(mode)(rank, world)
 
 
 @needs_dist
-def test_fixed_lookahead_with_set_modules_to_forward_prefetch_segfaults():
-    run_spawned(_explicit_body, world=2)
+def test_fixed_lookahead_with_set_modules_to_forward_prefetch():
+    run_spawned(functools.partial(_lookahead_case, mode="explicit"), world=2)
 
 
 @needs_dist
-def test_fixed_lookahead_with_grouped_fully_shard_segfaults():
-    run_spawned(_grouped_body, world=2)
+def test_fixed_lookahead_with_grouped_fully_shard():
+    run_spawned(functools.partial(_lookahead_case, mode="grouped"), world=2)
 
 
 
@@ -433,29 +427,13 @@ def _holds_body(mode):
     return body
 
 
-def _holds_two(r, w):
-    _holds_body("two_ferries")(r, w)
-
-
-def _holds_noraf(r, w):
-    _holds_body("no_reshard_after_forward")(r, w)
-
-
-def _holds_la0(r, w):
-    _holds_body("lookahead0")(r, w)
-
-
-def _holds_sub(r, w):
-    _holds_body("sub_unit_first")(r, w)
-
-
-def _holds_exc(r, w):
-    _holds_body("exception_in_forward")(r, w)
+def _holds_case(rank, world, mode):
+    _holds_body(mode)(rank, world)
 
 
 @needs_dist
-@pytest.mark.parametrize("body", [_holds_two, _holds_noraf, _holds_la0, _holds_sub, _holds_exc],
-                         ids=["two_ferries", "no_reshard_after_forward", "lookahead0", "sub_unit_first",
-                              "exception_in_forward"])
-def test_holds_prefetch_training_bit_identical(body):
+@pytest.mark.parametrize("mode", ["two_ferries", "no_reshard_after_forward", "lookahead0", "sub_unit_first",
+                                  "exception_in_forward"])
+def test_holds_prefetch_training_bit_identical(mode):
+    body = functools.partial(_holds_case, mode=mode)
     run_spawned(body, world=2)

@@ -6,6 +6,7 @@ import os
 import torch
 from torch import nn
 
+from tests.helpers import rss_bytes
 from torchferry import Ferry
 from torchferry import _host_memory
 
@@ -15,10 +16,6 @@ CYCLES = int(os.environ.get("TORCHFERRY_SOAK_CYCLES", "1000"))
 RSS_TOLERANCE = 8 << 20  # bytes
 OBJECT_TOLERANCE = 200  # Python objects tracked by the gc
 
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def test_cycles_hold_memory_and_objects_flat():
@@ -33,12 +30,12 @@ def test_cycles_hold_memory_and_objects_flat():
         ferry.offload()
         ferry.reload()
     gc.collect()
-    rss0, objs0, host0 = _rss(), len(gc.get_objects()), ferry.host_bytes
+    rss0, objs0, host0 = rss_bytes(), len(gc.get_objects()), ferry.host_bytes
     for _ in range(CYCLES):
         ferry.offload()
         ferry.reload()
     gc.collect()
-    growth = _rss() - rss0
+    growth = rss_bytes() - rss0
     assert ferry.host_bytes == host0
     assert growth < RSS_TOLERANCE, f"RSS grew {growth} bytes over {CYCLES} cycles"
     assert len(gc.get_objects()) - objs0 < OBJECT_TOLERANCE

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-from torch import nn
 
 verl_fsdp_utils = pytest.importorskip("verl.utils.fsdp_utils", reason="verl not installed")
 

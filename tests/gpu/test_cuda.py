@@ -2,9 +2,7 @@
 
 import pytest
 import torch
-from torch import nn
 
-import torchferry
 from torchferry import Ferry, Residency
 from tests.helpers import Mixed, assert_same, identities, snapshot
 

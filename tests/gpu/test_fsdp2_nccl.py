@@ -6,8 +6,6 @@ round trip is bit-exact; with the seed's method, uneven shards lose pinning
 (shared/DESIGN.md). Here uneven and empty shards must stay pinned.
 """
 
-import functools
-
 import pytest
 import torch
 

@@ -1,20 +1,16 @@
 """GPU reliability: a real out-of-memory during reload, and a 1,000-cycle soak."""
 
 import gc
-import os
 
 import pytest
 import torch
 from torch import nn
 
+from tests.helpers import rss_bytes
 from torchferry import Ferry, Residency
 
 pytestmark = pytest.mark.gpu
 
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def test_real_out_of_memory_during_reload_keeps_state_and_retry_succeeds():
@@ -48,14 +44,14 @@ def test_thousand_cycles_hold_memory_flat():
         ferry.reload()
     torch.cuda.synchronize()
     gc.collect()
-    rss0, objs0 = _rss(), len(gc.get_objects())
+    rss0, objs0 = rss_bytes(), len(gc.get_objects())
     reserved0, host0 = torch.cuda.memory_reserved(), ferry.host_bytes
     for _ in range(1000):
         ferry.offload()
         ferry.reload()
     torch.cuda.synchronize()
     gc.collect()
-    growth = {"rss": _rss() - rss0, "objects": len(gc.get_objects()) - objs0,
+    growth = {"rss": rss_bytes() - rss0, "objects": len(gc.get_objects()) - objs0,
               "reserved": torch.cuda.memory_reserved() - reserved0, "host": ferry.host_bytes - host0}
     print("growth over 1000 cycles:", growth)
     assert growth["host"] == 0 and growth["reserved"] == 0

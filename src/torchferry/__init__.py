@@ -5,10 +5,11 @@ Importing this package does not initialise CUDA.
 
 from ._ferry import Ferry
 from ._handle import TransferHandle
+from ._host_budget import HostBudgetError
 from ._prefetch import Prefetch
 from ._residency import Residency
 from ._stats import TransferStats
 from ._swap import swap
 
-__all__ = ["Ferry", "Prefetch", "Residency", "TransferHandle", "TransferStats", "swap"]
+__all__ = ["Ferry", "HostBudgetError", "Prefetch", "Residency", "TransferHandle", "TransferStats", "swap"]
 __version__ = "0.1.0"

@@ -12,6 +12,7 @@ pages in the same measurement.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -57,9 +58,16 @@ class _Mapping(mmap.mmap):
     """
 
     pinned_ptr: int = 0
+    on_unmap = None  # called once the memory is unmapped (the node ledger's give-back)
 
     def __del__(self) -> None:
         _live.pop(id(self), None)
+        if self.on_unmap is not None:
+            try:
+                self.on_unmap()
+            except Exception:  # interpreter shutdown; a dead process's entry is dropped anyway
+                pass
+            self.on_unmap = None
         if self.pinned_ptr:
             try:
                 torch.cuda.cudart().cudaHostUnregister(self.pinned_ptr)
@@ -127,52 +135,78 @@ def _touch(buf: torch.Tensor) -> None:
 
 
 class HostBuffer:
-    """One exact-size block of host memory, pinned when ``pin=True``.
+    """One exact-size block of host memory, its first ``pin_bytes`` pinned.
+
+    Args:
+        nbytes: size in bytes (> 0).
+        pin_bytes: bytes from the start to register with CUDA (0: none; at
+            most ``nbytes``). The rest stays pageable.
+        device: the CUDA device index made current while registering (so a
+            thread of rank 1 does not create a context on GPU 0).
 
     Attributes:
         tensor: 1D ``torch.uint8`` tensor of ``nbytes`` elements over the block.
         nbytes: size in bytes (the mapping itself is rounded to the page size).
-        pinned: whether the block is registered with the CUDA driver.
-        pin_seconds: host seconds spent touching and registering the block.
+        pinned_bytes: bytes registered with the CUDA driver (0 when not pinned).
+        pin_seconds: host seconds spent mapping, touching and registering.
 
     Raises:
         RuntimeError: the mapping or the registration failed; the message names
             the bytes asked for and ``MemAvailable``. Nothing stays allocated.
     """
 
-    def __init__(self, nbytes: int, *, pin: bool) -> None:
+    def __init__(self, nbytes: int, *, pin_bytes: int, device: int | None = None) -> None:
         if nbytes <= 0:
             raise ValueError(f"HostBuffer needs a positive size, got {nbytes=}")
+        if not 0 <= pin_bytes <= nbytes:
+            raise ValueError(f"HostBuffer: pin_bytes={pin_bytes} outside [0, {nbytes}]")
         self.nbytes = nbytes
-        self.pinned = False
+        self.pinned_bytes = 0
+        self._pageable: torch.Tensor | None = None
         t0 = time.perf_counter()
         mm = _map_anonymous(nbytes)
         self.tensor = torch.frombuffer(mm, dtype=torch.uint8)  # 1D uint8; keeps `mm` alive
         _live[id(mm)] = (self.tensor.data_ptr(), self.tensor.data_ptr() + nbytes)
         self._mapping = mm
         _touch(self.tensor)
-        if pin:
-            self._register()
+        if pin_bytes:
+            self._register(pin_bytes, device)
         self.pin_seconds = time.perf_counter() - t0
-        logger.debug(
-            "host buffer: %d bytes, pinned=%s, %.3f s", nbytes, self.pinned, self.pin_seconds
-        )
+        logger.debug("host buffer: %d bytes, %d pinned, %.3f s", nbytes, self.pinned_bytes, self.pin_seconds)
 
-    def _register(self) -> None:
+    @property
+    def pinned(self) -> bool:
+        """Whether the whole block is registered with the CUDA driver."""
+        return self.pinned_bytes == self.nbytes
+
+    def _register(self, pin_bytes: int, device: int | None) -> None:
         cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(
-            self.tensor.data_ptr(), self.nbytes, _CUDA_HOST_REGISTER_PORTABLE
-        )
+        with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+            err = cudart.cudaHostRegister(self.tensor.data_ptr(), pin_bytes, _CUDA_HOST_REGISTER_PORTABLE)
         code = int(err[0] if isinstance(err, tuple) else err)
         if code != 0:
             self.free()
             raise RuntimeError(
-                f"torchferry: cudaHostRegister of {self.nbytes} bytes "
-                f"({self.nbytes / 1e9:.2f} GB) failed with CUDA error {code}; "
+                f"torchferry: cudaHostRegister of {pin_bytes} bytes "
+                f"({pin_bytes / 1e9:.2f} GB) failed with CUDA error {code}; "
                 f"available host memory: {_describe_available()}"
             )
-        self.pinned = True
+        self.pinned_bytes = pin_bytes
         self._mapping.pinned_ptr = self.tensor.data_ptr()
+        if pin_bytes < self.nbytes:
+            # The pageable rest as a storage of its own: is_pinned() looks at a
+            # storage's start, so views there must not share the pinned one's.
+            self._pageable = torch.frombuffer(self._mapping, dtype=torch.uint8, offset=pin_bytes)
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """1D ``torch.uint8`` view of ``[offset, offset + nbytes)``, which must lie wholly in
+        the pinned part or wholly in the pageable rest."""
+        pinned = self.pinned_bytes
+        if 0 < pinned < self.nbytes and offset >= pinned:
+            return self._pageable[offset - pinned : offset - pinned + nbytes]
+        if offset < pinned < offset + nbytes:
+            raise AssertionError(f"view [{offset}, {offset + nbytes}) straddles the pinned boundary {pinned}")
+        return self.tensor[offset : offset + nbytes]
 
     def free(self) -> None:
         """Drops the pool's references to the block. Idempotent.
@@ -182,4 +216,5 @@ class HostBuffer:
         later if the caller still holds host views.
         """
         self.tensor = None  # type: ignore[assignment]
+        self._pageable = None
         self._mapping = None

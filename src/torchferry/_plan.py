@@ -11,12 +11,13 @@ every zero-size storage has pointer 0), so tied weights and views move once.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["Plan", "TensorRef", "build_plan", "fsdp_modules", "is_dtensor"]
+__all__ = ["Plan", "TensorRef", "build_plan", "fingerprint", "fsdp_modules", "is_dtensor"]
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -71,16 +72,27 @@ class Plan:
             units come in forward order).
         nbytes: bytes of each storage, ``len(nbytes) == len(storages)``.
         tensors: every known tensor object, each once.
-        modules: module targets (for forward guards).
-        optimizers: optimizer targets (for step guards).
+        module_refs: weak references to the module targets (a ferry keeps its
+            last plan; a model dropped by its user must still be collected).
+        optimizer_refs: weak references to the optimizer targets.
     """
 
     device: torch.device
     storages: list[torch.UntypedStorage]
     nbytes: list[int]
     tensors: list[TensorRef]
-    modules: list[nn.Module]
-    optimizers: list[torch.optim.Optimizer]
+    module_refs: list[weakref.ref]
+    optimizer_refs: list[weakref.ref]
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        """The module targets still alive (for forward guards and FSDP units)."""
+        return [m for m in (r() for r in self.module_refs) if m is not None]
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizer targets still alive (for step guards)."""
+        return [o for o in (r() for r in self.optimizer_refs) if o is not None]
 
     @property
     def state_bytes(self) -> int:
@@ -135,6 +147,43 @@ def _named_tensors(targets: Sequence[object]) -> Iterable[tuple[str, torch.Tenso
                 "torchferry: a target must be an nn.Module, a torch.optim.Optimizer "
                 f"or a torch.Tensor; targets[{i}] is {type(target).__name__}{hint}"
             )
+
+
+def _iter_tensors(targets: Sequence[object]) -> Iterable[torch.Tensor]:
+    """The tensors of :func:`_named_tensors`, in the same order, without names or checks."""
+    for target in targets:
+        if isinstance(target, nn.Module):
+            for p in target.parameters():
+                yield p
+                if p.grad is not None:
+                    yield p.grad
+            yield from target.buffers()
+        elif isinstance(target, torch.optim.Optimizer):
+            for state in target.state.values():
+                for value in state.values():
+                    for _, t in _state_tensors("", value):
+                        yield t
+        else:
+            yield target  # a tensor
+
+
+def fingerprint(targets: Sequence[object]) -> list[tuple]:
+    """What a plan of ``targets`` depends on, cheaply: per tensor its id, storage, bytes and view.
+
+    Equal fingerprints (taken while a plan holds the tensors, so ids are not
+    reused) mean :func:`build_plan` would return the same plan, and the host
+    views made for it still fit: the same tensor objects over the same
+    storages (``StorageImpl``, which a reload keeps while its address changes)
+    of the same sizes, with the same dtype, storage offset, size and stride.
+    About 1 us per tensor, against 10-40 us for a full plan with its checks
+    (4096 tensors on a 2-core CI host: 3 ms against 100-230 ms).
+    """
+    out = []
+    for t in _iter_tensors(targets):
+        local = t if type(t) in (torch.Tensor, nn.Parameter) else getattr(t, "_local_tensor", t)
+        st = local.untyped_storage()
+        out.append((id(t), st._cdata, st.nbytes(), local.dtype, local.storage_offset(), local.shape, local.stride()))
+    return out
 
 
 def _check_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -289,6 +338,6 @@ def build_plan(targets: Sequence[object], device: torch.device | str | None = No
         storages=storages,
         nbytes=nbytes,
         tensors=refs,
-        modules=[t for t in targets if isinstance(t, nn.Module)],
-        optimizers=[t for t in targets if isinstance(t, torch.optim.Optimizer)],
+        module_refs=[weakref.ref(t) for t in targets if isinstance(t, nn.Module)],
+        optimizer_refs=[weakref.ref(t) for t in targets if isinstance(t, torch.optim.Optimizer)],
     )

@@ -2,63 +2,156 @@
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
+
 import torch
 
+from ._host_budget import NodeLedger
 from ._host_memory import HostBuffer
 
 __all__ = ["HostPool"]
 
+
 class HostPool:
     """Persistent host memory for one ferry.
 
-    The block is allocated at the first offload, sized exactly to the layout
-    (not rounded to a power of two), pinned when the ferry's device is a GPU,
-    and kept for every later cycle. It only grows when the state grows (for
-    example when gradients or optimizer state appear after the first step).
+    The block is allocated at the first offload (or ahead, by
+    ``Ferry.reserve_host``, possibly in a background thread), sized exactly
+    to the layout (not rounded to a power of two), pinned when the ferry's
+    device is a GPU, and kept for every later cycle. It only grows when the
+    state grows (for example when gradients or optimizer state appear after
+    the first step). Every allocation is first granted by the node's ledger
+    (see [Note: host budget]).
 
-    Attributes:
+    Args:
         pin: whether blocks are registered with the CUDA driver.
+        device: CUDA device index to register from (``None`` on the CPU).
+        budget: bytes all pools of the node may hold together, or ``None``.
+        ledger: the node ledger (default: the node's shared one).
     """
 
-    def __init__(self, *, pin: bool) -> None:
+    def __init__(self, *, pin: bool, device: int | None = None, budget: int | None = None,
+                 ledger: NodeLedger | None = None) -> None:
         self.pin = pin
+        self.device = device
+        self.budget = budget
+        self._ledger = ledger or NodeLedger()
         self._buffer: HostBuffer | None = None
+        self._pending: Future | None = None  # a background allocation under way
+        self._pending_bytes = 0
+        self._generation = 0
 
     @property
     def nbytes(self) -> int:
-        """Bytes of host memory held (0 before the first offload or after ``release``)."""
+        """Bytes of host memory held or being allocated (0 before the first offload or after ``release``)."""
+        if self._pending is not None:
+            return self._pending_bytes
         return 0 if self._buffer is None else self._buffer.nbytes
 
     @property
+    def pinned_bytes(self) -> int:
+        """Bytes of the block registered with CUDA (waits for a background allocation)."""
+        self._resolve()
+        return 0 if self._buffer is None else self._buffer.pinned_bytes
+
+    @property
+    def block_id(self) -> int:
+        """Identifies the current block: a new number whenever one is allocated; 0 when empty."""
+        self._resolve()
+        return 0 if self._buffer is None else self._generation
+
+    @property
     def pin_seconds(self) -> float:
-        """Host seconds the current block took to allocate, touch and pin."""
+        """Host seconds the current block took to allocate, touch and pin (waits for a background one)."""
+        self._resolve()
         return 0.0 if self._buffer is None else self._buffer.pin_seconds
 
-    def reserve(self, nbytes: int) -> None:
+    def ready(self) -> bool:
+        """False while a background allocation is still running."""
+        return self._pending is None or self._pending.done()
+
+    def _resolve(self) -> None:
+        """Waits for a background allocation and installs its block (re-raising its error)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._buffer = pending.result()  # may raise: the pool is then empty
+            self._generation += 1
+
+    def _allocate(self, nbytes: int, pin_bytes: int) -> HostBuffer:
+        try:
+            buf = HostBuffer(nbytes, pin_bytes=pin_bytes if self.pin else 0, device=self.device)
+        except BaseException:
+            self._ledger.settle(nbytes, allocated=False)
+            raise
+        self._ledger.settle(nbytes, allocated=True)
+        ledger = self._ledger
+        buf._mapping.on_unmap = lambda: ledger.give_back(nbytes)
+        return buf
+
+    def reserve(self, nbytes: int, *, pin_bytes: int | None = None, background: bool = False) -> Future | None:
         """Makes the pool hold at least ``nbytes``; a no-op when it already does.
 
         Must only be called while no slot holds live state (the old block is
         freed before the new one is mapped, so that growing does not need both).
 
+        Args:
+            nbytes: bytes needed.
+            pin_bytes: bytes from the start of the block to pin (``None``: all).
+            background: allocate, touch and pin in a background thread and
+                return at once; the next ``view`` (or ``reserve``) waits for it.
+
+        Returns:
+            With ``background``, a ``Future`` resolving to the host seconds the
+            allocation took (``None`` when nothing had to be allocated).
+
         Raises:
+            HostBudgetError: the node's budget or free memory cannot hold the
+                block (raised here, also with ``background``); the pool is empty.
             RuntimeError: host memory could not be allocated or pinned; the
                 pool is then empty.
         """
+        if self._pending is not None and not background:
+            self._resolve()
         if nbytes <= self.nbytes:
-            return
+            return None
         self.release()
-        self._buffer = HostBuffer(nbytes, pin=self.pin)
+        pin_bytes = nbytes if pin_bytes is None else min(pin_bytes, nbytes)
+        self._ledger.request(nbytes, budget=self.budget, what=f"a host pool ({pin_bytes if self.pin else 0} bytes pinned)")
+        if not background:
+            self._buffer = self._allocate(nbytes, pin_bytes)
+            self._generation += 1
+            return None
+        fut: Future = Future()
+
+        def work() -> None:
+            try:
+                fut.set_result(self._allocate(nbytes, pin_bytes))
+            except BaseException as e:  # handed to whoever waits
+                fut.set_exception(e)
+
+        self._pending, self._pending_bytes = fut, nbytes
+        threading.Thread(target=work, name="torchferry-pin", daemon=True).start()
+        seconds: Future = Future()
+        fut.add_done_callback(
+            lambda f: seconds.set_exception(f.exception()) if f.exception() else seconds.set_result(f.result().pin_seconds))
+        return seconds
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         """1D ``torch.uint8`` view of ``nbytes`` bytes at ``offset`` of the block."""
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
+        self._resolve()
         if self._buffer is None or offset + nbytes > self._buffer.nbytes:
             raise AssertionError(f"slot [{offset}, {offset + nbytes}) outside the pool")
-        return self._buffer.tensor[offset : offset + nbytes]
+        return self._buffer.view(offset, nbytes)
 
     def release(self) -> None:
-        """Returns the block to the OS (unpinned first). Idempotent."""
+        """Returns the block to the OS (unpinned first). Idempotent; waits for a background allocation."""
+        try:
+            self._resolve()
+        except Exception:
+            pass  # it failed: nothing to free
         buf, self._buffer = self._buffer, None
         if buf is not None:
             buf.free()

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from torch import nn
 
 from ._plan import Plan, fsdp_modules
@@ -152,6 +153,30 @@ def forward_prefetch_units(unit: nn.Module) -> list[nn.Module]:
             if group is not None:
                 out.extend(getattr(group, "modules", ()) or ())
     return out
+
+
+def fsdp_comm_streams(plan: Plan) -> list[torch.cuda.Stream]:
+    """FSDP2's all-gather streams for the plan's units, each once.
+
+    FSDP2 makes them wait for the current stream once per iteration, in the
+    root's pre-forward (or for its post-optimizer event instead), and then
+    lets each unit's all-gather copy-in read the sharded parameters without
+    waiting for the current stream again (implicit prefetching,
+    ``torch/distributed/fsdp/_fully_shard/_fsdp_state.py``,
+    ``_root_pre_forward``). A unit's H2D copies must therefore be waited for
+    on these streams too, not only on the current stream (measured on 2
+    H200s: without it, a unit's all-gather read its shard before its copy
+    landed and the loss was NaN).
+    """
+    out: dict[int, torch.cuda.Stream] = {}
+    for m in plan.modules:
+        for unit in fsdp_modules(m):
+            ctx = getattr(unit._get_fsdp_state(), "_comm_ctx", None)
+            for name in ("all_gather_copy_in_stream", "all_gather_stream"):
+                stream = getattr(ctx, name, None)
+                if stream is not None:
+                    out.setdefault(id(stream), stream)
+    return list(out.values())
 
 
 def lazy_init_done(plan: Plan) -> bool:

@@ -1,7 +1,9 @@
 """The only place that creates CUDA streams and events.
 
 [Note: torchferry streams]
-Each device gets two copy streams, created lazily on first use:
+Each device gets two copy streams (and a ``pack`` stream for the kernels that
+gather and scatter packed small storages, see [Note: packing pipeline]),
+created lazily on first use:
 
 * ``d2h`` carries offload copies (device -> pinned host), so that they run on
   a copy engine beside compute instead of behind it on the current stream.
@@ -32,6 +34,7 @@ class TransferStreams:
         self.device = device
         self._d2h: torch.cuda.Stream | None = None
         self._h2d: torch.cuda.Stream | None = None
+        self._pack: torch.cuda.Stream | None = None
 
     @property
     def is_cuda(self) -> bool:
@@ -50,6 +53,13 @@ class TransferStreams:
         if self._h2d is None:
             self._h2d = torch.cuda.Stream(self.device)
         return self._h2d
+
+    @property
+    def pack(self) -> torch.cuda.Stream:
+        """Gather/scatter kernels of packed small storages, beside the copies ([Note: packing pipeline])."""
+        if self._pack is None:
+            self._pack = torch.cuda.Stream(self.device)
+        return self._pack
 
     def current(self) -> torch.cuda.Stream:
         """The caller's current stream on this device."""

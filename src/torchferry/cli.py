@@ -34,6 +34,9 @@ def bench(
     phase_gap_s: float = typer.Option(1.0, help="Untimed host seconds between phases (verl: rewards, advantages)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results JSON here."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG timeline of one step per strategy here."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Path prefix: profile one extra step of each "
+                                         "torchferry strategy (rank 0); writes PREFIX.<strategy>.json.gz "
+                                         "(Chrome/Perfetto trace), .summary.json and .png."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logs of every transfer."),
 ) -> None:
     """A colocated RL step (rollout, old_log_prob, update_actor) on Qwen2, strategies side by side.
@@ -60,7 +63,7 @@ def bench(
             preset=preset, model_path=str(model) if model else None, layers=layers,
             strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()), steps=steps,
             seq_len=seq_len, batch_size=batch_size, micro_batches=micro_batches, rollout_s=rollout_s,
-            phase_gap_s=phase_gap_s, swap=swap,
+            phase_gap_s=phase_gap_s, swap=swap, trace=str(trace) if trace else None,
         )
         with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
                       transient=True) as progress:
@@ -77,6 +80,11 @@ def bench(
     if not out.is_terminal:
         out = Console(width=170)  # logs and pipes: keep the table on one line per strategy
     out.print(render_table(result))
+    for name, r in result["strategies"].items():
+        if r.get("exposed_reload_vs_torchferry_reload") is not None:
+            out.print(f"{name}: exposed reload {r['exposed_reload_s_per_step']:.3f} s/step, "
+                      f"{r['exposed_reload_vs_torchferry_reload']:.3f}x torchferry's "
+                      f"{result['strategies']['torchferry']['reload_s_per_step']:.3f} s/step")
     sw = result.get("swap")
     if sw:
         frac = f" ({100 * sw['frac_of_bidir_peak']:.1f}% of the bidirectional peak)" if sw["frac_of_bidir_peak"] else ""
@@ -90,6 +98,60 @@ def bench(
     if plot:
         plot_timeline(result, plot)
         console.print(f"wrote {plot}")
+
+
+@app.command("bench-pin")
+def bench_pin(
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results JSON here."),
+    pin_gib: float = typer.Option(4.0, help="GiB to pin, torchferry's pool against torch.empty(pin_memory=True)."),
+    first_gib: float = typer.Option(8.0, help="GiB of state for the first-offload measurement."),
+    train_s: float = typer.Option(3.0, help="Seconds of training between Ferry creation and the first offload."),
+) -> None:
+    """Pinning GB/s, 4096 x 256 KiB tensors and the first offload after Ferry creation, on one GPU."""
+    import json
+    import sys
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from .bench._micro import run_pin_bench
+
+    console = Console(stderr=True)
+    for name, value in (("--pin-gib", pin_gib), ("--first-gib", first_gib)):
+        if value <= 0:
+            console.print(f"[bold red]error:[/] {name} must be > 0, got {value}")
+            raise typer.Exit(2)
+    if train_s < 0:
+        console.print(f"[bold red]error:[/] --train-s must be >= 0, got {train_s}")
+        raise typer.Exit(2)
+    try:
+        result = run_pin_bench(pin_bytes=int(pin_gib * 2**30), first_state_bytes=int(first_gib * 2**30),
+                               train_s=train_s, command="torchferry " + " ".join(sys.argv[1:]),
+                               on_progress=lambda msg: console.print(f"[dim]{msg}[/]"))
+    except ValueError as e:
+        console.print(f"[bold red]error:[/] {e}")
+        raise typer.Exit(2) from None
+    pin, small, first, peak = result["pinning"], result["small_tensors"], result["first_offload"], result["link_peak_GBps"]
+    table = Table(title=f"torchferry bench-pin on {result['env']['gpu']}; link peak H2D {peak['h2d']:.1f} / "
+                        f"D2H {peak['d2h']:.1f} GB/s")
+    table.add_column("measurement")
+    table.add_column("torchferry", justify="right")
+    table.add_column("baseline", justify="right")
+    table.add_column("ratio", justify="right")
+    table.add_row(f"pin {pin['bytes'] / 2**30:.1f} GiB (GB/s)", f"{pin['torchferry_GBps']:.2f}",
+                  f"{pin['torch_GBps']:.2f} (torch.empty pinned)", f"{pin['speedup_vs_torch']:.1f}x")
+    table.add_row("4096 x 256 KiB offload (of peak)", f"{small['offload_frac_of_peak']:.1%}",
+                  f"{small['per_tensor_offload_frac_of_peak']:.1%} (per-tensor copy_)", "")
+    table.add_row("4096 x 256 KiB reload (of peak)", f"{small['reload_frac_of_peak']:.1%}",
+                  f"{small['per_tensor_reload_frac_of_peak']:.1%} (per-tensor copy_)", "")
+    table.add_row(f"first offload, {first['state_bytes'] / 2**30:.1f} GiB (s)", f"{first['first_offload_s']:.3f}",
+                  f"{first['steady_offload_s']:.3f} (steady)", f"{first['first_over_steady']:.2f}x")
+    table.add_row("first offload, no background pinning (s)", f"{first['lazy_first_offload_s']:.3f}",
+                  f"{first['steady_offload_s']:.3f} (steady)", f"{first['lazy_first_over_steady']:.2f}x")
+    Console().print(table)
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=1))
+        console.print(f"wrote {json_path}")
 
 
 def main() -> None:

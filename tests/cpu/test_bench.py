@@ -32,11 +32,15 @@ def test_tiny_preset_runs_on_cpu_and_writes_json_and_png(tmp_path):
     assert list(r["strategies"]) == ["blocking", "seed", "torchferry", "torchferry+prefetch"]
     pf = r["strategies"]["torchferry+prefetch"]
     assert pf["overlap_baseline"] == "torchferry" and pf["exposed_transfer_s_per_step"] >= pf["transfer_spans_s_per_step"]
+    assert pf["exposed_reload_s_per_step"] >= pf["reload_s_per_step"] > 0
+    assert pf["exposed_reload_vs_torchferry_reload"] == pytest.approx(
+        pf["exposed_reload_s_per_step"] / r["strategies"]["torchferry"]["reload_s_per_step"])
     for name, s in r["strategies"].items():
         for k in ("offload_s", "reload_s"):
             assert s[k]["first"] > 0 and s[k]["steady"] > 0, (name, k)
-        for k in ("offload_GBps", "reload_GBps", "exposed_transfer_s_per_step", "step_s"):
+        for k in ("offload_GBps", "exposed_transfer_s_per_step", "step_s", "reload_s_per_step"):
             assert s[k] > 0, (name, k)
+        assert (s["reload_GBps"] is None) == name.endswith("+prefetch")  # its reload span is the issue time
         assert s["offload_frac_of_peak"] is None  # no link on a CPU
         assert s["rollout_alloc_ok"] and s["round_trip_bit_exact"], name
         assert len(s["losses"]) == 2 and all(x == x for x in s["losses"])  # finite, training ran
@@ -63,3 +67,24 @@ def test_bad_arguments_exit_nonzero_with_a_message(args, message, tmp_path):
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     assert message in " ".join(p.stderr.split())
     assert "Traceback" not in p.stderr
+
+
+def test_trace_summary_pairs_ranges_with_bytes_and_gpu_copies(tmp_path):
+    from torchferry.bench._trace import plot_trace, summarise_trace
+
+    ev = lambda name, cat, ts, dur, **args: {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "args": args}  # noqa: E731
+    trace = {"traceEvents": [
+        ev("torchferry::d2h", "user_annotation", 1000, 500),
+        ev("torchferry::d2h bytes=4096", "user_annotation", 1001, 498),
+        ev("Memcpy DtoH (Device -> Pinned)", "gpu_memcpy", 1200, 2000, bytes=4096),
+        ev("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", 5000, 1000, bytes=2048),
+        ev("gemm", "kernel", 7000, 100), ev("gemm", "kernel", 7120, 100), ev("gemm", "kernel", 9000, 10),
+        {"ph": "i", "name": "marker"},
+    ]}
+    s = summarise_trace(trace)
+    assert s["ranges"] == [{"name": "torchferry::d2h", "bytes": 4096, "start_s": 0.0, "dur_s": 0.0005}]
+    assert s["totals"]["DtoH"] == {"copies": 1, "bytes": 4096, "gpu_s": 0.002, "GBps": 4096 / 0.002 / 1e9}
+    assert s["totals"]["HtoD"]["bytes"] == 2048
+    assert len(s["kernel_busy"]) == 2 and abs(s["totals"]["kernel_busy_s"] - 230e-6) < 1e-12  # 2 kernels merged
+    plot_trace(s, str(tmp_path / "t.png"))
+    assert (tmp_path / "t.png").stat().st_size > 1000

@@ -226,3 +226,34 @@ def test_small_tensors_packed_round_trip_bit_exact():
     ferry.reload()
     for t, w in zip(ts, want):
         torch.testing.assert_close(t, w, atol=0, rtol=0)
+
+
+def test_background_pinning_then_first_offload_pinned_bit_exact(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHFERRY_LEDGER_DIR", str(tmp_path))
+    ts = [torch.randn(16 << 20, device=DEV) for _ in range(4)]  # 256 MiB
+    want = [t.clone() for t in ts]
+    ferry = Ferry(*ts)
+    fut = ferry.reserve_host(background=True)
+    x = torch.randn(4096, 4096, device=DEV)
+    for _ in range(20):  # training goes on meanwhile
+        x = torch.tanh(x @ x)
+    ferry.offload().wait()  # waits for the pool if it is not ready yet
+    assert fut.result(timeout=120) > 0 and ferry.pinned and ferry.pinned_bytes == ferry.host_bytes
+    assert all(t.is_pinned() for t in ts)
+    ferry.reload().wait()
+    for t, w in zip(ts, want):
+        torch.testing.assert_close(t, w, atol=0, rtol=0)
+
+
+def test_partly_pinned_pool_round_trip_bit_exact(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHFERRY_LEDGER_DIR", str(tmp_path))
+    ts = [torch.randn(4 << 20, device=DEV) for _ in range(4)] + [torch.randn(1000, device=DEV) for _ in range(50)]
+    want = [t.clone() for t in ts]
+    ferry = Ferry(*ts, max_pinned_bytes=(32 << 20) + 4096)  # the first two 16 MiB slots
+    for _ in range(2):
+        ferry.offload().wait()
+        assert [t.is_pinned() for t in ts[:4]] == [True, True, False, False]
+        assert not ts[-1].is_pinned() and ferry.pinned_bytes == 32 << 20 and not ferry.pinned
+        ferry.reload().wait()
+    for t, w in zip(ts, want):
+        torch.testing.assert_close(t, w, atol=0, rtol=0)

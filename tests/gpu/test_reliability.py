@@ -1,6 +1,8 @@
 """GPU reliability: a real out-of-memory during reload, and a 1,000-cycle soak."""
 
 import gc
+import json
+import os
 
 import pytest
 import torch
@@ -53,7 +55,13 @@ def test_thousand_cycles_hold_memory_flat():
     gc.collect()
     growth = {"rss": rss_bytes() - rss0, "objects": len(gc.get_objects()) - objs0,
               "reserved": torch.cuda.memory_reserved() - reserved0, "host": ferry.host_bytes - host0}
+    growth["pinned"] = ferry.pinned_bytes - host0
     print("growth over 1000 cycles:", growth)
+    if os.environ.get("TORCHFERRY_RESULTS_DIR"):  # the GPU batch keeps the figures seen
+        with open(os.path.join(os.environ["TORCHFERRY_RESULTS_DIR"], "soak_gpu_1000_cycles.json"), "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cycles": 1000,
+                       "state_bytes": ferry.state_bytes, "host_bytes": ferry.host_bytes,
+                       "growth_bytes_or_objects": growth}, f, indent=1)
     assert growth["host"] == 0 and growth["reserved"] == 0
     assert growth["rss"] < (16 << 20) and growth["objects"] < 200, growth
     assert all(torch.equal(a, p) for a, p in zip(want, m.parameters()))

@@ -40,7 +40,7 @@ def render_table(result: dict):
     caption = None
     if any(n.endswith("+prefetch") for n in result["strategies"]):
         caption = ("+prefetch: reload s is the issue time; its waits fall inside compute and are counted "
-                   "in exposed s/step (compute over plain torchferry's)")
+                   "in exposed s/step (compute over plain torchferry's); no reload GB/s")
     t = Table(title=title, caption=caption)
     for col in ("strategy", "offload s\nfirst / steady", "reload s\nfirst / steady", "offload\nGB/s (% peak)",
                 "reload\nGB/s (% peak)", "exposed\ns/step", "step s", "pinned host\nGB", "GPU left\noffloaded GB",
@@ -52,7 +52,7 @@ def render_table(result: dict):
             f"{_s(r['offload_s']['first'])} / {_s(r['offload_s']['steady'])}",
             f"{_s(r['reload_s']['first'])} / {_s(r['reload_s']['steady'])}",
             f"{r['offload_GBps']:.1f} ({_pct(r['offload_frac_of_peak'])})",
-            f"{r['reload_GBps']:.1f} ({_pct(r['reload_frac_of_peak'])})",
+            "-" if r["reload_GBps"] is None else f"{r['reload_GBps']:.1f} ({_pct(r['reload_frac_of_peak'])})",
             _s(r["exposed_transfer_s_per_step"]),
             _s(r["step_s"]),
             _gb(r["pinned_host_bytes"]),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import os
 import statistics
 import sys
@@ -17,6 +18,7 @@ from torch import nn
 from ._link import measure_link_peak, release_host_cache
 from ._model import PRESETS, build_model
 from ._strategies import STRATEGIES, make_strategy
+from ._trace import profile_step, write_trace
 from ._workload import StepRecord, run_step
 
 __all__ = ["BenchConfig", "run"]
@@ -50,6 +52,8 @@ class BenchConfig:
     """Also measure a swap (actor out, a critic of the same size in) with ``torchferry.swap`` (default on)."""
     phase_gap_s: float = 1.0
     """Untimed host seconds between phases, as verl's reward and advantage computation (default 1.0)."""
+    trace: str | None = None
+    """Path prefix: profile one extra step of each ``torchferry*`` strategy on rank 0 (see ``_trace``)."""
 
     def __post_init__(self) -> None:
         if self.preset is not None and self.preset not in PRESETS:
@@ -134,9 +138,22 @@ def _state_bytes(model: nn.Module, opt: torch.optim.Optimizer, device: torch.dev
     }
 
 
-def _checksum(model: nn.Module) -> list[float]:
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _checksum(model: nn.Module) -> list[int]:
+    """Per parameter, the sum of its local shard's bits as integers (int64, wrapping).
+
+    Exact and independent of summation order, so a shard read on the host
+    (still offloaded, during a layer-wise reload) and on the device give the
+    same value; a float sum would differ by rounding.
+    """
     with torch.no_grad():
-        return [float(_local(p).double().sum()) for p in model.parameters()]
+        out = []
+        for p in model.parameters():
+            t = _local(p).contiguous()
+            out.append(int(t.view(_INT_VIEW[t.element_size()]).sum(dtype=torch.int64)) if t.numel() else 0)
+        return out
 
 
 def _command_line() -> str:
@@ -173,6 +190,9 @@ def _summarise(first_offload_s: float, first_reload_s: float, pin_s: float, reco
                        "reload_s": _median(spans("old_log_prob", "h2d")), "bytes": sizes["params"]},
         "exposed_transfer_s_per_step": _median([r.exposed_transfer_s for r in records[1:]]),
         "transfer_spans_s_per_step": _median([r.exposed_transfer_s for r in records[1:]]),
+        "reload_s_per_step": _median([sum(sp.seconds for sp in r.spans if sp.kind == "h2d") for r in records[1:]]),
+        "exposed_reload_s_per_step": _median([sum(sp.seconds for sp in r.spans if sp.kind == "h2d")
+                                              for r in records[1:]]),
         "compute_s": {ph: _median([s.seconds for r in records[1:] for s in r.spans
                                    if s.phase == ph and s.kind == "compute"]) for ph in ("old_log_prob", "update_actor")},
         "step_s": _median([r.train_s for r in records[1:]]),
@@ -257,7 +277,8 @@ def _account_overlap(results: dict[str, dict]) -> None:
     A ``+prefetch`` strategy's reload call returns at once and its waits fall
     inside compute, so its exposed transfer time per step is its transfer spans
     plus the compute time it adds over plain ``torchferry`` in the same run
-    (per phase, medians). Without a ``torchferry`` run to compare with, it is
+    (per phase, medians); its exposed reload time likewise, from its reload
+    spans, also as a fraction of plain ``torchferry``'s reload time per step. Without a ``torchferry`` run to compare with, it is
     left as measured, with a note.
     """
     base = results.get("torchferry")
@@ -270,9 +291,14 @@ def _account_overlap(results: dict[str, dict]) -> None:
         extra = 0.0
         for phase in ("old_log_prob", "update_actor"):
             extra += max(0.0, r["compute_s"][phase] - base["compute_s"][phase])
+        r["reload_GBps"] = r["reload_frac_of_peak"] = None  # its reload span is the issue time
         r["exposed_transfer_s_per_step"] = r["transfer_spans_s_per_step"] + extra
+        r["exposed_reload_s_per_step"] = r["reload_s_per_step"] + extra
         r["compute_overhead_s_per_step"] = extra
         r["overlap_baseline"] = "torchferry"
+        if base.get("reload_s_per_step"):
+            # The reload time left on the critical path, against the same run's non-overlapped reload.
+            r["exposed_reload_vs_torchferry_reload"] = r["exposed_reload_s_per_step"] / base["reload_s_per_step"]
 
 
 def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None = None) -> dict:
@@ -327,6 +353,7 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
     state = sum(sizes.values())
 
     results: dict[str, dict] = {}
+    traces: dict[str, dict] = {}
     n = len(config.strategies)
     for i, name in enumerate(config.strategies):
         say(f"{name}: setting up", 0.05 + 0.95 * i / n)
@@ -358,6 +385,17 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
             records.append(run_step(strategy, batch, param_bytes=sizes["params"], state_bytes=state,
                                     rollout_s=config.rollout_s, phase_gap_s=config.phase_gap_s,
                                     micro_batches=config.micro_batches))
+        if config.trace and name.startswith("torchferry"):
+            say(f"{name}: one profiled step", 0.05 + 0.95 * (i + 1) / n)
+            dist.barrier()
+            extra = functools.partial(run_step, strategy, batch, param_bytes=sizes["params"], state_bytes=state,
+                                      rollout_s=config.rollout_s, phase_gap_s=config.phase_gap_s,
+                                      micro_batches=config.micro_batches)
+            if rank == 0:
+                _, prof = profile_step(extra)
+                traces[name] = write_trace(prof, f"{config.trace}.{name.replace('+', '-')}")["totals"]
+            else:
+                extra()
         strategy.reload(optimizer=True)
         strategy.close()
         del strategy
@@ -394,6 +432,7 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
         "config": dataclasses.asdict(config),
         "strategies": results,
         "swap": swap_result,
+        "traces": traces,
         "per_rank": gathered,
         "notes": [] if use_cuda else ["no CUDA device: ran on the CPU end to end; transfer figures need a GPU"],
     }

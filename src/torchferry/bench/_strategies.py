@@ -41,6 +41,8 @@ class Strategy:
     """Moves one model's parameters (and optionally its optimizer state) off and on."""
 
     name = "base"
+    overlaps_reload = False
+    """True if ``reload`` returns before its copies are complete and compute waits for them itself."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
         self.model, self.optimizer, self.device = model, optimizer, device
@@ -51,6 +53,9 @@ class Strategy:
 
     def offload(self, optimizer: bool) -> None:
         raise NotImplementedError
+
+    def before_forward_only(self) -> None:
+        """Called before a forward-only phase (old_log_prob), after the reload."""
 
     def release(self) -> None:
         """Returns cached device memory to the driver, as verl does after an offload."""
@@ -154,14 +159,20 @@ class Torchferry(Strategy):
 
 class TorchferryPrefetch(Torchferry):
     """torchferry with layer-wise reload ([Note: prefetch reload]): the forward starts as soon
-    as the first FSDP unit is back; the optimizer state follows and the step waits for it."""
+    as the first FSDP unit is back; the optimizer state follows and the step waits for it.
+    In the forward-only phase the offload goes in pieces too ([Note: offload during forward])."""
 
     name = "torchferry+prefetch"
+    overlaps_reload = True
 
     def reload(self, optimizer: bool) -> None:
         self.model_ferry.reload(prefetch=True)
         if optimizer:
             self.opt_ferry.reload(prefetch=True)
+
+    def before_forward_only(self) -> None:
+        # Offload in pieces: each unit's D2H starts once its forward is done.
+        self.model_ferry.offload_during_forward()
 
 
 STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (Blocking, Seed, Torchferry, TorchferryPrefetch)}

@@ -68,11 +68,15 @@ class _Clock:
         self.t0 = time.perf_counter()
         self.spans: list[Span] = []
 
-    def run(self, phase: str, kind: str, fn, nbytes: int = 0):
-        _sync(self.device)
+    def run(self, phase: str, kind: str, fn, nbytes: int = 0, *, sync_before: bool = True, sync_after: bool = True):
+        """Times ``fn`` on the host, the device synchronised before and after unless told not to
+        (an overlapped reload must not be waited for: its waits fall inside the compute span)."""
+        if sync_before:
+            _sync(self.device)
         start = time.perf_counter() - self.t0
         out = fn()
-        _sync(self.device)
+        if sync_after:
+            _sync(self.device)
         self.spans.append(Span(phase, kind, start, time.perf_counter() - self.t0, nbytes))
         return out
 
@@ -120,8 +124,10 @@ def run_step(strategy: Strategy, batch: torch.Tensor, *, param_bytes: int, state
             out = [model(input_ids=batch).logits.float().logsumexp(-1).mean() for _ in range(micro_batches)]
         return torch.stack(out).mean()
 
-    clock.run("old_log_prob", "h2d", lambda: strategy.reload(optimizer=False), param_bytes)
-    clock.run("old_log_prob", "compute", forward_only)
+    sync = not strategy.overlaps_reload
+    clock.run("old_log_prob", "h2d", lambda: strategy.reload(optimizer=False), param_bytes, sync_after=sync)
+    strategy.before_forward_only()
+    clock.run("old_log_prob", "compute", forward_only, sync_before=sync)
     clock.run("old_log_prob", "d2h", lambda: strategy.offload(optimizer=False), param_bytes)
     clock.run("old_log_prob", "release", strategy.release)
     time.sleep(phase_gap_s)
@@ -134,8 +140,8 @@ def run_step(strategy: Strategy, batch: torch.Tensor, *, param_bytes: int, state
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    clock.run("update_actor", "h2d", lambda: strategy.reload(optimizer=True), state_bytes)
-    loss = clock.run("update_actor", "compute", train)
+    clock.run("update_actor", "h2d", lambda: strategy.reload(optimizer=True), state_bytes, sync_after=sync)
+    loss = clock.run("update_actor", "compute", train, sync_before=sync)
     clock.run("update_actor", "d2h", lambda: strategy.offload(optimizer=True), state_bytes)
     clock.run("update_actor", "release", strategy.release)
     return StepRecord(clock.spans, ok, kv_bytes, left, pinned, float(loss))

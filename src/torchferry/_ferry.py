@@ -879,8 +879,20 @@ class Ferry:
                             dst.copy_(off.slots[si], non_blocking=True)
                     else:
                         dst.copy_(off.slots[si])
-                unpack_from_host(off.chunks, off.pool_chunks, lambda ch: [alloc(si) for si in ch.storages],
-                                 self.device, self._streams)
+                if self._before_alloc is None and self._cached is not None and self._cached[1] is plan:
+                    storages, sizes, views = plan.storages, plan.nbytes, self._cached[2]
+
+                    def alloc_chunk(ch: PackChunk) -> list[torch.Tensor]:
+                        # Thousands of small storages: one tight loop (see [Note: packing pipeline]).
+                        allocated_idx.extend(ch.storages)  # freeing one not yet allocated is harmless
+                        for si in ch.storages:
+                            storages[si].resize_(sizes[si])
+                        return [views[si] for si in ch.storages]
+                else:
+                    def alloc_chunk(ch: PackChunk) -> list[torch.Tensor]:
+                        return [alloc(si) for si in ch.storages]
+
+                unpack_from_host(off.chunks, off.pool_chunks, alloc_chunk, self.device, self._streams)
             except BaseException as e:
                 self._undo_partial_reload(plan, allocated_idx)
                 if isinstance(e, torch.OutOfMemoryError):

@@ -63,10 +63,12 @@ class Repointer:
     def __init__(self, tensors: list[torch.Tensor], names: list[str]) -> None:
         self.tensors = tensors
         self.names = names
+        self._dtensor = [is_dtensor(t) for t in tensors]  # decided once: a tensor's type does not change
 
-    def _set(self, t: torch.Tensor, new_local: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _set(t: torch.Tensor, new_local: torch.Tensor, dtensor: bool) -> torch.Tensor:
         """Re-points one tensor; returns what it pointed at before."""
-        if is_dtensor(t):
+        if dtensor:
             from torch.distributed.tensor import DTensor
 
             use_count = getattr(t, "_use_count", None)
@@ -88,25 +90,27 @@ class Repointer:
         # A DTensor parameter's grad is held by its TensorImpl, which the swap
         # exchanges: unlink the grads, move everything, link them again.
         grad_links = [
-            (t, t.grad) for t in self.tensors if is_dtensor(t) and t.requires_grad and t.grad is not None
+            (t, t.grad) for t, d in zip(self.tensors, self._dtensor) if d and t.requires_grad and t.grad is not None
         ]
         for t, _ in grad_links:
             t.grad = None
         old: list[torch.Tensor] = []
+        set_one = self._set
         try:
-            for t, name, new in zip(self.tensors, self.names, new_locals, strict=True):
-                try:
-                    old.append(self._set(t, new))
-                except RuntimeError as e:
-                    raise RuntimeError(
-                        f"torchferry: cannot re-point {name} ({type(t).__name__}, "
-                        f"{tuple(t.shape)}): {e}"
-                    ) from e
-        except BaseException:
-            for t, prev in zip(self.tensors, old):
-                self._set(t, prev)
+            # One loop for thousands of tensors: no per-tensor try (see [Note: optimistic offload]).
+            for t, d, new in zip(self.tensors, self._dtensor, new_locals, strict=True):
+                old.append(set_one(t, new, d))
+        except BaseException as e:
+            for t, d, prev in zip(self.tensors, self._dtensor, old):
+                set_one(t, prev, d)
             for t, g in grad_links:
                 t.grad = g
+            if isinstance(e, RuntimeError) and len(old) < len(self.tensors):
+                t = self.tensors[len(old)]
+                raise RuntimeError(
+                    f"torchferry: cannot re-point {self.names[len(old)]} ({type(t).__name__}, "
+                    f"{tuple(t.shape)}): {e}"
+                ) from e
             raise
         for t, g in grad_links:
             t.grad = g

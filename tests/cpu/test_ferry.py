@@ -188,13 +188,13 @@ def test_failure_while_repointing_is_rolled_back(monkeypatch):
     calls = {"n": 0}
     real = Repointer._set
 
-    def flaky(self, t, new):
+    def flaky(t, new, dtensor):
         calls["n"] += 1
         if calls["n"] == 4:
             raise KeyboardInterrupt
-        return real(self, t, new)
+        return real(t, new, dtensor)
 
-    monkeypatch.setattr(Repointer, "_set", flaky)
+    monkeypatch.setattr(Repointer, "_set", staticmethod(flaky))
     ferry = Ferry(m, opt)
     with pytest.raises(KeyboardInterrupt):
         ferry.offload()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import Ferry
+from .. import Ferry, Prefetch
 
 __all__ = ["STRATEGIES", "Strategy", "make_strategy"]
 
@@ -165,10 +165,14 @@ class TorchferryPrefetch(Torchferry):
     name = "torchferry+prefetch"
     overlaps_reload = True
 
+    # 2 GiB ahead of the unit computing: reload() issues only the first units and
+    # allocates the rest from the forward hooks, while the host runs ahead of the GPU.
+    lookahead = Prefetch(lookahead_bytes=2 << 30)
+
     def reload(self, optimizer: bool) -> None:
-        self.model_ferry.reload(prefetch=True)
+        self.model_ferry.reload(prefetch=self.lookahead)
         if optimizer:
-            self.opt_ferry.reload(prefetch=True)
+            self.opt_ferry.reload(prefetch=self.lookahead)
 
     def before_forward_only(self) -> None:
         # Offload in pieces: each unit's D2H starts once its forward is done.

@@ -63,9 +63,10 @@ def test_thousand_cycles_hold_memory_flat():
                        "state_bytes": ferry.state_bytes, "host_bytes": ferry.host_bytes,
                        "growth_bytes_or_objects": growth}, f, indent=1)
     # Host and pinned bytes exactly flat. Device: the packing pipeline's staging chunks are
-    # freed under pending events (record_stream), so the allocator may take a segment more
-    # while an event is pending: bounded, not per cycle (4 MiB seen over 1,000 cycles, H200).
+    # freed under pending events (record_stream), so the allocator may hold a segment more or
+    # less at a given moment: bounded, not per cycle (+4 MiB and -2 MiB seen over 1,000 cycles
+    # on H200s, benchmarks/results/soak_gpu_*).
     assert growth["host"] == 0 and growth["pinned"] == 0
-    assert 0 <= growth["reserved"] <= (8 << 20), growth
+    assert abs(growth["reserved"]) <= (8 << 20), growth
     assert growth["rss"] < (16 << 20) and growth["objects"] < 200, growth
     assert all(torch.equal(a, p) for a, p in zip(want, m.parameters()))

@@ -123,12 +123,13 @@ def plot_trace(summary: dict, path: str) -> None:
     ]
     for y, ((label, color), spans) in enumerate(zip(lanes, rows)):
         ax.broken_barh(spans, (len(lanes) - 1 - y - 0.35, 0.7), facecolors=color)
-    for r in summary["ranges"]:
-        label = r["name"].split("::")[-1]
-        if r["bytes"]:
-            label += f" {r['bytes'] / 1e9:.2f} GB"
-        ax.annotate(label, (r["start_s"], len(lanes) - 1 + 0.4), fontsize=7, rotation=0)
+    most = max((r["bytes"] or 0 for r in summary["ranges"]), default=0)
+    big = [r for r in summary["ranges"] if (r["bytes"] or 0) >= 0.2 * most > 0]  # per-unit ranges: unlabelled
+    for i, r in enumerate(big):
+        label = f"{r['name'].split('::')[-1]} {r['bytes'] / 1e9:.2f} GB"
+        ax.annotate(label, (r["start_s"], len(lanes) - 1 + 0.4 + 0.25 * (i % 2)), fontsize=7)
     ax.set_yticks(range(len(lanes)), [lab for lab, _ in reversed(lanes)])
+    ax.set_ylim(-0.6, len(lanes) + 0.2)
     ax.set_xlabel("seconds (one bench step, rank 0; PyTorch profiler)")
     tot = summary.get("totals", {})
     parts = [f"{k}: {v['bytes'] / 1e9:.2f} GB in {v['gpu_s']:.3f} s GPU time"

@@ -58,40 +58,6 @@ def arena_supported() -> bool:
         return False
 
 
-def _plug_holes(device: torch.device, smallest: int) -> list[torch.Tensor] | None:
-    """Fills every cached free large block a storage could land in, so that best fit puts
-    the storages in the arena; ``None`` (nothing held) where that cannot be done.
-
-    The free blocks come from ``torch.cuda.memory_snapshot()`` (inactive blocks of
-    the large-pool segments of the current stream); a tensor of exactly a block's
-    size takes exactly that block (best fit, no split), and is freed by ``seal()``.
-    Without it, a few MiB cached in partly used segments (an FSDP2 model's
-    leftovers after ``empty_cache()``) turned the arena off and every storage
-    cost a ``cudaMalloc`` (613 of them, 0.60 s of host time, in one 7B bench step
-    on an H200; ``benchmarks/results/trace_qwen2.5-7b_h200x2_*``).
-    """
-    try:
-        stream = torch.cuda.current_stream(device).cuda_stream
-        holes = sorted(
-            (b["size"] for seg in torch.cuda.memory_snapshot()
-             if seg.get("device") == device.index and seg.get("segment_type") == "large"
-             and seg.get("stream") == stream and tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0)
-             for b in seg["blocks"] if b.get("state") == "inactive" and b["size"] >= smallest),
-            reverse=True,
-        )
-    except (KeyError, TypeError, RuntimeError, AttributeError):
-        return None
-    if len(holes) > 4096:
-        return None
-    plugs = []
-    try:
-        for size in holes:
-            plugs.append(torch.empty(size, dtype=torch.uint8, device=device))
-    except torch.OutOfMemoryError:
-        return None
-    return plugs
-
-
 class ReloadArena:
     """Seeds the allocator with one segment for the large storages of a reload.
 
@@ -106,7 +72,6 @@ class ReloadArena:
         self._filler_bytes = filler_bytes
         self._device = device
         self._fillers: list[torch.Tensor] = []  # 1D uint8 on device: the segment's tail
-        self._plugs: list[torch.Tensor] = []  # 1D uint8 on device: cached holes, held while the storages land
 
     @classmethod
     def seed(cls, device: torch.device, sizes: list[int]) -> ReloadArena | None:
@@ -129,11 +94,8 @@ class ReloadArena:
         cached_free = stats.get("reserved_bytes.large_pool.current", 0) - stats.get(
             "allocated_bytes.large_pool.current", 0
         )
-        plugs: list[torch.Tensor] = []
         if cached_free >= min(large):
-            plugs = _plug_holes(device, min(large))
-            if plugs is None:
-                return None
+            return None
         try:
             block = torch.empty(total, dtype=torch.uint8, device=device)
         except torch.OutOfMemoryError:
@@ -141,13 +103,10 @@ class ReloadArena:
         base = block.data_ptr()
         del block  # cached as one free segment, carved by the resize_ calls that follow
         slack = _round(total, _ROUND_LARGE) - total
-        arena = cls(base, total, slack if slack > _SMALL_SIZE else 0, device)
-        arena._plugs = plugs
-        return arena
+        return cls(base, total, slack if slack > _SMALL_SIZE else 0, device)
 
     def seal(self) -> None:
-        """Takes the segment's tail, after the storages took their blocks; frees the plugs."""
-        self._plugs = []  # the holes are free again, for whatever comes next
+        """Takes the segment's tail, after the storages took their blocks."""
         if not self._filler_bytes:
             return
         for _ in range(4):  # best fit may first hand out a foreign free block of the same size

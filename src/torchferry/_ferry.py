@@ -63,7 +63,7 @@ from ._guards import OffloadGuards
 from ._handle import TransferHandle
 from ._plan import Plan, build_plan, fingerprint, fsdp_modules
 from ._prefetch import Group, Prefetch, forward_prefetch_units, fsdp_comm_streams, group_plan, lazy_init_done
-from ._packing import PackChunk, Staging, layout, pack_to_host, unpack_from_host
+from ._packing import PackChunk, layout, pack_to_host, unpack_from_host
 from ._host_budget import budget_from_env
 from ._pool import HostPool
 from ._repoint import Repointer, view_on
@@ -118,15 +118,13 @@ class _Offloaded:
     """What a ferry holds while its state is on the host."""
 
     def __init__(self, plan: Plan, repointer: Repointer, device_locals: list[torch.Tensor],
-                 slots: list[torch.Tensor], chunks: list[PackChunk], pool_chunks: list[torch.Tensor],
-                 staging: Staging | None = None) -> None:
+                 slots: list[torch.Tensor], chunks: list[PackChunk], pool_chunks: list[torch.Tensor]) -> None:
         self.plan = plan
         self.repointer = repointer
         self.device_locals = device_locals  # the tensors' device data, to point back at
         self.slots = slots  # 1D uint8 pool views, one per storage
         self.chunks = chunks  # small storages, moved in batches (see _packing)
         self.pool_chunks = pool_chunks  # 1D uint8 pool views, one per chunk
-        self.staging = staging  # device staging for the chunks (CUDA)
 
 
 class _HostViews:
@@ -149,12 +147,6 @@ class _HostViews:
         self.chunks = chunks
         self.packed = {si for ch in chunks for si in ch.storages}
         self.host_locals = host_locals
-        self.staging: Staging | None = None  # device staging of the packed chunks, made at first use
-
-    def staging_for(self, device: torch.device) -> Staging | None:
-        if self.staging is None and self.chunks and device.type == "cuda":
-            self.staging = Staging(self.chunks, device)
-        return self.staging
 
 
 # Ferries with a layer-wise reload under way. While any is, every optimizer's
@@ -608,8 +600,7 @@ class Ferry:
             except BaseException:
                 self._guards.remove()
                 raise
-            self._offloaded = _Offloaded(plan, repointer, device_locals, slots, views.chunks, views.pool_chunks,
-                                         views.staging_for(self.device))
+            self._offloaded = _Offloaded(plan, repointer, device_locals, slots, views.chunks, views.pool_chunks)
             self._state = Residency.D2H_IN_FLIGHT if cuda else Residency.HOST
             self._issued("d2h", nbytes)
             handle = self._last = self._latest["d2h"] = TransferHandle("d2h", nbytes, event, issued_at,
@@ -691,7 +682,7 @@ class Ferry:
                     if copied - mark >= _PROGRESS_CHUNK:
                         self._progress.append((copied, self._streams.event(d2h)))
                         mark = copied
-            pack_to_host(chunks, sources, pool_chunks, self.device, self._streams, views.staging_for(self.device))
+            pack_to_host(chunks, sources, pool_chunks, self.device, self._streams)
         copied += sum(ch.nbytes for ch in chunks)
         if copied_after is not None:
             for ch in chunks:  # the packed ones are complete at the final event only
@@ -901,7 +892,7 @@ class Ferry:
                     def alloc_chunk(ch: PackChunk) -> list[torch.Tensor]:
                         return [alloc(si) for si in ch.storages]
 
-                unpack_from_host(off.chunks, off.pool_chunks, alloc_chunk, self.device, self._streams, off.staging)
+                unpack_from_host(off.chunks, off.pool_chunks, alloc_chunk, self.device, self._streams)
             except BaseException as e:
                 self._undo_partial_reload(plan, allocated_idx)
                 if isinstance(e, torch.OutOfMemoryError):

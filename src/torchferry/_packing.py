@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["PACK_BELOW", "PACK_CHUNK", "PackChunk", "Staging", "layout", "pack_to_host", "unpack_from_host"]
+__all__ = ["PACK_BELOW", "PACK_CHUNK", "PackChunk", "layout"]
 
 PACK_BELOW = 1 << 20  # bytes: storages smaller than this are packed (the allocator's small-pool bound)
 PACK_CHUNK = 64 << 20  # bytes of device staging per batched copy
@@ -109,86 +109,44 @@ def _views(staging: torch.Tensor, chunk: PackChunk) -> list[torch.Tensor]:
     return list(staging[: chunk.nbytes].split_with_sizes(chunk.split_sizes)[0::2])
 
 
-class Staging:
-    """The two device staging chunks of a layout, as storage objects kept across cycles.
-
-    Their per-storage views (4096 of them for 4096 small storages) are made
-    once and stay valid while the storages are released and re-allocated
-    (a view reads its storage's current address), so a transfer makes no
-    views: making them took 18 ms per transfer of 4096 storages on a 2-core
-    host. The memory itself is held only during a transfer.
-
-    Args:
-        chunks: the layout's packed chunks (at least one).
-        device: the CUDA device.
-    """
-
-    def __init__(self, chunks: list[PackChunk], device: torch.device) -> None:
-        self.chunks = chunks
-        self.size = max(ch.nbytes for ch in chunks)
-        self.storages = [torch.UntypedStorage(0, device=device) for _ in range(min(2, len(chunks)))]
-        self.device = device
-        self.whole: list[torch.Tensor] = []  # per buffer, 1D uint8 over all of it
-        self.views: list[list[torch.Tensor]] = []  # per chunk, its storages' bytes in buffer k % 2
-        self.sources: list[list[torch.Tensor]] | None = None  # per chunk, the device storages' views
-
-    def allocate(self) -> None:
-        """Allocates both buffers on the current stream (their views are made the first time)."""
-        for st in self.storages:
-            st.resize_(self.size)
-        if not self.whole:
-            self.whole = [torch.empty(0, dtype=torch.uint8, device=self.device).set_(st) for st in self.storages]
-            self.views = [_views(self.whole[k % 2], ch) for k, ch in enumerate(self.chunks)]
-
-    def free(self, stream: torch.cuda.Stream) -> None:
-        """Releases both buffers once the work queued on ``stream`` is done."""
-        for w in self.whole:
-            w.record_stream(stream)
-        for st in self.storages:
-            st.resize_(0)
-
-
 def pack_to_host(chunks: list[PackChunk], sources: list[torch.Tensor], pool_chunks: list[torch.Tensor],
-                 device: torch.device, streams=None, staging: Staging | None = None) -> None:
+                 device: torch.device, streams=None) -> None:
     """Gathers each chunk's storages (1D uint8 views, on ``device``) into its pool view (1D uint8, host).
 
     On CUDA, call with the D2H stream current (after it waited for the
-    caller's stream); ``streams`` is the device's ``TransferStreams`` and
-    ``staging`` the layout's :class:`Staging`. See [Note: packing pipeline].
-    On the CPU, a plain gather per chunk.
+    caller's stream); ``streams`` is the device's ``TransferStreams``. See
+    [Note: packing pipeline]. On the CPU, a plain gather per chunk.
     """
-    if not chunks:
-        return
     if device.type != "cuda":
         for ch, pool_chunk in zip(chunks, pool_chunks):
-            buf = torch.empty(ch.nbytes, dtype=torch.uint8)
-            torch._foreach_copy_(_views(buf, ch), [sources[si] for si in ch.storages])
-            pool_chunk.copy_(buf)
+            staging = torch.empty(ch.nbytes, dtype=torch.uint8)
+            torch._foreach_copy_(_views(staging, ch), [sources[si] for si in ch.storages])
+            pool_chunk.copy_(staging)
         return
-    if staging.sources is None:
-        staging.sources = [[sources[si] for si in ch.storages] for ch in chunks]
     d2h, pack = streams.d2h, streams.pack
     pack.wait_stream(d2h)  # d2h waited for the caller's stream: pack reads after it too
-    with torch.cuda.stream(pack):
-        staging.allocate()
+    bufs: list[torch.Tensor] = []
     sent: list[torch.cuda.Event | None] = [None, None]  # the DMA out of each buffer
     for k, (ch, pool_chunk) in enumerate(zip(chunks, pool_chunks)):
         b = k % 2
         with torch.cuda.stream(pack):
+            if len(bufs) <= b:
+                bufs.append(torch.empty(max(c.nbytes for c in chunks), dtype=torch.uint8, device=device))
             if sent[b] is not None:
                 pack.wait_event(sent[b])  # the buffer's previous chunk has left
-            torch._foreach_copy_(staging.views[k], staging.sources[k])
+            torch._foreach_copy_(_views(bufs[b], ch), [sources[si] for si in ch.storages])
             packed = streams.event(pack)
         d2h.wait_event(packed)
-        pool_chunk.copy_(staging.whole[b][: ch.nbytes], non_blocking=True)
+        pool_chunk.copy_(bufs[b][: ch.nbytes], non_blocking=True)
         sent[b] = streams.event(d2h)
     d2h.wait_stream(pack)  # the offload's final D2H event covers every pack kernel
-    staging.free(d2h)  # owned by the pack stream; reusable once the last DMA is done
+    for buf in bufs:
+        buf.record_stream(d2h)  # freed on the pack stream once its last DMA is done
 
 
 def unpack_from_host(chunks: list[PackChunk], pool_chunks: list[torch.Tensor],
                      allocate: Callable[[PackChunk], list[torch.Tensor]], device: torch.device,
-                     streams=None, staging: Staging | None = None) -> None:
+                     streams=None) -> None:
     """Scatters each pool view (1D uint8, host) into its chunk's storages, allocated chunk by chunk.
 
     ``allocate(chunk)`` re-allocates the chunk's storages and returns their 1D
@@ -198,8 +156,6 @@ def unpack_from_host(chunks: list[PackChunk], pool_chunks: list[torch.Tensor],
     caller's stream]). On CUDA the H2D stream must already have waited for the
     caller's stream. See [Note: packing pipeline].
     """
-    if not chunks:
-        return
     if device.type != "cuda":
         for ch, pool_chunk in zip(chunks, pool_chunks):
             dests = allocate(ch)
@@ -207,20 +163,22 @@ def unpack_from_host(chunks: list[PackChunk], pool_chunks: list[torch.Tensor],
         return
     h2d, pack = streams.h2d, streams.pack
     pack.wait_stream(h2d)
-    with torch.cuda.stream(h2d):
-        staging.allocate()
+    bufs: list[torch.Tensor] = []
     unpacked: list[torch.cuda.Event | None] = [None, None]  # the scatter out of each buffer
     for k, (ch, pool_chunk) in enumerate(zip(chunks, pool_chunks)):
         b = k % 2
         with torch.cuda.stream(h2d):
+            if len(bufs) <= b:
+                bufs.append(torch.empty(max(c.nbytes for c in chunks), dtype=torch.uint8, device=device))
             if unpacked[b] is not None:
                 h2d.wait_event(unpacked[b])
-            staging.whole[b][: ch.nbytes].copy_(pool_chunk, non_blocking=True)
+            bufs[b][: ch.nbytes].copy_(pool_chunk, non_blocking=True)
             landed = streams.event(h2d)
         dests = allocate(ch)  # host work while the DMA runs
         pack.wait_event(landed)
         with torch.cuda.stream(pack):
-            torch._foreach_copy_(dests, staging.views[k])
+            torch._foreach_copy_(dests, _views(bufs[b], ch))
             unpacked[b] = streams.event(pack)
     h2d.wait_stream(pack)  # the reload's final H2D event covers every scatter
-    staging.free(h2d)  # owned by the H2D stream, which now follows every scatter
+    for buf in bufs:
+        buf.record_stream(pack)

@@ -131,7 +131,7 @@ class _HostViews:
     """The pool views of one plan and pool block, reused every cycle while both stay.
 
     Attributes:
-        key: ``(id(plan), pool block)`` they were made for.
+        plan, block: the plan and pool block they were made for.
         slots: 1D uint8 pool views, one per storage.
         pool_chunks: 1D uint8 pool views, one per packed chunk.
         chunks: the packed chunks of the layout.
@@ -139,9 +139,10 @@ class _HostViews:
         host_locals: per ``plan.tensors`` entry, a view of its slot shaped like its local tensor.
     """
 
-    def __init__(self, key: tuple, slots: list[torch.Tensor], pool_chunks: list[torch.Tensor],
+    def __init__(self, plan: Plan, block: int, slots: list[torch.Tensor], pool_chunks: list[torch.Tensor],
                  chunks: list[PackChunk], host_locals: list[torch.Tensor]) -> None:
-        self.key = key
+        self.plan = plan  # held, so that no other plan can be mistaken for it
+        self.block = block
         self.slots = slots
         self.pool_chunks = pool_chunks
         self.chunks = chunks
@@ -446,9 +447,13 @@ class Ferry:
         host and ``offload()`` returns sooner. Can be armed right after
         ``reload(prefetch=...)``: both overlap the same forward. The state stays resident and
         usable until ``offload()``; a unit whose tensors are written after its
-        copy (in-place ops, any optimizer step) is copied again by ``offload()``,
-        so the result is the same as a plain offload. Without FSDP2 units (or
-        before FSDP2's lazy init) this does nothing and ``offload()`` is plain.
+        copy by in-place ops or any optimizer step is copied again by
+        ``offload()``. Writes the version counters do not see are lost: through
+        ``.data`` (``w.data.copy_(...)``) or by ``_foreach_`` ops on DTensors
+        outside an optimizer step (an EMA update): do not write the state
+        between the forward and ``offload()``. State holding gradients, and a
+        model without FSDP2 units (or before FSDP2's lazy init), is not armed:
+        ``offload()`` is then plain.
 
         Raises:
             RuntimeError: the ferry is closed; or the host pool could not be
@@ -465,6 +470,8 @@ class Ferry:
             return
         else:
             plan = self._plan_now()
+        if any(r.name.endswith(".grad") for r in plan.tensors):
+            return  # gradients are written by _foreach_ ops (clipping) that no version counter sees
         views = self._host_views(plan)  # the pool, now: the hooks must not fail
         groups = [g for g in (group_plan(plan) if lazy_init_done(plan) else []) if g.unit is not None]
         if not groups:
@@ -484,7 +491,7 @@ class Ferry:
             if early is None or gi in early.versions or early.invalidated:
                 return
             plan, views, sources = early.plan, self._host_cache, self._sources(early.plan)
-            if views is None or views.key[0] != id(plan):
+            if views is None or views.plan is not plan:
                 return  # the pool changed since arming: offload() copies everything
             g = early.groups[gi]
             early.versions[gi] = _tensor_versions([plan.tensors[i].tensor for i in g.tensors])
@@ -592,7 +599,7 @@ class Ferry:
             host_locals = views.host_locals
             if not host_locals and plan.tensors:
                 host_locals = [view_on(r.local, slots[r.storage_index]) for r in plan.tensors]
-                if views.key[0] == id(plan):
+                if views is self._host_cache:
                     views.host_locals = host_locals
             try:
                 self._guards.install(plan.modules, plan.optimizers)
@@ -637,8 +644,9 @@ class Ferry:
             ``(plan, views, event, start, copied_after)``.
         """
         cached = self._cached
+        hv = self._host_cache
         if (cached is not None and self._early is None and not self._track_progress
-                and self._host_cache is not None and self._host_cache.key == (id(cached[1]), self._pool.block_id)
+                and hv is not None and hv.plan is cached[1] and hv.block == self._pool.block_id
                 and all(st.nbytes() == n for st, n in zip(cached[1].storages, cached[1].nbytes))):
             targets = self._live_targets()
             for m in targets:
@@ -651,6 +659,10 @@ class Ferry:
                 return plan, views, event, start, copied_after
             if event is not None:
                 event.synchronize()  # the copies only wrote the pool; redo with a new plan
+            # Hold nothing of the old plan's views: a growing pool must be able to
+            # unmap the old block before it maps the new one (and the budget sees one).
+            plan = views = hv = None
+        cached = None
         plan = self._plan_now()
         views = self._host_views(plan)  # may raise (pool allocation): nothing moved yet
         early = self._take_early_copies(plan)  # storages already copied during the forward
@@ -744,6 +756,7 @@ class Ferry:
             self._pool = self._new_pool()
             self._device_fixed = True
         self._cached = (fingerprint(targets), plan, [_storage_bytes(s, self.device) for s in plan.storages])
+        self._host_cache = None  # made for the old plan
         return plan
 
     def _sources(self, plan: Plan) -> list[torch.Tensor]:
@@ -772,11 +785,12 @@ class Ferry:
         block = self._pool.block_id
         cached = self._cached is not None and self._cached[1] is plan
         hv = self._host_cache
-        if cached and hv is not None and hv.key == (id(plan), block):
+        if cached and hv is not None and hv.plan is plan and hv.block == block:
             return hv
+        self._host_cache = None
         slots = [self._pool.view(o, n) for o, n in zip(offsets, plan.nbytes, strict=True)]
         pool_chunks = [self._pool.view(ch.pool_offset, ch.nbytes) for ch in chunks]
-        hv = _HostViews((id(plan) if cached else None, block), slots, pool_chunks, chunks, [])
+        hv = _HostViews(plan, block, slots, pool_chunks, chunks, [])
         self._host_cache = hv if cached else None
         return hv
 

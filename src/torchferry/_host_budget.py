@@ -83,7 +83,7 @@ def _env_bytes(name: str) -> int | None:
         return None
     try:
         n = int(float(value))
-    except ValueError:
+    except (ValueError, OverflowError):  # "lots", "inf", "nan"
         raise ValueError(f"torchferry: {name}={value!r} is not a number of bytes") from None
     if n < 0:
         raise ValueError(f"torchferry: {name}={value!r} must be >= 0")
@@ -141,7 +141,10 @@ class NodeLedger:
                         entries = json.loads(raw) if raw else {}
                     except ValueError:
                         entries = {}  # a torn file from a killed writer: start over
-                    entries = {pid: e for pid, e in entries.items() if pid.isdigit() and _alive(int(pid))}
+                    if not isinstance(entries, dict):
+                        entries = {}  # not a ledger: start over
+                    entries = {pid: e for pid, e in entries.items()
+                               if pid.isdigit() and isinstance(e, dict) and _alive(int(pid))}
                     self._apply_deferred(entries)
                     yield entries
                     self._apply_deferred(entries)
@@ -205,11 +208,11 @@ class NodeLedger:
                         f"torchferry: {what} needs {nbytes} bytes ({nbytes / 1e9:.2f} GB) of host memory, "
                         f"but only {available} bytes ({available / 1e9:.2f} GB) are available within "
                         f"{source}. Nothing was allocated and the state is where it was. Lower the need: "
-                        "Ferry(max_pinned_bytes=...) pins only part of the pool (the rest stays pageable, "
-                        "slower), ferry.release_host() returns an idle ferry's pool, fewer or smaller "
-                        "ferries per rank; or raise the budget (TORCHFERRY_HOST_BUDGET_BYTES, "
-                        "Ferry(host_budget_bytes=...)) or the reserve (TORCHFERRY_HOST_RESERVE_BYTES) "
-                        "if the node really has the memory.",
+                        "ferry.release_host() returns an idle ferry's pool, fewer or smaller ferries per "
+                        "rank (e.g. keep the optimizer state resident); or raise the budget "
+                        "(TORCHFERRY_HOST_BUDGET_BYTES, Ferry(host_budget_bytes=...)) or lower the reserve "
+                        "(TORCHFERRY_HOST_RESERVE_BYTES) if the node really has the memory. "
+                        "(Ferry(max_pinned_bytes=...) pins less, but the pool still needs the host memory.)",
                         needed=nbytes, available=available,
                     )
             e = entries.setdefault(me, {"held": 0, "pending": 0})

@@ -44,7 +44,8 @@ def test_budget_refusal_names_bytes_and_options_and_leaves_state_intact():
     with pytest.raises(HostBudgetError, match=r"needs \d+ bytes .* only \d+ bytes .*host budget of 1000 bytes") as ei:
         ferry.offload()
     msg = str(ei.value)
-    assert "max_pinned_bytes" in msg and "release_host" in msg and "TORCHFERRY_HOST_BUDGET_BYTES" in msg
+    assert "release_host" in msg and "TORCHFERRY_HOST_BUDGET_BYTES" in msg
+    assert "max_pinned_bytes=...) pins less, but the pool still needs the host memory" in msg
     assert ei.value.needed >= need and ei.value.available == 1000
     assert isinstance(ei.value, RuntimeError)
     assert ferry.residency is Residency.DEVICE and ferry.host_bytes == 0  # nothing allocated
@@ -241,3 +242,65 @@ def test_cached_plan_follows_replaced_parameters_and_new_grads():
     assert m.weight.stride() == (1, 4)
     ferry.reload()
     assert torch.equal(m.weight, want) and m.weight.stride() == (1, 4)
+
+
+# ------------------------------------------------- found by review (each failed before its fix)
+def test_replanned_state_never_reuses_the_old_plans_host_views():
+    """A buffer changes size and the ferry re-plans in reserve_host(): the host views made for
+    the old plan must not be taken for the new one (they were keyed by id(plan), reusable)."""
+    m = nn.Linear(1000, 1, bias=False)
+    m.register_buffer("b", torch.arange(4, dtype=torch.float32))
+    ferry = Ferry(m)
+    ferry.offload()
+    ferry.reload()
+    for i in range(50):
+        m.b = torch.tensor([i % 251], dtype=torch.uint8)
+        ferry.reserve_host()
+        w, b = m.weight.detach().clone(), m.b.clone()
+        ferry.offload()
+        assert m.b.dtype == torch.uint8 and tuple(m.b.shape) == (1,) and torch.equal(m.b, b)
+        ferry.reload()
+        assert torch.equal(m.b, b) and torch.equal(m.weight, w)
+
+
+def test_pool_growth_through_offload_frees_the_old_block_first():
+    """Growing state through offload(): the old block is unmapped before the new one is asked
+    of the ledger, so a budget that holds the new pool (not both) grants it."""
+    m = nn.Linear(1000, 1000, bias=False)  # a 4.0 MB pool
+    ferry = Ferry(m, host_budget_bytes=6_000_000)
+    ferry.offload()
+    ferry.reload()
+    m.bias = nn.Parameter(torch.zeros(200_000))  # 4.8 MB: fits the budget, old + new would not
+    w = m.weight.detach().clone()
+    ferry.offload()
+    ferry.reload()
+    assert torch.equal(m.weight, w) and torch.equal(m.bias, torch.zeros(200_000))
+    assert NodeLedger().usage()[str(os.getpid())]["held"] == ferry.host_bytes == 4_800_000
+
+
+def test_share_memory_after_a_cached_plan_is_refused():
+    m = nn.Linear(4, 4)
+    ferry = Ferry(m)
+    ferry.offload()
+    ferry.reload()
+    m.share_memory()
+    with pytest.raises(NotImplementedError, match="shared memory"):
+        ferry.offload()
+    assert ferry.residency is Residency.DEVICE and m.weight.untyped_storage().nbytes() == 64
+
+
+def test_budget_inf_and_a_ledger_of_another_shape(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHFERRY_HOST_BUDGET_BYTES", "inf")
+    with pytest.raises(ValueError, match="'inf' is not a number of bytes"):
+        Ferry(torch.ones(3))
+    monkeypatch.delenv("TORCHFERRY_HOST_BUDGET_BYTES")
+    ledger = NodeLedger()
+    for junk in ("[]", '{"%d": 5}' % os.getpid()):
+        with open(ledger.path, "w") as f:
+            f.write(junk)
+        t = torch.ones(10)
+        ferry = Ferry(t)
+        ferry.offload()
+        ferry.reload()
+        ferry.close()
+        assert torch.equal(t, torch.ones(10))

@@ -648,22 +648,20 @@ class Ferry:
         if (cached is not None and self._early is None and not self._track_progress
                 and hv is not None and hv.plan is cached[1] and hv.block == self._pool.block_id
                 and all(st.nbytes() == n for st, n in zip(cached[1].storages, cached[1].nbytes))):
-            targets = self._live_targets()
-            for m in targets:
-                if isinstance(m, nn.Module):
-                    for unit in fsdp_modules(m):
-                        unit.reshard()
+            targets = self._resharded_targets()
             plan, views = cached[1], self._host_cache
             event, start, copied_after = self._issue_d2h(plan, views, set())
-            if fingerprint(targets) == cached[0]:
+            fp = fingerprint(targets)
+            if fp == cached[0]:
                 return plan, views, event, start, copied_after
             if event is not None:
                 event.synchronize()  # the copies only wrote the pool; redo with a new plan
             # Hold nothing of the old plan's views: a growing pool must be able to
             # unmap the old block before it maps the new one (and the budget sees one).
-            plan = views = hv = None
-        cached = None
-        plan = self._plan_now()
+            plan = views = hv = cached = None
+            plan = self._plan_now(targets, fp)
+        else:
+            plan = self._plan_now()
         views = self._host_views(plan)  # may raise (pool allocation): nothing moved yet
         early = self._take_early_copies(plan)  # storages already copied during the forward
         event, start, copied_after = self._issue_d2h(plan, views, early)
@@ -735,27 +733,38 @@ class Ferry:
             storage.resize_(0)
         self._pending_release = keep
 
-    def _plan_now(self) -> Plan:
+    def _resharded_targets(self) -> list[object]:
+        """The live targets, their FSDP units resharded (the sharded parameters registered)."""
         targets = self._live_targets()
         for m in targets:
             if isinstance(m, nn.Module):
                 for unit in fsdp_modules(m):
                     unit.reshard()  # register the sharded parameters, free unsharded ones
+        return targets
+
+    def _plan_now(self, targets: list[object] | None = None, fp: list | None = None) -> Plan:
+        """The plan of the targets now: the cached one if its fingerprint still holds.
+
+        ``targets`` (resharded) and their fingerprint ``fp`` may be passed when
+        the caller has them already.
+        """
+        if targets is None:
+            targets = self._resharded_targets()
         # [Note: cached plan] Planning checks every tensor (10-40 us each); a
         # fingerprint of the tensors, storages, sizes and addresses (about 1 us
         # each) tells whether the last plan still holds, which it does every
         # steady cycle. 4096 small tensors cost 100-230 ms to plan on a CI host.
-        if self._cached is not None:
+        if fp is None:
             fp = fingerprint(targets)
-            if fp == self._cached[0]:
-                return self._cached[1]
+        if self._cached is not None and fp == self._cached[0]:
+            return self._cached[1]
         plan = build_plan(targets, self.device if self._device_fixed else None)
         if not self._device_fixed and plan.tensors:
             self.device = plan.device
             self._streams = streams_for(self.device)
             self._pool = self._new_pool()
             self._device_fixed = True
-        self._cached = (fingerprint(targets), plan, [_storage_bytes(s, self.device) for s in plan.storages])
+        self._cached = (fp, plan, [_storage_bytes(s, self.device) for s in plan.storages])
         self._host_cache = None  # made for the old plan
         return plan
 

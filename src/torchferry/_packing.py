@@ -117,6 +117,8 @@ def pack_to_host(chunks: list[PackChunk], sources: list[torch.Tensor], pool_chun
     caller's stream); ``streams`` is the device's ``TransferStreams``. See
     [Note: packing pipeline]. On the CPU, a plain gather per chunk.
     """
+    if not chunks:
+        return
     if device.type != "cuda":
         for ch, pool_chunk in zip(chunks, pool_chunks):
             staging = torch.empty(ch.nbytes, dtype=torch.uint8)
@@ -125,13 +127,14 @@ def pack_to_host(chunks: list[PackChunk], sources: list[torch.Tensor], pool_chun
         return
     d2h, pack = streams.d2h, streams.pack
     pack.wait_stream(d2h)  # d2h waited for the caller's stream: pack reads after it too
+    size = max(ch.nbytes for ch in chunks)  # bytes of each of the two staging buffers
     bufs: list[torch.Tensor] = []
     sent: list[torch.cuda.Event | None] = [None, None]  # the DMA out of each buffer
     for k, (ch, pool_chunk) in enumerate(zip(chunks, pool_chunks)):
         b = k % 2
         with torch.cuda.stream(pack):
             if len(bufs) <= b:
-                bufs.append(torch.empty(max(c.nbytes for c in chunks), dtype=torch.uint8, device=device))
+                bufs.append(torch.empty(size, dtype=torch.uint8, device=device))
             if sent[b] is not None:
                 pack.wait_event(sent[b])  # the buffer's previous chunk has left
             torch._foreach_copy_(_views(bufs[b], ch), [sources[si] for si in ch.storages])
@@ -156,6 +159,8 @@ def unpack_from_host(chunks: list[PackChunk], pool_chunks: list[torch.Tensor],
     caller's stream]). On CUDA the H2D stream must already have waited for the
     caller's stream. See [Note: packing pipeline].
     """
+    if not chunks:
+        return
     if device.type != "cuda":
         for ch, pool_chunk in zip(chunks, pool_chunks):
             dests = allocate(ch)
@@ -163,13 +168,14 @@ def unpack_from_host(chunks: list[PackChunk], pool_chunks: list[torch.Tensor],
         return
     h2d, pack = streams.h2d, streams.pack
     pack.wait_stream(h2d)
+    size = max(ch.nbytes for ch in chunks)  # bytes of each of the two staging buffers
     bufs: list[torch.Tensor] = []
     unpacked: list[torch.cuda.Event | None] = [None, None]  # the scatter out of each buffer
     for k, (ch, pool_chunk) in enumerate(zip(chunks, pool_chunks)):
         b = k % 2
         with torch.cuda.stream(h2d):
             if len(bufs) <= b:
-                bufs.append(torch.empty(max(c.nbytes for c in chunks), dtype=torch.uint8, device=device))
+                bufs.append(torch.empty(size, dtype=torch.uint8, device=device))
             if unpacked[b] is not None:
                 h2d.wait_event(unpacked[b])
             bufs[b][: ch.nbytes].copy_(pool_chunk, non_blocking=True)

@@ -39,6 +39,11 @@ class TransferHandle:
         if event is None:
             self._complete(time.perf_counter())
 
+    @property
+    def event(self) -> torch.cuda.Event | None:
+        """The CUDA event recorded after the last copy (``None`` on the CPU or for a no-op)."""
+        return self._event
+
     def _complete(self, when: float) -> None:
         self._completed_at = when
         callbacks, self._callbacks = self._callbacks, []

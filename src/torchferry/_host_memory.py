@@ -208,6 +208,18 @@ class HostBuffer:
             raise AssertionError(f"view [{offset}, {offset + nbytes}) straddles the pinned boundary {pinned}")
         return self.tensor[offset : offset + nbytes]
 
+    def own_view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """Like :meth:`view`, but over a storage of its own that holds exactly these bytes.
+
+        Pickling, ``torch.save`` or ``share_memory_()`` of a tensor over it then
+        sees ``nbytes`` bytes, not the whole block; the block stays mapped
+        while the view lives.
+        """
+        pinned = self.pinned_bytes
+        if offset < pinned < offset + nbytes:
+            raise AssertionError(f"view [{offset}, {offset + nbytes}) straddles the pinned boundary {pinned}")
+        return torch.frombuffer(self._mapping, dtype=torch.uint8, offset=offset, count=nbytes)
+
     def free(self) -> None:
         """Drops the pool's references to the block. Idempotent.
 

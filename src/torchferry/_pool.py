@@ -146,6 +146,16 @@ class HostPool:
             raise AssertionError(f"slot [{offset}, {offset + nbytes}) outside the pool")
         return self._buffer.view(offset, nbytes)
 
+    def own_view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """1D ``torch.uint8`` tensor over ``nbytes`` bytes at ``offset``, on a storage of its own
+        (see :meth:`HostBuffer.own_view`)."""
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        self._resolve()
+        if self._buffer is None or offset + nbytes > self._buffer.nbytes:
+            raise AssertionError(f"slot [{offset}, {offset + nbytes}) outside the pool")
+        return self._buffer.own_view(offset, nbytes)
+
     def release(self) -> None:
         """Returns the block to the OS (unpinned first). Idempotent; waits for a background allocation."""
         try:

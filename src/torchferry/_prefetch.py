@@ -13,13 +13,14 @@ A unit is an FSDP2 state: ``fully_shard([a, b])`` makes one unit of both.
 Every unit gets a forward pre-hook, prepended so that it runs before FSDP2's
 own (which all-gathers the unit's ``_sharded_param_data``). The hook makes the
 current stream wait for the unit's copy event (and for the units FSDP2 will
-prefetch from there, ``_states_to_forward_prefetch``), re-points the unit's
-tensors at their device storages, and issues further groups to keep the
+prefetch from there, ``_states_to_forward_prefetch``), gives the unit's
+tensors their device impls back, and issues further groups to keep the
 look-ahead. The tail group is completed by a step pre-hook of each optimizer
-target, so ``optimizer.step()`` cannot run on state still in flight. When the
-last group is resident the hooks are removed. Until its unit runs, a group's
-tensors stay CPU tensors viewing the pool (still correct, just not moved yet);
-``ferry.reload()`` without prefetch completes everything at once.
+target, so ``optimizer.step()`` cannot run on state still in flight; a
+``state_dict()`` of a target (module or optimizer) completes everything first.
+When the last group is resident the hooks are removed. Until its unit runs, a
+group's tensors stay CPU tensors viewing the pool (still correct, just not
+moved yet); ``ferry.reload()`` without prefetch completes everything at once.
 
 Between ``reload(prefetch=...)`` and a unit's forward its tensors are host
 tensors. In-place writes to them there (``p.mul_(2)``) are not lost: version
@@ -30,20 +31,30 @@ taken before the offload. So: state holding gradients is reloaded plainly
 (``zero_grad(set_to_none=False)`` before the forward uses ``_foreach_zero_``),
 every optimizer step first completes every prefetch under way (a global step
 pre-hook while one is), and you should not write parameters between the
-reload and the forward otherwise. FSDP2's ``unshard()`` called by hand there
-would read a unit not yet resident.
+reload and the forward otherwise. FSDP2's ``unshard()`` called by hand there,
+or ``full_tensor()`` of a parameter not yet resident, would read a host
+tensor: call ``ferry.reload()`` first.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 from torch import nn
 
-from ._plan import Plan, fsdp_modules
+from ._copies import transfer_range
+from ._device_alloc import ReloadArena
+from ._fsdp import comm_streams, forward_prefetch_units, fsdp_modules, lazy_init_done, unit_key, versions
+from ._handle import TransferHandle
+from ._host_views import HostViews
+from ._plan import Plan
+from ._repoint import Parking
+from ._step_hooks import GlobalStepHook
+from ._streams import TransferStreams
 
-__all__ = ["Group", "Prefetch", "group_plan"]
+__all__ = ["Group", "Prefetch", "PrefetchRun", "group_plan", "prefetch_groups"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,20 +72,26 @@ class Prefetch:
     lookahead_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if self.lookahead_bytes is not None and self.lookahead_bytes < 0:
-            raise ValueError(f"lookahead_bytes must be >= 0 or None, got {self.lookahead_bytes}")
+        if self.lookahead_bytes is not None and (
+                not isinstance(self.lookahead_bytes, int) or isinstance(self.lookahead_bytes, bool)
+                or self.lookahead_bytes < 0):
+            raise ValueError(f"lookahead_bytes must be an int >= 0 or None, got {self.lookahead_bytes!r}")
 
 
 @dataclasses.dataclass
 class Group:
     """The storages and tensors one FSDP unit needs (``unit is None``: the tail group).
 
-    ``units`` lists every module of the unit (several for ``fully_shard([a, b])``).
+    Attributes:
+        unit: the unit's first module (``None`` for the tail group).
+        storages: indices into ``plan.storages``.
+        tensors: indices into ``plan.tensors``.
+        nbytes: bytes of the group's storages.
     """
 
     unit: nn.Module | None
-    storages: list[int] = dataclasses.field(default_factory=list)  # indices into plan.storages
-    tensors: list[int] = dataclasses.field(default_factory=list)  # indices into plan.tensors
+    storages: list[int] = dataclasses.field(default_factory=list)
+    tensors: list[int] = dataclasses.field(default_factory=list)
     nbytes: int = 0
 
 
@@ -88,11 +105,11 @@ def group_plan(plan: Plan) -> list[Group]:
     (else an empty list: a plain reload).
     """
     units: list[nn.Module] = []
-    seen_states: dict[int, int] = {}  # id(FSDPState) -> index in units
+    seen_states: dict[int, int] = {}  # unit_key -> index in units
     alias: dict[int, int] = {}  # id(module) -> unit index, for grouped fully_shard([a, b])
     for m in plan.modules:
         for u in fsdp_modules(m):
-            key = id(u._get_fsdp_state())
+            key = unit_key(u)
             if key not in seen_states:
                 seen_states[key] = len(units)
                 units.append(u)
@@ -101,8 +118,7 @@ def group_plan(plan: Plan) -> list[Group]:
         # Optimizer state alone: one tail group, completed by the step pre-hook,
         # so the forward before the step does not wait for it.
         if plan.optimizers and plan.storages:
-            tail = Group(None, list(range(len(plan.storages))), list(range(len(plan.tensors))), plan.state_bytes)
-            return [tail]
+            return [Group(None, list(range(len(plan.storages))), list(range(len(plan.tensors))), plan.state_bytes)]
         return []
     owner: dict[int, int] = {}  # id(tensor) -> group index
     members = [m for root in plan.modules for m in fsdp_modules(root)]
@@ -117,16 +133,16 @@ def group_plan(plan: Plan) -> list[Group]:
     tail = len(units)
     groups = [Group(u) for u in units] + [Group(None)]
     storage_group: dict[int, int] = {}
-    for ti, ref in enumerate(plan.tensors):
+    for ref in plan.tensors:
         gi = owner.get(id(ref.tensor), tail)
         si = ref.storage_index
         storage_group[si] = min(storage_group.get(si, gi), gi)
-    # A parameter and its grad must move together (the grad link of a DTensor
-    # parameter is re-made in the same re-pointing batch): unify their groups.
+    # A parameter and its grad must move together (the host impl links the host
+    # grad, see [Note: parked TensorImpls]): unify their groups.
     tensor_of = {id(r.tensor): r for r in plan.tensors}
     for _ in range(2):
         for ref in plan.tensors:
-            g = getattr(ref.tensor, "grad", None) if ref.tensor.requires_grad else None
+            g = ref.tensor.grad if isinstance(ref.tensor, nn.Parameter) or ref.tensor.requires_grad else None
             if g is not None and id(g) in tensor_of:
                 a, b = ref.storage_index, tensor_of[id(g)].storage_index
                 low = min(storage_group[a], storage_group[b])
@@ -139,52 +155,209 @@ def group_plan(plan: Plan) -> list[Group]:
     return [g for g in groups if g.storages or g.tensors]
 
 
-def forward_prefetch_units(unit: nn.Module) -> list[nn.Module]:
-    """The units whose all-gather FSDP2 issues from ``unit``'s pre-forward (explicit prefetch)."""
-    try:
-        state = unit._get_fsdp_state()
-    except AttributeError:
-        return []
-    out: list[nn.Module] = []
-    for other in getattr(state, "_states_to_forward_prefetch", []) or []:
-        out.extend(getattr(other, "_modules", ()) or ())  # the FSDPState's modules
-        for group in ([getattr(other, "_fsdp_param_group", None)]
-                      + list(getattr(other, "_fsdp_param_groups", []) or [])):
-            if group is not None:
-                out.extend(getattr(group, "modules", ()) or ())
-    return out
+def prefetch_groups(plan: Plan) -> list[Group] | None:
+    """The groups of a layer-wise reload of ``plan``, or ``None`` for a plain reload.
 
-
-def fsdp_comm_streams(plan: Plan) -> list[torch.cuda.Stream]:
-    """FSDP2's all-gather streams for the plan's units, each once.
-
-    FSDP2 makes them wait for the current stream once per iteration, in the
-    root's pre-forward (or for its post-optimizer event instead), and then
-    lets each unit's all-gather copy-in read the sharded parameters without
-    waiting for the current stream again (implicit prefetching,
-    ``torch/distributed/fsdp/_fully_shard/_fsdp_state.py``,
-    ``_root_pre_forward``). A unit's H2D copies must therefore be waited for
-    on these streams too, not only on the current stream (measured on 2
-    H200s: without it, a unit's all-gather read its shard before its copy
-    landed and the loss was NaN).
+    Plain: state holding gradients (a ``zero_grad(set_to_none=False)`` before
+    the forward would write their host copies with ``_foreach_zero_``, which
+    DTensors do not count in their version counters), FSDP2 before its lazy
+    init, or nothing to defer (no units and no optimizer state).
     """
-    out: dict[int, torch.cuda.Stream] = {}
-    for m in plan.modules:
-        for unit in fsdp_modules(m):
-            ctx = getattr(unit._get_fsdp_state(), "_comm_ctx", None)
-            for name in ("all_gather_copy_in_stream", "all_gather_stream"):
-                stream = getattr(ctx, name, None)
-                if stream is not None:
-                    out.setdefault(id(stream), stream)
-    return list(out.values())
+    if plan.has_grads:
+        return None
+    groups = group_plan(plan) if lazy_init_done(plan.modules) else []
+    return groups if len(groups) > 1 or (groups and plan.optimizers) else None
 
 
-def lazy_init_done(plan: Plan) -> bool:
-    """FSDP2 initialises lazily at the first forward (and may re-pad shards then): prefetch
-    only after it, when a unit's shards are left as they are."""
-    for m in plan.modules:
-        for unit in fsdp_modules(m):
-            state = unit._get_fsdp_state()
-            if getattr(state, "_is_root", None) is None:
-                return False
-    return True
+# Every optimizer step first completes every layer-wise reload under way.
+_RUNS = GlobalStepHook()
+
+
+class PrefetchRun:
+    """One layer-wise reload under way (see [Note: prefetch reload]).
+
+    Args:
+        plan, views: what comes back, and its pool views.
+        parking: the plan's tensor objects (on the host when this starts).
+        device_views: the plan's cached 1D uint8 device views, or ``None``.
+        groups: from :func:`group_plan`, at least one.
+        policy: the :class:`Prefetch` settings.
+        streams: the device's streams.
+        after: an event the H2D stream waits for first (the ferry's last
+            offload: its slots may still be filling), or ``None``.
+
+    Attributes:
+        finished: every group resident and every hook removed.
+        events: per issued group, its H2D event (``None`` on the CPU).
+        start: H2D event before the first copy (timing), ``None`` on the CPU.
+        issued_at: ``time.perf_counter()`` at the start.
+        arena: the device segment seeded for the whole reload, if any.
+    """
+
+    def __init__(self, plan: Plan, views: HostViews, parking: Parking, device_views: list[torch.Tensor] | None,
+                 groups: list[Group], policy: Prefetch, streams: TransferStreams,
+                 after: torch.cuda.Event | None) -> None:
+        self.plan, self.views, self.parking, self.device_views = plan, views, parking, device_views
+        self.groups, self.policy, self.streams, self._after = groups, policy, streams, after
+        self.issued = 0  # groups issued, in order
+        self.events: list[torch.cuda.Event | None] = []
+        self._versions: list[list[int]] = []  # per issued group: its host tensors' versions at issue
+        self.resident: set[int] = set()
+        self._allocated: list[int] = []  # storage indices re-allocated so far
+        self._hooks: list = []
+        self._comm: list[torch.cuda.Stream] = []
+        self.start: torch.cuda.Event | None = None
+        self.arena: ReloadArena | None = None
+        self.issued_at = time.perf_counter()
+        self.finished = False
+
+    # ------------------------------------------------------------ lifecycle
+    def begin(self) -> None:
+        """Issues the first groups and installs the hooks.
+
+        Raises:
+            BaseException: whatever the first copies raised; nothing is left
+                allocated or hooked, the tensors are still on the host.
+        """
+        cuda = self.streams.is_cuda
+        if cuda:
+            h2d = self.streams.h2d
+            h2d.wait_stream(self.streams.current())
+            if self._after is not None:
+                h2d.wait_event(self._after)
+            self.start = self.streams.event(h2d, timing=True)
+            self._comm = comm_streams(self.plan.modules)
+            if self.policy.lookahead_bytes is None:
+                self.arena = ReloadArena.seed(self.plan.device, self.plan.nbytes)
+        try:
+            self._issue_ahead(0)
+        except BaseException:
+            if cuda:
+                self.streams.h2d.synchronize()
+            for si in self._allocated:
+                self.plan.storages[si].resize_(0)
+            raise
+        if self.arena is not None:
+            self.arena.seal()
+        for gi, g in enumerate(self.groups):
+            if g.unit is not None:
+                self._hooks.append(g.unit.register_forward_pre_hook(self._unit_hook(gi), prepend=True))
+        for m in self.plan.modules:
+            self._hooks.append(m.register_state_dict_pre_hook(self._complete_hook))
+        for opt in self.plan.optimizers:
+            self._hooks.append(opt.register_step_pre_hook(self._complete_hook))
+            self._hooks.append(opt.register_state_dict_pre_hook(self._complete_hook))
+        _RUNS.add(id(self), self.finish)
+
+    def finish(self) -> None:
+        """Issues what is left and makes every group resident (idempotent)."""
+        if self.finished:
+            return
+        self._issue_ahead(len(self.groups) - 1)
+        for gi in range(len(self.groups)):
+            self._make_resident(gi)
+        self._close()
+
+    def _close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        _RUNS.discard(id(self))
+        self.finished = True
+
+    @property
+    def issued_bytes(self) -> int:
+        return sum(self.groups[i].nbytes for i in range(self.issued))
+
+    def handle(self) -> TransferHandle:
+        """A handle for the copies issued so far (all of them once finished)."""
+        nbytes = self.plan.state_bytes if self.finished else self.issued_bytes
+        return TransferHandle("h2d", nbytes, self.events[self.issued - 1], self.issued_at, start_event=self.start)
+
+    # ---------------------------------------------------------------- hooks
+    def _unit_hook(self, gi: int):
+        def hook(module: nn.Module, args: object) -> None:
+            if self.finished:
+                return
+            # This unit, and the ones FSDP2 all-gathers ahead from its pre-forward
+            # (which may already be resident themselves, their targets not).
+            targets = forward_prefetch_units(module)
+            wanted = [j for j, g in enumerate(self.groups)
+                      if j == gi or (g.unit is not None and any(g.unit is u for u in targets))]
+            wanted = [j for j in wanted if j not in self.resident]
+            if not wanted:
+                return
+            self._issue_ahead(max(wanted))
+            for j in wanted:
+                self._make_resident(j)
+            if all(j in self.resident for j, g in enumerate(self.groups) if g.unit is not None):
+                self._issue_ahead(len(self.groups) - 1)  # the tail follows on the copy stream
+                if not self.plan.optimizers:
+                    self.finish()
+                # else: the optimizers' step pre-hook completes the tail group
+
+        return hook
+
+    def _complete_hook(self, *args: object, **kwargs: object) -> None:
+        self.finish()  # optimizer state (and anything not yet used) resident first
+
+    # --------------------------------------------------------------- copies
+    def _issue_ahead(self, upto: int) -> None:
+        """Issues groups until group ``upto`` is issued and the look-ahead budget is used."""
+        limit = self.policy.lookahead_bytes
+        while self.issued < len(self.groups):
+            ahead = sum(self.groups[i].nbytes for i in range(upto, self.issued))
+            if self.issued > upto and limit is not None and ahead >= limit:
+                break
+            with transfer_range("h2d", self.groups[self.issued].nbytes):
+                self._issue_group(self.issued)
+
+    def _issue_group(self, gi: int) -> None:
+        plan, cuda = self.plan, self.streams.is_cuda
+        if cuda and self.issued > 0 and self.policy.lookahead_bytes is not None:
+            # Issued from a forward hook: the blocks allocated now may have been
+            # freed by kernels still queued (see [Note: reload allocates on the caller's stream]).
+            self.streams.h2d.wait_stream(self.streams.current())
+        for si in self.groups[gi].storages:
+            plan.storages[si].resize_(plan.nbytes[si])
+            self._allocated.append(si)
+        self._versions.append(self._group_versions(gi))
+        self._copy_group(gi)
+        self.events.append(self.streams.event(self.streams.h2d, timing=True) if cuda else None)
+        self.issued += 1
+
+    def _copy_group(self, gi: int) -> None:
+        plan, slots, cuda = self.plan, self.views.slots, self.streams.is_cuda
+        for si in self.groups[gi].storages:
+            if not plan.nbytes[si]:
+                continue
+            dst = (self.device_views[si] if self.device_views is not None
+                   else torch.empty(0, dtype=torch.uint8, device=plan.device).set_(plan.storages[si]))
+            if cuda:
+                with torch.cuda.stream(self.streams.h2d):
+                    dst.copy_(slots[si], non_blocking=True)
+            else:
+                dst.copy_(slots[si])
+
+    def _group_versions(self, gi: int) -> list[int]:
+        tensors = self.parking.tensors
+        return versions([tensors[i] for i in self.groups[gi].tensors])
+
+    def _make_resident(self, gi: int) -> None:
+        if gi in self.resident:
+            return
+        cuda = self.streams.is_cuda
+        if self._group_versions(gi) != self._versions[gi]:
+            # Written on the host after its copy was issued: copy it again.
+            if cuda:
+                self.streams.h2d.wait_stream(self.streams.current())
+            self._copy_group(gi)
+            if cuda:
+                self.events[gi] = self.streams.event(self.streams.h2d)
+        ev = self.events[gi]
+        if ev is not None:
+            self.streams.current().wait_event(ev)
+            for stream in self._comm:  # FSDP2's all-gather copy-in reads the shard there
+                stream.wait_event(ev)
+        self.parking.to_device(self.groups[gi].tensors)
+        self.resident.add(gi)

@@ -1,28 +1,42 @@
-"""Re-pointing tensor objects between device storage and host slots, keeping identity.
+"""Re-pointing tensor objects between device storage and host slots, keeping everything autograd holds.
 
-Plain tensors and ``nn.Parameter``s are re-pointed with ``t.data = other``
-(``set_data``: the same ``TensorImpl`` takes the other tensor's storage,
-sizes, strides and device, as ``nn.Module._apply`` does for ``model.cpu()``).
-That keeps the Python object, its autograd metadata and its ``.grad``.
+[Note: parked TensorImpls]
+The tensor objects users hold (parameters, DTensors, ``.grad``s, optimizer
+state) must be CPU tensors viewing the pool while offloaded and device tensors
+again after a reload, as the same Python objects. Assigning ``t.data = host``
+(``set_data``) keeps the object but, when the device changes, drops the
+parameter's ``AccumulateGrad`` node (``VariableHooks::set_data`` resets
+``grad_accumulator_``): the next backward makes a new node, and whatever was
+registered on the old one is silently gone, DDP's reducer hooks first (found
+on 2 H200s: DDP synchronised gradients at step 1 only). For a DTensor,
+``torch.utils.swap_tensors`` with a twin moved the whole ``TensorImpl``, and
+with it the tensor hooks, post-accumulate-grad hooks and a frozen
+parameter's ``.grad``, to the twin that was then dropped.
 
-A DTensor is a wrapper subclass: its device is fixed in the wrapper and its
-data lives in ``_local_tensor``, so ``.data =`` would leave the local shard
-where it was. For DTensors we build a twin DTensor with the same spec over the
-other local tensor and exchange the two with ``torch.utils.swap_tensors``
-(which also moves the local tensor slot), then hand each Python object its own
-``__dict__`` back, so attributes such as ``_is_param`` stay with the object.
-``swap_tensors`` refuses tensors that are weakly referenced or whose
-``TensorImpl`` is shared (e.g. a live autograd graph); the grad link of a
-DTensor parameter lives in its ``TensorImpl`` and is carried over by hand.
+So nothing is re-pointed in place. Each tensor gets a *twin* object and the
+two exchange their ``TensorImpl``s (``torch._C._swap_tensor_impl``, plus a
+DTensor's ``_local_tensor`` slot): on offload the user's object takes the
+twin's host impl and the twin parks the original device impl, untouched, with
+its autograd metadata (grad accumulator, hooks, ``.grad`` link, version
+counter); on reload they exchange back. The host twin is kept for the next
+cycle, so a steady cycle makes no objects. ``torch.utils.swap_tensors`` is
+not used: it poisons a live ``AccumulateGrad`` node, which is right for a
+one-way swap and wrong here, where the original impl comes back. Attributes in
+``__dict__`` (``_is_param``) stay with the user's object.
+
+A parameter's ``.grad`` is a link inside the impl: the host impl is given the
+host ``.grad`` (or ``None``) each offload; the parked device impl still links
+the device grad, which comes back with it.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from ._plan import is_dtensor
+from ._fsdp import dtensor_twin, is_dtensor, swap_local
 
-__all__ = ["view_on", "Repointer"]
+__all__ = ["Parking", "move_to", "view_on"]
 
 
 def view_on(local: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
@@ -45,73 +59,124 @@ def view_on(local: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     return out.set_(base.untyped_storage(), byte_offset // itemsize, local.size(), local.stride())
 
 
-def _swap_keep_dicts(a: torch.Tensor, b: torch.Tensor) -> None:
-    torch.utils.swap_tensors(a, b)
-    a_dict, b_dict = a.__dict__, b.__dict__
-    a.__dict__, b.__dict__ = b_dict, a_dict
+def _exchange(a: torch.Tensor, b: torch.Tensor, dtensor: bool) -> None:
+    torch._C._swap_tensor_impl(a, b)
+    if dtensor:
+        swap_local(a, b)
 
 
-class Repointer:
-    """Re-points a list of tensor objects at new data, all or nothing.
+def move_to(t: torch.Tensor, device: torch.device) -> None:
+    """Moves a tensor object that the ferry does not hold yet to ``device``, keeping its identity.
 
-    ``apply(new_locals)`` re-points ``tensors[i]`` so that its (local) data is
-    ``new_locals[i]``; it returns the previous locals so the move can be undone
-    with another ``apply``. If one re-point fails, the ones already done are
-    undone before the error propagates.
+    For tensors without autograd history of their own (a state-dict load's new
+    tensors): plain ones through ``t.data``, DTensors by exchanging impls with
+    a twin over the moved local shard.
+    """
+    if is_dtensor(t):
+        _exchange(t, dtensor_twin(t, t._local_tensor.to(device)), True)
+    else:
+        t.data = t.data.to(device)
+
+
+class Parking:
+    """The tensor objects of one plan, each with a twin; see [Note: parked TensorImpls].
+
+    Args:
+        tensors: the objects users hold, each once.
+        names: their names, for errors.
+
+    ``to_host`` and ``to_device`` take index lists, so a layer-wise reload can
+    bring back one FSDP unit at a time; a parameter and its ``.grad`` must be
+    in the same call.
     """
 
     def __init__(self, tensors: list[torch.Tensor], names: list[str]) -> None:
         self.tensors = tensors
         self.names = names
         self._dtensor = [is_dtensor(t) for t in tensors]  # decided once: a tensor's type does not change
+        # Leaves that can hold a .grad link: parameters (frozen ones too) and leaves requiring grad.
+        self._grad_slot = [isinstance(t, nn.Parameter) or (t.requires_grad and t.is_leaf) for t in tensors]
+        self._twins: list[torch.Tensor | None] = [None] * len(tensors)
+        self._host_key: object = None  # what the host twins were made over (the host views)
+        self.on_host = [False] * len(tensors)
 
-    @staticmethod
-    def _set(t: torch.Tensor, new_local: torch.Tensor, dtensor: bool) -> torch.Tensor:
-        """Re-points one tensor; returns what it pointed at before."""
-        if dtensor:
-            from torch.distributed.tensor import DTensor
+    def to_host(self, indices: list[int] | range, host_locals: list[torch.Tensor], key: object) -> None:
+        """Parks the device impls of ``tensors[indices]``; the objects then view ``host_locals[i]``.
 
-            use_count = getattr(t, "_use_count", None)
-            if use_count is not None and use_count() > 1:
-                # swap_tensors would poison the AccumulateGrad node of a live
-                # graph (the backward then fails far from here): refuse now.
-                raise RuntimeError(
-                    "it is held by a live autograd graph or another reference to its TensorImpl; "
-                    "run backward (or drop the graph) before offloading"
-                )
-            twin = DTensor(new_local, t._spec, requires_grad=t.requires_grad)
-            _swap_keep_dicts(t, twin)
-            return twin._local_tensor
-        old = t.detach()
-        t.data = new_local
-        return old
+        ``key`` identifies the host views: twins made over other views are made again.
 
-    def apply(self, new_locals: list[torch.Tensor]) -> list[torch.Tensor]:
-        # A DTensor parameter's grad is held by its TensorImpl, which the swap
-        # exchanges: unlink the grads, move everything, link them again.
-        grad_links = [
-            (t, t.grad) for t, d in zip(self.tensors, self._dtensor) if d and t.requires_grad and t.grad is not None
-        ]
-        for t, _ in grad_links:
-            t.grad = None
-        old: list[torch.Tensor] = []
-        set_one = self._set
+        Raises:
+            RuntimeError: naming the tensor, if one could not be moved; the ones
+                already moved are moved back first (all or nothing).
+        """
+        if key is not self._host_key:
+            self._twins = [None if not h else t for t, h in zip(self._twins, self.on_host)]
+            self._host_key = key
+        tensors, twins, dtensor, grad_slot = self.tensors, self._twins, self._dtensor, self._grad_slot
+        grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        done: list[int] = []
         try:
-            # One loop for thousands of tensors: no per-tensor try (see [Note: optimistic offload]).
-            for t, d, new in zip(self.tensors, self._dtensor, new_locals, strict=True):
-                old.append(set_one(t, new, d))
+            for i in indices:
+                t = tensors[i]
+                twin = twins[i]
+                if twin is None:
+                    local = host_locals[i]
+                    twin = dtensor_twin(t, local) if dtensor[i] else local
+                if twin.requires_grad != t.requires_grad:
+                    twin.requires_grad_(t.requires_grad)
+                if grad_slot[i]:
+                    grads.append((t, t.grad))
+                _exchange(t, twin, dtensor[i])
+                twins[i] = twin
+                done.append(i)
+            for t, g in grads:  # the host impl links the host grad (the grad objects moved above)
+                if t.grad is not g:
+                    t.grad = g
         except BaseException as e:
-            for t, d, prev in zip(self.tensors, self._dtensor, old):
-                set_one(t, prev, d)
-            for t, g in grad_links:
-                t.grad = g
-            if isinstance(e, RuntimeError) and len(old) < len(self.tensors):
-                t = self.tensors[len(old)]
-                raise RuntimeError(
-                    f"torchferry: cannot re-point {self.names[len(old)]} ({type(t).__name__}, "
-                    f"{tuple(t.shape)}): {e}"
-                ) from e
-            raise
-        for t, g in grad_links:
-            t.grad = g
-        return old
+            for t, g in grads:
+                if t.grad is not None:
+                    t.grad = None
+            self._undo(done, to_host=True)
+            self._raise(e, indices, done)
+        for i in done:
+            self.on_host[i] = True
+
+    def to_device(self, indices: list[int] | range) -> None:
+        """Gives ``tensors[indices]`` their parked device impls back (all or nothing)."""
+        done: list[int] = []
+        try:
+            for i in indices:
+                _exchange(self.tensors[i], self._twins[i], self._dtensor[i])
+                done.append(i)
+        except BaseException as e:
+            self._undo(done, to_host=False)
+            self._raise(e, indices, done)
+        for i in done:
+            self.on_host[i] = False
+
+    def has_grad_slot(self, i: int) -> bool:
+        """Whether ``tensors[i]`` can hold a ``.grad`` link (a parameter, or a leaf requiring grad)."""
+        return self._grad_slot[i]
+
+    def parked(self, i: int) -> torch.Tensor | None:
+        """While ``tensors[i]`` is on the host: the twin holding its device impl."""
+        return self._twins[i] if self.on_host[i] else None
+
+    def forget_host(self) -> None:
+        """Drops the host twins of resident tensors (they keep the pool's memory mapped)."""
+        self._twins = [t if h else None for t, h in zip(self._twins, self.on_host)]
+        self._host_key = None
+
+    def _undo(self, done: list[int], *, to_host: bool) -> None:
+        for i in reversed(done):
+            _exchange(self.tensors[i], self._twins[i], self._dtensor[i])
+
+    def _raise(self, e: BaseException, indices, done: list[int]) -> None:
+        indices = list(indices)
+        if isinstance(e, RuntimeError) and len(done) < len(indices):
+            i = indices[len(done)]
+            t = self.tensors[i]
+            raise RuntimeError(
+                f"torchferry: cannot re-point {self.names[i]} ({type(t).__name__}, {tuple(t.shape)}): {e}"
+            ) from e
+        raise e

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import weakref
 
-__all__ = ["TransferStats"]
+__all__ = ["StatsRecorder", "TransferStats"]
+
+logger = logging.getLogger("torchferry")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -45,3 +49,45 @@ class TransferStats:
 
 def _rate(nbytes: int, seconds: float | None) -> float | None:
     return nbytes / seconds / 1e9 if seconds else None
+
+
+class StatsRecorder:
+    """Keeps a ferry's :class:`TransferStats` as its transfers are issued and seen complete.
+
+    Handles reach it through a weak reference, so a handle kept by a caller
+    keeps neither the recorder nor the ferry alive.
+    """
+
+    def __init__(self) -> None:
+        self.stats = TransferStats()
+        self._latest: dict[str, object] = {}  # direction -> the last handle issued
+
+    def issued(self, handle, nbytes: int | None = None) -> None:
+        """Counts a transfer of ``nbytes`` (default ``handle.nbytes``) and watches ``handle``."""
+        kind = "offload" if handle.direction == "d2h" else "reload"
+        nbytes = handle.nbytes if nbytes is None else nbytes
+        st = self.stats
+        self.stats = dataclasses.replace(
+            st,
+            **{f"{kind}s": getattr(st, f"{kind}s") + 1,
+               f"bytes_{kind}ed": getattr(st, f"bytes_{kind}ed") + nbytes,
+               f"last_{kind}_bytes": nbytes, f"last_{kind}_s": None},
+        )
+        self._latest[handle.direction] = handle
+        ref = weakref.ref(self)
+        handle.add_done_callback(lambda h: (r := ref()) is not None and r._completed(h))
+
+    def latest(self, direction: str):
+        """The last handle issued in ``direction`` (``"d2h"`` or ``"h2d"``), or ``None``."""
+        return self._latest.get(direction)
+
+    def _completed(self, handle) -> None:
+        kind = "offload" if handle.direction == "d2h" else "reload"
+        seconds = handle.seconds or 0.0
+        st = self.stats
+        changes = {f"{kind}_seconds": getattr(st, f"{kind}_seconds") + seconds}
+        if handle is self._latest.get(handle.direction):
+            changes[f"last_{kind}_s"] = seconds
+        self.stats = dataclasses.replace(st, **changes)
+        logger.debug("%s done: %d bytes in %.6f s (%.2f GB/s)", kind, handle.nbytes, seconds,
+                     handle.nbytes / seconds / 1e9 if seconds else float("nan"))

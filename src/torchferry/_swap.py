@@ -5,18 +5,9 @@ reference). Moving one out while the next comes in uses both copy engines:
 94.4 GB/s both ways against 55.3 GB/s one way on an H200
 (``shared/anchors/bw.json``).
 
-[Note: swap budget]
-A plain offload releases its storages with ``record_stream``: the caching
-allocator then hands a block out again only after an event recorded at
-release time, that is after *all* the offload's copies (measured on an H200:
-the incoming state took fresh memory, 1 GiB over a 256 MiB budget). So swap
-keeps the outgoing storages allocated, and before each incoming allocation it
-waits for the D2H progress event (recorded every 256 MiB) that covers enough
-outgoing bytes for the incoming state, the outgoing bytes still in flight and
-everything else allocated to stay within ``gpu_budget_bytes``, then releases
-the storages whose copies are complete: their blocks are free at once, for the
-incoming storages. Whatever is left is released as usual once the reload is
-issued.
+The outgoing state keeps its device memory until its copies land, so the
+incoming state stays within ``gpu_budget_bytes`` (see [Note: swap budget] in
+``_release``).
 """
 
 from __future__ import annotations
@@ -25,6 +16,7 @@ import torch
 
 from ._ferry import Ferry
 from ._handle import TransferHandle
+from ._release import ReleaseSchedule
 
 __all__ = ["swap"]
 
@@ -67,34 +59,14 @@ def swap(out: Ferry, into: Ferry, *, gpu_budget_bytes: int | None = None) -> tup
                 f"torchferry.swap: gpu_budget_bytes={gpu_budget_bytes} but the incoming state "
                 f"({into.state_bytes} bytes) plus what stays allocated ({base - out_bytes} bytes) needs {need}"
             )
-    out._track_progress = True
+    schedule = ReleaseSchedule(gpu_budget_bytes if cuda else None, base)
+    h_out = out.offload(schedule=schedule)
     try:
-        h_out = out.offload()
-    finally:
-        out._track_progress = False
-    progress = list(out._progress) if cuda else []
-    out_bytes = h_out.nbytes if progress else 0
-
-    def before_alloc(allocated: int) -> None:
-        # Outgoing bytes that must have left: base + in-flight out + incoming <= budget.
-        must_have_left = base + allocated - gpu_budget_bytes  # base still counts all of out
-        if must_have_left <= 0:
-            return
-        for copied, event in progress:
-            if copied >= min(must_have_left, out_bytes):
-                event.synchronize()
-                out._release_copied(copied)
-                return
-
-    if gpu_budget_bytes is not None and progress:
-        into._before_alloc = before_alloc
-    try:
-        h_in = into.reload()
+        h_in = into.reload(schedule=schedule)
     except BaseException:
-        out._release_copied(None)
+        schedule.release_rest()
         out.reload()  # all or nothing: bring the outgoing state back before raising
         raise
     finally:
-        into._before_alloc = None
-        out._release_copied(None)
+        schedule.release_rest()
     return h_out, h_in

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 import typer
 
@@ -12,27 +13,60 @@ app = typer.Typer(help="torchferry: move training state between GPU and pinned h
                   add_completion=False, pretty_exceptions_enable=False)
 
 
+def _fail(message: str, code: int = 2) -> NoReturn:
+    """Prints ``error: message`` on one line of stderr (no markup, no wrapping) and exits with ``code``."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _check_paths(*checks: tuple[str, Optional[Path], bool, str]) -> None:
+    """Refuses, before any work, an output path the command could not write (exit 2, one line)."""
+    from .bench._paths import check_output_path
+
+    for option, path, prefix, example in checks:
+        if path is None:
+            continue
+        try:
+            check_output_path(option, path, prefix=prefix, example=example)
+        except ValueError as e:
+            _fail(str(e))
+
+
+def _version(value: bool) -> None:
+    if value:
+        import torch
+
+        from . import __version__
+
+        typer.echo(f"torchferry {__version__} (torch {torch.__version__})")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the torchferry and torch versions and exit."),
+) -> None:
     """torchferry command line."""
 
 
 @app.command()
 def bench(
-    preset: Optional[str] = typer.Option(None, help="qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b or tiny "
-                                         "[default: qwen2.5-1.5b on a GPU, tiny on the CPU]"),
+    preset: Optional[str] = typer.Option(None, help="qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b or tiny.",
+                                         show_default="qwen2.5-1.5b on a GPU, tiny on the CPU"),
     model: Optional[Path] = typer.Option(None, "--model", help="A local Hugging Face checkpoint folder instead of a preset."),
     layers: Optional[int] = typer.Option(None, help="Override the number of decoder layers."),
     strategies: str = typer.Option("blocking,seed,torchferry,torchferry+prefetch",
                                    help="Comma-separated, run in this order."),
     steps: int = typer.Option(3, help="RL steps per strategy (>= 2)."),
-    seq_len: int = typer.Option(512, help="Tokens per sequence (tiny: 32 unless set)."),
+    seq_len: Optional[int] = typer.Option(None, help="Tokens per sequence.", show_default="512; 32 for tiny"),
     batch_size: int = typer.Option(1, help="Sequences per batch."),
     micro_batches: int = typer.Option(1, help="Forward(/backward) passes per phase, gradients accumulated."),
     rollout_s: float = typer.Option(0.0, help="Seconds the simulated rollout holds its KV cache."),
     swap: bool = typer.Option(True, help="Also measure a swap: actor out while a critic of the same size comes in."),
     phase_gap_s: float = typer.Option(1.0, help="Untimed host seconds between phases (verl: rewards, advantages)."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results JSON here."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results JSON here (checked before "
+                                             "the run; missing folders are made)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG timeline of one step per strategy here."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Path prefix: profile one extra step of each "
                                          "torchferry strategy (rank 0); writes PREFIX.<strategy>.json.gz "
@@ -44,24 +78,30 @@ def bench(
     Run under `torchrun --nproc_per_node N -m torchferry bench ...` for N GPUs.
     """
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    _check_paths(("--json", json_path, False, "bench.json"), ("--plot", plot, False, "bench.png"),
+                 ("--trace", trace, True, ""))
     try:
         import matplotlib  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as e:
-        typer.echo(f"error: torchferry bench needs {e.name}: pip install 'torchferry[bench]'", err=True)
-        raise typer.Exit(2) from None
-    from .bench._report import plot_timeline, render_table, write_json
+        _fail(f"torchferry bench needs {e.name}: pip install 'torchferry[bench]'")
+    from .bench._paths import write_json_or_fallback
+    from .bench._report import on_gpu, plot_timeline, render_table, swap_line
     from .bench._run import BenchConfig, run
 
     console = Console(stderr=True)
     if verbose:
         logging.basicConfig(level=logging.DEBUG)
+    names = tuple(s.strip() for s in strategies.split(",") if s.strip())
+    if trace is not None and not any(n.startswith("torchferry") for n in names):
+        _fail(f"--trace profiles the torchferry strategies, and --strategies {strategies} has none")
     try:
         config = BenchConfig(
             preset=preset, model_path=str(model) if model else None, layers=layers,
-            strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()), steps=steps,
+            strategies=names, steps=steps,
             seq_len=seq_len, batch_size=batch_size, micro_batches=micro_batches, rollout_s=rollout_s,
             phase_gap_s=phase_gap_s, swap=swap, trace=str(trace) if trace else None,
         )
@@ -70,8 +110,7 @@ def bench(
             task = progress.add_task("starting", total=1.0)
             result = run(config, on_progress=lambda msg, frac: progress.update(task, description=msg, completed=frac))
     except ValueError as e:
-        console.print(f"[bold red]error:[/] {e}")
-        raise typer.Exit(2) from None
+        _fail(str(e))
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_rank() != 0:
@@ -87,50 +126,60 @@ def bench(
                       f"{result['strategies']['torchferry']['reload_s_per_step']:.3f} s/step")
     sw = result.get("swap")
     if sw:
-        frac = f" ({100 * sw['frac_of_bidir_peak']:.1f}% of the bidirectional peak)" if sw["frac_of_bidir_peak"] else ""
-        out.print(f"swap (torchferry.swap, actor out + critic in): {sw['seconds']:.3f} s, "
-                  f"{sw['GBps']:.1f} GB/s both ways{frac}, bit-exact: {'yes' if sw['bit_exact'] else 'NO'}")
+        out.print(escape(swap_line(sw, on_gpu(result))))
     for note in result["notes"]:
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
+    for path in result.get("trace_files", []):
+        typer.echo(f"wrote {path}", err=True)
+    failed = False
     if json_path:
-        write_json(result, json_path)
-        console.print(f"wrote {json_path}")
+        written, error = write_json_or_fallback(result, json_path)
+        if error:
+            typer.echo(f"error: --json {json_path}: could not write it ({error}); the results are in {written}",
+                       err=True)
+            failed = True
+        else:
+            typer.echo(f"wrote {written}", err=True)
     if plot:
-        plot_timeline(result, plot)
-        console.print(f"wrote {plot}")
+        try:
+            plot_timeline(result, plot)
+            typer.echo(f"wrote {plot}", err=True)
+        except OSError as e:
+            typer.echo(f"error: --plot {plot}: could not write it ({e.strerror or e})", err=True)
+            failed = True
+    if failed:
+        raise typer.Exit(1)
 
 
 @app.command("bench-pin")
 def bench_pin(
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results JSON here."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results JSON here (checked before "
+                                             "the run; missing folders are made)."),
     pin_gib: float = typer.Option(4.0, help="GiB to pin, torchferry's pool against torch.empty(pin_memory=True)."),
     first_gib: float = typer.Option(8.0, help="GiB of state for the first-offload measurement."),
     train_s: float = typer.Option(3.0, help="Seconds of training between Ferry creation and the first offload."),
 ) -> None:
     """Pinning GB/s, 4096 x 256 KiB tensors and the first offload after Ferry creation, on one GPU."""
-    import json
-    import sys
 
     from rich.console import Console
     from rich.table import Table
 
     from .bench._micro import run_pin_bench
+    from .bench._paths import write_json_or_fallback
 
     console = Console(stderr=True)
+    _check_paths(("--json", json_path, False, "bench-pin.json"))
     for name, value in (("--pin-gib", pin_gib), ("--first-gib", first_gib)):
         if value <= 0:
-            console.print(f"[bold red]error:[/] {name} must be > 0, got {value}")
-            raise typer.Exit(2)
+            _fail(f"{name} must be > 0, got {value}")
     if train_s < 0:
-        console.print(f"[bold red]error:[/] --train-s must be >= 0, got {train_s}")
-        raise typer.Exit(2)
+        _fail(f"--train-s must be >= 0, got {train_s}")
     try:
         result = run_pin_bench(pin_bytes=int(pin_gib * 2**30), first_state_bytes=int(first_gib * 2**30),
                                train_s=train_s, command="torchferry " + " ".join(sys.argv[1:]),
                                on_progress=lambda msg: console.print(f"[dim]{msg}[/]"))
     except ValueError as e:
-        console.print(f"[bold red]error:[/] {e}")
-        raise typer.Exit(2) from None
+        _fail(str(e))
     pin, small, first, peak = result["pinning"], result["small_tensors"], result["first_offload"], result["link_peak_GBps"]
     table = Table(title=f"torchferry bench-pin on {result['env']['gpu']}; link peak H2D {peak['h2d']:.1f} / "
                         f"D2H {peak['d2h']:.1f} GB/s")
@@ -150,8 +199,10 @@ def bench_pin(
                   f"{first['steady_offload_s']:.3f} (steady)", f"{first['lazy_first_over_steady']:.2f}x")
     Console().print(table)
     if json_path:
-        json_path.write_text(json.dumps(result, indent=1))
-        console.print(f"wrote {json_path}")
+        written, error = write_json_or_fallback(result, json_path)
+        if error:
+            _fail(f"--json {json_path}: could not write it ({error}); the results are in {written}", code=1)
+        typer.echo(f"wrote {written}", err=True)
 
 
 def main() -> None:

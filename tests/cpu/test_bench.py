@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -18,11 +19,26 @@ def _bench(*args, tmp_path=None):
 
 
 def test_tiny_preset_runs_on_cpu_and_writes_json_and_png(tmp_path):
-    out, png = tmp_path / "r.json", tmp_path / "r.png"
-    p = _bench("--steps", "2", "--phase-gap-s", "0", "--json", str(out), "--plot", str(png))
+    out, png, trace = tmp_path / "sub" / "r.json", tmp_path / "r.png", tmp_path / "tr" / "t"
+    p = _bench("--steps", "2", "--phase-gap-s", "0", "--json", str(out), "--plot", str(png), "--trace", str(trace))
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "transfer figures need a GPU" in p.stderr
+    assert " ".join(p.stderr.split()).count("transfer figures need a GPU (GB/s are left out") == 1  # said once
     r = json.loads(out.read_text())
+    # What ran, not the option's default: tiny runs 32 tokens.
+    assert r["config"]["seq_len"] == r["model"]["seq_len"] == 32 and r["config"]["preset"] == "tiny"
+    # No GB/s figure on the CPU: the table's GB/s cells and the swap line say nothing of a link.
+    assert not re.search(r"\d GB/s", p.stdout), p.stdout
+    swap = [ln for ln in p.stdout.splitlines() if ln.startswith("swap (torchferry.swap")]
+    assert len(swap) == 1 and swap[0].endswith("bit-exact: yes") and "GB/s" not in swap[0]
+    rows = [ln for ln in p.stdout.splitlines() if re.search(r"\b(blocking|seed|torchferry\S*) [│|]", ln)]
+    assert len(rows) == 4 and all(ln.count(" - ") >= 2 for ln in rows), p.stdout
+    # --trace: each torchferry strategy's three files, each announced.
+    wrote = [ln.split(" ", 1)[1] for ln in p.stderr.splitlines() if ln.startswith("wrote ")]
+    want = [f"{trace}.{s}{ext}" for s in ("torchferry", "torchferry-prefetch")
+            for ext in (".json.gz", ".summary.json", ".png")]
+    assert wrote == [*want, str(out), str(png)]
+    assert r["trace_files"] == want and all(os.path.getsize(f) > 0 for f in want)
+    assert set(r["traces"]) == {"torchferry", "torchferry+prefetch"}
     assert r["schema"] == "torchferry.bench/1"
     assert set(r["env"]) >= {"gpu", "torch", "world_size", "date", "command"}
     assert r["env"]["world_size"] == 1 and r["link_peak_GBps"] is None

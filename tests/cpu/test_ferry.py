@@ -183,18 +183,18 @@ def test_failure_while_repointing_is_rolled_back(monkeypatch):
     m, opt = trained()
     before = snapshot(m, opt)
     storages = [p.untyped_storage() for p in m.parameters()]
-    from torchferry._repoint import Repointer
+    import torchferry._repoint as repoint
 
     calls = {"n": 0}
-    real = Repointer._set
+    real = repoint._exchange
 
-    def flaky(t, new, dtensor):
+    def flaky(a, b, dtensor):
         calls["n"] += 1
         if calls["n"] == 4:
             raise KeyboardInterrupt
-        return real(t, new, dtensor)
+        return real(a, b, dtensor)
 
-    monkeypatch.setattr(Repointer, "_set", staticmethod(flaky))
+    monkeypatch.setattr(repoint, "_exchange", flaky)
     ferry = Ferry(m, opt)
     with pytest.raises(KeyboardInterrupt):
         ferry.offload()
@@ -261,7 +261,7 @@ def test_cpu_tensors_stay_put_when_the_ferry_is_on_a_gpu(monkeypatch):
     # The planner skips host tensors (AdamW's step counters) for a GPU ferry.
     from types import SimpleNamespace
 
-    from torchferry._plan import _resolve_device
+    from torchferry._plan import resolve_device as _resolve_device
 
     found = [("w", None, SimpleNamespace(device=torch.device("cuda", 0))),
              ("step", None, SimpleNamespace(device=torch.device("cpu")))]
@@ -301,7 +301,7 @@ def test_thousands_of_small_tensors_round_trip_through_packing():
     want = [t.clone() for t in ts]
     ferry = Ferry(*ts)
     ferry.offload()
-    _, _, chunks = ferry._layout[1], ferry._layout[2], ferry._layout[3]
+    chunks = ferry._set.host.layout(ferry._offloaded.plan).chunks
     assert len(chunks) >= 3 and sum(len(c.storages) for c in chunks) == 3001  # packed, chunked
     assert all(c.nbytes <= _packing.PACK_CHUNK for c in chunks)
     assert all(torch.equal(a, b) for a, b in zip(ts, want))

@@ -27,7 +27,7 @@ def build_uneven(mesh, device="cpu"):
 
 
 def fsdp_params(m):
-    from torchferry._plan import fsdp_modules
+    from torchferry._fsdp import fsdp_modules
 
     out = []
     for unit in fsdp_modules(m):

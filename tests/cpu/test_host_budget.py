@@ -12,7 +12,7 @@ from torch import nn
 from tests.helpers import Mixed, assert_same, snapshot
 from tests.spawn import run_spawned
 from torchferry import Ferry, HostBudgetError, Residency
-from torchferry._ferry import _pin_boundary
+from torchferry._host_views import pin_boundary as _pin_boundary
 from torchferry._host_budget import NodeLedger
 from torchferry._host_memory import in_host_pool
 from torchferry._packing import layout
@@ -222,15 +222,15 @@ def test_cached_plan_follows_replaced_parameters_and_new_grads():
     ferry = Ferry(m)
     ferry.offload()
     ferry.reload()
-    first = ferry._cached[1]
+    first = ferry._set.cache.plan
     ferry.offload()
     ferry.reload()
-    assert ferry._cached[1] is first  # steady cycles reuse the plan
+    assert ferry._set.cache.plan is first  # steady cycles reuse the plan
     m.weight = nn.Parameter(torch.full((4, 4), 3.0))  # a new tensor object
     ferry.offload()
     assert in_host_pool(m.weight.data_ptr()) and torch.equal(m.weight, torch.full((4, 4), 3.0))
     ferry.reload()
-    assert torch.equal(m.weight, torch.full((4, 4), 3.0)) and ferry._cached[1] is not first
+    assert torch.equal(m.weight, torch.full((4, 4), 3.0)) and ferry._set.cache.plan is not first
     m(torch.ones(1, 4)).sum().backward()  # grads appear: the plan grows
     ferry.offload()
     assert in_host_pool(m.weight.grad.data_ptr()) and ferry.state_bytes == 2 * (64 + 16)

@@ -145,14 +145,14 @@ def test_optimizer_ferry_made_before_the_first_step_finds_its_device_later():
     m = nn.Linear(4, 4)
     opt = torch.optim.AdamW(m.parameters())
     ferry = Ferry(opt)  # no state yet: nothing says where it will live
-    assert not ferry._device_fixed
+    assert not ferry._set.device_fixed
     ferry.offload()
     ferry.reload()
     m(torch.randn(2, 4)).sum().backward()
     opt.step()
     want = [v.clone() for st in opt.state.values() for v in st.values()]
     ferry.offload()
-    assert ferry._device_fixed and ferry.device == torch.device("cpu")
+    assert ferry._set.device_fixed and ferry.device == torch.device("cpu")
     ferry.reload()
     got = [v for st in opt.state.values() for v in st.values()]
     assert all(torch.equal(a, b) for a, b in zip(got, want))

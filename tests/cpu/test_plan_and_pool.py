@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchferry._plan import _resolve_device, build_plan
+from torchferry._plan import build_plan, resolve_device as _resolve_device
 from torchferry._packing import PACK_BELOW, layout
 from torchferry._pool import HostPool
 from tests.helpers import Mixed

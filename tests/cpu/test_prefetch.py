@@ -17,7 +17,7 @@ def _in_pool(t: torch.Tensor) -> bool:
 
 
 def test_prefetch_policy_validation():
-    with pytest.raises(ValueError, match="lookahead_bytes must be >= 0"):
+    with pytest.raises(ValueError, match="lookahead_bytes must be an int >= 0"):
         Prefetch(lookahead_bytes=-1)
 
 
@@ -130,7 +130,7 @@ def _explicit_prefetch_checks(rank: int, world: int) -> None:
 
     from tests.cpu.test_fsdp2_gloo import build_uneven
     from tests.cpu.test_fsdp2_gloo import train_step as _train
-    from torchferry._prefetch import forward_prefetch_units
+    from torchferry._fsdp import forward_prefetch_units
 
     def train_step(model, o, x):
         return _train(model, o, x, set_to_none=True)
@@ -164,7 +164,7 @@ def _offload_during_forward_checks(rank: int, world: int) -> None:
     only the rest, and recopies what was written since (in-place writes, an optimizer step)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    import torchferry._ferry as ferry_mod
+    import torchferry._early as early_mod
     from torch.distributed.fsdp import fully_shard
 
     from tests.cpu.test_fsdp2_gloo import train_step as _train
@@ -191,14 +191,16 @@ def _offload_during_forward_checks(rank: int, world: int) -> None:
     train_step(m, opt, x)
 
     copies = []  # storage indices copied by offload() itself
-    real_take = Ferry._take_early_copies
+    from torchferry._early import EarlyOffload
 
-    def spy(self, plan):
-        early = real_take(self, plan)
+    real_take = EarlyOffload.take
+
+    def spy(self, plan, views):
+        early = real_take(self, plan, views)
         copies.append({si for si, n in enumerate(plan.nbytes) if n} - early)
         return early
 
-    Ferry._take_early_copies = spy
+    EarlyOffload.take = spy
     try:
         # 1. Forward-only phase after a prefetch reload: every unit copied during the forward.
         ferry.offload()
@@ -209,16 +211,16 @@ def _offload_during_forward_checks(rank: int, world: int) -> None:
             want = ref_m(x)
             got = m(x)
         assert torch.equal(want, got)
-        assert set(ferry._early.versions) == {0, 1, 2}  # every unit's copy issued in its forward
+        assert set(ferry._early._versions) == {0, 1, 2}  # every unit's copy issued in its forward
         before = snapshot(m, None)
         ferry.offload()
-        packed = ferry._host_cache.packed
-        large = {si for si, n in enumerate(ferry._cached[1].nbytes) if n and si not in packed}
+        packed = ferry._set.host.cached.packed
+        large = {si for si, n in enumerate(ferry._set.cache.plan.nbytes) if n and si not in packed}
         assert len(large) >= 2 and not copies[-1] & large  # the large shards were all copied early
         assert copies[-1] <= packed
         ferry.reload()
         assert_same(before, snapshot(m, None))
-        assert ferry._early is None and not ferry_mod._armed_ferries
+        assert ferry._early is None and not len(early_mod._ARMED)
 
         # 2. A unit written after its copy is copied again; an optimizer step invalidates all.
         ferry.offload_during_forward()
@@ -226,7 +228,7 @@ def _offload_during_forward_checks(rank: int, world: int) -> None:
             m(x)
             layers[1].weight.mul_(2)  # an in-place write after m[2]'s forward
         ferry.offload()
-        w_idx = {ferry._cached[1].tensors[i].storage_index for i, r in enumerate(ferry._cached[1].tensors)
+        w_idx = {ferry._set.cache.plan.tensors[i].storage_index for i, r in enumerate(ferry._set.cache.plan.tensors)
                  if r.tensor is layers[1].weight}
         assert w_idx <= copies[-1]
         ferry.reload()
@@ -238,7 +240,7 @@ def _offload_during_forward_checks(rank: int, world: int) -> None:
         train_step(m, opt, x)
         train_step(ref_m, ref_opt, x)  # the step updated every unit after its early copy
         ferry.offload()
-        assert copies[-1] == {si for si, n in enumerate(ferry._cached[1].nbytes) if n}
+        assert copies[-1] == {si for si, n in enumerate(ferry._set.cache.plan.nbytes) if n}
         ferry.reload()
         assert_same(snapshot(ref_m, ref_opt), snapshot(m, opt))
 
@@ -248,9 +250,9 @@ def _offload_during_forward_checks(rank: int, world: int) -> None:
         ferry.reload()
         ferry.offload_during_forward()
         ferry.close()
-        assert not ferry_mod._armed_ferries and not ferry_mod._armed_step_hook
+        assert not len(early_mod._ARMED) and early_mod._ARMED._handle is None
     finally:
-        Ferry._take_early_copies = real_take
+        EarlyOffload.take = real_take
 
 
 def test_offload_during_forward_fsdp2_two_ranks_gloo():

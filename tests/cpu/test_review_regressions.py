@@ -171,7 +171,7 @@ def test_fixed_prefetch_unit_not_run_in_forward_loses_optimizer_update():
 
 # ==================================== 2. prefetch: FSDP2 all-gathers a unit before its hook ran
 def _forward_prefetch_units_body(rank, world):
-    from torchferry._prefetch import forward_prefetch_units
+    from torchferry._fsdp import forward_prefetch_units
 
     m, _ = _three_units(_mesh(world), explicit_prefetch=True)
     got = forward_prefetch_units(m[0])

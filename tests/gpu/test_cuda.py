@@ -218,7 +218,7 @@ def test_small_tensors_packed_round_trip_bit_exact():
     h = ferry.offload()
     scribble = torch.full((256 << 20,), float("nan"), device=DEV)  # may reuse the released blocks
     h.wait()
-    assert len(ferry._layout[3]) == 16  # 1 GiB in 64 MiB chunks
+    assert len(ferry._set.host.layout(ferry._offloaded.plan).chunks) == 16  # 1 GiB in 64 MiB chunks
     for t, w in zip(ts, want):
         assert t.is_pinned()
         torch.testing.assert_close(t, w.cpu(), atol=0, rtol=0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["render_table", "write_json", "plot_timeline"]
+__all__ = ["on_gpu", "render_table", "swap_line", "write_json", "plot_timeline"]
 
 _COLORS = {"rollout": "#c8c8c8", "h2d": "#1f77b4", "compute": "#2ca02c", "d2h": "#ff7f0e", "release": "#9467bd"}
 _LABELS = {"rollout": "rollout (KV cache)", "h2d": "reload (H2D)", "compute": "compute", "d2h": "offload (D2H)",
@@ -24,10 +24,26 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def on_gpu(result: dict) -> bool:
+    """Whether the run had a GPU: without one, no figure of it is a transfer rate (GB/s)."""
+    return result["env"]["gpu"] is not None
+
+
+def _gbps(gbps: float | None, frac: float | None, gpu: bool) -> str:
+    if gbps is None or not gpu:  # +prefetch: the issue time; CPU: no link (see the run's note)
+        return "-"
+    return f"{gbps:.1f} ({_pct(frac)})"
+
+
 def render_table(result: dict):
-    """A ``rich.table.Table`` of the strategies, one row each."""
+    """A ``rich.table.Table`` of the strategies, one row each.
+
+    Without a GPU the GB/s columns hold "-": CPU copies of a tiny model time
+    Python overhead, not a link (the run's notes say so once).
+    """
     from rich.table import Table
 
+    gpu = on_gpu(result)
     m = result["model"]
     state = sum(m["state_bytes"].values())
     peak = result["link_peak_GBps"]
@@ -51,8 +67,8 @@ def render_table(result: dict):
             name,
             f"{_s(r['offload_s']['first'])} / {_s(r['offload_s']['steady'])}",
             f"{_s(r['reload_s']['first'])} / {_s(r['reload_s']['steady'])}",
-            f"{r['offload_GBps']:.1f} ({_pct(r['offload_frac_of_peak'])})",
-            "-" if r["reload_GBps"] is None else f"{r['reload_GBps']:.1f} ({_pct(r['reload_frac_of_peak'])})",
+            _gbps(r["offload_GBps"], r["offload_frac_of_peak"], gpu),
+            _gbps(r["reload_GBps"], r["reload_frac_of_peak"], gpu),
             _s(r["exposed_transfer_s_per_step"]),
             _s(r["step_s"]),
             _gb(r["pinned_host_bytes"]),
@@ -63,14 +79,33 @@ def render_table(result: dict):
     return t
 
 
+def swap_line(sw: dict, gpu: bool) -> str:
+    """The one-line summary of the swap scenario (no GB/s without a GPU)."""
+    head = "swap (torchferry.swap, actor out + critic in): "
+    exact = f"bit-exact: {'yes' if sw['bit_exact'] else 'NO'}"
+    if not gpu:
+        return head + f"{sw['seconds']:.3f} s, {exact}"
+    frac = f" ({100 * sw['frac_of_bidir_peak']:.1f}% of the bidirectional peak)" if sw["frac_of_bidir_peak"] else ""
+    return head + f"{sw['seconds']:.3f} s, {sw['GBps']:.1f} GB/s both ways{frac}, {exact}"
+
+
 def write_json(result: dict, path: str | Path) -> None:
+    """Writes ``result`` to ``path`` as indented JSON, creating missing folders.
+
+    Raises:
+        OSError: the file could not be written.
+    """
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
 
 
 def plot_timeline(result: dict, path: str | Path) -> None:
-    """One steady step per strategy as horizontal bars: rollout, reloads, compute, offloads."""
+    """One steady step per strategy as horizontal bars: rollout, reloads, compute, offloads.
+
+    Raises:
+        OSError: the PNG could not be written.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,8 +135,9 @@ def plot_timeline(result: dict, path: str | Path) -> None:
         row = len(names)
         for span, y in zip(sw["timeline"], (row - 0.35, row + 0.02)):
             ax.broken_barh([(span["start"], span["end"] - span["start"])], (y, 0.33), color=_COLORS[span["kind"]])
+        rate = f", {sw['GBps']:.1f} GB/s both ways" if on_gpu(result) else ""
         ax.text(max(x["end"] for x in sw["timeline"]), row,
-                f"  actor out + critic in: {sw['seconds']:.2f} s, {sw['GBps']:.1f} GB/s both ways", va="center", fontsize=9)
+                f"  actor out + critic in: {sw['seconds']:.2f} s{rate}", va="center", fontsize=9)
     ax.set_yticks(range(len(rows)), [*names, "swap (not a step)"] if sw else names)
     ax.invert_yaxis()
     ax.set_xlabel("seconds from the start of one steady step")

@@ -18,7 +18,7 @@ from torch import nn
 from ._link import measure_link_peak, release_host_cache
 from ._model import PRESETS, build_model
 from ._strategies import STRATEGIES, make_strategy
-from ._trace import profile_step, write_trace
+from ._trace import profile_step, trace_paths, write_trace
 from ._workload import StepRecord, run_step
 
 __all__ = ["BenchConfig", "run"]
@@ -40,8 +40,8 @@ class BenchConfig:
     """Strategies, run one after another in this order (default: all)."""
     steps: int = 3
     """RL steps per strategy (>= 2: the first cycle is reported apart from the steady ones)."""
-    seq_len: int = 512
-    """Tokens per sequence of the forward/backward batch (default 512; 32 for ``tiny``)."""
+    seq_len: int | None = None
+    """Tokens per sequence of the forward/backward batch (default: 512; 32 for ``tiny``)."""
     batch_size: int = 1
     """Sequences per batch (default 1)."""
     rollout_s: float = 0.0
@@ -69,7 +69,8 @@ class BenchConfig:
             raise ValueError(f"steps must be >= 2 (first and steady cycles), got {self.steps}")
         if self.layers is not None and self.layers < 1:
             raise ValueError(f"layers must be >= 1, got {self.layers}")
-        for name, value, low in (("seq_len", self.seq_len, 2), ("batch_size", self.batch_size, 1),
+        for name, value, low in (("seq_len", 2 if self.seq_len is None else self.seq_len, 2),
+                                 ("batch_size", self.batch_size, 1),
                                  ("micro_batches", self.micro_batches, 1),
                                  ("rollout_s", self.rollout_s, 0), ("phase_gap_s", self.phase_gap_s, 0)):
             if value < low:
@@ -324,7 +325,7 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
         raise ValueError(f"preset {preset!r} needs a GPU; on a machine without CUDA use --preset tiny")
     rank, world, device = _init_distributed(use_cuda)
     say = on_progress if (on_progress and rank == 0) else (lambda msg, frac: None)
-    seq_len = config.seq_len if preset != "tiny" or config.seq_len != 512 else 32
+    seq_len = config.seq_len if config.seq_len is not None else (32 if preset == "tiny" else 512)
 
     peak = None
     if use_cuda:
@@ -354,6 +355,10 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
 
     results: dict[str, dict] = {}
     traces: dict[str, dict] = {}
+    trace_files: list[str] = []
+    notes: list[str] = [] if use_cuda else [
+        "no CUDA device: ran on the CPU end to end; transfer figures need a GPU (GB/s are left out: "
+        "CPU copies of a tiny model time Python overhead, not a link)"]
     n = len(config.strategies)
     for i, name in enumerate(config.strategies):
         say(f"{name}: setting up", 0.05 + 0.95 * i / n)
@@ -393,7 +398,12 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
                                       micro_batches=config.micro_batches)
             if rank == 0:
                 _, prof = profile_step(extra)
-                traces[name] = write_trace(prof, f"{config.trace}.{name.replace('+', '-')}")["totals"]
+                prefix = f"{config.trace}.{name.replace('+', '-')}"
+                try:
+                    traces[name] = write_trace(prof, prefix)["totals"]
+                    trace_files.extend(trace_paths(prefix))
+                except OSError as e:  # checked before the run; a disk that filled up since must not lose it
+                    notes.append(f"--trace: could not write {prefix}.* ({e.strerror or e})")
             else:
                 extra()
         strategy.reload(optimizer=True)
@@ -429,11 +439,14 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
             "seq_len": seq_len,
             "batch_size": config.batch_size,
         },
-        "config": dataclasses.asdict(config),
+        # What ran: the defaults resolved (preset, seq_len), not the options as given.
+        "config": dataclasses.asdict(dataclasses.replace(
+            config, preset=None if config.model_path else preset, seq_len=seq_len)),
         "strategies": results,
         "swap": swap_result,
         "traces": traces,
+        "trace_files": trace_files,
         "per_rank": gathered,
-        "notes": [] if use_cuda else ["no CUDA device: ran on the CPU end to end; transfer figures need a GPU"],
+        "notes": notes,
     }
     return out

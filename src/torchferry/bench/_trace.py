@@ -17,7 +17,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["profile_step", "summarise_trace", "plot_trace", "write_trace"]
+__all__ = ["profile_step", "summarise_trace", "plot_trace", "trace_paths", "write_trace"]
+
+_SUFFIXES = (".json.gz", ".summary.json", ".png")
+
+
+def trace_paths(prefix: str) -> list[str]:
+    """The files :func:`write_trace` writes for ``prefix``: trace, summary, PNG."""
+    return [prefix + s for s in _SUFFIXES]
 
 
 def profile_step(fn):
@@ -90,18 +97,26 @@ def summarise_trace(trace: dict) -> dict:
 
 
 def write_trace(prof, prefix: str) -> dict:
-    """Writes ``prefix.json.gz``, ``prefix.summary.json`` and ``prefix.png``; returns the summary."""
+    """Writes the files of :func:`trace_paths` (``prefix.json.gz``, ``.summary.json``, ``.png``).
+
+    Returns:
+        The summary (see :func:`summarise_trace`).
+
+    Raises:
+        OSError: a file could not be written.
+    """
+    trace_gz, summary_json, png = trace_paths(prefix)
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         raw = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(raw)
-        with open(raw, "rb") as f, gzip.open(f"{prefix}.json.gz", "wb") as g:
+        with open(raw, "rb") as f, gzip.open(trace_gz, "wb") as g:
             shutil.copyfileobj(f, g)
         with open(raw) as f:
             summary = summarise_trace(json.load(f))
-    with open(f"{prefix}.summary.json", "w") as f:
+    with open(summary_json, "w") as f:
         json.dump(summary, f, indent=1)
-    plot_trace(summary, f"{prefix}.png")
+    plot_trace(summary, png)
     return summary
 
 

@@ -22,7 +22,7 @@ import inspect
 import sys
 from collections.abc import Callable
 
-from ..compat import verl as compat
+from . import helpers as compat
 
 __all__ = ["is_patched", "patch", "unpatch"]
 
@@ -84,10 +84,20 @@ def _tagged(fn: Callable, original: Callable) -> Callable:
     return wrapper
 
 
-def patch() -> list[str]:
+def patch(*, import_engines: bool = True) -> list[str]:
     """Routes verl's FSDP2 model and optimizer offload helpers through torchferry.
 
-    Idempotent. Returns the ``module.attribute`` names replaced.
+    Idempotent.
+
+    Args:
+        import_engines: also import verl's FSDP engine modules now, so the names
+            they bound by ``from verl.utils.fsdp_utils import ...`` are replaced
+            too. Without it, only modules already imported are patched; modules
+            imported later bind the replaced helpers anyway (the Ray worker hook
+            patches right after ``verl.utils.fsdp_utils`` is imported).
+
+    Returns:
+        The ``module.attribute`` names replaced.
 
     Raises:
         RuntimeError: verl is not importable, or one of its helpers is missing
@@ -114,7 +124,7 @@ def patch() -> list[str]:
         raise RuntimeError(f"torchferry.integrations.verl: {_FSDP_UTILS}.fsdp_version is missing; verl changed")
     new = _replacements(fsdp_utils)
     originals = {name: getattr(fsdp_utils, name) for name in _HELPERS}
-    for mod_name in _ENGINE_MODULES:
+    for mod_name in _ENGINE_MODULES if import_engines else ():
         try:
             importlib.import_module(mod_name)
         except Exception:  # an optional engine whose own dependencies are missing

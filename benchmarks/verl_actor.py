@@ -1,0 +1,678 @@
+#!/usr/bin/env python3
+"""verl 0.9.1's own FSDP2 actor, with ``param_offload`` and ``optimizer_offload`` on, unpatched
+and with torchferry, on the same seeds and data: bit-identity and the offload figures.
+
+One command runs it all (both runs in fresh processes, then the comparison)::
+
+    bash benchmarks/verl_actor.sh OUT [NPROC] [PRESET] [STEPS]
+
+or by hand::
+
+    python benchmarks/verl_actor.py prepare --preset qwen2.5-1.5b --model-dir /tmp/verl_actor_model
+    torchrun --standalone --nproc_per_node 2 benchmarks/verl_actor.py run --mode unpatched \\
+        --model-dir /tmp/verl_actor_model --out OUT/run_unpatched.json
+    torchrun --standalone --nproc_per_node 2 benchmarks/verl_actor.py run --mode torchferry \\
+        --model-dir /tmp/verl_actor_model --out OUT/run_torchferry.json
+    python benchmarks/verl_actor.py compare OUT/run_unpatched.json OUT/run_torchferry.json --out-dir OUT
+
+What of verl runs (verl 0.9.1, unmodified; see ``VERL_CODE`` below, also written into the JSON):
+
+* the actor is built as ``ActorRolloutRefWorker.init_model`` builds it (its "actor" branch):
+  the config from verl's own ``trainer/config/_generated_ppo_trainer.yaml`` with Hydra-style
+  overrides (``actor_rollout_ref.actor.strategy=fsdp2``, ``...fsdp_config.param_offload=True``,
+  ``...fsdp_config.optimizer_offload=True``, ...), turned into dataclasses by
+  ``verl.utils.config.omega_conf_to_dataclass``, a ``verl.workers.engine_workers.TrainingWorker``
+  (whose engine is ``verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead``: the model
+  from the checkpoint folder, ``apply_fsdp2``, ``fsdp2_load_full_state_dict``, AdamW), ``reset()``
+  and ``set_loss_fn(partial(ppo_loss, config=actor_config))``;
+* each step does what verl's PPO trainer does around the rollout (no rollout engine here: the
+  "responses" are seeded random tokens, and the advantages seeded random scores):
+  ``left_right_2_no_padding``, then ``TrainingWorker.infer_batch`` (what
+  ``ActorRolloutRefWorker.compute_log_prob`` calls: old log-probs and entropy), then
+  ``TrainingWorker.train_mini_batch`` (what ``ActorRolloutRefWorker.update_actor`` calls: PPO
+  mini-batches, ``ppo_loss``, clip, AdamW). Both enter verl's ``engine.eval_mode()`` /
+  ``engine.train_mode()``, whose ``BaseEngineCtx`` calls ``FSDPEngine.to(...)``, which calls
+  ``load_fsdp_model_to_gpu`` / ``load_fsdp_optimizer`` on entry and ``offload_fsdp_model_to_cpu``
+  / ``offload_fsdp_optimizer`` on exit: verl's own offload helpers (PR #7347's
+  ``model.to(..., non_blocking=True)``) in the ``unpatched`` run, torchferry's after
+  ``torchferry.integrations.verl.patch()`` in the ``torchferry`` run;
+* the process group is set up as verl's SFT trainer (``run_sft``) sets it up under torchrun
+  (``verl.utils.distributed.initialize_global_process_group``), and ``TrainingWorker`` is used
+  in that SPMD mode, as ``verl.trainer.sft_trainer.SFTTrainer`` uses it.
+
+Measured around verl's code, not inside it: ``FSDPEngine.to`` is timed (synchronised before and
+after: seconds from the call until the copies are complete), and after the last step each rank
+hashes (sha256) every local parameter shard and optimizer-state tensor.
+
+Not verl: where ``ray`` is not installed (it is large; verl imports it at module level but this
+SPMD path never talks to a Ray cluster), ``benchmarks/verl_raystub`` stands in for it (see its
+docstring; recorded in the JSON). On a machine without CUDA (a check that the script runs end to
+end, gloo), a CPU platform is registered through verl's own ``verl.plugin.platform.set_platform``
+and ``FSDPEngine.to`` is told the direction it is asked for (on the CPU the device's name and
+"cpu" are the same, so verl would load on both sides); neither happens on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import hashlib
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SCHEMA = "torchferry.verl-run/1"
+ATTENTION = "eager"
+
+VERL_CODE = [
+    "verl.utils.config.omega_conf_to_dataclass (verl/trainer/config/_generated_ppo_trainer.yaml + overrides)",
+    "verl.utils.distributed.initialize_global_process_group (as verl.trainer.sft_trainer.run_sft)",
+    "verl.workers.engine_workers.TrainingWorker: __init__, reset, set_loss_fn, infer_batch, train_mini_batch, "
+    "train_batch (as ActorRolloutRefWorker.init_model / compute_log_prob / update_actor use it)",
+    "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead: initialize (apply_fsdp2, "
+    "fsdp2_load_full_state_dict, build_optimizer), eval_mode/train_mode, infer_batch/train_batch, optimizer_step",
+    "verl.workers.engine.base.BaseEngineCtx._context_switch -> FSDPEngine.to -> load_fsdp_model_to_gpu, "
+    "load_fsdp_optimizer, offload_fsdp_model_to_cpu, offload_fsdp_optimizer",
+    "verl.workers.utils.losses.ppo_loss (vanilla policy loss, token-mean)",
+    "verl.workers.utils.padding.left_right_2_no_padding / no_padding_2_padding",
+]
+
+
+# --------------------------------------------------------------------------------------------- setup
+def _use_ray_stub_if_needed() -> bool:
+    """Puts benchmarks/verl_raystub on sys.path when ray is not installed; returns whether the stand-in is used."""
+    if importlib.util.find_spec("ray") is None:
+        sys.path.append(str(HERE / "verl_raystub"))
+    import ray
+
+    return bool(getattr(ray, "STUB", False))
+
+
+def _install_cpu_platform() -> None:
+    """CPU only: a verl platform named "cpu" (verl 0.9.1 falls back to "cuda" without a GPU)."""
+    import types
+
+    import torch
+    from verl.plugin.platform.platform_cuda import PlatformCUDA
+    from verl.plugin.platform.platform_manager import set_platform
+
+    def _zero(*args, **kwargs):
+        return 0
+
+    module = types.SimpleNamespace(
+        synchronize=lambda *a, **k: None, empty_cache=lambda: None, current_device=lambda: "cpu",
+        device_count=lambda: 1, is_available=lambda: True, set_device=lambda *a: None,
+        manual_seed=torch.manual_seed, manual_seed_all=torch.manual_seed, max_memory_allocated=_zero,
+        max_memory_reserved=_zero, memory_allocated=_zero, memory_reserved=_zero,
+        mem_get_info=lambda *a: (0, 0), reset_peak_memory_stats=lambda *a: None,
+        set_per_process_memory_fraction=lambda *a, **k: None, get_device_name=lambda *a: "CPU",
+    )
+
+    class PlatformCPU(PlatformCUDA):
+        @property
+        def device_name(self) -> str:
+            return "cpu"
+
+        @property
+        def device_module(self):
+            return module
+
+        def is_available(self) -> bool:
+            return True
+
+        def current_device(self):
+            return "cpu"
+
+        def set_device(self, device_index) -> None:
+            pass
+
+        def synchronize(self, device_index=None) -> None:
+            pass
+
+        def manual_seed(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def empty_cache(self) -> None:
+            pass
+
+        def communication_backend_name(self) -> str:
+            return "gloo"
+
+    set_platform(PlatformCPU())
+
+
+def _cpu_engine_to_by_direction() -> None:
+    """CPU only: verl's FSDP engine registered for "cpu", and FSDPEngine.to told the direction.
+
+    On a GPU, verl's ``BaseEngineCtx`` calls ``engine.to("cuda")`` on entry and
+    ``engine.to("cpu")`` on exit. On the CPU both names are "cpu", and ``FSDPEngine.to`` takes
+    its load branch both times; this version keeps, per part (model, optimizer), whether it is
+    offloaded, and calls the same module-level helpers verl's ``to`` calls (patched or not).
+    """
+    from verl.workers.engine.base import BaseEngine, EngineRegistry
+    from verl.workers.engine.fsdp import transformer_impl as ti
+
+    # verl registers its FSDP engine for "cuda" and "npu" only.
+    EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device="cpu")(
+        ti.FSDPEngineWithLMHead)
+
+    def to(self, device, model=True, optimizer=True, grad=True):
+        BaseEngine.to(self, device=device, model=model, optimizer=optimizer, grad=grad)
+        if self.engine_config.forward_only:
+            return
+        off = self.__dict__.setdefault("_cpu_offloaded", {"model": False, "optimizer": False})
+        if model:
+            (ti.load_fsdp_model_to_gpu if off["model"] else ti.offload_fsdp_model_to_cpu)(self.module)
+            off["model"] = not off["model"]
+        if optimizer and self.optimizer is not None:
+            if off["optimizer"]:
+                ti.load_fsdp_optimizer(self.optimizer, "cpu")
+            else:
+                ti.offload_fsdp_optimizer(self.optimizer)
+            off["optimizer"] = not off["optimizer"]
+
+    ti.FSDPEngine.to = to
+
+
+# --------------------------------------------------------------------------------------------- prepare
+def cmd_prepare(args) -> None:
+    """A random-init (seeded) Qwen2 checkpoint folder at the published Qwen2.5 sizes; no download."""
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(ROOT / "src"))
+    from torchferry.bench._model import PRESETS
+
+    p = dataclasses.asdict(PRESETS[args.preset])
+    p["tie_word_embeddings"] = True  # as Qwen2.5-0.5B/1.5B: verl then builds the model on every rank
+    if args.layers:
+        p["num_hidden_layers"] = args.layers
+    cfg = transformers.Qwen2Config(**p, max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6)
+    cfg.architectures = ["Qwen2ForCausalLM"]
+    out = Path(args.model_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t = time.perf_counter()
+    with torch.device(device):
+        model = transformers.Qwen2ForCausalLM(cfg)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)  # verl loads it as fp32
+    n = sum(x.numel() for x in model.parameters())
+    (out / "torchferry_prepare.json").write_text(json.dumps({"preset": args.preset, "params": n, "seed": args.seed,
+                                                             "layers": cfg.num_hidden_layers}))
+    print(f"prepare: {args.preset} ({n / 1e9:.3f} B parameters, {cfg.num_hidden_layers} layers) in {out} "
+          f"({time.perf_counter() - t:.1f} s)", flush=True)
+
+
+# --------------------------------------------------------------------------------------------- run
+@dataclasses.dataclass
+class _Shape:
+    batch_per_rank: int
+    prompt_len: int
+    response_len: int
+    mini_batches: int  # PPO mini-batches per update (optimizer steps per update_actor)
+    micro_batch_per_gpu: int
+    log_prob_micro_batch_per_gpu: int
+
+
+def _shape(tiny: bool) -> _Shape:
+    if tiny:
+        return _Shape(batch_per_rank=4, prompt_len=8, response_len=8, mini_batches=2, micro_batch_per_gpu=1,
+                      log_prob_micro_batch_per_gpu=2)
+    return _Shape(batch_per_rank=8, prompt_len=128, response_len=256, mini_batches=2, micro_batch_per_gpu=2,
+                  log_prob_micro_batch_per_gpu=4)
+
+
+def _verl_config(model_dir: str, shape: _Shape, world: int, lr: float):
+    """verl's generated PPO config with the overrides a verl user would give on the command line."""
+    import verl
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml")
+    overrides = {
+        "actor_rollout_ref.model.path": model_dir,
+        "actor_rollout_ref.model.use_remove_padding": False,  # padded batches: no flash-attn needed
+        # Eager attention: verl's full_determinism sets use_deterministic_algorithms(warn_only=True), under
+        # which PyTorch's flash / memory-efficient SDPA backward kernels stay non-deterministic.
+        "actor_rollout_ref.model.override_config": {"attn_implementation": ATTENTION},
+        "actor_rollout_ref.actor.strategy": "fsdp2",
+        "actor_rollout_ref.actor.fsdp_config.strategy": "fsdp2",
+        "actor_rollout_ref.actor.fsdp_config.param_offload": True,
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload": True,
+        "actor_rollout_ref.actor.fsdp_config.full_determinism": True,  # verl's knob: deterministic kernels
+        "actor_rollout_ref.actor.fsdp_config.use_torch_compile": False,
+        "actor_rollout_ref.actor.use_torch_compile": False,
+        "actor_rollout_ref.actor.optim.lr": lr,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": shape.batch_per_rank * world // shape.mini_batches,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": shape.micro_batch_per_gpu,
+        "actor_rollout_ref.actor.ppo_epochs": 1,
+        "actor_rollout_ref.actor.shuffle": False,
+        "actor_rollout_ref.rollout.n": 1,
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": shape.log_prob_micro_batch_per_gpu,
+    }
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key, value, force_add=True)
+    return cfg
+
+
+def _build_actor(cfg):
+    """ActorRolloutRefWorker.init_model's "actor" branch (verl 0.9.1), without Ray."""
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import TrainingWorkerConfig
+    from verl.workers.engine_workers import TrainingWorker
+    from verl.workers.utils.losses import ppo_loss
+
+    arr = cfg.actor_rollout_ref
+    model_config = omega_conf_to_dataclass(arr.model)
+    actor_config = omega_conf_to_dataclass(arr.actor)
+    actor_config.model_config = model_config
+    config = TrainingWorkerConfig(
+        model_type=actor_config.model_config.get("model_type", "language_model"),
+        model_config=actor_config.model_config, engine_config=actor_config.engine,
+        optimizer_config=actor_config.optim, checkpoint_config=actor_config.checkpoint, profiler_config=None,
+    )
+    config.engine_config.use_dynamic_bsz = arr.actor.use_dynamic_bsz
+    config.engine_config.infer_max_token_len_per_gpu = arr.rollout.log_prob_max_token_len_per_gpu
+    config.engine_config.infer_micro_batch_size_per_gpu = arr.rollout.log_prob_micro_batch_size_per_gpu
+    config.engine_config.max_token_len_per_gpu = arr.actor.ppo_max_token_len_per_gpu
+    config.engine_config.micro_batch_size_per_gpu = arr.actor.ppo_micro_batch_size_per_gpu
+    config.engine_config.use_remove_padding = model_config.get("use_remove_padding", False)
+    actor = TrainingWorker(config=config)
+    actor.reset()
+    actor.set_loss_fn(partial(ppo_loss, config=actor_config))
+    return actor, actor_config
+
+
+def _batch(step: int, rank: int, shape: _Shape, vocab: int, seed: int):
+    """A rollout's output in verl's left-right padded layout: left-padded prompts, right-padded responses.
+
+    Seeded by (seed, step, rank): the same on every run.
+    """
+    import torch
+    from tensordict import TensorDict
+
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+    b, p_len, r_len = shape.batch_per_rank, shape.prompt_len, shape.response_len
+    prompts = torch.randint(1, vocab, (b, p_len), generator=g)
+    responses = torch.randint(1, vocab, (b, r_len), generator=g)
+    p_valid = torch.randint(max(1, p_len // 2), p_len + 1, (b,), generator=g)
+    r_valid = torch.randint(max(1, r_len // 2), r_len + 1, (b,), generator=g)
+    prompt_mask = (torch.arange(p_len)[None, :] >= (p_len - p_valid)[:, None]).long()  # left padding
+    response_mask = (torch.arange(r_len)[None, :] < r_valid[:, None]).long()  # right padding
+    prompts = prompts * prompt_mask
+    responses = responses * response_mask
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    input_ids = torch.cat([prompts, responses], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    scores = torch.randn(b, generator=g)
+    advantages = ((scores - scores.mean()) / (scores.std() + 1e-6))[:, None] * response_mask.float()
+    td = TensorDict({"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                     "prompts": prompts, "responses": responses, "response_mask": response_mask},
+                    batch_size=[b])
+    return td, advantages
+
+
+def _sha(t) -> str:
+    import torch
+
+    t = t.detach().contiguous().cpu()
+    if t.numel() == 0:
+        return hashlib.sha256(b"").hexdigest()
+    return hashlib.sha256(t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _local(t):
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def cmd_run(args) -> None:
+    stubbed = _use_ray_stub_if_needed()
+    import torch
+
+    cuda = torch.cuda.is_available()
+    sys.path.insert(0, str(ROOT / "src"))
+    if not cuda:
+        _install_cpu_platform()
+    import torch.distributed as dist
+
+    if cuda:
+        from verl.utils.distributed import initialize_global_process_group
+
+        initialize_global_process_group()  # as verl's run_sft: cpu:gloo,cuda:nccl; set_device(LOCAL_RANK)
+    else:
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def log(msg: str) -> None:
+        if rank == 0:
+            print(f"[{args.mode}] {msg}", flush=True)
+
+    import verl
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.fsdp import transformer_impl as ti
+    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+    patched: list[str] = []
+    if args.mode == "torchferry":
+        import torchferry.integrations.verl as tf_verl
+
+        patched = tf_verl.patch()
+        assert ti.offload_fsdp_model_to_cpu.__torchferry_original__ is not None
+    if not cuda:
+        _cpu_engine_to_by_direction()
+
+    # Timing around verl's FSDPEngine.to (instrumentation only: it calls verl's own method).
+    events: list[dict] = []
+    phase = {"name": "init", "step": -1}
+    verl_to = ti.FSDPEngine.to
+
+    def timed_to(self, device, model=True, optimizer=True, grad=True):
+        if cuda:
+            direction = "offload" if device == "cpu" else "reload"
+        else:  # the CPU check: the part's state before the call (see _cpu_engine_to_by_direction)
+            off = self.__dict__.get("_cpu_offloaded", {"model": False, "optimizer": False})
+            direction = "reload" if off["model" if model else "optimizer"] else "offload"
+        with_optimizer = bool(optimizer and self.optimizer is not None and self.optimizer.state)
+        sync()
+        t0 = time.perf_counter()
+        out = verl_to(self, device, model=model, optimizer=optimizer, grad=grad)
+        sync()
+        events.append({"phase": phase["name"], "step": phase["step"], "direction": direction, "model": bool(model),
+                       "optimizer": with_optimizer, "seconds": time.perf_counter() - t0,
+                       "gpu_allocated_after": torch.cuda.memory_allocated(device) if cuda else 0})
+        return out
+
+    ti.FSDPEngine.to = timed_to
+
+    shape = _shape(args.tiny)
+    cfg = _verl_config(args.model_dir, shape, world, args.lr)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    t_build = time.perf_counter()
+    actor, actor_config = _build_actor(cfg)
+    build_s = time.perf_counter() - t_build
+    engine = actor.engine
+    log(f"actor built in {build_s:.1f} s: {type(actor).__name__} / {type(engine).__name__}, "
+        f"{sum(p.numel() for p in engine.module.parameters()) / 1e9:.3f} B parameters, world {world}, "
+        f"verl {verl.__version__}, {'patched: ' + str(len(patched)) + ' helpers' if patched else 'unpatched'}")
+    vocab = engine.module.config.vocab_size
+
+    mini = shape.batch_per_rank * world // shape.mini_batches
+    losses, grad_norms, log_prob_sha, log_prob_sum, step_s = [], [], [], [], []
+    for step in range(args.steps):
+        t_step = time.perf_counter()
+        batch, advantages = _batch(step, rank, shape, vocab, args.seed)
+        # compute_log_prob (ray_trainer._compute_old_log_prob -> ActorRolloutRefWorker.compute_log_prob)
+        phase.update(name="log_prob", step=step)
+        td = left_right_2_no_padding(batch.clone())
+        tu.assign_non_tensor(td, calculate_entropy=True, calculate_sum_pi_squared=False, compute_loss=False,
+                             temperature=1.0)
+        out = actor.infer_batch(td)
+        old_log_probs = no_padding_2_padding(tu.get(out, "log_probs"), td).float()
+        log_prob_sha.append(_sha(old_log_probs))
+        log_prob_sum.append(float(old_log_probs.double().sum()))
+        # update_actor (ray_trainer._update_actor -> ActorRolloutRefWorker.update_actor)
+        phase.update(name="update", step=step)
+        upd = batch.clone()
+        upd["old_log_probs"] = old_log_probs.cpu()
+        upd["advantages"] = advantages
+        td = left_right_2_no_padding(upd)
+        tu.assign_non_tensor(td, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
+                             global_batch_size=mini, mini_batch_size=mini, epochs=1, seed=actor_config.data_loader_seed,
+                             dataloader_kwargs={"shuffle": False}, compute_loss=True, temperature=1.0)
+        out = actor.train_mini_batch(td)
+        metrics = tu.get(out, "metrics")
+        losses.append([float(x) for x in metrics["loss"]])
+        grad_norms.append([float(x) for x in metrics.get("grad_norm", [])])
+        step_s.append(time.perf_counter() - t_step)
+        log(f"step {step + 1}/{args.steps}: loss {losses[-1]}, grad_norm {grad_norms[-1]}, {step_s[-1]:.2f} s")
+
+    sync()
+    # The state after the steps (offloaded by verl's update_actor exit): exact hashes per local shard.
+    params = {name: {"sha256": _sha(_local(p)), "sum": float(_local(p).double().sum()),
+                     "device": _local(p).device.type, "numel": _local(p).numel()}
+              for name, p in engine.module.named_parameters()}
+    opt_state = {}
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    for p, st in engine.optimizer.state.items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                opt_state[f"{names.get(id(p), '?')}.{k}"] = _sha(_local(v))
+    sizes = {"params": sum(_local(p).numel() * _local(p).element_size() for p in engine.module.parameters()),
+             "optimizer": sum(_local(v).numel() * _local(v).element_size() for st in engine.optimizer.state.values()
+                              for v in st.values() if torch.is_tensor(v))}
+    pinned = {"caching_host_allocator": 0, "torchferry_pools": 0}
+    if cuda:
+        hs = torch.cuda.host_memory_stats()
+        pinned["caching_host_allocator"] = int(hs.get("reserved_bytes.current", hs.get("allocated_bytes.current", 0)))
+    if args.mode == "torchferry":
+        from torchferry.integrations.verl import ferry_for
+
+        ferries = [f for f in (ferry_for(engine.module), ferry_for(engine.optimizer)) if f is not None]
+        pinned["torchferry_pools"] = sum(f.pinned_bytes for f in ferries)
+        pinned["torchferry_pool_bytes"] = sum(f.host_bytes for f in ferries)
+        pinned["ferries"] = [repr(f) for f in ferries]
+    mine = {
+        "rank": rank,
+        "events": events,
+        "state_bytes": sizes,
+        "pinned_host_bytes": pinned,
+        "peak_gpu_bytes": {"allocated": torch.cuda.max_memory_allocated(device) if cuda else None,
+                           "reserved": torch.cuda.max_memory_reserved(device) if cuda else None},
+        "params": params,
+        "optimizer_state_sha256": opt_state,
+        "log_prob_sha256": log_prob_sha,
+        "log_prob_sum": log_prob_sum,
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "step_s": step_s,
+        "build_s": build_s,
+    }
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        import transformers
+
+        result = {
+            "mode": args.mode,
+            "patched": patched,
+            "ray": "stand-in (benchmarks/verl_raystub)" if stubbed else "installed",
+            "env": {"gpu": torch.cuda.get_device_name(device) if cuda else None, "torch": torch.__version__,
+                    "verl": verl.__version__, "transformers": transformers.__version__, "world_size": world,
+                    "python": sys.version.split()[0], "device": str(device)},
+            "config": {"steps": args.steps, "seed": args.seed, "lr": args.lr, **dataclasses.asdict(shape),
+                       "attn_implementation": ATTENTION, "full_determinism": True, "param_offload": True,
+                       "optimizer_offload": True, "strategy": "fsdp2",
+                       "optimizer": f"{actor_config.optim.optimizer} (lr {actor_config.optim.lr}, "
+                                    f"clip_grad {actor_config.optim.clip_grad})",
+                       "ppo_mini_batch_size": mini, "model_dir": args.model_dir,
+                       "model": json.loads((Path(args.model_dir) / "torchferry_prepare.json").read_text())},
+            "per_rank": gathered,
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        log(f"wrote {args.out}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------- compare
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _transfers(rank_result: dict) -> dict:
+    """Offload / reload seconds, first and steady (median of the later ones).
+
+    ``offload_s`` / ``reload_s``: update_actor's, of the full state (parameters and AdamW state;
+    the first reload with optimizer state is step 2's, the state exists after step 1's update);
+    ``model_only_*``: compute_log_prob's (parameters); ``init_offload_s``: the engine's
+    initialize() (parameters, before any optimizer state).
+    """
+    events = rank_result["events"]
+    out = {}
+    full = [e for e in events if e["phase"] == "update" and e["model"] and e["optimizer"]]
+    lp = [e for e in events if e["phase"] == "log_prob" and e["model"]]
+    for key, evs, direction in (("offload_s", full, "offload"), ("reload_s", full, "reload"),
+                                ("model_only_offload_s", lp, "offload"), ("model_only_reload_s", lp, "reload")):
+        xs = [e["seconds"] for e in evs if e["direction"] == direction]
+        out[key] = {"first": xs[0] if xs else None, "steady": _median(xs[1:]), "all": xs}
+    init = [e["seconds"] for e in events if e["phase"] == "init" and e["direction"] == "offload"]
+    out["init_offload_s"] = init[0] if init else None
+    out["gpu_bytes_left_offloaded"] = _median([e["gpu_allocated_after"] for e in full if e["direction"] == "offload"])
+    return out
+
+
+def identical(a: dict, b: dict) -> tuple[dict[str, bool], dict[str, object]]:
+    """Exact comparison of two runs: losses, old log-probs, parameter shards, optimizer state (sha256).
+
+    Returns:
+        ``(same, differing)``: per kind whether all are equal, and what differs (rank:name).
+    """
+    diffs: dict[str, object] = {"losses": a["per_rank"][0]["losses"] != b["per_rank"][0]["losses"],
+                                "log_probs": [], "params": [], "optimizer_state": []}
+    if len(a["per_rank"]) != len(b["per_rank"]):
+        raise ValueError(f"the runs have {len(a['per_rank'])} and {len(b['per_rank'])} ranks")
+    for ra, rb in zip(a["per_rank"], b["per_rank"]):
+        if ra["log_prob_sha256"] != rb["log_prob_sha256"]:
+            diffs["log_probs"].append(ra["rank"])
+        diffs["params"] += [f"rank{ra['rank']}:{n}" for n in ra["params"]
+                            if ra["params"][n]["sha256"] != rb["params"].get(n, {}).get("sha256")]
+        diffs["params"] += [f"rank{rb['rank']}:{n} (missing)" for n in rb["params"] if n not in ra["params"]]
+        diffs["optimizer_state"] += [f"rank{ra['rank']}:{n}" for n in ra["optimizer_state_sha256"]
+                                     if ra["optimizer_state_sha256"][n] != rb["optimizer_state_sha256"].get(n)]
+        if len(ra["optimizer_state_sha256"]) != len(rb["optimizer_state_sha256"]):
+            diffs["optimizer_state"].append(f"rank{ra['rank']}: different number of tensors")
+    same = {k: not v for k, v in diffs.items()}
+    return same, {k: v for k, v in diffs.items() if v}
+
+
+def cmd_compare(args) -> None:
+    a = json.loads(Path(args.runs[0]).read_text())
+    b = json.loads(Path(args.runs[1]).read_text())
+    if (a["mode"], b["mode"]) != ("unpatched", "torchferry"):
+        raise SystemExit(f"error: compare takes the unpatched run, then the torchferry run; got {a['mode']}, {b['mode']}")
+    world = a["env"]["world_size"]
+    same, differing = identical(a, b)
+    n_params = sum(len(r["params"]) for r in a["per_rank"])
+
+    def summary(r: dict) -> dict:
+        r0 = r["per_rank"][0]
+        sizes = r0["state_bytes"]
+        tr = _transfers(r0)
+        state = sizes["params"] + sizes["optimizer"]
+        pinned = r0["pinned_host_bytes"]
+        return {
+            **tr,
+            "offload_GBps_steady": state / tr["offload_s"]["steady"] / 1e9 if tr["offload_s"]["steady"] else None,
+            "reload_GBps_steady": state / tr["reload_s"]["steady"] / 1e9 if tr["reload_s"]["steady"] else None,
+            "state_bytes": sizes,
+            "pinned_host_bytes": pinned["caching_host_allocator"] + pinned["torchferry_pools"],
+            "pinned_host_bytes_detail": pinned,
+            "peak_gpu_bytes": r0["peak_gpu_bytes"],
+            "losses": r0["losses"],
+            "grad_norms": r0["grad_norms"],
+            "log_prob_sum": r0["log_prob_sum"],
+            "step_s": r0["step_s"],
+            "build_s": r0["build_s"],
+            "patched": r.get("patched", []),
+            "per_rank": [{"rank": x["rank"], **_transfers(x), "state_bytes": x["state_bytes"],
+                          "pinned_host_bytes": x["pinned_host_bytes"], "peak_gpu_bytes": x["peak_gpu_bytes"]}
+                         for x in r["per_rank"]],
+        }
+
+    env = dict(b["env"])
+    env["command"] = args.command or "bash benchmarks/verl_actor.sh"
+    env["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    env["ray"] = b["ray"]
+    env["torchferry_commit"] = os.environ.get("TORCHFERRY_COMMIT")
+    out = {
+        "schema": SCHEMA,
+        "env": env,
+        "verl_code": VERL_CODE,
+        "model": b["config"]["model"],
+        "config": {k: v for k, v in b["config"].items() if k not in ("model", "model_dir")},
+        "units": "seconds from the call of verl's FSDPEngine.to until the copies are complete (synchronised); "
+                 "bytes per rank; GB/s = 1e9 B/s; offload/reload_s are update_actor's (parameters + AdamW state), "
+                 "first = step 1, steady = median of the later steps; model_only_* are compute_log_prob's",
+        "runs": {"unpatched": summary(a), "torchferry": summary(b)},
+        "bit_identical": all(same.values()),
+        "bit_identical_detail": {**same, "compared": {"steps": len(a["per_rank"][0]["losses"]), "ranks": world,
+                                                      "parameter_shards": n_params,
+                                                      "optimizer_state_tensors": sum(len(r["optimizer_state_sha256"])
+                                                                                     for r in a["per_rank"])},
+                                 "differing": differing},
+    }
+    if args.control:
+        c = json.loads(Path(args.control).read_text())
+        c_same, c_diff = identical(a, c)
+        out["determinism_control"] = {"what": "a second unpatched run against the first (verl alone)",
+                                      "bit_identical": all(c_same.values()), **c_same, "differing": c_diff}
+    gpu = (env["gpu"] or "cpu").split()[-1].lower()
+    name = f"verl_{out['model']['preset']}_{gpu}x{world}_{env['date'][:10]}.json"
+    path = Path(args.out_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    u, t = out["runs"]["unpatched"], out["runs"]["torchferry"]
+
+    def f(x):
+        return "-" if x is None else f"{x:.3f}"
+
+    print(f"{'':12} {'offload s first/steady':>24} {'reload s first/steady':>24} {'pinned host GB':>15} "
+          f"{'peak GPU GB':>12}  losses")
+    for k, s in (("unpatched", u), ("torchferry", t)):
+        peak = s["peak_gpu_bytes"]["allocated"]
+        print(f"{k:12} {f(s['offload_s']['first']) + ' / ' + f(s['offload_s']['steady']):>24} "
+              f"{f(s['reload_s']['first']) + ' / ' + f(s['reload_s']['steady']):>24} "
+              f"{s['pinned_host_bytes'] / 1e9:>15.2f} {('-' if peak is None else f'{peak / 1e9:.2f}'):>12}  "
+              f"{s['losses']}")
+    print(f"bit_identical: {out['bit_identical']} ({same})")
+    if "determinism_control" in out:
+        print(f"determinism control (unpatched twice): bit_identical {out['determinism_control']['bit_identical']}")
+    print(f"wrote {path}")
+
+
+# --------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="write a random-init Qwen2 checkpoint folder")
+    p.add_argument("--preset", default="qwen2.5-1.5b", help="a torchferry.bench preset (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("run", help="one run under torchrun (unpatched or torchferry)")
+    p.add_argument("--mode", choices=["unpatched", "torchferry"], required=True)
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--tiny", action="store_true", help="small batches (the CPU check)")
+    p = sub.add_parser("compare", help="the two runs' JSONs -> the torchferry.verl-run/1 JSON")
+    p.add_argument("runs", nargs=2)
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--command", default=None, help="the command to record in env.command")
+    p.add_argument("--control", default=None, help="a second unpatched run: is verl's run alone repeatable?")
+    args = ap.parse_args(argv)
+    {"prepare": cmd_prepare, "run": cmd_run, "compare": cmd_compare}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# verl 0.9.1's own FSDP2 actor (param_offload + optimizer_offload) on N GPUs: once unpatched, once
+# with torchferry, same seeds and data, each run a fresh torchrun; then the comparison.
+#
+#   bash benchmarks/verl_actor.sh OUT [NPROC] [PRESET] [STEPS]
+#
+# OUT gets: verl_<preset>_<gpu>x<N>_<date>.json (schema torchferry.verl-run/1; bit_identical
+# compares losses, old log-probs, every parameter shard and optimizer-state tensor exactly),
+# run_unpatched.json, run_torchferry.json and log.txt; if the two runs are not identical, a second
+# unpatched run (run_unpatched_repeat.json) says whether verl's run alone is repeatable
+# ("determinism_control" in the results). NPROC defaults to the number of GPUs (1 on
+# the CPU), PRESET to qwen2.5-1.5b (random init, no download), STEPS to 4.
+#
+# What verl lacks on the machine (no network there) comes from wheels in .devcarry/wheels
+# (TFDEPS_WHEELS overrides), installed with --no-deps into /tmp/tfdeps; ray is not among them
+# (too large): benchmarks/verl_raystub stands in for it when it is not installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: bash benchmarks/verl_actor.sh OUT [NPROC] [PRESET] [STEPS]}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# Deterministic kernels and collectives for both runs (verl's full_determinism sets them too, later).
+export CUBLAS_WORKSPACE_CONFIG=:16:8 NCCL_ALGO=Ring NCCL_PROTO=Simple NCCL_DETERMINISTIC=1 FLASH_ATTENTION_DETERMINISTIC=1
+
+DEPS=${TFDEPS:-/tmp/tfdeps}
+WHEELS=${TFDEPS_WHEELS:-.devcarry/wheels}
+# What verl's actor code imports beyond torch/transformers/peft/pandas/pyarrow (see the wheels' list).
+NEEDED="verl hydra tensordict omegaconf codetiming datasets dill orjson pyvers fastapi starlette uvicorn pydantic"
+if ! "$PY" -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" $NEEDED; then
+  if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    echo "error: verl is not importable and there are no wheels in $WHEELS (carry .devcarry/wheels)" >&2
+    exit 2
+  fi
+  if [ ! -d "$DEPS/verl" ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$DEPS" "$WHEELS"/*.whl
+  fi
+  export PYTHONPATH="$DEPS${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+if ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('ray') is None)"; then
+  echo "ray is not installed: benchmarks/verl_raystub stands in for it (verl imports it; this path never uses it)"
+  export PYTHONPATH="$PYTHONPATH:$PWD/benchmarks/verl_raystub"
+fi
+
+NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+NPROC=${2:-$(( NGPU > 0 ? NGPU : 1 ))}
+PRESET=${3:-qwen2.5-1.5b}
+STEPS=${4:-4}
+EXTRA=()
+if [ "$NGPU" = 0 ]; then EXTRA=(--tiny); fi
+MODEL=${VERL_ACTOR_MODEL_DIR:-/tmp/verl_actor_model_$PRESET}
+export TORCHFERRY_COMMIT=${TORCHFERRY_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+
+LOG="$OUT/log.txt"
+"$PY" -c 'import torch, transformers, verl, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__, "verl", verl.__version__, "gpus", torch.cuda.device_count())' 2>&1 | grep -v -i warn | tee "$LOG"
+if [ ! -f "$MODEL/torchferry_prepare.json" ]; then
+  "$PY" benchmarks/verl_actor.py prepare --preset "$PRESET" --model-dir "$MODEL" 2>&1 | tee -a "$LOG"
+fi
+run() {  # MODE OUT_JSON
+  "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" benchmarks/verl_actor.py run \
+      --mode "$1" --model-dir "$MODEL" --steps "$STEPS" --out "$2" "${EXTRA[@]}" 2>&1 | tee -a "$LOG"
+}
+run unpatched "$OUT/run_unpatched.json"
+run torchferry "$OUT/run_torchferry.json"
+CMD="bash benchmarks/verl_actor.sh OUT $NPROC $PRESET $STEPS"
+"$PY" benchmarks/verl_actor.py compare "$OUT/run_unpatched.json" "$OUT/run_torchferry.json" --out-dir "$OUT" \
+    --command "$CMD" 2>&1 | tee -a "$LOG"
+RESULT=$(ls -t "$OUT"/verl_*.json | head -1)
+if ! "$PY" -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1]))["bit_identical"])' "$RESULT"; then
+  # Not identical: is verl's own run repeatable? A second unpatched run tells torchferry apart from the kernels.
+  echo "not bit-identical: a second unpatched run, as the determinism control" | tee -a "$LOG"
+  run unpatched "$OUT/run_unpatched_repeat.json"
+  "$PY" benchmarks/verl_actor.py compare "$OUT/run_unpatched.json" "$OUT/run_torchferry.json" --out-dir "$OUT" \
+      --command "$CMD" --control "$OUT/run_unpatched_repeat.json" 2>&1 | tee -a "$LOG"
+fi

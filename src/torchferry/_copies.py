@@ -1,0 +1,229 @@
+"""The copy primitives: D2H into the pool, release, H2D back with re-allocation, undo.
+
+They know storages, pool views and streams; nothing of residency, hooks or
+schedules (those live above, in ``_ferry``, ``_prefetch``, ``_early`` and
+``_release``).
+
+[Note: release is safe against the in-flight copy]
+The D2H copies read a storage on the D2H stream while the caller's stream
+carries on. Before ``resize_(0)`` frees the block we ``record_stream`` it on the
+D2H stream, so the caching allocator does not hand it to the caller's stream
+until the copy has finished (otherwise a new allocation could overwrite bytes
+not yet copied: silent corruption of the offloaded state).
+
+[Note: reload allocates on the caller's stream]
+Reload re-allocates each storage on the caller's (current) stream, the stream
+that will use it, and the H2D stream first waits for everything already queued
+there: the block may have been freed by pending current-stream work, and
+writing it before that work ran would corrupt it. The current stream then
+waits for the H2D event, so the next kernel sees complete data without a host
+sync. Allocation and copies are interleaved per storage so the copy engine
+starts while the host is still allocating.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
+
+import torch
+
+from ._host_views import HostViews
+from ._packing import PackChunk, pack_to_host, unpack_from_host
+from ._plan import Plan
+from ._streams import TransferStreams
+
+__all__ = ["D2HIssued", "H2DIssued", "issue_d2h", "issue_h2d", "release", "transfer_range", "undo_allocations"]
+
+
+@contextlib.contextmanager
+def transfer_range(direction: str, nbytes: int):
+    """Profiler ranges ``torchferry::d2h`` / ``torchferry::h2d``, and inside, one naming the bytes.
+
+    ``record_function``'s ``args`` string does not reach Chrome/Perfetto
+    traces (checked with torch 2.13), so the bytes go into a nested range's
+    name: ``torchferry::d2h bytes=123``.
+    """
+    with torch.profiler.record_function(f"torchferry::{direction}"), \
+            torch.profiler.record_function(f"torchferry::{direction} bytes={nbytes}"):
+        yield
+
+
+class D2HIssued(NamedTuple):
+    """What :func:`issue_d2h` queued (events are ``None`` on the CPU, where the copies are done).
+
+    Attributes:
+        event: recorded on the D2H stream after the last copy.
+        start: recorded on the D2H stream before the first copy (timing).
+        progress: ``(bytes copied, event)`` every ``progress_every`` bytes, last one final.
+        copied_after: per storage, the bytes copied once its copy is done (with ``progress_every``).
+    """
+
+    event: torch.cuda.Event | None
+    start: torch.cuda.Event | None
+    progress: list[tuple[int, torch.cuda.Event]]
+    copied_after: list[int] | None
+
+
+class H2DIssued(NamedTuple):
+    """What :func:`issue_h2d` queued: events on the H2D stream (``None`` on the CPU)."""
+
+    event: torch.cuda.Event | None
+    start: torch.cuda.Event | None
+
+
+def issue_d2h(plan: Plan, sources: list[torch.Tensor], views: HostViews, skip: set[int],
+              streams: TransferStreams, *, progress_every: int | None = None) -> D2HIssued:
+    """Queues the D2H copies of ``plan``'s storages into their pool slots.
+
+    Args:
+        plan: what moves.
+        sources: 1D uint8 device views of ``plan.storages`` (allocated).
+        views: the plan's host views.
+        skip: storage indices whose slots already hold their bytes.
+        streams: the device's streams (the D2H stream first waits for the current one).
+        progress_every: record a progress event every this many bytes (swap's budget).
+    """
+    slots, packed = views.slots, views.packed
+    large = [si for si, src in enumerate(sources) if src.numel() and si not in packed and si not in skip]
+    if not streams.is_cuda:
+        for si in large:
+            slots[si].copy_(sources[si])
+        pack_to_host(views.chunks, sources, views.pool_chunks, plan.device)
+        return D2HIssued(None, None, [], None)
+    d2h = streams.d2h
+    d2h.wait_stream(streams.current())  # copy what pending kernels write
+    start = streams.event(d2h, timing=True)
+    progress: list[tuple[int, torch.cuda.Event]] = []
+    copied, mark = 0, 0
+    copied_after = [0] * len(sources) if progress_every else None
+    with torch.cuda.stream(d2h):
+        for si in large:
+            slots[si].copy_(sources[si], non_blocking=True)
+            if copied_after is not None:
+                copied += plan.nbytes[si]
+                copied_after[si] = copied
+                if copied - mark >= progress_every:
+                    progress.append((copied, streams.event(d2h)))
+                    mark = copied
+        pack_to_host(views.chunks, sources, views.pool_chunks, plan.device, streams)
+    event = streams.event(d2h, timing=True)
+    if copied_after is not None:
+        copied += sum(ch.nbytes for ch in views.chunks)
+        for ch in views.chunks:  # the packed ones are complete at the final event only
+            for si in ch.storages:
+                copied_after[si] = copied
+        progress.append((copied, event))
+    return D2HIssued(event, start, progress, copied_after)
+
+
+def release(plan: Plan, sources: list[torch.Tensor], streams: TransferStreams,
+            keep: Callable[[int], bool] | None = None) -> None:
+    """Frees the device memory of ``plan``'s storages after their D2H copies (see
+    [Note: release is safe against the in-flight copy]); storages ``keep(si)`` are left allocated."""
+    cuda = streams.is_cuda
+    d2h = streams.d2h if cuda else None
+    for si, (src, storage) in enumerate(zip(sources, plan.storages)):
+        if keep is not None and keep(si):
+            continue
+        if cuda and src.numel():
+            src.record_stream(d2h)
+        storage.resize_(0)
+
+
+def undo_allocations(plan: Plan, indices: Iterable[int], streams: TransferStreams) -> None:
+    """Frees the re-allocated storages ``indices`` again, after the copies into them."""
+    if streams.is_cuda:
+        streams.h2d.synchronize()
+        streams.pack.synchronize()
+    for si in indices:
+        plan.storages[si].resize_(0)
+
+
+def _device_view(plan: Plan, si: int, device_views: list[torch.Tensor] | None) -> torch.Tensor:
+    if device_views is not None:
+        return device_views[si]
+    return torch.empty(0, dtype=torch.uint8, device=plan.device).set_(plan.storages[si])
+
+
+def issue_h2d(plan: Plan, views: HostViews, streams: TransferStreams, *, storages: list[int] | None = None,
+              device_views: list[torch.Tensor] | None = None,
+              before_alloc: Callable[[int], None] | None = None) -> H2DIssued:
+    """Re-allocates storages on the current stream and queues their H2D copies from the pool.
+
+    Large storages first, each copied as soon as it is allocated; then the
+    packed chunks, each chunk's storages allocated while its DMA is in flight
+    (see [Note: packing pipeline]). The current stream is *not* made to wait:
+    the caller decides which streams wait for the returned event.
+
+    Args:
+        plan, views: what moves and where it is in the pool.
+        streams: the device's streams.
+        storages: indices to bring back (default: all); the others stay released.
+        device_views: the plan's cached 1D uint8 device views (they follow
+            ``resize_``), or ``None`` to make them.
+        before_alloc: called with the bytes allocated so far, including the
+            next storage, before each allocation (swap's budget).
+
+    Raises:
+        torch.OutOfMemoryError: the device ran out of memory; everything this
+            call allocated was freed again.
+        BaseException: anything else raised midway, after the same undo.
+    """
+    cuda = streams.is_cuda
+    wanted = range(len(plan.storages)) if storages is None else storages
+    wanted_set = None if storages is None else set(storages)
+    allocated_idx: list[int] = []
+    start = None
+    try:
+        if cuda:
+            h2d = streams.h2d
+            h2d.wait_stream(streams.current())  # see [Note: reload allocates on the caller's stream]
+            start = streams.event(h2d, timing=True)
+        allocated = 0
+        packed = views.packed
+        nbytes, sts = plan.nbytes, plan.storages
+
+        def alloc(si: int) -> torch.Tensor | None:
+            nonlocal allocated
+            n = nbytes[si]
+            allocated += n
+            if before_alloc is not None:
+                before_alloc(allocated)
+            sts[si].resize_(n)
+            allocated_idx.append(si)
+            return _device_view(plan, si, device_views) if n else None
+
+        for si in wanted:
+            if si in packed:
+                continue
+            dst = alloc(si)
+            if dst is None:
+                continue
+            if cuda:
+                with torch.cuda.stream(h2d):
+                    dst.copy_(views.slots[si], non_blocking=True)
+            else:
+                dst.copy_(views.slots[si])
+        chunks, pool_chunks = views.chunks, views.pool_chunks
+        if wanted_set is not None:
+            keep = [k for k, ch in enumerate(chunks) if any(si in wanted_set for si in ch.storages)]
+            chunks, pool_chunks = [chunks[k] for k in keep], [pool_chunks[k] for k in keep]
+        if before_alloc is None and device_views is not None:
+            def alloc_chunk(ch: PackChunk) -> list[torch.Tensor]:
+                # Thousands of small storages: one tight loop (see [Note: packing pipeline]).
+                allocated_idx.extend(ch.storages)  # freeing one not yet allocated is harmless
+                for si in ch.storages:
+                    sts[si].resize_(nbytes[si])
+                return [device_views[si] for si in ch.storages]
+        else:
+            def alloc_chunk(ch: PackChunk) -> list[torch.Tensor]:
+                return [alloc(si) for si in ch.storages]
+
+        unpack_from_host(chunks, pool_chunks, alloc_chunk, plan.device, streams)
+    except BaseException:
+        undo_allocations(plan, allocated_idx, streams)
+        raise
+    event = streams.event(streams.h2d, timing=True) if cuda else None
+    return H2DIssued(event, start)

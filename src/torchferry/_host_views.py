@@ -1,0 +1,155 @@
+"""Where each storage of a plan lives in the host pool, and the views over it.
+
+[Note: one storage per slot]
+Every storage's slot is viewed through a storage of its own
+(``HostBuffer.own_view``), not through a slice of the pool's one big storage:
+a tensor offloaded and then pickled, saved with ``torch.save`` or sent through
+a ``torch.multiprocessing`` queue carries only its own bytes (a 2 KiB bias
+pickled to 8.4 MB, the whole pool with the Adam moments, when it sliced the
+pool), and ``share_memory_()`` on it moves only that slot's storage, never
+the pool under the ferry. A slot storage moved that way no longer views the
+pool; :meth:`HostViews.intact` notices and the views are made again. The
+packed chunks (``_packing``) are moved as slices of the pool's storage.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import NamedTuple
+
+import torch
+
+from ._packing import PackChunk, layout
+from ._plan import Plan
+from ._pool import HostPool
+from ._repoint import view_on
+
+__all__ = ["HostLayout", "HostViews", "pin_boundary"]
+
+
+def pin_boundary(offsets: list[int], nbytes: list[int], chunks: list[PackChunk], cap: int) -> int:
+    """The largest pool prefix of at most ``cap`` bytes that ends where a copy ends.
+
+    Copies (a large storage's slot, a packed chunk) never straddle the
+    boundary: each lies wholly in pinned or wholly in pageable memory.
+    """
+    packed = {si for ch in chunks for si in ch.storages}
+    ends = [o + n for si, (o, n) in enumerate(zip(offsets, nbytes)) if n and si not in packed]
+    ends += [ch.pool_offset + ch.nbytes for ch in chunks]
+    return max((e for e in ends if e <= cap), default=0)
+
+
+class Layout(NamedTuple):
+    """A plan's pool layout: byte offset per storage, pool bytes, packed chunks."""
+
+    signature: tuple
+    offsets: list[int]
+    total: int
+    chunks: list[PackChunk]
+
+
+class HostViews:
+    """The pool views of one plan and pool block, reused every cycle while both stay.
+
+    Attributes:
+        plan, block: the plan and pool block they were made for.
+        slots: 1D uint8 views, one per storage, each on a storage of its own
+            (see [Note: one storage per slot]).
+        pool_chunks: 1D uint8 views of the pool, one per packed chunk.
+        chunks: the packed chunks of the layout.
+        packed: indices of the packed storages.
+    """
+
+    def __init__(self, plan: Plan, block: int, slots: list[torch.Tensor], pool_chunks: list[torch.Tensor],
+                 chunks: list[PackChunk]) -> None:
+        self.plan = plan  # held, so that no other plan can be mistaken for it
+        self.block = block
+        self.slots = slots
+        self.pool_chunks = pool_chunks
+        self.chunks = chunks
+        self.packed = {si for ch in chunks for si in ch.storages}
+        self._storages = [s.untyped_storage() for s in slots]
+        self._ptrs = [st.data_ptr() for st in self._storages]
+        self._host_locals: list[torch.Tensor] | None = None
+
+    @property
+    def host_locals(self) -> list[torch.Tensor]:
+        """Per ``plan.tensors`` entry, a view of its slot shaped like its local tensor."""
+        if self._host_locals is None:
+            self._host_locals = [view_on(r.local, self.slots[r.storage_index]) for r in self.plan.tensors]
+        return self._host_locals
+
+    def intact(self) -> bool:
+        """False if a slot's storage no longer views the pool (``share_memory_()`` moved it)."""
+        return [st.data_ptr() for st in self._storages] == self._ptrs
+
+
+class HostLayout:
+    """A ferry's pool layout and host views, cached for the cached plan.
+
+    Args:
+        pool: the ferry's host pool.
+        max_pinned_bytes: pin at most this prefix of the pool (``None``: all).
+    """
+
+    def __init__(self, pool: HostPool, max_pinned_bytes: int | None) -> None:
+        self.pool = pool
+        self.max_pinned_bytes = max_pinned_bytes
+        self._layout: Layout | None = None
+        self.cached: HostViews | None = None  # host views of the cached plan
+
+    def layout(self, plan: Plan) -> Layout:
+        """The plan's layout (cached by the plan's storage signature)."""
+        sig = plan.signature()
+        if self._layout is None or self._layout.signature != sig:
+            offsets, total, chunks = layout(plan.nbytes)
+            self._layout = Layout(sig, offsets, total, chunks)
+        return self._layout
+
+    def reserve(self, plan: Plan, *, background: bool = False) -> Future | None:
+        """Makes the pool hold the plan's layout (a no-op when it does).
+
+        Returns:
+            With ``background``, a future of the pinning seconds (or ``None``).
+
+        Raises:
+            HostBudgetError, RuntimeError: as :meth:`HostPool.reserve`.
+        """
+        lay = self.layout(plan)
+        pin_bytes = None
+        if self.max_pinned_bytes is not None:
+            pin_bytes = pin_boundary(lay.offsets, plan.nbytes, lay.chunks, self.max_pinned_bytes)
+        if lay.total > self.pool.nbytes:
+            self.cached = None  # its views would keep the old block mapped
+        return self.pool.reserve(lay.total, pin_bytes=pin_bytes, background=background)
+
+    def views(self, plan: Plan, *, cache: bool) -> HostViews:
+        """Pool views for ``plan`` (reserving the pool); kept for reuse when ``cache``.
+
+        Raises:
+            RuntimeError: host memory for the pool could not be allocated or pinned.
+        """
+        self.reserve(plan)
+        block = self.pool.block_id
+        hv = self.cached
+        if hv is not None and hv.plan is plan and hv.block == block and hv.intact():
+            return hv
+        self.cached = None
+        lay = self.layout(plan)
+        slots = [self.pool.own_view(o, n) for o, n in zip(lay.offsets, plan.nbytes, strict=True)]
+        pool_chunks = [self.pool.view(ch.pool_offset, ch.nbytes) for ch in lay.chunks]
+        hv = HostViews(plan, block, slots, pool_chunks, lay.chunks)
+        if cache:
+            self.cached = hv
+        return hv
+
+    def current(self, plan: Plan) -> HostViews | None:
+        """The cached views if they are ``plan``'s and the pool block is unchanged (no allocation)."""
+        hv = self.cached
+        if hv is not None and hv.plan is plan and self.pool.ready() and hv.block == self.pool.block_id and hv.intact():
+            return hv
+        return None
+
+    def forget(self) -> None:
+        """Drops the cached views (they keep the pool's memory mapped)."""
+        self.cached = None

@@ -1,0 +1,95 @@
+"""State replaced while offloaded: bring back what is still held, move the replacements.
+
+[Note: state replaced while offloaded]
+A checkpoint resume while offloaded (``optimizer.load_state_dict``, verl's
+``load_checkpoint`` with the optimizer offloaded) puts new tensors where the
+ferry's were: new CPU state tensors (PyTorch casts to the parameter's device,
+which is the CPU then), the old ones dead. ``offload()`` and ``reload()``
+while offloaded compare the ids of the tensors the targets hold with those at
+the offload (``reload()`` while its copies are in flight); on a difference
+the ferry reconciles: it brings back only the storages of tensors still
+held, never re-allocates the dead ones, moves each replacement on the host to
+the device where its predecessor (same name) lived (optimizer state without a
+predecessor: floating state other than ``step``, as PyTorch's own placement
+rule), and forgets its plan. The state is then resident; an ``offload()``
+that found the change offloads everything again (one extra round trip, only
+after a replacement). Issue 15 item 3 reproduced it: the second offload moved
+0 of 12 new tensors and the reload re-allocated the dead ones.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ._copies import issue_h2d
+from ._fsdp import local_of
+from ._host_memory import in_host_pool
+from ._host_views import HostViews
+from ._plan import Plan
+from ._repoint import Parking, move_to
+from ._streams import TransferStreams
+from ._targets import describe, walk
+
+__all__ = ["reconcile"]
+
+logger = logging.getLogger("torchferry")
+
+
+def _placed_by_optimizer(targets: list[object], where: tuple, t: torch.Tensor) -> bool:
+    """PyTorch's placement of optimizer state without a predecessor: floating state other than
+    ``step`` lives on its parameter's device (``Optimizer._process_value_according_to_param_policy``)."""
+    if not isinstance(targets[where[0]], torch.optim.Optimizer):
+        return False
+    return where[3] != "step" and (t.is_floating_point() or t.is_complex())
+
+
+def reconcile(plan: Plan, views: HostViews, parking: Parking, targets: list[object], streams: TransferStreams,
+              device_views: list[torch.Tensor] | None, after: torch.cuda.Event | None) -> int:
+    """Makes the state the targets hold now resident (synchronously).
+
+    Args:
+        plan, views, parking: what was offloaded, where, and its tensor objects.
+        targets: the live targets.
+        streams: the device's streams.
+        device_views: the plan's cached device views, or ``None``.
+        after: an event the copies wait for (the last offload), or ``None``.
+
+    Returns:
+        Bytes copied back.
+    """
+    current = list(walk(targets))
+    held = {id(t) for _, t in current}
+    live_t = [i for i, r in enumerate(plan.tensors) if id(r.tensor) in held]
+    live_s = sorted({plan.tensors[i].storage_index for i in live_t})
+    user_grads = {i: parking.tensors[i].grad for i in live_t if parking.has_grad_slot(i)}
+    if streams.is_cuda and after is not None:
+        streams.h2d.wait_event(after)
+    issue_h2d(plan, views, streams, storages=live_s, device_views=device_views)
+    if streams.is_cuda:
+        streams.h2d.synchronize()
+        streams.pack.synchronize()
+    for si in set(range(len(plan.storages))) - set(live_s):  # a packed chunk brings back dead neighbours
+        plan.storages[si].resize_(0)
+    parking.to_device(live_t)
+    names = {r.name for r in plan.tensors}
+    mine = {id(r.tensor) for r in plan.tensors}
+    moved = 0
+    for where, t in current:
+        if id(t) in mine:
+            continue
+        local = local_of(t)
+        if local.device.type != "cpu" or (local.numel() and in_host_pool(local.data_ptr())):
+            continue
+        if describe(targets, where) in names or _placed_by_optimizer(targets, where, t):
+            move_to(t, plan.device)
+            mine.add(id(t))
+            moved += 1
+    for i, g in user_grads.items():
+        t = parking.tensors[i]
+        if t.grad is not g:
+            t.grad = g
+    logger.debug("reconcile: %d of %d tensors still held, %d replacements moved to %s",
+                 len(live_t), len(plan.tensors), moved, plan.device)
+    return sum(plan.nbytes[si] for si in live_s)

@@ -1,0 +1,121 @@
+"""The ``torchferry`` command's rough edges: output paths checked before any work, help with
+defaults, ``--version``, one-line errors. (The tiny bench end to end is in test_bench.py.)"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+import torchferry
+from torchferry.bench._paths import check_output_path, write_json_or_fallback
+from torchferry.cli import app
+
+runner = CliRunner()
+WIDE = {"COLUMNS": "220", "TERM": "dumb"}  # rich: no wrapping inside the help table
+
+
+def _invoke(*args):
+    return runner.invoke(app, list(args), env=WIDE)
+
+
+def _one_line_error(result) -> str:
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1, result.output
+    assert lines[0].startswith("error: ") and "Traceback" not in result.output
+    return lines[0]
+
+
+def test_version():
+    import torch
+
+    r = _invoke("--version")
+    assert r.exit_code == 0
+    assert r.output.strip() == f"torchferry {torchferry.__version__} (torch {torch.__version__})"
+
+
+def test_bench_help_shows_every_default_unescaped():
+    r = _invoke("bench", "--help")
+    assert r.exit_code == 0
+    text = " ".join(r.output.split())
+    # The preset's default is computed at run time; its text used to vanish as rich markup.
+    assert "[default: (qwen2.5-1.5b on a GPU, tiny on the CPU)]" in text
+    assert "[default: (512; 32 for tiny)]" in text
+    for default in ("[default: 3]", "[default: 1.0]", "[default: swap]",
+                    "[default: blocking,seed,torchferry,torchferry+prefetch]"):
+        assert default in text, default
+
+
+def test_bench_pin_help_shows_defaults():
+    r = _invoke("bench-pin", "--help")
+    assert r.exit_code == 0
+    text = " ".join(r.output.split())
+    assert "[default: 4.0]" in text and "[default: 8.0]" in text and "[default: 3.0]" in text
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["bench", "--json", "/proc/x/y.json"],
+         "error: --json /proc/x/y.json: folder /proc/x does not exist and cannot be made in /proc"),
+        (["bench", "--json", "/proc/x.json"], "error: --json /proc/x.json: cannot create files in /proc"),
+        (["bench", "--plot", "/proc/x.png"], "error: --plot /proc/x.png: cannot create files in /proc"),
+        (["bench", "--trace", "/proc/t"], "error: --trace /proc/t: cannot create files in /proc"),
+        (["bench", "--trace", "/proc/x/t"], "error: --trace /proc/x/t: folder /proc/x does not exist"),
+        (["bench", "--trace", "/tmp", "--strategies", "seed"], "error: --trace /tmp: is a folder; --trace takes a path "
+                                                               "prefix"),
+        (["bench", "--trace", "t", "--strategies", "blocking,seed"],
+         "error: --trace profiles the torchferry strategies, and --strategies blocking,seed has none"),
+        (["bench-pin", "--json", "/proc/x/y.json"], "error: --json /proc/x/y.json: folder /proc/x does not exist"),
+    ],
+)
+def test_unwritable_output_is_refused_before_any_work(args, message):
+    r = _invoke(*args)
+    assert r.exit_code == 2, r.output
+    assert _one_line_error(r).startswith(message)
+
+
+def test_folder_and_file_in_the_way(tmp_path):
+    r = _invoke("bench", "--json", str(tmp_path))
+    assert r.exit_code == 2
+    assert _one_line_error(r) == (f"error: --json {tmp_path}: is a folder; give a file name, "
+                                  f"e.g. --json {tmp_path / 'bench.json'}")
+    (tmp_path / "f").write_text("")
+    r = _invoke("bench", "--plot", str(tmp_path / "f" / "x.png"))
+    assert r.exit_code == 2
+    assert _one_line_error(r) == f"error: --plot {tmp_path / 'f' / 'x.png'}: {tmp_path / 'f'} is a file, not a folder"
+
+
+def test_check_leaves_nothing_behind_and_accepts_missing_folders(tmp_path):
+    check_output_path("--json", tmp_path / "a" / "b" / "r.json")
+    check_output_path("--trace", tmp_path / "t", prefix=True)
+    (tmp_path / "old.json").write_text("keep")
+    check_output_path("--json", tmp_path / "old.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]
+    assert (tmp_path / "old.json").read_text() == "keep"
+
+
+def test_results_survive_a_write_that_fails_after_the_run():
+    written, error = write_json_or_fallback({"schema": "x", "value": 1}, "/proc/x.json")
+    try:
+        assert error == "its file system takes no new files"
+        assert json.loads(written.read_text()) == {"schema": "x", "value": 1}
+    finally:
+        written.unlink()
+
+
+def test_bad_path_exits_in_seconds_with_one_line_no_traceback(tmp_path):
+    """As a user runs it: a fresh process, the whole command."""
+    t = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "torchferry", "bench", "--json", "/proc/x/y.json"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                       env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    elapsed = time.perf_counter() - t
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.strip().splitlines() == [
+        "error: --json /proc/x/y.json: folder /proc/x does not exist and cannot be made in /proc "
+        "(its file system takes no new files)"]
+    assert elapsed < 30, elapsed  # the import of torch, no model, no bench

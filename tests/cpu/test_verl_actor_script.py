@@ -1,0 +1,76 @@
+"""benchmarks/verl_actor.sh end to end on the CPU (tiny model, 2 gloo ranks): verl 0.9.1's own
+TrainingWorker / FSDP2 engine with param and optimizer offload, unpatched and with torchferry, and
+the torchferry.verl-run/1 JSON it writes. (On GPUs the same command is the real run.)"""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("verl.workers.engine_workers", reason="verl's actor code and what it imports are not installed")
+pytest.importorskip("hydra")
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import verl_actor  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("verl_actor")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable,
+           "VERL_ACTOR_MODEL_DIR": str(out / "model"), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(["bash", "benchmarks/verl_actor.sh", str(out), "2", "tiny", "2"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    [path] = out.glob("verl_tiny_cpux2_*.json")
+    return out, json.loads(path.read_text())
+
+
+def test_unpatched_and_torchferry_runs_are_bit_identical(result):
+    out, r = result
+    assert r["schema"] == "torchferry.verl-run/1"
+    assert r["env"]["verl"] == "0.9.1" and r["env"]["world_size"] == 2 and r["env"]["gpu"] is None
+    assert r["env"]["command"] == "bash benchmarks/verl_actor.sh OUT 2 tiny 2"
+    assert any("TrainingWorker" in line for line in r["verl_code"])
+    assert r["bit_identical"] is True and "determinism_control" not in r
+    d = r["bit_identical_detail"]
+    assert d["compared"] == {"steps": 2, "ranks": 2, "parameter_shards": 2 * 26, "optimizer_state_tensors": 2 * 26 * 3}
+    assert d["differing"] == {}
+    u, t = r["runs"]["unpatched"], r["runs"]["torchferry"]
+    assert u["losses"] == t["losses"] and len(u["losses"]) == 2 and len(u["losses"][0]) == 2  # 2 PPO mini-batches
+    assert all(x == x for step in t["losses"] for x in step)
+    assert u["patched"] == [] and "verl.workers.engine.fsdp.transformer_impl.offload_fsdp_model_to_cpu" in t["patched"]
+    for s in (u, t):
+        # update_actor moved parameters + AdamW state: offloads at steps 1-2, reloads (with state) at step 2
+        assert len(s["offload_s"]["all"]) == 2 and len(s["reload_s"]["all"]) == 1
+        assert s["offload_s"]["first"] > 0 and s["offload_s"]["steady"] > 0 and s["reload_s"]["first"] > 0
+        assert len(s["model_only_offload_s"]["all"]) == 2 and s["init_offload_s"] > 0
+        assert s["state_bytes"]["optimizer"] > s["state_bytes"]["params"] > 0
+        assert s["peak_gpu_bytes"] == {"allocated": None, "reserved": None}  # no GPU
+    # torchferry's ferries did the moving (on the CPU: unpinned pools of the state's size)
+    detail = t["pinned_host_bytes_detail"]
+    assert len(detail["ferries"]) == 2 and all("residency=HOST" in f for f in detail["ferries"])
+    assert detail["torchferry_pool_bytes"] >= sum(t["state_bytes"].values())
+    assert {p.name for p in out.iterdir()} >= {"run_unpatched.json", "run_torchferry.json", "log.txt"}
+
+
+def test_compare_reports_what_differs(result):
+    out, _ = result
+    a = json.loads((out / "run_unpatched.json").read_text())
+    b = copy.deepcopy(json.loads((out / "run_torchferry.json").read_text()))
+    assert verl_actor.identical(a, b) == ({"losses": True, "log_probs": True, "params": True,
+                                          "optimizer_state": True}, {})
+    name = next(iter(b["per_rank"][1]["params"]))
+    b["per_rank"][1]["params"][name]["sha256"] = "0" * 64
+    b["per_rank"][0]["losses"][1][0] += 1e-7
+    same, differing = verl_actor.identical(a, b)
+    assert same == {"losses": False, "log_probs": True, "params": False, "optimizer_state": True}
+    assert differing == {"losses": True, "params": [f"rank1:{name}"]}
+    with pytest.raises(SystemExit, match="compare takes the unpatched run, then the torchferry run"):
+        verl_actor.main(["compare", str(out / "run_torchferry.json"), str(out / "run_unpatched.json"),
+                         "--out-dir", str(out / "x")])

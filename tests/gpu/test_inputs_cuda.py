@@ -1,0 +1,144 @@
+"""GPU tier of issue 15's kinds: what only shows when the device changes (CUDA <-> CPU).
+
+DDP, TP hooks and a frozen FSDP2 parameter over NCCL on 2 GPUs (the CPU tier
+runs the same checks over gloo, where no device changes); device memory back
+at its baseline after close() or a drop; a checkpoint resume while offloaded;
+optimizer state hidden outside ``optimizer.state`` refused; per-slot host
+storages still pinned; ``state_dict()`` after a prefetch under NCCL.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from tests.cpu.test_autograd_survives_cycles import (
+    check_ddp_trains_as_without_offload,
+    check_frozen_parameter_keeps_its_grad,
+    check_tp_hooks_and_optimizer_in_backward,
+)
+from tests.helpers import assert_same, snapshot
+from tests.spawn import run_spawned
+from torchferry import Ferry, Residency
+
+pytestmark = pytest.mark.gpu
+
+
+def _ddp(rank, world):
+    check_ddp_trains_as_without_offload(rank, world, device=f"cuda:{rank}")
+
+
+def _tp(rank, world):
+    check_tp_hooks_and_optimizer_in_backward(rank, world, device=f"cuda:{rank}")
+
+
+def _frozen(rank, world):
+    check_frozen_parameter_keeps_its_grad(rank, world, device=f"cuda:{rank}")
+
+
+def _prefetch_state_dict_nccl(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.cpu.test_fsdp2_gloo import build_uneven, train_step
+
+    mesh = init_device_mesh("cuda", (world,))
+    m, opt = build_uneven(mesh, f"cuda:{rank}")
+    train_step(m, opt, torch.randn(8, 16, device=f"cuda:{rank}"), set_to_none=True)
+    ferry = Ferry(m, opt)
+    ferry.offload()
+    ferry.reload(prefetch=True)
+    sd = m.state_dict()  # completes the prefetch (was: c10d "No backend type ... cpu")
+    assert ferry.residency is not Residency.PREFETCHING
+    full = {k: v.full_tensor() for k, v in sd.items()}
+    assert all(v.device.type == "cuda" for v in full.values())
+    ferry.close()
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("check", [_ddp, _tp, _frozen, _prefetch_state_dict_nccl],
+                         ids=["ddp", "tp_hooks", "frozen_grad", "state_dict_after_prefetch"])
+def test_two_rank_nccl(check):
+    run_spawned(check, world=2, backend="nccl")
+
+
+def _trained(seed=0):
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024)).cuda()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    m(torch.randn(8, 1024, device="cuda")).square().mean().backward()
+    opt.step()
+    return m, opt
+
+
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_device_memory_back_at_baseline_after_close_or_drop(how):
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    m, opt = _trained()
+    ferry = Ferry(m, opt)
+    for prefetch in (False, True, False):
+        ferry.offload()
+        ferry.reload(prefetch=prefetch)
+    if how == "close":
+        ferry.close()
+    else:
+        del ferry
+    m.to("cpu")  # moving the module by other means frees its memory
+    opt.state.clear()
+    m.zero_grad(set_to_none=True)
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == base
+
+
+def test_checkpoint_resume_while_offloaded_leaves_everything_on_the_device():
+    m, opt = _trained()
+    ref_m, ref_opt = _trained()
+    ckpt = copy.deepcopy(ref_opt.state_dict())
+    ferry = Ferry(m, opt)
+    ferry.offload().wait()
+    opt.load_state_dict(copy.deepcopy(ckpt))  # new state tensors on the CPU (params are there)
+    ferry.offload()  # verl's offload_fsdp_optimizer after load_checkpoint
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    ferry.reload()
+    grown = torch.cuda.memory_allocated() - held
+    state = [v for st in opt.state.values() for k, v in st.items() if k != "step"]
+    assert all(t.device.type == "cuda" for t in state)
+    assert grown <= ferry.state_bytes + (4 << 20)  # the dead state was not re-allocated
+    ref_opt.load_state_dict(ckpt)
+    x = torch.randn(8, 1024, device="cuda")
+    for model, o in ((ref_m, ref_opt), (m, opt)):
+        o.zero_grad()
+        model(x).square().mean().backward()
+        o.step()  # was: "Expected all tensors to be on the same device"
+    assert_same(snapshot(ref_m, ref_opt), snapshot(m, opt))
+
+
+def test_offloaded_views_are_pinned_and_pickle_only_their_own_bytes():
+    m, opt = _trained()
+    ferry = Ferry(m, opt)
+    ferry.offload().wait()
+    assert all(p.is_pinned() for p in m.parameters())
+    assert all(v.is_pinned() for st in opt.state.values() for k, v in st.items() if k != "step")
+    bias = m[0].bias
+    assert len(pickle.dumps(bias)) < bias.nbytes + 4096
+    ferry.reload()
+
+
+class _Hidden(torch.optim.SGD):
+    def __init__(self, params):
+        super().__init__(params, lr=0.1)
+        self.scratch = torch.zeros(1024, device="cuda")  # state outside optimizer.state
+
+
+def test_optimizer_state_outside_optimizer_state_is_refused_by_name():
+    m = nn.Linear(4, 4).cuda()
+    with pytest.raises(NotImplementedError, match=r"_Hidden holds state on cuda:0 outside optimizer.state \(scratch"):
+        Ferry(m, _Hidden(m.parameters()))

@@ -3,6 +3,7 @@
 Importing this package does not initialise CUDA.
 """
 
+from ._dock import Dock
 from ._ferry import Ferry
 from ._handle import TransferHandle
 from ._host_budget import HostBudgetError
@@ -11,5 +12,5 @@ from ._residency import Residency
 from ._stats import TransferStats
 from ._swap import swap
 
-__all__ = ["Ferry", "HostBudgetError", "Prefetch", "Residency", "TransferHandle", "TransferStats", "swap"]
+__all__ = ["Dock", "Ferry", "HostBudgetError", "Prefetch", "Residency", "TransferHandle", "TransferStats", "swap"]
 __version__ = "0.1.0"

@@ -10,4 +10,4 @@ def test_import_does_not_initialise_cuda_or_distributed():
         "print(sorted(torchferry.__all__))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "['Ferry', 'HostBudgetError', 'Prefetch', 'Residency', 'TransferHandle', 'TransferStats', 'swap']"
+    assert out.stdout.strip() == "['Dock', 'Ferry', 'HostBudgetError', 'Prefetch', 'Residency', 'TransferHandle', 'TransferStats', 'swap']"

@@ -1,0 +1,534 @@
+"""torchferry.Dock on the CPU: budget arithmetic, eviction order, laziness, prefetch, claimants, errors.
+
+Ferries with ``device="cpu"`` move synchronously, so every decision of the
+dock is visible at once in ``ferry.residency`` and ``ferry.stats``.
+"""
+
+import random
+
+import pytest
+import torch
+
+from torchferry import Dock, Ferry, Residency
+from torchferry._dock import Schedule
+from tests.helpers import Mixed, assert_same, snapshot
+
+U = 4096  # bytes per unit of the sizes below (float32: 1024 elements)
+IDS = torch.tensor([[1, 5, 7], [32, 0, 3]])
+
+
+class Set:
+    """A state set of ``units * U`` bytes of random float32, offloaded to start with."""
+
+    def __init__(self, units: int, seed: int, *, offloaded: bool = True) -> None:
+        self.t = torch.randn(units * U // 4, generator=torch.Generator().manual_seed(seed))
+        self.want = self.t.clone()
+        self.ferry = Ferry(self.t, device="cpu")
+        if offloaded:
+            self.ferry.offload()
+
+    @property
+    def resident(self) -> bool:
+        return not self.ferry.residency.on_host
+
+    @property
+    def moves(self) -> tuple[int, int]:
+        return self.ferry.stats.offloads, self.ferry.stats.reloads
+
+    def check(self) -> None:
+        torch.testing.assert_close(self.t, self.want, atol=0, rtol=0)
+
+
+def dock_with(budget_units: int, **units: int) -> tuple[Dock, dict[str, Set]]:
+    dock = Dock(budget_units * U)
+    sets = {name: Set(n, seed=i) for i, (name, n) in enumerate(units.items())}
+    for name, s in sets.items():
+        dock.add(name, s.ferry)
+    return dock, sets
+
+
+def test_use_evicts_only_as_far_as_the_budget_needs():
+    dock, s = dock_with(10, a=4, b=4, c=4)
+    assert dock.resident_bytes == 0 and dock.free_bytes == 10 * U
+    with dock.use("a"):
+        assert s["a"].resident and dock.resident_bytes == 4 * U
+    with dock.use("b"):
+        pass
+    assert dock.resident_bytes == 8 * U and dock.free_bytes == 2 * U
+    with dock.use("c"):  # 4 more: 2 are free, one set of 4 must go
+        assert dock.in_use == {"c"}
+    assert [x.resident for x in s.values()] == [False, True, True]
+    assert dock.resident_bytes == 8 * U
+    assert s["a"].moves == (2, 1) and s["b"].moves == (1, 1) and s["c"].moves == (1, 1)  # (offloads, reloads)
+    st = dock.stats
+    assert (st.uses, st.hits, st.loads, st.evictions, st.bytes_loaded, st.bytes_evicted) == (3, 0, 3, 1, 12 * U, 4 * U)
+    for x in s.values():
+        x.check()
+
+
+def test_nbytes_come_from_the_ferries_and_claimants():
+    dock, s = dock_with(10, a=3)
+    dock.add_claimant("kv", 5 * U)
+    assert dock.nbytes("a") == s["a"].ferry.state_bytes == 3 * U and dock.nbytes("kv") == 5 * U
+    assert dock.budget_bytes == 10 * U and dock.device == torch.device("cpu")
+    assert dock.ferry("a") is s["a"].ferry and dock.schedule is None
+
+
+def test_lru_evicts_the_least_recently_used_set():
+    dock, s = dock_with(8, a=4, b=4, c=4)
+    for name in ("a", "b", "a"):  # a used last: b is the least recently used
+        with dock.use(name):
+            pass
+    with dock.use("c"):
+        pass
+    assert not s["b"].resident and s["a"].resident and s["c"].resident
+    with dock.use("b"):  # now a is the least recently used
+        pass
+    assert not s["a"].resident and s["b"].resident and s["c"].resident
+
+
+def test_schedule_evicts_the_set_used_furthest_ahead():
+    """Belady: with the cycle a, b, c and room for two, c evicts b (needed after a), LRU would evict a."""
+    dock, s = dock_with(8, a=4, b=4, c=4)
+    dock.plan(["a", "b", "c"])
+    for name in ("a", "b", "c"):
+        with dock.use(name):
+            pass
+    assert s["a"].resident and not s["b"].resident and s["c"].resident
+    before = s["a"].moves
+    with dock.use("a"):  # a hit: no move
+        pass
+    assert s["a"].moves == before and dock.stats.hits == 1
+    # Then b c a b c a b c a: Belady hits every other use (the optimum for a cycle of 3 in room for 2;
+    # LRU hits none, see the next test): misses b, a, c, b, a; hits c, b, a, c.
+    for _ in range(3):
+        for name in ("b", "c", "a"):
+            with dock.use(name):
+                pass
+    assert dock.stats.uses == 13 and dock.stats.hits == 1 + 4 and dock.stats.loads == 3 + 5
+
+
+def test_lru_misses_every_use_of_a_cycle_longer_than_the_budget():
+    dock, _ = dock_with(8, a=4, b=4, c=4)
+    for _ in range(4):
+        for name in ("a", "b", "c"):
+            with dock.use(name):
+                pass
+    assert dock.stats.hits == 0 and dock.stats.loads == 12
+
+
+def test_schedule_prefers_sets_that_bring_back_fewer_bytes():
+    """Both come back once per cycle: evicting the 4-unit set moves half the bytes of the 8-unit one,
+    although the 8-unit one is needed further ahead (plain Belady would evict it)."""
+    dock, s = dock_with(14, small=4, big=8, new=3)
+    dock.plan(["small", "big", "new", "small", "big"])
+    with dock.use("small"):
+        pass
+    with dock.use("big"):
+        pass
+    with dock.use("new"):  # 1 unit too many: small (needed in 1 phase, 4 units) or big (in 2 phases, 8 units)
+        pass
+    assert not s["small"].resident and s["big"].resident and s["new"].resident
+
+
+def test_schedule_evicts_sets_it_never_uses_first():
+    dock, s = dock_with(12, a=4, b=4, idle=6)
+    dock.plan(["a", "b"])
+    with dock.use("idle"):  # not a phase: the position stays, idle is never used ahead
+        pass
+    with dock.use("a"):
+        pass
+    with dock.use("b"):  # 2 units over: idle (6 units, never used again) goes, not a (4 units)
+        pass
+    assert not s["idle"].resident and s["a"].resident and s["b"].resident
+
+
+def test_schedule_position_follows_uses_that_match_a_phase():
+    dock, _ = dock_with(20, a=2, b=2)
+    dock.add_claimant("ws", U)
+    dock.plan(["a", ("b", "ws")])
+    assert dock.schedule == Schedule((frozenset({"a"}), frozenset({"b", "ws"})))
+    with dock.use("b"):  # not a phase ("b" alone): the next phase is still the first
+        assert dock.prefetch_next() == ("a",)
+    with dock.use("a"):
+        assert dock.prefetch_next() == ("b", "ws")
+    with dock.use("b", "ws"):
+        assert dock.prefetch_next() == ("a",)
+    dock.plan(None)
+    assert dock.schedule is None
+
+
+def test_sets_that_fit_stay_resident_and_cost_nothing():
+    dock, s = dock_with(12, a=4, b=4, c=4)
+    for _ in range(5):
+        for name in ("a", "b", "c", "a"):
+            with dock.use(name):
+                s[name].check()
+    assert [x.moves for x in s.values()] == [(1, 1)] * 3  # the initial offload and one load each
+    assert dock.stats.loads == 3 and dock.stats.evictions == 0 and dock.stats.hits == 20 - 3
+
+
+def test_prefetch_loads_the_next_set_and_use_finds_it_there():
+    dock, s = dock_with(8, a=4, b=4)
+    with dock.use("a"):
+        assert dock.prefetch("b") == ("b",)
+        assert s["b"].resident and s["b"].moves == (1, 1)
+    assert dock.stats.prefetch_loads == 1
+    with dock.use("b"):
+        s["b"].check()
+    assert s["b"].moves == (1, 1)  # use() moved nothing more
+    st = dock.stats
+    assert st.prefetch_hits == 1 and st.hits == 1 and st.loads == 2
+    assert [(m.kind, m.name, m.background) for m in dock.moves] == [("load", "a", False), ("load", "b", True)]
+
+
+def test_prefetch_evicts_only_when_no_victim_is_in_use():
+    dock, s = dock_with(8, a=4, b=4, c=4)
+    with dock.use("a"), dock.use("b"):
+        assert dock.prefetch("c") == ()  # a and b hold the room and are in use: left to use()
+        assert not s["c"].resident and dock.stats.evictions == 0
+    with dock.use("a"):
+        assert dock.prefetch("c") == ("c",)  # b is idle: it leaves, c comes in
+    assert [x.resident for x in s.values()] == [True, False, True]
+    assert dock.stats.prefetch_evictions == 1 and dock.stats.prefetch_loads == 1
+
+
+def _grpo_dock(budget_units=99):
+    """The GRPO step of the bench, in units: actor params 15, AdamW 30, reference 15, KV cache 45,
+    forward workspace 2, update workspace 31; the budget holds everything but half the reference."""
+    dock = Dock(budget_units * U)
+    sets = {"params": Set(15, 0), "opt": Set(30, 1), "ref": Set(15, 2)}
+    for name, x in sets.items():
+        dock.add(name, x.ferry)
+    calls = []
+    dock.add_claimant("rollout", 45 * U, sleep=lambda: calls.append("sleep"), wake=lambda: calls.append("wake"))
+    dock.add_claimant("fwd_ws", 2 * U)
+    dock.add_claimant("update_ws", 31 * U)
+    dock.plan(["rollout", ("ref", "fwd_ws"), ("params", "fwd_ws"), ("params", "opt", "update_ws")])
+    return dock, sets, calls
+
+
+def _grpo_step(dock, peak):
+    for phase in dock.schedule.phases:
+        names = sorted(phase)
+        with dock.use(*names):
+            dock.prefetch_next()
+            peak.append(dock.resident_bytes)
+
+
+def test_grpo_step_moves_only_the_reference_in_steady_state():
+    """Lazy + schedule: the actor stays through the rollout; per step the reference leaves during
+    update_actor (a prefetch for the rollout, overlapping the update) and comes back for ref log-prob."""
+    dock, s, calls = _grpo_dock()
+    peak = []
+    _grpo_step(dock, peak)  # first step: loads
+    calls.clear()
+    before = {k: x.moves for k, x in s.items()}
+    st0 = dock.stats
+    for _ in range(3):
+        _grpo_step(dock, peak)
+    moved = {k: (x.moves[0] - before[k][0], x.moves[1] - before[k][1]) for k, x in s.items()}
+    assert moved == {"params": (0, 0), "opt": (0, 0), "ref": (3, 3)}
+    assert calls == ["wake", "sleep"] * 3
+    st = dock.stats
+    assert st.prefetch_evictions - st0.prefetch_evictions == 3  # the reference's evictions all overlap update
+    assert max(peak) <= dock.budget_bytes == 99 * U
+    evicts = [m for m in dock.moves if m.kind == "evict"]
+    assert {m.name for m in evicts} == {"ref"} and all(m.background for m in evicts)
+    for x in s.values():
+        x.check()
+
+
+def test_verl_style_release_moves_everything_every_step():
+    """The baseline the bench compares with: each set offloaded after its phase (verl)."""
+    sets = {"params": Set(15, 0), "opt": Set(30, 1), "ref": Set(15, 2)}
+    for _ in range(2):
+        for phase in (("ref",), ("params",), ("params", "opt")):
+            for n in phase:
+                sets[n].ferry.reload()
+            for n in phase:
+                sets[n].ferry.offload()
+    assert {k: x.moves for k, x in sets.items()} == {"params": (5, 4), "opt": (3, 2), "ref": (3, 2)}
+
+
+def test_claimant_wakes_for_its_use_stays_awake_and_sleeps_when_room_is_needed():
+    dock, s = dock_with(10, a=6)
+    calls = []
+    dock.add_claimant("kv", 5 * U, sleep=lambda: calls.append(("sleep", s["a"].resident)),
+                      wake=lambda: calls.append(("wake", s["a"].resident)))
+    assert not dock.is_resident("kv")  # starts asleep
+    with dock.use("kv"):
+        assert calls == [("wake", False)] and dock.resident_bytes == 5 * U
+    assert dock.is_resident("kv") and calls == [("wake", False)]  # awake after the use: lazy
+    with dock.use("a"):  # 6 + 5 > 10: the claimant sleeps before a comes in
+        pass
+    assert calls == [("wake", False), ("sleep", False)] and not dock.is_resident("kv")
+    with dock.use("kv"):  # a is evicted before the claimant wakes
+        pass
+    assert calls[-1] == ("wake", False) and not s["a"].resident
+    st = dock.stats
+    assert (st.wakes, st.sleeps, st.evictions) == (2, 1, 1)
+    assert [m.kind for m in dock.moves] == ["wake", "sleep", "load", "evict", "wake"]
+    dock.evict("kv")
+    assert calls[-1][0] == "sleep" and dock.resident_bytes == 0
+
+
+def test_byte_count_claimant_counts_only_while_in_use():
+    dock, s = dock_with(10, a=6)
+    dock.add_claimant("workspace", 4 * U)
+    with dock.use("a", "workspace"):
+        assert dock.resident_bytes == 10 * U and dock.free_bytes == 0
+        assert dock.is_resident("workspace")
+    assert dock.resident_bytes == 6 * U and not dock.is_resident("workspace")
+    dock.add_claimant("kv", 8 * U)
+    with dock.use("kv"):  # a must go for it
+        assert not s["a"].resident and dock.resident_bytes == 8 * U
+    assert dock.resident_bytes == 0
+    dock.evict("kv")  # nothing to do for a byte count
+
+
+def test_swap_moves_one_set_out_while_the_other_comes_in():
+    dock, s = dock_with(4, a=4, b=4)
+    with dock.use("a"):
+        pass
+    with dock.use("b"):
+        pass
+    assert dock.stats.swaps == 1
+    last = dock.moves[-2:]
+    assert [(m.kind, m.name, m.swap) for m in last] == [("evict", "a", True), ("load", "b", True)]
+    assert s["b"].resident and not s["a"].resident
+    s["a"].check()
+    s["b"].check()
+
+
+def test_module_and_optimizer_sets_train_bit_exactly_through_the_dock():
+    """Training through evictions gives the bits of training without them (atol=rtol=0)."""
+
+    def run(docked: bool):
+        torch.manual_seed(0)
+        actor, ref = Mixed(), Mixed()
+        opt = torch.optim.AdamW(actor.parameters(), lr=1e-2)
+        actor(IDS).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if docked:
+            fp, fo, fr = Ferry(actor, device="cpu"), Ferry(opt, device="cpu"), Ferry(ref, device="cpu")
+            dock = Dock(fp.state_bytes + fo.state_bytes)  # never all three at once
+            for name, f in (("params", fp), ("opt", fo), ("ref", fr)):
+                dock.add(name, f)
+            dock.plan(["ref", "params", ("params", "opt")])
+        for _ in range(3):
+            with dock.use("ref") if docked else _null(), torch.no_grad():
+                ref(IDS)
+            with dock.use("params", "opt") if docked else _null():
+                actor(IDS).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        if docked:
+            with dock.use("params", "opt"):
+                out = snapshot(actor, opt)
+            assert dock.stats.evictions >= 3
+            return out
+        return snapshot(actor, opt)
+
+    assert_same(run(False), run(True))
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_random_uses_keep_the_budget_and_every_bit():
+    rng = random.Random(0)
+    units = {"a": 3, "b": 5, "c": 2, "d": 4, "e": 6}
+    dock, s = dock_with(10, **units)
+    calls = []
+    dock.add_claimant("kv", 4 * U, sleep=lambda: calls.append("sleep"), wake=lambda: calls.append("wake"))
+    dock.plan(["a", ("b", "c"), "kv", "d", ("e", "c")])
+    names = [*units, "kv"]
+    for i in range(60):
+        pick = tuple(rng.sample(names, rng.choice((1, 1, 2))))
+        if sum(dock.nbytes(n) for n in pick) > dock.budget_bytes:
+            continue
+        with dock.use(*pick):
+            assert all(dock.is_resident(n) for n in pick)
+            assert dock.resident_bytes <= dock.budget_bytes
+            if i % 3 == 0:
+                dock.prefetch(rng.choice(names))
+                assert all(dock.is_resident(n) for n in pick)  # a prefetch never evicts what is in use
+                assert dock.resident_bytes <= dock.budget_bytes
+            for n in pick:
+                if n in s:
+                    s[n].check()
+        if i == 30:
+            dock.plan(None)  # the rest under LRU
+    assert dock.stats.evictions > 10 and calls.count("wake") - calls.count("sleep") in (0, 1)
+    dock.wait()
+    for x in s.values():
+        x.check()
+
+
+def test_evict_and_wait():
+    dock, s = dock_with(10, a=4, b=4)
+    with dock.use("a", "b"):
+        pass
+    dock.evict("a")
+    assert not s["a"].resident and s["b"].resident
+    dock.evict()  # every idle one
+    dock.wait()
+    assert dock.resident_bytes == 0 and [x.ferry.residency for x in s.values()] == [Residency.HOST] * 2
+
+
+def test_sets_resident_beyond_the_budget_when_added_are_brought_back_within_it():
+    dock = Dock(8 * U)
+    s = {n: Set(4, i, offloaded=False) for i, n in enumerate("abc")}
+    for n, x in s.items():
+        dock.add(n, x.ferry)
+    assert dock.free_bytes == -4 * U
+    with dock.use("c"):
+        pass
+    assert dock.resident_bytes == 8 * U and not s["a"].resident
+
+
+# ------------------------------------------------------------------------ errors
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="budget_bytes must be an int > 0"):
+        Dock(0)
+    with pytest.raises(ValueError, match="budget_bytes must be an int > 0"):
+        Dock(1.5)  # type: ignore[arg-type]
+    dock, s = dock_with(10, a=4)
+    with pytest.raises(ValueError, match=r"state set 'big' is 45056 bytes .* budget is 40960 bytes.*could never be resident"):
+        dock.add("big", Set(11, 9).ferry)
+    with pytest.raises(ValueError, match="'a' is already registered"):
+        dock.add("a", Set(1, 9).ferry)
+    with pytest.raises(ValueError, match="already added as 'a'"):
+        dock.add("again", s["a"].ferry)
+    with pytest.raises(TypeError, match="must be a torchferry.Ferry"):
+        dock.add("t", torch.zeros(3))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="nbytes of 'kv' must be an int >= 0"):
+        dock.add_claimant("kv", -1)
+    with pytest.raises(ValueError, match=r"claimant 'kv' needs 45056 bytes .* could never fit"):
+        dock.add_claimant("kv", 11 * U)
+    with pytest.raises(ValueError, match="both sleep and wake, or neither"):
+        dock.add_claimant("kv", U, wake=lambda: None)
+    with pytest.raises(ValueError, match="unknown names"):
+        dock.plan(["a", "nope"])
+    with pytest.raises(ValueError, match="not one string"):
+        Schedule.of("abc")
+    with pytest.raises(ValueError, match="non-empty frozenset"):
+        Schedule.of(["a", ()])
+    with pytest.raises(ValueError, match="more than once"):
+        Schedule.of([("a", "a")])
+    with pytest.raises(ValueError, match=r"unknown names \['b'\]"), dock.use("b"):
+        pass
+    with pytest.raises(ValueError, match="repeated"):
+        dock.prefetch("a", "a")
+    with pytest.raises(RuntimeError, match="no schedule"):
+        dock.prefetch_next()
+    dock.add("b", Set(4, 3).ferry)
+    dock.add("c", Set(4, 4).ferry)
+    with pytest.raises(ValueError, match=r"need 49152 bytes .* together but the budget is 40960 bytes"), \
+            dock.use("a", "b", "c"):
+        pass
+
+
+def test_no_room_while_the_holders_are_in_use_moves_nothing():
+    dock, s = dock_with(10, a=4, b=4, c=4)
+    with dock.use("a", "b"):
+        before = [x.moves for x in s.values()]
+        with pytest.raises(RuntimeError, match=r"cannot make room for 'c' \(16384 bytes.*budget of 40960 bytes.*"
+                                                r"in use cannot be evicted \('a' 16384 bytes.*Nothing was moved"), \
+                dock.use("c"):
+            pass
+        assert [x.moves for x in s.values()] == before and dock.in_use == {"a", "b"}
+    with dock.use("c"):  # once they are idle it works
+        pass
+
+
+def test_lifecycle_misuse_is_refused():
+    dock, _ = dock_with(10, a=4)
+    with pytest.raises(RuntimeError, match=r"state set 'a' \(16384 bytes.*\) is evicted to the host; enter `with dock.use\('a'\):`"):
+        dock.require("a")
+    with pytest.raises(RuntimeError, match="'a' is not in use"):
+        dock.release("a")
+    with dock.use("a"):
+        dock.require("a")
+        with pytest.raises(RuntimeError, match=r"\['a'\] in use"):
+            dock.evict("a")
+    dock.add_claimant("kv", U, sleep=lambda: None, wake=lambda: None)
+    with pytest.raises(RuntimeError, match="claimant 'kv' .* is asleep"):
+        dock.require("kv")
+
+
+# ------------------------------------------------------------- bench scenario
+def test_grpo_bench_runs_tiny_on_the_cpu_bit_exact_and_moves_only_the_reference(tmp_path):
+    """``benchmarks/grpo_dock.py --preset tiny`` end to end: the JSON's keys, bit-exactness, and the
+    bytes each strategy moves per step (the dock: the reference in and out; verl-style: every set)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "grpo_dock.py"
+    if not script.is_file():  # run from a copy of tests/: the script beside this checkout's tests
+        script = Path(__file__).parents[2] / "benchmarks" / "grpo_dock.py"
+    out, png = tmp_path / "g.json", tmp_path / "g.png"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    p = subprocess.run([sys.executable, str(script), "--preset", "tiny", "--steps", "2", "--warmup-steps", "1",
+                        "--json", str(out), "--plot", str(png)], check=False, capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["schema"] == "torchferry.bench-grpo/1"
+    assert set(r["env"]) >= {"gpu", "torch", "world_size", "date", "command"} and r["env"]["gpu"] is None
+    b, sb = r["budget"], r["model"]["state_bytes"]
+    P, O, R = sb["actor_params"], sb["actor_optimizer"], sb["ref_params"]
+    assert P > 0 and O > 1.9 * P and R > 0 and b["kv_bytes"] == P + O  # AdamW: 2x the parameters (P has buffers too)
+    assert not b["holds_everything"] and b["gpu_budget_bytes"] < b["everything_bytes"]
+    assert list(r["strategies"]) == ["torchferry", "torchferry+dock"]
+    assert r["bit_exact"] is True and r["bit_exact_detail"]["losses_equal"]
+    for s in r["strategies"].values():
+        assert isinstance(s["exposed_transfer_s_per_step"], float) and len(s["exposed_transfer_s_steps"]) == 2
+        assert set(s["exposed_transfer_s_by_phase"]) == {"rollout", "ref_log_prob", "old_log_prob", "update_actor"}
+        assert s["bit_exact"] is True and s["within_budget"] is True and s["peak_gpu_bytes"] is None  # no GPU
+        assert s["peak_accounted_bytes"] <= b["gpu_budget_bytes"]
+        assert {c["engine"] for c in s["timeline_step"]["copies"]} == {"h2d", "d2h"}
+    base, dock = r["strategies"]["torchferry"], r["strategies"]["torchferry+dock"]
+    assert base["bytes_moved_per_step"] == {"h2d": R + 2 * P + O, "d2h": R + 2 * P + O}
+    assert dock["bytes_moved_per_step"] == {"h2d": R, "d2h": R}
+    assert dock["exposed_vs_torchferry"] is not None and dock["dock_stats"]["swaps"] == 0
+    assert dock["dock_stats"]["prefetch_evictions"] == dock["dock_stats"]["evictions"] == 3  # one per step
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "exposed" in p.stdout and "bit-exact True" in p.stdout
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"preset": "qwen9"}, "unknown preset 'qwen9'"),
+    ({"strategies": ("torchferry", "teleport")}, "non-empty subset"),
+    ({"strategies": ("torchferry", "torchferry")}, "repeated"),
+    ({"steps": 0}, "steps must be >= 1, got 0"),
+    ({"budget_bytes": 0}, "budget_bytes must be >= 1, got 0"),
+    ({"kv_bytes": -1}, "kv_bytes must be >= 0, got -1"),
+])
+def test_grpo_config_refuses_bad_values(kwargs, message):
+    pytest.importorskip("transformers")
+    from torchferry.bench._grpo import GrpoConfig
+
+    with pytest.raises(ValueError, match=message):
+        GrpoConfig(**kwargs)
+
+
+def test_lru_prefetch_takes_an_idle_set_before_one_in_use():
+    dock, s = dock_with(8, a=4, b=4, c=4)
+    with dock.use("a"):  # a: least recently used, but in use for the whole block
+        with dock.use("b"):
+            pass
+        assert dock.prefetch("c") == ("c",)
+        assert s["a"].resident and not s["b"].resident and s["c"].resident

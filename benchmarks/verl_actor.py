@@ -395,7 +395,7 @@ def cmd_run(args) -> None:
         sync()
         events.append({"phase": phase["name"], "step": phase["step"], "direction": direction, "model": bool(model),
                        "optimizer": with_optimizer, "seconds": time.perf_counter() - t0,
-                       "gpu_allocated_after": torch.cuda.memory_allocated(device) if cuda else 0})
+                       "gpu_allocated_after": torch.cuda.memory_allocated() if cuda else 0})
         return out
 
     ti.FSDPEngine.to = timed_to

@@ -136,7 +136,7 @@ class HostLayout:
             return hv
         self.cached = None
         lay = self.layout(plan)
-        slots = [self.pool.own_view(o, n) for o, n in zip(lay.offsets, plan.nbytes, strict=True)]
+        slots = [self.pool.view(o, n, own=True) for o, n in zip(lay.offsets, plan.nbytes, strict=True)]
         pool_chunks = [self.pool.view(ch.pool_offset, ch.nbytes) for ch in lay.chunks]
         hv = HostViews(plan, block, slots, pool_chunks, lay.chunks)
         if cache:

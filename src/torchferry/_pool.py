@@ -137,24 +137,15 @@ class HostPool:
             lambda f: seconds.set_exception(f.exception()) if f.exception() else seconds.set_result(f.result().pin_seconds))
         return seconds
 
-    def view(self, offset: int, nbytes: int) -> torch.Tensor:
-        """1D ``torch.uint8`` view of ``nbytes`` bytes at ``offset`` of the block."""
+    def view(self, offset: int, nbytes: int, *, own: bool = False) -> torch.Tensor:
+        """1D ``torch.uint8`` view of ``nbytes`` bytes at ``offset`` of the block; with ``own``,
+        on a storage of its own (see :meth:`HostBuffer.own_view` and [Note: one storage per slot])."""
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
         self._resolve()
         if self._buffer is None or offset + nbytes > self._buffer.nbytes:
             raise AssertionError(f"slot [{offset}, {offset + nbytes}) outside the pool")
-        return self._buffer.view(offset, nbytes)
-
-    def own_view(self, offset: int, nbytes: int) -> torch.Tensor:
-        """1D ``torch.uint8`` tensor over ``nbytes`` bytes at ``offset``, on a storage of its own
-        (see :meth:`HostBuffer.own_view`)."""
-        if nbytes == 0:
-            return torch.empty(0, dtype=torch.uint8)
-        self._resolve()
-        if self._buffer is None or offset + nbytes > self._buffer.nbytes:
-            raise AssertionError(f"slot [{offset}, {offset + nbytes}) outside the pool")
-        return self._buffer.own_view(offset, nbytes)
+        return self._buffer.own_view(offset, nbytes) if own else self._buffer.view(offset, nbytes)
 
     def release(self) -> None:
         """Returns the block to the OS (unpinned first). Idempotent; waits for a background allocation."""

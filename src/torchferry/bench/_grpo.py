@@ -33,7 +33,6 @@ run (``torch.equal``, deterministic kernels, eager attention).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 from collections.abc import Callable
 
@@ -48,13 +47,13 @@ from ._grpo_config import (
     STRATEGIES,
     GrpoConfig,
 )
-from ._grpo_report import _command_line, _median, _summarise, plot_grpo, summary_lines  # noqa: F401 (re-exported)
+from ._setup import env_record, init_distributed
+from ._grpo_report import _median, _summarise, plot_grpo, summary_lines  # noqa: F401 (re-exported)
 from ._grpo_steps import (
     _build_side,
     _calibrate,
     _check_room,
     _compare,
-    _init_distributed,
     _log_prob,
     _settle,
     _step_dock,
@@ -87,7 +86,7 @@ def run_grpo(config: GrpoConfig, *, on_progress: Callable[[str, float], None] | 
     preset = config.preset or ("qwen2.5-1.5b" if use_cuda else "tiny")
     if not use_cuda and preset != "tiny":
         raise ValueError(f"preset {preset!r} needs a GPU; on a machine without CUDA use --preset tiny")
-    rank, world, device = _init_distributed(use_cuda)
+    rank, world, device = init_distributed(use_cuda)
     say = on_progress if (on_progress and rank == 0) else (lambda msg, frac: None)
     if config.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -227,14 +226,7 @@ def run_grpo(config: GrpoConfig, *, on_progress: Callable[[str, float], None] | 
         n: {k: v for k, v in s.items() if k != "timeline_step"} for n, s in results.items()}})
     return {
         "schema": SCHEMA,
-        "env": {
-            "gpu": torch.cuda.get_device_name(device) if use_cuda else None,
-            "torch": torch.__version__,
-            "world_size": world,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": _command_line(),
-            "device": str(device),
-        },
+        "env": env_record(device, world),
         "link_peak_GBps": peak,
         "model": {"preset": preset, "layers": base.actor.config.num_hidden_layers, "seq_len": seq_len,
                   "batch_size": config.batch_size, "micro_batches": config.micro_batches,

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import statistics
-import sys
 from pathlib import Path
 
 from ._grpo_config import PHASES
@@ -14,13 +12,6 @@ __all__ = ["plot_grpo", "summary_lines"]
 
 def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
-
-
-def _command_line() -> str:
-    launcher = ""
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        launcher = f"torchrun --nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', '?')} "
-    return launcher + " ".join([sys.argv[0] or "python", *sys.argv[1:]])
 
 
 def _summarise(records: list[dict], calib: dict[str, float], budget: int, timeline: dict | None) -> dict:

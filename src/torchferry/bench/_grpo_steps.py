@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable
 
@@ -14,46 +13,10 @@ from .. import Dock, Ferry
 from .._handle import TransferHandle
 from ._grpo_config import _SCHEDULE, PHASES, GrpoConfig
 from ._model import build_model
+from ._setup import shard_fsdp2
 
 
 # ------------------------------------------------------------------ set-up
-def _init_distributed(use_cuda: bool) -> tuple[int, int, torch.device]:
-    import torch.distributed as dist
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if use_cuda:
-        n = torch.cuda.device_count()
-        if world > n and int(os.environ.get("LOCAL_WORLD_SIZE", world)) > n:
-            raise ValueError(f"{world} ranks on this node but only {n} CUDA device(s); use --nproc_per_node <= {n}")
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    if not dist.is_initialized():
-        backend = "nccl" if use_cuda else "gloo"
-        if world > 1 or "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend)
-        else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def _shard(model: nn.Module, device: torch.device, world: int) -> None:
-    """FSDP2 units as torchtitan wraps them (the bench's own layout, see ``_run._shard``)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mesh = init_device_mesh(device.type, (world,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    untied = not getattr(model.config, "tie_word_embeddings", True)
-    if untied:
-        fully_shard(model.model.embed_tokens, mesh=mesh, mp_policy=mp)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    if untied:
-        fully_shard(model.lm_head, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
 def _eager_attention(model: nn.Module) -> None:
@@ -140,7 +103,7 @@ def _build_side(name: str, preset: str, config: GrpoConfig, device: torch.device
     for m in (actor, ref):
         if config.deterministic:
             _eager_attention(m)
-        _shard(m, device, world)
+        shard_fsdp2(m, device, world)
     opt = torch.optim.AdamW(actor.parameters(), lr=1e-5)
     _train(actor, opt, batch, config.micro_batches)
     _log_prob(ref, batch, config.micro_batches)

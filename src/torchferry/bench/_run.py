@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
-import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +15,7 @@ from torch import nn
 from ._link import measure_link_peak, release_host_cache
 from ._model import PRESETS, build_model
 from ._strategies import STRATEGIES, make_strategy
+from ._setup import env_record, init_distributed, shard_fsdp2
 from ._trace import profile_step, trace_paths, write_trace
 from ._workload import StepRecord, run_step
 
@@ -79,46 +77,6 @@ class BenchConfig:
             raise ValueError("give either a preset or --model, not both")
 
 
-def _init_distributed(use_cuda: bool) -> tuple[int, int, torch.device]:
-    import torch.distributed as dist
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if use_cuda:
-        n = torch.cuda.device_count()
-        if world > n and int(os.environ.get("LOCAL_WORLD_SIZE", world)) > n:
-            raise ValueError(f"{world} ranks on this node but only {n} CUDA device(s); use --nproc_per_node <= {n}")
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    if not dist.is_initialized():
-        backend = "nccl" if use_cuda else "gloo"
-        if world > 1 or "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend)
-        else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def _shard(model: nn.Module, device: torch.device, world: int) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mesh = init_device_mesh(device.type, (world,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    # Units in forward order, as torchtitan wraps them: the embedding and the
-    # output projection on their own (when not tied), each decoder layer, the root.
-    untied = not getattr(model.config, "tie_word_embeddings", True)
-    if untied:
-        fully_shard(model.model.embed_tokens, mesh=mesh, mp_policy=mp)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    if untied:
-        fully_shard(model.lm_head, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
@@ -155,16 +113,6 @@ def _checksum(model: nn.Module) -> list[int]:
             t = _local(p).contiguous()
             out.append(int(t.view(_INT_VIEW[t.element_size()]).sum(dtype=torch.int64)) if t.numel() else 0)
         return out
-
-
-def _command_line() -> str:
-    """The command as the user typed it (``python -m torchferry``, under ``torchrun`` if so)."""
-    prog = "python -m torchferry" if sys.argv[0].endswith("__main__.py") else Path(sys.argv[0]).name
-    launcher = ""
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        launcher = f"torchrun --nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', '?')} "
-        prog = "-m torchferry" if prog.startswith("python -m") else prog
-    return launcher + " ".join([prog, *sys.argv[1:]])
 
 
 def _median(xs: list[float]) -> float | None:
@@ -226,7 +174,7 @@ def _swap_scenario(config: BenchConfig, preset: str, actor: nn.Module, actor_opt
     from .. import Ferry, swap
 
     critic = build_model(preset, device, path=config.model_path, layers=config.layers, seed=1)
-    _shard(critic, device, world)
+    shard_fsdp2(critic, device, world)
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=1e-5)
     critic(input_ids=batch, labels=batch).loss.backward()
     critic_opt.step()
@@ -323,7 +271,7 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
     preset = config.preset or ("qwen2.5-1.5b" if use_cuda else "tiny")
     if not use_cuda and config.model_path is None and preset != "tiny":
         raise ValueError(f"preset {preset!r} needs a GPU; on a machine without CUDA use --preset tiny")
-    rank, world, device = _init_distributed(use_cuda)
+    rank, world, device = init_distributed(use_cuda)
     say = on_progress if (on_progress and rank == 0) else (lambda msg, frac: None)
     seq_len = config.seq_len if config.seq_len is not None else (32 if preset == "tiny" else 512)
 
@@ -342,7 +290,7 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
             f"--model {config.model_path}: {type(model).__name__} has no model.layers; the bench needs a "
             "decoder-only causal LM laid out like Qwen2 or Llama"
         )
-    _shard(model, device, world)
+    shard_fsdp2(model, device, world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     gen = torch.Generator().manual_seed(rank)
     vocab = model.config.vocab_size
@@ -422,14 +370,7 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
     dist.all_gather_object(gathered, {"rank": rank, "link_peak_GBps": peak, "strategies": results})
     out = {
         "schema": SCHEMA,
-        "env": {
-            "gpu": torch.cuda.get_device_name(device) if use_cuda else None,
-            "torch": torch.__version__,
-            "world_size": world,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": _command_line(),
-            "device": str(device),
-        },
+        "env": env_record(device, world),
         "link_peak_GBps": peak,
         "model": {
             "preset": None if config.model_path else preset,

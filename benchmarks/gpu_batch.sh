@@ -4,7 +4,9 @@
 # 8 files: logs and results are bundled in one tarball per stage). Each stage fits
 # one device call (600 s).
 #   bash benchmarks/gpu_batch.sh tests   # GPU tiers on 2 and 1 GPUs, the 7B engine run, verl's actor: ~8 min
-#   bash benchmarks/gpu_batch.sh final   # GPU tiers, the 7B engine run and the 7B bench: ~9 min
+#   bash benchmarks/gpu_batch.sh final   # GPU tier on 2 GPUs, verl's actor (0.5B), GPU tier on 1 GPU: ~9 min
+#   bash benchmarks/gpu_batch.sh bench   # the 7B engine run and the 7B bench: ~6 min
+# The device's copy of .git may be older than the tree it runs: set TORCHFERRY_COMMIT to say which commit ran.
 set -u
 stage=${1:-tests}
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -28,9 +30,12 @@ if [ "$stage" = tests ]; then
   engine _run6
   run verl_actor 150 bash benchmarks/verl_actor.sh "$out/r" 2 qwen2.5-0.5b 4
 elif [ "$stage" = final ]; then
-  tiers
-  engine _final
-  run bench_x2 200 torchrun --nproc_per_node 2 -m torchferry bench --preset qwen2.5-7b \
+  run pytest_gpu_x2 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
+  run verl_actor 240 bash benchmarks/verl_actor.sh "$out/r" 2 qwen2.5-0.5b 4
+  CUDA_VISIBLE_DEVICES=0 run pytest_gpu_x1 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
+else
+  engine _bench
+  run bench_x2 240 torchrun --nproc_per_node 2 -m torchferry bench --preset qwen2.5-7b \
       --strategies torchferry,torchferry+prefetch --seq-len 3584 --batch-size 2 --micro-batches 2 --steps 3 --no-swap \
       --json "$out/r/bench_qwen2.5-7b_h200x2_${day}_final.json" \
       --plot "$out/r/bench_qwen2.5-7b_h200x2_${day}_final.png"

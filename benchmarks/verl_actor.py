@@ -458,7 +458,7 @@ def cmd_run(args) -> None:
              "optimizer": sum(_local(v).numel() * _local(v).element_size() for st in engine.optimizer.state.values()
                               for v in st.values() if torch.is_tensor(v))}
     pinned = {"caching_host_allocator": 0, "torchferry_pools": 0}
-    if cuda:
+    if cuda and hasattr(torch.cuda, "host_memory_stats"):
         hs = torch.cuda.host_memory_stats()
         pinned["caching_host_allocator"] = int(hs.get("reserved_bytes.current", hs.get("allocated_bytes.current", 0)))
     if args.mode == "torchferry":

@@ -1,9 +1,12 @@
-"""Shared test helpers: models with every kind of state, snapshots, comparisons."""
+"""Shared test helpers: models with every kind of state, builders (a trained model, FSDP2 models
+over a CPU mesh, training steps), snapshots, comparisons."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+IDS = torch.tensor([[1, 5, 7], [32, 0, 3]])  # token ids for Mixed
 
 
 class Mixed(nn.Module):
@@ -26,6 +29,31 @@ class Mixed(nn.Module):
         logits = self.head(h).float()
         side = self.low(self.proj(h).to(torch.bfloat16)).float()
         return logits.sum() + side.sum()
+
+
+class WithRotary(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        with torch.inference_mode():
+            cache = torch.arange(8.0)
+        self.register_buffer("cos", cache)
+
+    def forward(self, x):
+        return self.lin(x) * self.cos
+
+
+def trained(steps: int = 1, seed: int = 0, ids: torch.Tensor | None = None):
+    """A ``Mixed`` model and its AdamW after ``steps`` steps on ``ids`` (default ``IDS``): every kind
+    of state present (parameters, grads, buffers, optimizer moments and step counters)."""
+    ids = IDS if ids is None else ids
+    torch.manual_seed(seed)
+    m = Mixed()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    for _ in range(steps):
+        m(ids).backward()
+        opt.step()
+    return m, opt
 
 
 def snapshot(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:
@@ -73,3 +101,92 @@ def rss_bytes() -> int:
 
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# ----------------------------------------------------------------------- training loops
+def train_step(m, opt, x, set_to_none=False):
+    """One step: loss, backward, optimizer step, zero_grad; returns the detached loss."""
+    loss = m(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=set_to_none)
+    return loss.detach()
+
+
+def train_steps(models, x_for_step, steps=4, ferry=None, zero=True):
+    """``steps`` steps of every (model, optimizer or None) in ``models`` on ``x_for_step(step)``,
+    with an offload/reload cycle of ``ferry`` after each step when given."""
+    for step in range(steps):
+        x = x_for_step(step)
+        for model, opt in models:
+            loss = model(x).square().mean()
+            loss.backward()
+            if opt is not None:
+                opt.step()
+                if zero:
+                    opt.zero_grad()
+        if ferry is not None:
+            ferry.offload()
+            ferry.reload()
+
+
+def differs(ref, ref_opt, m, opt) -> list[str]:
+    """Names of the tensors (see ``snapshot``) whose values differ between two runs."""
+    a, b = snapshot(ref, ref_opt), snapshot(m, opt)
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+# ------------------------------------------------------------ FSDP2 builders (inside spawned ranks)
+def cpu_mesh(world):
+    """A 1-D device mesh over the CPU ranks of the process group (gloo)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,))
+
+
+def build_uneven(mesh, device="cpu"):
+    """Linear(16, 11): uneven over 2 ranks; Linear(11, 1): rank 1's shard is empty."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 11), nn.ReLU(), nn.Linear(11, 1), nn.Linear(1, 5)).to(device)
+    for layer in (m[0], m[2], m[3]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+
+def three_units(mesh, grouped=False, explicit_prefetch=False, opt="sgd"):
+    """Sequential(Linear, Linear, Linear), each layer a fully_shard unit, root sharded too."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4))
+    if grouped:  # FSDP2's own advice for weights shared by two modules: one group for both
+        fully_shard([m[1], m[2]], mesh=mesh)
+        fully_shard(m[0], mesh=mesh)
+    else:
+        for layer in m:
+            fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    if explicit_prefetch:
+        m[0].set_modules_to_forward_prefetch([m[1]])
+        m[1].set_modules_to_forward_prefetch([m[2]])
+    if opt == "sgd":
+        return m, torch.optim.SGD(m.parameters(), lr=0.1)
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def fsdp_params(m):
+    """Every FSDPParam of the fully_shard units under ``m``."""
+    from torchferry._fsdp import fsdp_modules
+
+    out = []
+    for unit in fsdp_modules(m):
+        state = unit._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.12
+        if groups is None:  # torch 2.11: one group per state
+            groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+        for group in groups:
+            out += group.fsdp_params
+    return out

@@ -1,5 +1,8 @@
-"""Host memory: the node budget (refusal leaves everything intact, ranks counted together),
-background pinning, release_host(), a partly pinned pool, and the cached plan."""
+"""Host memory (``_host_budget.py``, ``_host_memory.py``): the node budget (refusal leaves
+everything intact, ranks counted together), background pinning and release_host().
+"""
+
+from __future__ import annotations
 
 import functools
 import json
@@ -7,36 +10,18 @@ import os
 
 import pytest
 import torch
-from torch import nn
 
-from tests.helpers import Mixed, assert_same, snapshot
+from tests.helpers import assert_same, snapshot, trained
 from tests.spawn import run_spawned
 from torchferry import Ferry, HostBudgetError, Residency
-from torchferry._host_views import pin_boundary as _pin_boundary
 from torchferry._host_budget import NodeLedger
-from torchferry._host_memory import in_host_pool
-from torchferry._packing import layout
 
 
-@pytest.fixture(autouse=True)
-def _own_ledger(tmp_path, monkeypatch):
-    """Each test gets its own node ledger, so parallel test runs do not see each other."""
-    monkeypatch.setenv("TORCHFERRY_LEDGER_DIR", str(tmp_path))
-    monkeypatch.delenv("TORCHFERRY_HOST_BUDGET_BYTES", raising=False)
-    yield
-
-
-def _trained():
-    torch.manual_seed(0)
-    m = Mixed()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    m(torch.arange(6).view(2, 3)).float().sum().backward()
-    opt.step()
-    return m, opt
+pytestmark = pytest.mark.usefixtures("own_ledger")  # each test its own node ledger (tests/conftest.py)
 
 
 def test_budget_refusal_names_bytes_and_options_and_leaves_state_intact():
-    m, opt = _trained()
+    m, opt = trained(ids=torch.arange(6).view(2, 3))
     before = snapshot(m, opt)
     ferry = Ferry(m, opt, host_budget_bytes=1000)
     need = ferry.state_bytes
@@ -141,7 +126,7 @@ def test_ranks_of_a_node_share_one_budget(tmp_path):
 
 
 def test_background_reserve_then_offload_is_bit_exact():
-    m, opt = _trained()
+    m, opt = trained(ids=torch.arange(6).view(2, 3))
     before = snapshot(m, opt)
     ferry = Ferry(m, opt)
     fut = ferry.reserve_host(background=True)
@@ -192,101 +177,6 @@ def test_byte_options_are_validated(bad):
         Ferry(torch.ones(3), max_pinned_bytes=bad)
     with pytest.raises(ValueError, match="must be an int >= 0"):
         Ferry(torch.ones(3), host_budget_bytes=bad)
-
-
-def test_pin_boundary_never_splits_a_copy():
-    sizes = [3 << 20, 0, 100, 5 << 20, 2000, 1 << 20]
-    offsets, total, chunks = layout(sizes)
-    ends = sorted([offsets[i] + n for i, n in enumerate(sizes) if n >= 1 << 20] + [c.pool_offset + c.nbytes for c in chunks])
-    assert _pin_boundary(offsets, sizes, chunks, total) == total
-    assert _pin_boundary(offsets, sizes, chunks, 0) == 0
-    for cap in (1, (3 << 20) + 10, (8 << 20) + 600, total - 1):
-        b = _pin_boundary(offsets, sizes, chunks, cap)
-        assert b <= cap and (b == 0 or b in ends)
-        assert all(e <= b or e > cap for e in ends)  # the largest copy end under the cap
-
-
-def test_partly_pinned_pool_round_trip_on_cpu():
-    ts = [torch.randn(1 << 18) for _ in range(3)] + [torch.randn(7) for _ in range(5)]
-    want = [t.clone() for t in ts]
-    ferry = Ferry(*ts, max_pinned_bytes=(1 << 20) + 100)
-    for _ in range(2):
-        ferry.offload()
-        ferry.reload()
-    for t, w in zip(ts, want):
-        torch.testing.assert_close(t, w, atol=0, rtol=0)
-
-
-def test_cached_plan_follows_replaced_parameters_and_new_grads():
-    m = nn.Linear(4, 4)
-    ferry = Ferry(m)
-    ferry.offload()
-    ferry.reload()
-    first = ferry._set.cache.plan
-    ferry.offload()
-    ferry.reload()
-    assert ferry._set.cache.plan is first  # steady cycles reuse the plan
-    m.weight = nn.Parameter(torch.full((4, 4), 3.0))  # a new tensor object
-    ferry.offload()
-    assert in_host_pool(m.weight.data_ptr()) and torch.equal(m.weight, torch.full((4, 4), 3.0))
-    ferry.reload()
-    assert torch.equal(m.weight, torch.full((4, 4), 3.0)) and ferry._set.cache.plan is not first
-    m(torch.ones(1, 4)).sum().backward()  # grads appear: the plan grows
-    ferry.offload()
-    assert in_host_pool(m.weight.grad.data_ptr()) and ferry.state_bytes == 2 * (64 + 16)
-    ferry.reload()
-    with torch.no_grad():
-        m.weight.data = m.weight.data.t()  # same storage, other strides: the host views follow
-    want = m.weight.detach().clone()
-    ferry.offload()
-    assert m.weight.stride() == (1, 4)
-    ferry.reload()
-    assert torch.equal(m.weight, want) and m.weight.stride() == (1, 4)
-
-
-# ------------------------------------------------- found by review (each failed before its fix)
-def test_replanned_state_never_reuses_the_old_plans_host_views():
-    """A buffer changes size and the ferry re-plans in reserve_host(): the host views made for
-    the old plan must not be taken for the new one (they were keyed by id(plan), reusable)."""
-    m = nn.Linear(1000, 1, bias=False)
-    m.register_buffer("b", torch.arange(4, dtype=torch.float32))
-    ferry = Ferry(m)
-    ferry.offload()
-    ferry.reload()
-    for i in range(50):
-        m.b = torch.tensor([i % 251], dtype=torch.uint8)
-        ferry.reserve_host()
-        w, b = m.weight.detach().clone(), m.b.clone()
-        ferry.offload()
-        assert m.b.dtype == torch.uint8 and tuple(m.b.shape) == (1,) and torch.equal(m.b, b)
-        ferry.reload()
-        assert torch.equal(m.b, b) and torch.equal(m.weight, w)
-
-
-def test_pool_growth_through_offload_frees_the_old_block_first():
-    """Growing state through offload(): the old block is unmapped before the new one is asked
-    of the ledger, so a budget that holds the new pool (not both) grants it."""
-    m = nn.Linear(1000, 1000, bias=False)  # a 4.0 MB pool
-    ferry = Ferry(m, host_budget_bytes=6_000_000)
-    ferry.offload()
-    ferry.reload()
-    m.bias = nn.Parameter(torch.zeros(200_000))  # 4.8 MB: fits the budget, old + new would not
-    w = m.weight.detach().clone()
-    ferry.offload()
-    ferry.reload()
-    assert torch.equal(m.weight, w) and torch.equal(m.bias, torch.zeros(200_000))
-    assert NodeLedger().usage()[str(os.getpid())]["held"] == ferry.host_bytes == 4_800_000
-
-
-def test_share_memory_after_a_cached_plan_is_refused():
-    m = nn.Linear(4, 4)
-    ferry = Ferry(m)
-    ferry.offload()
-    ferry.reload()
-    m.share_memory()
-    with pytest.raises(NotImplementedError, match="shared memory"):
-        ferry.offload()
-    assert ferry.residency is Residency.DEVICE and m.weight.untyped_storage().nbytes() == 64
 
 
 def test_budget_inf_and_a_ledger_of_another_shape(tmp_path, monkeypatch):

@@ -1,12 +1,22 @@
-"""Layer-wise reload with prefetch ([Note: prefetch reload]): ordering, look-ahead, step guard,
-bit-identical training, on FSDP2 over gloo (2 CPU processes)."""
+"""Layer-wise reload with prefetch (``_prefetch.py``, [Note: prefetch reload]): ordering,
+look-ahead, step guard, writes made right after reload(prefetch=True) kept, bit-identical
+training, on FSDP2 over gloo (2 CPU processes). The tests named after a report of an
+adversarial review of prefetch reproduce it (each failed before its fix).
+"""
+
+from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 from torch import nn
 
+from tests.helpers import cpu_mesh, differs, three_units
 from tests.spawn import run_spawned
 from torchferry import Ferry, Prefetch, Residency
+
+needs_dist = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
 
 
 def _in_pool(t: torch.Tensor) -> bool:
@@ -19,6 +29,17 @@ def _in_pool(t: torch.Tensor) -> bool:
 def test_prefetch_policy_validation():
     with pytest.raises(ValueError, match="lookahead_bytes must be an int >= 0"):
         Prefetch(lookahead_bytes=-1)
+
+
+def test_reload_prefetch_takes_only_bool_or_policy():
+    m = nn.Linear(3, 3)
+    ferry = Ferry(m)
+    ferry.offload()
+    with pytest.raises(TypeError, match="takes True, False or a Prefetch"):
+        ferry.reload(prefetch="yes")
+    assert ferry.residency is Residency.HOST  # nothing moved
+    ferry.reload(prefetch=True)  # no FSDP units, no optimizer: a plain reload
+    assert ferry.residency is Residency.DEVICE
 
 
 def test_without_fsdp_units_prefetch_is_a_plain_reload():
@@ -34,9 +55,8 @@ def test_without_fsdp_units_prefetch_is_a_plain_reload():
 def _prefetch_checks(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tests.cpu.test_fsdp2_gloo import build_uneven
-    from tests.cpu.test_fsdp2_gloo import train_step as _train
-    from tests.helpers import assert_same, snapshot
+    from tests.helpers import assert_same, build_uneven, snapshot
+    from tests.helpers import train_step as _train
 
     def train_step(model, o, x):  # grads dropped after the step, as verl does
         return _train(model, o, x, set_to_none=True)
@@ -128,8 +148,8 @@ def _explicit_prefetch_checks(rank: int, world: int) -> None:
     that unit must be made resident too, before FSDP2 reads it."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tests.cpu.test_fsdp2_gloo import build_uneven
-    from tests.cpu.test_fsdp2_gloo import train_step as _train
+    from tests.helpers import build_uneven
+    from tests.helpers import train_step as _train
     from torchferry._fsdp import forward_prefetch_units
 
     def train_step(model, o, x):
@@ -159,103 +179,300 @@ def test_explicit_forward_prefetch_units_are_made_resident_early():
     run_spawned(_explicit_prefetch_checks, world=2, backend="gloo")
 
 
-def _offload_during_forward_checks(rank: int, world: int) -> None:
-    """Offload in pieces: each unit's D2H is issued once its forward is done; offload() copies
-    only the rest, and recopies what was written since (in-place writes, an optimizer step)."""
-    from torch.distributed.device_mesh import init_device_mesh
+def _zero_grad_first_body(rank, world):
+    mesh = cpu_mesh(world)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+    ref, ref_opt = three_units(mesh)
+    m, opt = three_units(mesh)
 
-    import torchferry._early as early_mod
+    def step(model, o):  # the canonical loop order: zero_grad first
+        o.zero_grad(set_to_none=False)
+        model(x).square().mean().backward()
+        o.step()
+
+    step(ref, ref_opt)
+    step(m, opt)
+    ferry = Ferry(m, opt)
+    for _ in range(3):
+        ferry.offload()
+        ferry.reload(prefetch=True)  # README: "loss = model(batch).loss" right after
+        step(ref, ref_opt)
+        step(m, opt)
+    ferry.offload()
+    ferry.reload()
+    bad = differs(ref, ref_opt, m, opt)
+    assert not bad, f"rank {rank}: training with reload(prefetch=True) diverged: {bad}"
+
+
+@needs_dist
+def test_zero_grad_right_after_a_prefetching_reload_is_kept():
+    """Reproduces a report of the adversarial review of prefetch, swap, packing, stats and the verl
+    integration (failed before its fix): zero_grad(set_to_none=False) after reload(prefetch=True) zeroes the pool views; the unit's
+    pre-hook then re-points the grads at device copies made from the pool at reload() time, so
+    the old grads come back and backward accumulates onto them. Same loop with reload(): exact."""
+    run_spawned(_zero_grad_first_body, world=2)
+
+
+def _inplace_write_body(rank, world):
+    mesh = cpu_mesh(world)
+    x = torch.randn(4, 16)
+    out = {}
+    for prefetch in (False, True):
+        m, _ = three_units(mesh)
+        m(x).sum().backward()
+        m.zero_grad(set_to_none=True)
+        ferry = Ferry(m)
+        ferry.offload()
+        ferry.reload(prefetch=prefetch)
+        with torch.no_grad():  # weight sync / EMA / load_state_dict right after the reload
+            for p in m.parameters():
+                p.mul_(2.0)
+        out[prefetch] = m(x).detach()
+    assert torch.equal(out[False], out[True]), f"rank {rank}: in-place write after reload(prefetch=True) was lost"
+
+
+@needs_dist
+def test_inplace_write_right_after_a_prefetching_reload_is_kept():
+    """Reproduces a report of the adversarial review of prefetch, swap, packing, stats and the verl
+    integration (failed before its fix): an in-place write to the parameters (weight sync, EMA,
+    load_state_dict) right after reload(prefetch=True) was lost."""
+    run_spawned(_inplace_write_body, world=2)
+
+
+class _Skip(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.use_b = True
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.use_b:
+            h = self.b(h)
+        return self.c(h)
+
+
+def _skipped_unit_body(rank, world):
     from torch.distributed.fsdp import fully_shard
 
-    from tests.cpu.test_fsdp2_gloo import train_step as _train
-    from tests.helpers import assert_same, snapshot
+    mesh = cpu_mesh(world)
 
-    def train_step(model, o, x):
-        return _train(model, o, x, set_to_none=True)
-
-    def build(mesh):  # two units with shards over 1 MiB (moved one by one), one packed
+    def build():
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(1024, 601), nn.ReLU(), nn.Linear(601, 1024), nn.Linear(1024, 3))
-        for layer in (model[0], model[2], model[3]):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+        m = _Skip()
+        for u in (m.a, m.b, m.c):
+            fully_shard(u, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
 
-    mesh = init_device_mesh("cpu", (world,))
-    x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(rank))
-    ref_m, ref_opt = build(mesh)
-    m, opt = build(mesh)
-    layers = [m[0], m[2], m[3]]
-    ferry = Ferry(m)  # the model alone, as in a log-prob phase
-    train_step(ref_m, ref_opt, x)
-    train_step(m, opt, x)
+    def step(m, opt):
+        m(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
 
-    copies = []  # storage indices copied by offload() itself
-    from torchferry._early import EarlyOffload
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+    ref, ref_opt = build()
+    m, opt = build()
+    step(ref, ref_opt)
+    step(m, opt)
+    fm, fo = Ferry(m), Ferry(opt)  # one ferry per model and per optimizer, as the bench / verl compat do
+    for it in range(3):
+        ref.use_b = m.use_b = it != 1  # unit b does not run in step 1 (a conditional branch / MoE expert)
+        fm.offload()
+        fo.offload()
+        fm.reload(prefetch=True)
+        fo.reload(prefetch=True)
+        step(ref, ref_opt)
+        step(m, opt)
+    fm.offload(), fm.reload(), fo.offload(), fo.reload()
+    bad = differs(ref, ref_opt, m, opt)
+    assert not bad, f"rank {rank}: optimizer update of a unit not run in forward was lost: {bad}"
 
-    real_take = EarlyOffload.take
 
-    def spy(self, plan, views):
-        early = real_take(self, plan, views)
-        copies.append({si for si, n in enumerate(plan.nbytes) if n} - early)
-        return early
+@needs_dist
+def test_optimizer_update_of_a_unit_not_run_in_forward_is_kept():
+    """Reproduces a report of the adversarial review of prefetch, swap, packing, stats and the verl
+    integration (failed before its fix): Model ferry never finishes (unit b's hook never fires, no optimizer in this ferry); AdamW's
+    decay writes b's pool views; the next offload() re-points b at the stale device copy."""
+    run_spawned(_skipped_unit_body, world=2)
 
-    EarlyOffload.take = spy
-    try:
-        # 1. Forward-only phase after a prefetch reload: every unit copied during the forward.
+
+def _forward_prefetch_units_body(rank, world):
+    from torchferry._fsdp import forward_prefetch_units
+
+    m, _ = three_units(cpu_mesh(world), explicit_prefetch=True)
+    got = forward_prefetch_units(m[0])
+    # torch 2.13's FSDPParamGroup has `.modules` (a tuple), not `.module`: always [] here.
+    assert any(u is m[1] for u in got), f"forward_prefetch_units(m[0]) = {got}, expected [m[1]]"
+
+
+@needs_dist
+def test_forward_prefetch_units_finds_the_explicit_prefetch_targets():
+    """Reproduces a report of the adversarial review of prefetch, swap, packing, stats and the verl
+    integration (failed before its fix): forward_prefetch_units() was always empty on torch 2.13
+    (FSDPParamGroup has `.modules`, not `.module`), so FSDP2 all-gathered a unit before its hook ran."""
+    run_spawned(_forward_prefetch_units_body, world=2)
+
+
+def _lookahead_body(mode):
+    def body(rank, world):
+        m, _ = three_units(cpu_mesh(world), grouped=mode == "grouped", explicit_prefetch=mode == "explicit")
+        x = torch.randn(4, 16)
+        want = m(x).detach()
+        ferry = Ferry(m)
         ferry.offload()
-        ferry.reload(prefetch=True)
-        ferry.offload_during_forward()
-        assert ferry._early is not None and len(ferry._early.groups) == 3  # the 3 layers (the root holds none)
-        with torch.no_grad():
-            want = ref_m(x)
-            got = m(x)
-        assert torch.equal(want, got)
-        assert set(ferry._early._versions) == {0, 1, 2}  # every unit's copy issued in its forward
-        before = snapshot(m, None)
-        ferry.offload()
-        packed = ferry._set.host.cached.packed
-        large = {si for si, n in enumerate(ferry._set.cache.plan.nbytes) if n and si not in packed}
-        assert len(large) >= 2 and not copies[-1] & large  # the large shards were all copied early
-        assert copies[-1] <= packed
-        ferry.reload()
-        assert_same(before, snapshot(m, None))
-        assert ferry._early is None and not len(early_mod._ARMED)
+        ferry.reload(prefetch=Prefetch(lookahead_bytes=0))
+        if mode == "unshard":
+            m[2].unshard()  # FSDPModule API: all-gather ahead of the forward
+        assert torch.equal(m(x), want)
 
-        # 2. A unit written after its copy is copied again; an optimizer step invalidates all.
-        ferry.offload_during_forward()
-        with torch.no_grad():
-            m(x)
-            layers[1].weight.mul_(2)  # an in-place write after m[2]'s forward
-        ferry.offload()
-        w_idx = {ferry._set.cache.plan.tensors[i].storage_index for i, r in enumerate(ferry._set.cache.plan.tensors)
-                 if r.tensor is layers[1].weight}
-        assert w_idx <= copies[-1]
-        ferry.reload()
-        with torch.no_grad():
-            layers[1].weight.div_(2)
-        ferry.offload_during_forward()
-        with torch.no_grad():
-            m(x)
-        train_step(m, opt, x)
-        train_step(ref_m, ref_opt, x)  # the step updated every unit after its early copy
-        ferry.offload()
-        assert copies[-1] == {si for si, n in enumerate(ferry._set.cache.plan.nbytes) if n}
-        ferry.reload()
-        assert_same(snapshot(ref_m, ref_opt), snapshot(m, opt))
-
-        # 3. Armed, then no forward: offload() copies everything; close() disarms.
-        ferry.offload_during_forward()
-        ferry.offload()
-        ferry.reload()
-        ferry.offload_during_forward()
-        ferry.close()
-        assert not len(early_mod._ARMED) and early_mod._ARMED._handle is None
-    finally:
-        EarlyOffload.take = real_take
+    return body
 
 
-def test_offload_during_forward_fsdp2_two_ranks_gloo():
-    if not torch.distributed.is_available():
-        pytest.skip("torch.distributed not available")
-    run_spawned(_offload_during_forward_checks, world=2, backend="gloo")
+def _lookahead_case(rank, world, mode):
+    _lookahead_body(mode)(rank, world)
+
+
+@needs_dist
+def test_lookahead_zero_with_set_modules_to_forward_prefetch_is_exact():
+    """Reproduces a report of the adversarial review of prefetch, swap, packing, stats and the verl
+    integration (failed before its fix): with lookahead_bytes=0, FSDP2's explicit forward prefetch
+    all-gathered a unit before its hook made it resident."""
+    run_spawned(functools.partial(_lookahead_case, mode="explicit"), world=2)
+
+
+@needs_dist
+def test_lookahead_zero_with_grouped_fully_shard_is_exact():
+    """Reproduces a report of the adversarial review of prefetch, swap, packing, stats and the verl
+    integration (failed before its fix): with lookahead_bytes=0, a unit of two modules grouped by
+    one fully_shard call was all-gathered before its hook made it resident."""
+    run_spawned(functools.partial(_lookahead_case, mode="grouped"), world=2)
+
+
+def _grouped_grads_body(rank, world):
+    import gc
+
+    m, _ = three_units(cpu_mesh(world), grouped=True)
+    x = torch.randn(4, 16)
+    want = m(x).detach()
+    m(x).sum().backward()  # grads kept (FSDP2 stores a group's grads as views of one storage)
+    ferry = Ferry(m)
+    ferry.offload()
+    ferry.reload(prefetch=True)
+    errors = []
+    for what, op in (("forward", lambda: m(x)), ("reload", ferry.reload), ("offload", ferry.offload)):
+        try:
+            op()
+        except RuntimeError as e:
+            errors.append(f"{what}: {str(e)[:80]}")
+        gc.collect()
+    assert not errors, f"rank {rank}: {ferry.residency}; {errors}"
+    ferry.reload()
+    assert torch.equal(m(x), want)
+
+
+@needs_dist
+def test_grouped_units_with_grads_finish_prefetching():
+    """Reproduces a report of the adversarial review of prefetch, swap, packing, stats and the verl
+    integration (failed before its fix): m[2]'s grads share one storage with m[1]'s, so group_plan puts them in m[1]'s group while
+    the parameters stay in m[2]'s; re-pointing a DTensor grad apart from its parameter is refused
+    (use count 2), and every later forward / reload() / offload() / close() raises the same."""
+    run_spawned(_grouped_grads_body, world=2)
+
+
+def _reserve_host_body(rank, world):
+    m, _ = three_units(cpu_mesh(world))
+    x = torch.randn(4, 16)
+    want = m(x).detach()
+    m(x).sum().backward()  # FSDP2's lazy init
+    m.zero_grad(set_to_none=True)  # state with grads would reload plainly
+    ferry = Ferry(m)
+    ferry.offload()
+    pool_bytes = ferry._pool.nbytes
+    ferry.reload(prefetch=True)
+    assert ferry.residency is Residency.PREFETCHING
+    seconds = ferry.reserve_host()  # completes the prefetch; the pool already fits
+    assert seconds == 0.0
+    assert ferry.residency is Residency.DEVICE, f"rank {rank}: {ferry.residency}"
+    assert ferry._pool.nbytes == pool_bytes
+    assert not any(_in_pool(p) for p in m.parameters())
+    assert torch.equal(m(x), want)
+    ferry.offload()  # the ferry goes on working
+    ferry.reload()
+    assert torch.equal(m(x), want)
+
+
+@needs_dist
+def test_reserve_host_while_prefetching_completes_the_prefetch():
+    """Reproduces a report of the adversarial review of prefetch, swap, packing, stats and the verl
+    integration: reserve_host() during reload(prefetch=True) raised an error blaming "another
+    Ferry". It now completes the prefetch first and returns 0.0 (the pool already fits), the
+    state resident and the model's output unchanged."""
+    run_spawned(_reserve_host_body, world=2)
+
+
+def _holds_body(mode):
+    def body(rank, world):
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = cpu_mesh(world)
+
+        def build():
+            torch.manual_seed(0)
+            m = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4))
+            raf = mode != "no_reshard_after_forward"
+            for layer in m:
+                fully_shard(layer, mesh=mesh, reshard_after_forward=raf)
+            fully_shard(m, mesh=mesh, reshard_after_forward=raf)
+            return m, torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+
+        def step(m, opt):
+            loss = m(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            return loss.detach()
+
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+        ref, ref_opt = build()
+        m, opt = build()
+        step(ref, ref_opt)
+        step(m, opt)
+        ferries = [Ferry(m), Ferry(opt)] if mode == "two_ferries" else [Ferry(m, opt)]
+        policy = Prefetch(lookahead_bytes=0) if mode == "lookahead0" else True
+        for it in range(4):
+            for f in ferries:
+                f.offload()
+            for f in ferries:
+                f.reload(prefetch=policy)
+            if mode == "sub_unit_first" and it == 1:
+                with torch.no_grad():
+                    m[2](torch.randn(4, 16))
+            if mode == "exception_in_forward" and it == 1:
+                def boom(mod, args):
+                    raise ValueError("boom")
+                h = m[1].register_forward_pre_hook(boom)
+                with pytest.raises(ValueError):
+                    m(x)
+                h.remove()
+            assert torch.equal(step(ref, ref_opt), step(m, opt))
+        for f in ferries:
+            f.offload()
+            f.reload()
+        assert not differs(ref, ref_opt, m, opt)
+
+    return body
+
+
+def _holds_case(rank, world, mode):
+    _holds_body(mode)(rank, world)
+
+
+@needs_dist
+@pytest.mark.parametrize("mode", ["two_ferries", "no_reshard_after_forward", "lookahead0", "sub_unit_first",
+                                  "exception_in_forward"])
+def test_prefetch_training_is_bit_identical_in_every_mode(mode):
+    """Tried in the adversarial review of prefetch and held: two ferries, no reshard after forward,
+    lookahead 0, a sub-unit run first, an exception in forward; training stays bit-identical."""
+    body = functools.partial(_holds_case, mode=mode)
+    run_spawned(body, world=2)

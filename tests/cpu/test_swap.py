@@ -1,4 +1,8 @@
-"""torchferry.swap: one state set out, another in, both bit-exact; bad arguments are refused."""
+"""torchferry.swap (``_swap.py``): one state set out, another in, both bit-exact; bad arguments
+(a closed ferry, a negative budget: from an adversarial review) are refused before anything moves.
+"""
+
+from __future__ import annotations
 
 import pytest
 import torch
@@ -33,3 +37,25 @@ def test_swap_refuses_bad_arguments():
     with pytest.raises(ValueError, match="same ferry"):
         torchferry.swap(fa, fa)
     assert fa.residency is Residency.DEVICE
+
+
+def test_swap_into_a_closed_ferry_is_refused_before_moving_out():
+    """Reproduces a report of the adversarial review (failed before its fix): swap() checks 'same ferry' and devices up front but not a closed `into`: `out` is offloaded,
+    then into.reload() raises; the failed swap leaves `out` offloaded (nothing rolled back)."""
+    a, c = nn.Linear(8, 8), nn.Linear(8, 8)
+    fa, fc = Ferry(a), Ferry(c)
+    fc.offload()
+    fc.reload()
+    fc.close()
+    with pytest.raises((ValueError, RuntimeError)):
+        torchferry.swap(fa, fc)
+    assert fa.residency is Residency.DEVICE, "the failed swap left `out` offloaded"
+
+
+def test_swap_refuses_a_negative_budget():
+    """Reproduces a report of the adversarial review (failed before its fix): gpu_budget_bytes is not validated (negative / zero accepted; on the CPU ignored entirely)."""
+    a, c = nn.Linear(8, 8), nn.Linear(8, 8)
+    fa, fc = Ferry(a), Ferry(c)
+    fc.offload()
+    with pytest.raises(ValueError):
+        torchferry.swap(fa, fc, gpu_budget_bytes=-1)

@@ -1,4 +1,4 @@
-"""Run by tests/cpu/test_verl_ray.py in a fresh process: verl's own entry point and worker groups
+"""Run by tests/cpu/test_integration_verl_ray.py in a fresh process: verl's own entry point and worker groups
 on a real local Ray (CPU only), reporting whether each process routes verl's helpers through
 torchferry.
 

@@ -257,3 +257,39 @@ def test_partly_pinned_pool_round_trip_bit_exact(tmp_path, monkeypatch):
         ferry.reload().wait()
     for t, w in zip(ts, want):
         torch.testing.assert_close(t, w, atol=0, rtol=0)
+
+
+def test_cpu_tensors_stay_put_when_the_ferry_is_on_a_gpu():
+    """AdamW's ``step`` counters are CPU tensors of a GPU model's optimizer: a GPU ferry leaves
+    them alone. Through offload and reload each stays the same object, on the CPU, over the same
+    memory (not the host pool), with its value; everything on the GPU goes and comes back."""
+    from torchferry._host_memory import in_host_pool
+    from torchferry._plan import build_plan
+
+    m, opt = _trained()
+    steps = [st["step"] for st in opt.state.values()]
+    assert steps and all(s.device.type == "cpu" for s in steps)
+    before = [(id(s), s.data_ptr(), s.clone()) for s in steps]
+    plan = build_plan([m, opt])
+    assert plan.device.type == "cuda"
+    planned = {id(r.tensor) for r in plan.tensors}
+    assert not any(id(s) in planned for s in steps)
+    assert all(p.device.type == "cuda" for p in m.parameters())
+
+    def unmoved():
+        now = [st["step"] for st in opt.state.values()]
+        for s, (ident, ptr, value) in zip(now, before):
+            assert id(s) == ident and s.device.type == "cpu" and s.data_ptr() == ptr
+            assert not in_host_pool(s.data_ptr())
+            assert torch.equal(s, value)
+
+    ferry = Ferry(m, opt)
+    ferry.offload().wait()
+    assert ferry.residency is Residency.HOST
+    assert all(p.device.type == "cpu" and in_host_pool(p.data_ptr()) for p in m.parameters())
+    unmoved()
+    ferry.reload().wait()
+    assert all(p.device.type == "cuda" for p in m.parameters())
+    unmoved()
+    opt.step()  # the counters are still the optimizer's: the step advances them in place
+    assert all(int(s) == int(v) + 1 for s, (_, _, v) in zip(steps, before))

@@ -9,7 +9,7 @@ round trip is bit-exact; with the seed's method, uneven shards lose pinning
 import pytest
 import torch
 
-from tests.cpu.test_fsdp2_gloo import check_fsdp2_cycles
+from tests.cpu.test_integration_fsdp2 import check_fsdp2_cycles
 from tests.spawn import run_spawned
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]

@@ -17,11 +17,11 @@ import pytest
 import torch
 from torch import nn
 
-from tests.cpu.test_autograd_survives_cycles import (
+from tests.cpu.test_integration_ddp_tp import (
     check_ddp_trains_as_without_offload,
-    check_frozen_parameter_keeps_its_grad,
     check_tp_hooks_and_optimizer_in_backward,
 )
+from tests.cpu.test_integration_fsdp2 import check_frozen_parameter_keeps_its_grad
 from tests.helpers import assert_same, snapshot
 from tests.spawn import run_spawned
 from torchferry import Ferry, Residency
@@ -44,7 +44,7 @@ def _frozen(rank, world):
 def _prefetch_state_dict_nccl(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tests.cpu.test_fsdp2_gloo import build_uneven, train_step
+    from tests.helpers import build_uneven, train_step
 
     mesh = init_device_mesh("cuda", (world,))
     m, opt = build_uneven(mesh, f"cuda:{rank}")

@@ -10,7 +10,7 @@ patches verl's helpers in the worker as soon as the worker imports
 import verl's FSDP code pay nothing.
 
 Two ways to set it (both tested on the CPU with a real local Ray,
-``tests/cpu/test_verl_ray.py``):
+``tests/cpu/test_integration_verl_ray.py``):
 
 * ``python -m torchferry.integrations.verl.main_ppo <verl's arguments>``: the
   launcher adds the hook to the ``runtime_env`` of verl's ``ray.init``;

@@ -1,10 +1,11 @@
-"""torchferry.integrations.verl against the real verl package (CPU).
+"""torchferry.integrations.verl (patch()/unpatch(), the drop-in helpers) against the real verl package (CPU).
 
 CI installs verl 0.9.1 without its dependencies, plus only what importing
 ``verl.utils.fsdp_utils`` and the FSDP engine module needs (see .ci/run)."""
 
 import inspect
 import sys
+import types
 
 import pytest
 import torch
@@ -87,3 +88,28 @@ def test_unpatch_also_restores_verl_modules_imported_after_patch(monkeypatch):
     tf_verl.unpatch()
     assert late.offload_fsdp2_model_to_cpu is verl_fsdp_utils.offload_fsdp2_model_to_cpu
     assert not hasattr(late.offload_fsdp2_model_to_cpu, "__torchferry_original__")
+
+
+def test_unpatch_restores_a_verl_module_that_imported_the_helpers_by_name_after_patch():
+    """Reproduces a report of the adversarial review of the verl integration (failed before its
+    fix): patch() rebinds the helpers in fsdp_utils, so a verl module imported afterwards (e.g.
+    verl.workers.engine.torchtitan.transformer_impl, which imports them by name and is not in
+    _ENGINE_MODULES) binds torchferry's; unpatch() only restores what patch() itself replaced.
+    Simulated with a stand-in verl submodule doing the same `from ... import`."""
+    pytest.importorskip("verl.utils.fsdp_utils")
+    import torchferry.integrations.verl as tf_verl
+    import verl.utils.fsdp_utils as fu
+
+    original = fu.offload_fsdp_model_to_cpu
+    tf_verl.patch()
+    try:
+        probe = types.ModuleType("verl._breaker2_late_engine")
+        exec("from verl.utils.fsdp_utils import offload_fsdp_model_to_cpu", probe.__dict__)
+        sys.modules[probe.__name__] = probe
+    finally:
+        tf_verl.unpatch()
+    try:
+        assert fu.offload_fsdp_model_to_cpu is original
+        assert probe.offload_fsdp_model_to_cpu is original, "late-imported verl module still routed to torchferry"
+    finally:
+        sys.modules.pop("verl._breaker2_late_engine", None)

@@ -1,0 +1,86 @@
+"""The host pool (``_pool.py``) and the reload arena (``_device_alloc.py``): exact size,
+persistence, growth, and failures while growing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from torchferry import Ferry
+from torchferry._host_budget import NodeLedger
+from torchferry._pool import HostPool
+
+
+def test_pool_is_exact_size_persistent_and_grows():
+    pool = HostPool(pin=False)
+    assert pool.nbytes == 0
+    pool.reserve(10_000)
+    assert pool.nbytes == 10_000
+    first = pool.view(0, 10)
+    pool.reserve(5_000)  # smaller: kept
+    assert pool.nbytes == 10_000 and pool.view(0, 10).data_ptr() == first.data_ptr()
+    pool.reserve(20_000)
+    assert pool.nbytes == 20_000
+    pool.release()
+    assert pool.nbytes == 0
+    with pytest.raises(AssertionError, match="outside the pool"):
+        pool.view(0, 1)
+
+
+@pytest.mark.usefixtures("own_ledger")  # its own node ledger, as in test_host_budget.py
+def test_pool_growth_through_offload_frees_the_old_block_first():
+    """Growing state through offload(): the old block is unmapped before the new one is asked
+    of the ledger, so a budget that holds the new pool (not both) grants it."""
+    m = nn.Linear(1000, 1000, bias=False)  # a 4.0 MB pool
+    ferry = Ferry(m, host_budget_bytes=6_000_000)
+    ferry.offload()
+    ferry.reload()
+    m.bias = nn.Parameter(torch.zeros(200_000))  # 4.8 MB: fits the budget, old + new would not
+    w = m.weight.detach().clone()
+    ferry.offload()
+    ferry.reload()
+    assert torch.equal(m.weight, w) and torch.equal(m.bias, torch.zeros(200_000))
+    assert NodeLedger().usage()[str(os.getpid())]["held"] == ferry.host_bytes == 4_800_000
+
+
+def test_failed_pool_growth_does_not_break_later_offloads(monkeypatch):
+    import torchferry._host_memory as hm
+
+    m = nn.Linear(16, 16)
+    opt = torch.optim.Adam(m.parameters())
+    ferry = Ferry(m, opt)
+    ferry.offload()
+    ferry.reload()
+    m(torch.randn(2, 16)).sum().backward()
+    opt.step()  # the state grows: the next offload needs a larger pool
+
+    def no_memory(*a, **k):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(hm, "_Mapping", no_memory)
+    with pytest.raises(RuntimeError, match="could not allocate a host pool"):
+        ferry.offload()
+    monkeypatch.undo()
+    opt.zero_grad(set_to_none=True)
+    opt.state.clear()  # back to the first layout
+    ferry.offload()
+    ferry.reload()
+
+
+@pytest.mark.parametrize(
+    "conf", ["expandable_segments:True", "max_split_size_mb:128", "roundup_power2_divisions:4"]
+)
+def test_reload_arena_off_for_allocator_settings_it_cannot_rely_on(monkeypatch, conf):
+    from torchferry import _device_alloc
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    _device_alloc.arena_supported.cache_clear()
+    try:
+        assert not _device_alloc.arena_supported()
+        assert _device_alloc.ReloadArena.seed(torch.device("cuda", 0), [1 << 30]) is None
+    finally:
+        _device_alloc.arena_supported.cache_clear()

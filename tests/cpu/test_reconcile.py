@@ -1,0 +1,86 @@
+"""State replaced while offloaded (``_reconcile.py``): the next offload() moves what is there now,
+reload() leaves every tensor on the device, dead tensors are neither kept nor re-allocated.
+
+Reproduces issue 15 items 2-4 (commit df8fb81): an ``optimizer.load_state_dict`` while
+offloaded was lost track of (the next offload moved 0 of 12 new tensors and the reload
+re-allocated the dead ones).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from tests.helpers import assert_same, snapshot, trained
+from torchferry import Ferry, Residency
+from torchferry._host_memory import in_host_pool
+
+IDS = torch.tensor([[1, 2, 3]])
+
+
+def test_optimizer_load_state_dict_while_offloaded_then_offload_moves_what_is_there_now():
+    m, opt = trained(ids=IDS)
+    m2, opt2 = trained(seed=1, ids=IDS)
+    checkpoint = opt2.state_dict()
+    ferry = Ferry(m, opt)
+    ferry.offload()
+    old = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    old_storages = [StorageWeakRef(t.untyped_storage()) for t in old]
+    opt.load_state_dict(checkpoint)  # a resume while offloaded (verl's load_checkpoint)
+    new = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    assert not any(in_host_pool(t.data_ptr()) for t in new)
+    ferry.offload()  # moves what is there now
+    assert ferry.residency is Residency.HOST
+    assert all(in_host_pool(t.data_ptr()) for t in new if t.numel())
+    del old
+    gc.collect()
+    assert all(r.expired() for r in old_storages)  # the dead tensors are not kept
+    ferry.reload()
+    assert not any(in_host_pool(t.data_ptr()) for t in new)
+    want = snapshot(m2, opt2)
+    got = snapshot(m, opt)
+    assert_same({k: v for k, v in want.items() if k.startswith("opt.")},
+                {k: v for k, v in got.items() if k.startswith("opt.")})
+    opt.step()  # usable
+    ferry.close()
+
+
+def test_load_while_offloaded_then_reload_leaves_state_resident_and_training_matches():
+    m, opt = trained(ids=IDS)
+    ref_m, ref_opt = trained(ids=IDS)
+    checkpoint = copy.deepcopy(ref_opt.state_dict())
+    model_sd = {k: v.clone() for k, v in ref_m.state_dict().items()}
+    ferry = Ferry(m, opt)
+    ferry.offload()
+    opt.load_state_dict(copy.deepcopy(checkpoint))  # a resume while offloaded
+    m.load_state_dict(model_sd)  # in place: into the host views
+    ferry.reload()
+    assert ferry.residency is Residency.DEVICE
+    ref_opt.load_state_dict(checkpoint)
+    for model, o in ((ref_m, ref_opt), (m, opt)):
+        model(IDS).backward()
+        o.step()
+    assert_same(snapshot(ref_m, ref_opt), snapshot(m, opt))
+    ferry.offload()
+    ferry.reload()
+    assert_same(snapshot(ref_m, ref_opt), snapshot(m, opt))
+
+
+def test_parameters_reassigned_or_grads_dropped_while_offloaded():
+    m, opt = trained(ids=IDS)
+    ferry = Ferry(m, opt)
+    ferry.offload()
+    new_w = nn.Parameter(torch.full_like(m.proj.weight, 2.0))
+    m.proj.weight = new_w  # re-assigned (load_state_dict(assign=True) does this)
+    m.low.weight.grad = None  # zero_grad(set_to_none=True) while offloaded
+    ferry.reload()
+    assert m.proj.weight is new_w and torch.equal(new_w, torch.full_like(new_w, 2.0))
+    assert m.low.weight.grad is None
+    ferry.offload()
+    assert in_host_pool(new_w.data_ptr())
+    ferry.reload()
+    assert torch.equal(new_w, torch.full_like(new_w, 2.0)) and m.low.weight.grad is None

@@ -1,0 +1,126 @@
+"""The walk over modules, optimizers and tensors (``_targets.py``) and its checks: what is
+collected (wrapped and listed optimizer state, inference-mode buffers), and what is refused up
+front, by name (unsupported, nested, released or foreign tensors, bad targets).
+
+Inference-mode buffers and nested tensors reproduce issue 15 items 5, 8, 9 and 10 (commit
+df8fb81); the refusals of state another ferry holds come from an adversarial review.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import WithRotary
+from torchferry import Ferry, Residency
+from torchferry._plan import build_plan
+
+
+@pytest.mark.parametrize(
+    "targets, exc, match",
+    [
+        ((), ValueError, "at least one target"),
+        ((nn.Linear(2, 2), "weights"), TypeError, r"targets\[1\] is str"),
+        ((torch.empty(3, device="meta"),), NotImplementedError, r"meta tensor .*t.shape=torch.Size\(\[3\]\)"),
+        ((torch.from_numpy(np.zeros(4)),), NotImplementedError, "cannot be resized"),
+        ((torch.eye(3).to_sparse(),), NotImplementedError, "layout"),
+        ((list(nn.Linear(2, 2).parameters()),), TypeError, r"targets\[0\] is list \(pass tensors as separate arguments"),
+    ],
+)
+def test_bad_targets_raise_clear_errors(targets, exc, match):
+    with pytest.raises(exc, match=match):
+        build_plan(list(targets))
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: torch.randn(3, dtype=torch.complex64).conj(), "conjugate or negative bit"),
+        (lambda: torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8), "quantized"),
+        (lambda: torch.randn(4).share_memory_(), "shared memory"),
+        (lambda: torch.jit.script(nn.Linear(2, 2)), "TorchScript"),
+    ],
+)
+def test_unsupported_tensors_are_refused(make, match):
+    with pytest.raises(NotImplementedError, match=match):
+        Ferry(make())
+
+
+def test_nested_tensor_is_refused_as_nested():
+    with pytest.raises(NotImplementedError, match="is a nested tensor"):
+        Ferry(torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]))
+
+
+def test_second_ferry_over_offloaded_state_is_refused_and_first_state_kept():
+    actor, critic = nn.Linear(64, 64), nn.Linear(64, 64)
+    critic.weight = nn.Parameter(actor.weight.data)  # same storage, another object
+    want = actor.weight.detach().clone()
+    a, b = Ferry(actor), Ferry(critic)
+    a.offload()
+    with pytest.raises(RuntimeError, match=r"critic|Linear.weight .*(already offloaded by another Ferry|released)"):
+        b.offload()
+    assert b.residency is Residency.DEVICE
+    a.reload()
+    torch.testing.assert_close(actor.weight.detach(), want, atol=0, rtol=0)
+    b.offload()  # fine once the first ferry reloaded
+    b.reload()
+    torch.testing.assert_close(critic.weight.detach(), want, atol=0, rtol=0)
+
+
+def test_tensor_viewing_another_ferrys_pool_is_refused():
+    t = torch.randn(100)
+    Ferry(t).offload()  # t now views that ferry's pool
+    with pytest.raises(RuntimeError, match="already offloaded by another Ferry"):
+        Ferry(t)
+
+
+def test_released_storage_is_refused():
+    t = torch.randn(100)
+    t.untyped_storage().resize_(0)
+    with pytest.raises(RuntimeError, match=r"holds 0 bytes but the tensor needs 400"):
+        Ferry(t)
+
+
+def test_optimizer_state_in_lists_and_of_removed_params_moves():
+    torch.manual_seed(0)
+    m = nn.Linear(64, 1)
+    opt = torch.optim.LBFGS(m.parameters(), history_size=3)
+    x = torch.randn(8, 64)
+
+    def closure():
+        opt.zero_grad()
+        loss = m(x).square().mean()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    opt.step(closure)
+    st = opt.state[m.weight]
+    history = st["old_dirs"] + st["old_stps"]
+    storages = [t.untyped_storage() for t in history]
+    want = [t.clone() for t in history]
+    orphan = torch.randn(5)
+    opt.state[nn.Parameter(torch.zeros(1))] = {"momentum_buffer": orphan}  # not in any group
+    ferry = Ferry(opt)
+    ferry.offload()
+    assert all(s.nbytes() == 0 for s in storages)
+    assert orphan.untyped_storage().nbytes() > 0 and orphan.untyped_storage().resizable() is False  # pool view
+    ferry.reload()
+    for t, w in zip(history, want):
+        torch.testing.assert_close(t, w, atol=0, rtol=0)
+    opt.step(closure)
+
+
+def test_inference_mode_buffers_move_and_come_back():
+    m = WithRotary()
+    want = m.cos.clone()
+    ferry = Ferry(m)
+    for prefetch in (False, True):
+        ferry.offload()
+        assert m.cos.device.type == "cpu" and torch.equal(m.cos, want)
+        ferry.reload(prefetch=prefetch)
+        assert m.cos.is_inference() and torch.equal(m.cos, want)
+        with torch.no_grad():
+            m(torch.ones(2, 8))

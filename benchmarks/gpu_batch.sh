@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_batch.sh tests   # GPU tiers on 2 and 1 GPUs, the 7B engine run, verl's actor: ~8 min
 #   bash benchmarks/gpu_batch.sh final   # GPU tier on 2 GPUs, verl's actor (0.5B), GPU tier on 1 GPU: ~9 min
 #   bash benchmarks/gpu_batch.sh bench   # the 7B engine run and the 7B bench: ~6 min
+#   bash benchmarks/gpu_batch.sh round   # the compute-rich 7B bench, GPU tiers on 2 and 1 GPUs, bench-pin: ~9 min
 # The device's copy of .git may be older than the tree it runs: set TORCHFERRY_COMMIT to say which commit ran.
 set -u
 stage=${1:-tests}
@@ -25,7 +26,15 @@ engine() {  # $1: file name suffix
   run engine_x2 110 torchrun --nproc_per_node 2 benchmarks/engine_fsdp2.py --preset qwen2.5-7b --seed-cycles 0 \
       --json "$out/r/engine_fsdp2_qwen2.5-7b_h200x2_$day$1.json"
 }
-if [ "$stage" = tests ]; then
+if [ "$stage" = round ]; then
+  run bench_cr 240 torchrun --nproc_per_node 2 -m torchferry bench --preset qwen2.5-7b --workload compute-rich \
+      --strategies torchferry,torchferry+prefetch --steps 4 --no-swap \
+      --json "$out/r/bench_qwen2.5-7b_h200x2_compute-rich_$day.json" \
+      --plot "$out/r/bench_qwen2.5-7b_h200x2_compute-rich_$day.png"
+  run pytest_gpu_x2 190 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
+  CUDA_VISIBLE_DEVICES=0 run pytest_gpu_x1 90 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
+  CUDA_VISIBLE_DEVICES=0 run bench_pin 70 python3 -m torchferry bench-pin --json "$out/r/bench-pin_h200_$day.json"
+elif [ "$stage" = tests ]; then
   tiers
   engine _run6
   run verl_actor 150 bash benchmarks/verl_actor.sh "$out/r" 2 qwen2.5-0.5b 4

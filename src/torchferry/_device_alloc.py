@@ -8,15 +8,26 @@ the next ``empty_cache()``: 12-87 ms for 339 storages of 30.5 GB against
 1.2-3.7 ms for one allocation of the same total, measured on an H200
 (``benchmarks/results/probe_reload_h200_qwen2.5-7b-unsharded.json``).
 
-So, when the allocator has no cached large block a storage could land in, we allocate one block the
-size of all large storages (the allocator's large pool: > 1 MiB, sizes rounded
-to 512 B) and free it at once: it stays cached as one segment, and the
-storages' ``resize_`` calls carve it front to back (best fit, split rule of
-``c10/cuda/CUDACachingAllocator.cpp``). A filler block takes the segment's
-tail (< 2 MiB) so that no foreign allocation can land in it and keep the
-segment alive after the next offload. When the state is offloaded again every
-block of the segment is free, it coalesces, and ``empty_cache()`` returns it
-with one ``cudaFree``.
+So we allocate one block the size of all large storages (the allocator's
+large pool: > 1 MiB, sizes rounded to 512 B) and free it at once: it stays
+cached as one segment, and the storages' ``resize_`` calls carve it front to
+back (best fit, split rule of ``c10/cuda/CUDACachingAllocator.cpp``). Free
+blocks already cached in partly used segments (there always are some in a
+training process: 40-260 MB measured after ``empty_cache()`` in a 7B FSDP2
+run) may take some storages first, by best fit; the arena's unused tail is then
+larger. ``seal()`` allocates a filler over whatever tail is left (> 1 MiB), so
+that no foreign allocation can land in the segment and keep it alive after the
+next offload. When the state is offloaded again every block of the segment is
+free, it coalesces, and ``empty_cache()`` returns it with one ``cudaFree``.
+
+An earlier rule skipped the arena whenever any cached free block could hold a
+storage; with FSDP2 that was always the case, so every reload paid one
+``cudaMalloc`` per storage: 0.15-0.17 s of host time for 299 storages of
+35 GB (``reload()`` returned only after it), against 0.5 ms for 300
+allocations carved from a seeded arena, both measured on an H200
+(``benchmarks/results/probe_alloc_h200_2026-11-30.json``,
+``probe_prefetch_host_h200_2026-11-30.json``). A layer-wise reload waits for
+that host time before the first forward can even be queued.
 
 Only done with the native allocator and default rounding/splitting (no
 ``max_split_size_mb``, ``roundup_power2_divisions`` or ``expandable_segments``
@@ -62,14 +73,14 @@ class ReloadArena:
     """Seeds the allocator with one segment for the large storages of a reload.
 
     Usage: ``arena = ReloadArena.seed(device, sizes)`` before the storages are
-    re-allocated on the current stream, ``arena.seal()`` after. Keep the
+    re-allocated on the current stream, ``arena.seal(storages)`` after. Keep the
     arena object while the state is resident; drop it after the next offload
     released the storages.
     """
 
-    def __init__(self, base: int, total: int, filler_bytes: int, device: torch.device) -> None:
-        self._tail = base + total  # address where the segment's tail starts
-        self._filler_bytes = filler_bytes
+    def __init__(self, base: int, total: int, device: torch.device) -> None:
+        self._tail = base + total  # end of the bytes the storages can fill
+        self._total = total
         self._device = device
         self._fillers: list[torch.Tensor] = []  # 1D uint8 on device: the segment's tail
 
@@ -78,8 +89,7 @@ class ReloadArena:
         """Allocates and frees one block for every large storage in ``sizes`` (bytes).
 
         Returns ``None`` (and allocates nothing) when the arena does not apply:
-        unsupported allocator settings, little to allocate, free memory already
-        cached (the storages then come from the cache anyway), or no room.
+        unsupported allocator settings, little to allocate, or no room.
         """
         if device.type != "cuda" or not arena_supported():
             return None
@@ -87,32 +97,42 @@ class ReloadArena:
         total = sum(large)
         if total < _MIN_ARENA:
             return None
-        # Cached free large blocks a storage could be placed in by best fit would
-        # leave a hole in the arena for a foreign allocation: only go ahead when
-        # all of them together are smaller than the smallest storage.
-        stats = torch.cuda.memory_stats(device)
-        cached_free = stats.get("reserved_bytes.large_pool.current", 0) - stats.get(
-            "allocated_bytes.large_pool.current", 0
-        )
-        if cached_free >= min(large):
-            return None
         try:
             block = torch.empty(total, dtype=torch.uint8, device=device)
         except torch.OutOfMemoryError:
             return None
         base = block.data_ptr()
         del block  # cached as one free segment, carved by the resize_ calls that follow
-        slack = _round(total, _ROUND_LARGE) - total
-        return cls(base, total, slack if slack > _SMALL_SIZE else 0, device)
+        return cls(base, total, device)
 
-    def seal(self) -> None:
-        """Takes the segment's tail, after the storages took their blocks."""
-        if not self._filler_bytes:
+    def seal(self, storages: list[torch.UntypedStorage] | None = None) -> None:
+        """Takes the segment's unused tail, after the storages took their blocks.
+
+        Args:
+            storages: the storages just allocated; those inside the arena tell
+                where its tail starts (``None``: assume they filled it exactly).
+        """
+        end = self._tail  # base + total
+        base = end - self._total
+        tail_start = end
+        if storages is not None:
+            tail_start = base
+            for st in storages:
+                n = st.nbytes()
+                p = st.data_ptr() if n else 0
+                if base <= p < end:
+                    tail_start = max(tail_start, p + _round(n, _MIN_BLOCK))
+        seg_end = base + _round(self._total, _ROUND_LARGE)
+        filler = seg_end - tail_start
+        if filler <= _SMALL_SIZE:  # nothing of the large pool fits there
             return
         for _ in range(4):  # best fit may first hand out a foreign free block of the same size
-            t = torch.empty(self._filler_bytes, dtype=torch.uint8, device=self._device)
+            try:
+                t = torch.empty(filler, dtype=torch.uint8, device=self._device)
+            except torch.OutOfMemoryError:
+                return
             self._fillers.append(t)
-            if t.data_ptr() == self._tail:
+            if t.data_ptr() == tail_start:
                 return
 
     def release(self) -> None:

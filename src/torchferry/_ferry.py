@@ -1,9 +1,6 @@
-"""``Ferry``: the public face and the residency state machine; the work is done by the layers below.
-
-The state set and its copies: ``_whole`` ([Note: storage moves keep every
-tensor object]). State replaced while offloaded is reconciled (``_reconcile``, [Note: state
-replaced while offloaded]).
-"""
+"""``Ferry``: the public face and the residency state machine; the layers below do the work
+(``_whole``: [Note: storage moves keep every tensor object]; ``_reconcile``: [Note: state
+replaced while offloaded]; ``_pin_ahead``: [Note: pin ahead])."""
 
 from __future__ import annotations
 
@@ -11,7 +8,6 @@ import logging
 import time
 import weakref
 from concurrent.futures import Future
-from typing import NamedTuple
 
 import torch
 
@@ -19,15 +15,16 @@ from ._copies import release, transfer_range, undo_allocations
 from ._device_alloc import ReloadArena
 from ._early import EarlyOffload
 from ._fsdp import comm_streams
+from ._gc import gc_paused
 from ._guards import OffloadGuards
 from ._handle import TransferHandle
 from ._host_budget import budget_from_env
-from ._host_views import HostViews
-from ._plan import Plan, build_plan
-from ._reconcile import reconcile
+from ._pin_ahead import PinAhead
+from ._plan import build_plan
 from ._prefetch import Prefetch, PrefetchRun, prefetch_groups
+from ._reconcile import reconcile
 from ._release import PROGRESS_EVERY, ReleaseSchedule
-from ._residency import Residency
+from ._residency import Offloaded, Residency
 from ._stats import StatsRecorder, TransferStats
 from ._targets import Targets
 from ._whole import StateSet
@@ -41,15 +38,6 @@ def _done_future(value: object) -> Future:
     fut: Future = Future()
     fut.set_result(value)
     return fut
-
-
-class _Offloaded(NamedTuple):
-    """What a ferry holds while its state is on the host: the plan, its pool views, and the ids
-    of the tensors the targets held at the offload (see [Note: state replaced while offloaded])."""
-
-    plan: Plan
-    views: HostViews
-    ids: list[int]
 
 
 class Ferry:
@@ -67,6 +55,10 @@ class Ferry:
             boundary); the rest stays pageable (slower, ``is_pinned()`` False).
         host_budget_bytes: bytes all pools of this node may hold together
             ([Note: host budget]); default ``TORCHFERRY_HOST_BUDGET_BYTES``.
+        pin_ahead: on a GPU, allocate and pin the host pool in a background
+            thread from now on (after an optimizer target's first step if it
+            has no state yet), so that the first offload does not pin
+            ([Note: pin ahead]). Default on.
 
     Raises:
         ValueError: no targets, tensors on several devices, or a negative or
@@ -90,20 +82,20 @@ class Ferry:
     """
 
     def __init__(self, *targets: object, device: torch.device | str | None = None,
-                 max_pinned_bytes: int | None = None, host_budget_bytes: int | None = None) -> None:
+                 max_pinned_bytes: int | None = None, host_budget_bytes: int | None = None,
+                 pin_ahead: bool = True) -> None:
         for name, value in (("max_pinned_bytes", max_pinned_bytes), ("host_budget_bytes", host_budget_bytes)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise ValueError(f"torchferry: {name} must be an int >= 0 (bytes) or None, got {value!r}")
         plan = build_plan(targets, device)  # validates every target now
         self._targets = Targets(targets)
-        # With no tensor yet (an optimizer before its first step) and no device
-        # given, the device is decided at the first offload, not guessed now.
+        # No tensor yet (an optimizer before its first step), no device: decided at the first offload.
         fixed = device is not None or bool(plan.tensors)
         self._set = StateSet(self._targets, plan.device if fixed else None, max_pinned_bytes=max_pinned_bytes,
                              host_budget_bytes=budget_from_env() if host_budget_bytes is None else host_budget_bytes)
         ref = weakref.ref(self)
         self._guards = OffloadGuards(lambda: repr(ref()) if ref() is not None else "Ferry(dropped)")
-        self._offloaded: _Offloaded | None = None
+        self._offloaded: Offloaded | None = None
         self._residency = Residency.DEVICE
         self._last: TransferHandle | None = None
         self._arena: ReloadArena | None = None  # see [Note: reload arena]
@@ -112,6 +104,7 @@ class Ferry:
         self._state_bytes = plan.state_bytes
         self._recorder = StatsRecorder()
         self._closed = False
+        self._pin_ahead = PinAhead.arm(self._set, plan) if pin_ahead and fixed else None
 
     # ------------------------------------------------------------------ state
     @property
@@ -186,14 +179,15 @@ class Ferry:
     def reserve_host(self, *, background: bool = False) -> float | Future:
         """Plans the state now and allocates (and pins) the host pool for it.
 
-        Optional (``offload()`` does it on first use): keeps pinning out of the
-        first offload. ``background=True`` pins in a thread while training goes
-        on; an ``offload()`` that comes first waits for it. The node's host
-        budget is checked first ([Note: host budget]).
+        Optional (``offload()`` does it on first use, and ``pin_ahead`` starts it in the
+        background): keeps pinning out of the first offload. ``background=True`` pins in a
+        thread while training goes on; an ``offload()`` that comes first waits for it. The
+        node's host budget is checked first ([Note: host budget]).
 
         Returns:
             Host seconds spent allocating, touching and pinning (0.0 when the
-            pool already fits); with ``background``, a ``Future`` of them.
+            pool already fits, unless pinned ahead and not yet reported); with
+            ``background``, a ``Future`` of them.
 
         Raises:
             HostBudgetError: (a ``RuntimeError``) the node's budget or free
@@ -209,22 +203,44 @@ class Ferry:
         plan = self._set.plan()
         fut = self._set.host.reserve(plan, background=background)
         self._state_bytes = plan.state_bytes
+        ahead = self._pin_ahead.claim() if self._pin_ahead is not None else None  # the pool came from it
         if background:
-            return fut if fut is not None else _done_future(0.0)
-        return self._pool.pin_seconds if self._pool.nbytes != before else 0.0
+            return fut or ahead or _done_future(0.0)
+        if self._pool.nbytes != before:
+            return self._pool.pin_seconds
+        return self._pool.pin_seconds if ahead is not None and self._pool.pinned_bytes else 0.0
 
     def release_host(self) -> None:
         """Returns the host pool to the OS now, keeping the ferry usable.
 
-        For a ferry whose state stays resident for a while: its pinned memory
-        goes back to the node (and its budget); the next ``offload()`` pins again.
+        For a ferry whose state stays resident for a while: its pinned memory goes back to the
+        node (and its budget); the next ``offload()`` pins again.
 
         Raises:
-            RuntimeError: the state is offloaded (the pool holds it): call
-                ``reload()`` first; or the ferry is closed.
+            RuntimeError: the state is offloaded (``reload()`` first), or the ferry is closed.
         """
         self._check_open()
         self._drop_pool("release_host()")
+
+    def forget_plan(self) -> None:
+        """Drops what the ferry keeps on the device for its next offload while the state is
+        resident: the cached plan (it holds the device storages) and the reload arena's fillers.
+
+        For state moved by other means (``model.cpu()``, another offloader), whose memory would
+        otherwise stay reserved. The next ``offload()`` plans again.
+
+        Raises:
+            RuntimeError: the state is offloaded (``reload()`` first), or the ferry is closed.
+        """
+        self._check_open()
+        self._complete_prefetch()
+        if self.residency.on_host:
+            raise RuntimeError("torchferry: forget_plan() while the state is offloaded would lose it; reload() first")
+        if self._arena is not None:
+            self._arena.release()
+            self._arena = None
+        self._disarm_early()
+        self._set.forget()
 
     def _drop_pool(self, what: str) -> None:
         """Returns the pool to the OS; the state must be (or become) resident."""
@@ -239,16 +255,16 @@ class Ferry:
 
     # ---------------------------------------------------------------- offload
     @torch.no_grad()
+    @gc_paused()
     def offload(self, *, schedule: ReleaseSchedule | None = None) -> TransferHandle:
         """Copies the state to the host pool and releases its device memory.
 
-        The copies run on the D2H stream after the current stream's pending
-        work. On return the known tensors are CPU tensors viewing the pinned
-        pool (``is_pinned()``) and the device storages are empty (their blocks
-        go back to the caching allocator once the copies finish). Read them on
-        the host only after ``handle.wait()``. A no-op when already offloaded,
-        unless the targets' tensors were replaced meanwhile ([Note: state
-        replaced while offloaded]).
+        The copies run on the D2H stream after the current stream's pending work. On return the
+        known tensors are CPU tensors viewing the pinned pool (``is_pinned()``) and the device
+        storages are empty (their blocks go back to the caching allocator once the copies
+        finish). Read them on the host only after ``handle.wait()``. A no-op when already
+        offloaded, unless the targets' tensors were replaced meanwhile ([Note: state replaced
+        while offloaded]). Runs with the cyclic GC paused ([Note: GC pause]).
 
         Args:
             schedule: used by :func:`torchferry.swap`: the storages are handed
@@ -281,7 +297,7 @@ class Ferry:
             except BaseException:
                 self._guards.remove()
                 raise  # the copies only wrote the pool
-            self._offloaded = _Offloaded(plan, views, ids)
+            self._offloaded = Offloaded(plan, views, ids)
             self._residency = Residency.D2H_IN_FLIGHT if cuda else Residency.HOST
             handle = self._issued(TransferHandle("d2h", plan.state_bytes, copies.event, issued_at,
                                                  start_event=copies.start))
@@ -339,20 +355,18 @@ class Ferry:
 
     # ----------------------------------------------------------------- reload
     @torch.no_grad()
+    @gc_paused()
     def reload(self, prefetch: bool | Prefetch = False, *, schedule: ReleaseSchedule | None = None
                ) -> TransferHandle:
         """Re-allocates the device storages and copies the state back.
 
-        With ``prefetch``, FSDP2 units come back in forward order, each forward
-        waiting only for its own copies, optimizer state behind them until
-        ``optimizer.step()`` ([Note: prefetch reload]); ``residency`` is
-        ``PREFETCHING`` until all is resident. Without FSDP units the
-        parameters come back at once and optimizer state still follows behind;
-        with neither, or with gradients in the state, it is a plain reload.
-
-        The copies run on the H2D stream and the current stream waits for them
-        (no host sync; ``handle.wait_stream(s)`` for another stream). A no-op
-        when already resident.
+        With ``prefetch``, FSDP2 units come back in forward order, each forward waiting only
+        for its own copies, optimizer state behind them until ``optimizer.step()`` ([Note:
+        prefetch reload]); ``residency`` is ``PREFETCHING`` until all is resident. Without FSDP
+        units the parameters come back at once and optimizer state still follows behind; with
+        neither, or with gradients in the state, it is a plain reload. The copies run on the H2D
+        stream and the current stream waits for them (no host sync; ``handle.wait_stream(s)``
+        for another stream). A no-op when already resident.
 
         Args:
             prefetch: ``False``, ``True`` or a :class:`Prefetch` policy.
@@ -385,7 +399,7 @@ class Ferry:
             return self._start_prefetch(off, groups, prefetch if isinstance(prefetch, Prefetch) else Prefetch())
         return self._reload_all(off, schedule)
 
-    def _reload_all(self, off: _Offloaded, schedule: ReleaseSchedule | None) -> TransferHandle:
+    def _reload_all(self, off: Offloaded, schedule: ReleaseSchedule | None) -> TransferHandle:
         plan, cuda = off.plan, self._streams.is_cuda
         tracks = schedule is not None and schedule.tracks
         issued_at = time.perf_counter()
@@ -409,7 +423,7 @@ class Ferry:
                 for stream in comm_streams(plan.modules):  # also read by FSDP2's all-gathers
                     stream.wait_event(copies.event)
                 if arena is not None:
-                    arena.seal()
+                    arena.seal(plan.storages)
                     self._arena = arena
             try:
                 self._set.parking.to_device(range(len(plan.tensors)))
@@ -434,7 +448,7 @@ class Ferry:
         return self._issued(TransferHandle("h2d", nbytes, None))
 
     # --------------------------------------------------------------- prefetch
-    def _start_prefetch(self, off: _Offloaded, groups: list, policy: Prefetch) -> TransferHandle:
+    def _start_prefetch(self, off: Offloaded, groups: list, policy: Prefetch) -> TransferHandle:
         run = PrefetchRun(off.plan, off.views, self._set.parking, self._set.device_views(off.plan), groups, policy,
                           self._streams, self._own_offload_event())
         self._guards.remove()
@@ -475,6 +489,8 @@ class Ferry:
         if self._closed:
             return
         self._drop_pool("close()")
+        if self._pin_ahead is not None:
+            self._pin_ahead.cancel()
         self._guards.remove()
         self._set.forget()
         if self._arena is not None:

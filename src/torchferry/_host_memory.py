@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["HostBuffer", "available_host_bytes", "in_host_pool"]
+__all__ = ["HostBuffer", "available_host_bytes", "host_page_report", "in_host_pool"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,54 @@ _live: dict[int, tuple[int, int]] = {}
 def in_host_pool(ptr: int) -> bool:
     """True if ``ptr`` lies in a torchferry host block (state offloaded by some ferry)."""
     return any(start <= ptr < end for start, end in _live.values())
+
+
+def _read_setting(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def host_page_report() -> dict:
+    """How the live pool blocks of this process are backed by pages (for results' ``env``).
+
+    The DMA engine translates every page of a pinned range; whether the pool
+    is covered by transparent huge pages (2 MiB) or by 4 KiB pages is the
+    first thing to check when a pool copies below a ``torch`` pinned buffer
+    on the same host (issue 17).
+
+    Returns:
+        ``{"thp_enabled", "thp_defrag"}``: the kernel's THP settings (the
+        bracketed word is the one in force; ``None`` if unreadable);
+        ``"pool_bytes"``: bytes of live pool mappings; ``"anon_huge_bytes"``:
+        of those, bytes backed by huge pages (``AnonHugePages`` of their VMAs
+        in ``/proc/self/smaps``); ``"huge_page_coverage"``: their ratio
+        (``None`` without pool or smaps).
+    """
+    thp = "/sys/kernel/mm/transparent_hugepage/"
+    out: dict = {"thp_enabled": _read_setting(thp + "enabled"), "thp_defrag": _read_setting(thp + "defrag"),
+                 "pool_bytes": sum(end - start for start, end in _live.values()), "anon_huge_bytes": None,
+                 "huge_page_coverage": None}
+    ranges = list(_live.values())
+    if not ranges:
+        return out
+    huge, inside = 0, False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if head[0] in "0123456789abcdef" and "-" in head and not head.endswith(":"):
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = any(lo < end and start < hi for start, end in ranges)
+                elif inside and head == "AnonHugePages:":
+                    huge += int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return out
+    out["anon_huge_bytes"] = huge
+    out["huge_page_coverage"] = min(1.0, huge / out["pool_bytes"]) if out["pool_bytes"] else None
+    return out
 
 
 def _map_anonymous(nbytes: int) -> mmap.mmap:

@@ -106,8 +106,16 @@ class HostLayout:
             self._layout = Layout(sig, offsets, total, chunks)
         return self._layout
 
-    def reserve(self, plan: Plan, *, background: bool = False) -> Future | None:
+    def reserve(self, plan: Plan, *, background: bool = False, quiet: bool = False,
+                skip_grads: bool = False) -> Future | None:
         """Makes the pool hold the plan's layout (a no-op when it does).
+
+        Args:
+            plan: the state to hold.
+            background, quiet: as :meth:`HostPool.reserve`.
+            skip_grads: size the pool as if the plan's ``.grad`` storages were
+                gone (pinning ahead right after ``optimizer.step()``, before the
+                ``zero_grad(set_to_none=True)`` that usually precedes the offload).
 
         Returns:
             With ``background``, a future of the pinning seconds (or ``None``).
@@ -115,13 +123,19 @@ class HostLayout:
         Raises:
             HostBudgetError, RuntimeError: as :meth:`HostPool.reserve`.
         """
-        lay = self.layout(plan)
+        if skip_grads and plan.has_grads:
+            grads = {r.storage_index for r in plan.tensors if r.name.endswith(".grad")}
+            sizes = [n for si, n in enumerate(plan.nbytes) if si not in grads]
+            offsets, total, chunks = layout(sizes)
+        else:
+            lay = self.layout(plan)
+            sizes, offsets, total, chunks = plan.nbytes, lay.offsets, lay.total, lay.chunks
         pin_bytes = None
         if self.max_pinned_bytes is not None:
-            pin_bytes = pin_boundary(lay.offsets, plan.nbytes, lay.chunks, self.max_pinned_bytes)
-        if lay.total > self.pool.nbytes:
+            pin_bytes = pin_boundary(offsets, sizes, chunks, self.max_pinned_bytes)
+        if total > self.pool.nbytes:
             self.cached = None  # its views would keep the old block mapped
-        return self.pool.reserve(lay.total, pin_bytes=pin_bytes, background=background)
+        return self.pool.reserve(total, pin_bytes=pin_bytes, background=background, quiet=quiet)
 
     def views(self, plan: Plan, *, cache: bool) -> HostViews:
         """Pool views for ``plan`` (reserving the pool); kept for reuse when ``cache``.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import Future
 
@@ -11,6 +12,8 @@ from ._host_budget import NodeLedger
 from ._host_memory import HostBuffer
 
 __all__ = ["HostPool"]
+
+logger = logging.getLogger(__name__)
 
 
 class HostPool:
@@ -40,6 +43,8 @@ class HostPool:
         self._buffer: HostBuffer | None = None
         self._pending: Future | None = None  # a background allocation under way
         self._pending_bytes = 0
+        self._pending_seconds: Future | None = None  # its pinning seconds, as handed out
+        self._pending_quiet = False  # a failure is logged and forgotten (pinning ahead)
         self._generation = 0
 
     @property
@@ -74,9 +79,14 @@ class HostPool:
     def _resolve(self) -> None:
         """Waits for a background allocation and installs its block (re-raising its error)."""
         pending, self._pending = self._pending, None
-        if pending is not None:
-            self._buffer = pending.result()  # may raise: the pool is then empty
-            self._generation += 1
+        if pending is None:
+            return
+        if self._pending_quiet and pending.exception() is not None:
+            # Pinning ahead failed: the next reserve allocates (and raises) itself.
+            logger.info("torchferry: pinning ahead failed (%s); the first offload pins instead", pending.exception())
+            return
+        self._buffer = pending.result()  # may raise: the pool is then empty
+        self._generation += 1
 
     def _allocate(self, nbytes: int, pin_bytes: int) -> HostBuffer:
         try:
@@ -89,7 +99,8 @@ class HostPool:
         buf._mapping.on_unmap = lambda: ledger.give_back(nbytes)
         return buf
 
-    def reserve(self, nbytes: int, *, pin_bytes: int | None = None, background: bool = False) -> Future | None:
+    def reserve(self, nbytes: int, *, pin_bytes: int | None = None, background: bool = False,
+                quiet: bool = False) -> Future | None:
         """Makes the pool hold at least ``nbytes``; a no-op when it already does.
 
         Must only be called while no slot holds live state (the old block is
@@ -100,10 +111,14 @@ class HostPool:
             pin_bytes: bytes from the start of the block to pin (``None``: all).
             background: allocate, touch and pin in a background thread and
                 return at once; the next ``view`` (or ``reserve``) waits for it.
+            quiet: with ``background``: if the allocation fails, log it and
+                leave the pool empty instead of raising at the next ``view``
+                (pinning ahead, which nobody asked for explicitly).
 
         Returns:
             With ``background``, a ``Future`` resolving to the host seconds the
-            allocation took (``None`` when nothing had to be allocated).
+            allocation took (``None`` when nothing had to be allocated; the
+            pending one's when a background allocation already covers ``nbytes``).
 
         Raises:
             HostBudgetError: the node's budget or free memory cannot hold the
@@ -114,7 +129,7 @@ class HostPool:
         if self._pending is not None and not background:
             self._resolve()
         if nbytes <= self.nbytes:
-            return None
+            return self._pending_seconds if self._pending is not None else None
         self.release()
         pin_bytes = nbytes if pin_bytes is None else min(pin_bytes, nbytes)
         self._ledger.request(nbytes, budget=self.budget, what=f"a host pool ({pin_bytes if self.pin else 0} bytes pinned)")
@@ -130,11 +145,12 @@ class HostPool:
             except BaseException as e:  # handed to whoever waits
                 fut.set_exception(e)
 
-        self._pending, self._pending_bytes = fut, nbytes
+        self._pending, self._pending_bytes, self._pending_quiet = fut, nbytes, quiet
         threading.Thread(target=work, name="torchferry-pin", daemon=True).start()
         seconds: Future = Future()
         fut.add_done_callback(
             lambda f: seconds.set_exception(f.exception()) if f.exception() else seconds.set_result(f.result().pin_seconds))
+        self._pending_seconds = seconds
         return seconds
 
     def view(self, offset: int, nbytes: int, *, own: bool = False) -> torch.Tensor:

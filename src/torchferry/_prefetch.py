@@ -238,7 +238,7 @@ class PrefetchRun:
                 self.plan.storages[si].resize_(0)
             raise
         if self.arena is not None:
-            self.arena.seal()
+            self.arena.seal(self.plan.storages)
         for gi, g in enumerate(self.groups):
             if g.unit is not None:
                 self._hooks.append(g.unit.register_forward_pre_hook(self._unit_hook(gi), prepend=True))

@@ -57,11 +57,20 @@ def bench(
     model: Optional[Path] = typer.Option(None, "--model", help="A local Hugging Face checkpoint folder instead of a preset."),
     layers: Optional[int] = typer.Option(None, help="Override the number of decoder layers."),
     strategies: str = typer.Option("blocking,seed,torchferry,torchferry+prefetch",
-                                   help="Comma-separated, run in this order."),
-    steps: int = typer.Option(3, help="RL steps per strategy (>= 2)."),
-    seq_len: Optional[int] = typer.Option(None, help="Tokens per sequence.", show_default="512; 32 for tiny"),
-    batch_size: int = typer.Option(1, help="Sequences per batch."),
-    micro_batches: int = typer.Option(1, help="Forward(/backward) passes per phase, gradients accumulated."),
+                                   help="Comma-separated, set up in this order; a resident baseline (state "
+                                        "left on the device) always runs too."),
+    steps: int = typer.Option(3, help="Timed steps per strategy, i.e. rounds (>= 2; the noise figure "
+                                      "noise_frac needs several)."),
+    workload: str = typer.Option("default", help="default or compute-rich (seq-len 4096, batch-size 2, "
+                                                 "micro-batches 4, unless given)."),
+    order: str = typer.Option("interleaved", help="interleaved: rounds of one step per strategy, the order "
+                                                  "rotated each round; sequential: all steps of one strategy, "
+                                                  "then the next."),
+    seq_len: Optional[int] = typer.Option(None, help="Tokens per sequence.",
+                                          show_default="512; 32 for tiny; 4096 for compute-rich"),
+    batch_size: Optional[int] = typer.Option(None, help="Sequences per batch.", show_default="1; 2 for compute-rich"),
+    micro_batches: Optional[int] = typer.Option(None, help="Forward(/backward) passes per phase, gradients "
+                                                "accumulated.", show_default="1; 4 for compute-rich"),
     rollout_s: float = typer.Option(0.0, help="Seconds the simulated rollout holds its KV cache."),
     swap: bool = typer.Option(True, help="Also measure a swap: actor out while a critic of the same size comes in."),
     phase_gap_s: float = typer.Option(1.0, help="Untimed host seconds between phases (verl: rewards, advantages)."),
@@ -89,7 +98,7 @@ def bench(
     except ImportError as e:
         _fail(f"torchferry bench needs {e.name}: pip install 'torchferry[bench]'")
     from .bench._paths import write_json_or_fallback
-    from .bench._report import on_gpu, plot_timeline, render_table, swap_line
+    from .bench._report import on_gpu, overlap_lines, plot_timeline, render_table, swap_line
     from .bench._run import BenchConfig, run
 
     console = Console(stderr=True)
@@ -101,7 +110,7 @@ def bench(
     try:
         config = BenchConfig(
             preset=preset, model_path=str(model) if model else None, layers=layers,
-            strategies=names, steps=steps,
+            strategies=names, steps=steps, workload=workload, order=order,
             seq_len=seq_len, batch_size=batch_size, micro_batches=micro_batches, rollout_s=rollout_s,
             phase_gap_s=phase_gap_s, swap=swap, trace=str(trace) if trace else None,
         )
@@ -119,11 +128,8 @@ def bench(
     if not out.is_terminal:
         out = Console(width=170)  # logs and pipes: keep the table on one line per strategy
     out.print(render_table(result))
-    for name, r in result["strategies"].items():
-        if r.get("exposed_reload_vs_torchferry_reload") is not None:
-            out.print(f"{name}: exposed reload {r['exposed_reload_s_per_step']:.3f} s/step, "
-                      f"{r['exposed_reload_vs_torchferry_reload']:.3f}x torchferry's "
-                      f"{result['strategies']['torchferry']['reload_s_per_step']:.3f} s/step")
+    for line in overlap_lines(result):
+        out.print(escape(line))
     sw = result.get("swap")
     if sw:
         out.print(escape(swap_line(sw, on_gpu(result))))
@@ -193,9 +199,9 @@ def bench_pin(
                   f"{small['per_tensor_offload_frac_of_peak']:.1%} (per-tensor copy_)", "")
     table.add_row("4096 x 256 KiB reload (of peak)", f"{small['reload_frac_of_peak']:.1%}",
                   f"{small['per_tensor_reload_frac_of_peak']:.1%} (per-tensor copy_)", "")
-    table.add_row(f"first offload, {first['state_bytes'] / 2**30:.1f} GiB (s)", f"{first['first_offload_s']:.3f}",
+    table.add_row(f"first offload of Ferry() after training, {first['state_bytes'] / 2**30:.1f} GiB (s)", f"{first['first_offload_s']:.3f}",
                   f"{first['steady_offload_s']:.3f} (steady)", f"{first['first_over_steady']:.2f}x")
-    table.add_row("first offload, no background pinning (s)", f"{first['lazy_first_offload_s']:.3f}",
+    table.add_row("first offload, Ferry(pin_ahead=False) (s)", f"{first['lazy_first_offload_s']:.3f}",
                   f"{first['steady_offload_s']:.3f} (steady)", f"{first['lazy_first_over_steady']:.2f}x")
     Console().print(table)
     if json_path:

@@ -1,6 +1,7 @@
 """``torchferry bench`` end to end on the CPU (tiny preset), and its argument errors."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -47,15 +48,19 @@ def test_tiny_preset_runs_on_cpu_and_writes_json_and_png(tmp_path):
     assert r["model"]["preset"] == "tiny" and sb["params"] > 0 and sb["optimizer"] >= 2 * sb["params"]
     assert list(r["strategies"]) == ["blocking", "seed", "torchferry", "torchferry+prefetch"]
     pf = r["strategies"]["torchferry+prefetch"]
-    assert pf["overlap_baseline"] == "torchferry" and pf["exposed_transfer_s_per_step"] >= pf["transfer_spans_s_per_step"]
-    assert pf["exposed_reload_s_per_step"] >= pf["reload_s_per_step"] > 0
+    # Exposures against the resident baseline of the same round (not against plain torchferry's compute).
+    assert pf["overlap_baseline"] == "resident" and pf["reload_s_per_step"] > 0
     assert pf["exposed_reload_vs_torchferry_reload"] == pytest.approx(
         pf["exposed_reload_s_per_step"] / r["strategies"]["torchferry"]["reload_s_per_step"])
+    assert r["order"] == "interleaved" and len(r["order_per_round"]) == 2  # the default
+    assert r["baseline_resident"]["rollout_alloc_ok"] is None and "resident" not in r["strategies"]
     for name, s in r["strategies"].items():
         for k in ("offload_s", "reload_s"):
             assert s[k]["first"] > 0 and s[k]["steady"] > 0, (name, k)
-        for k in ("offload_GBps", "exposed_transfer_s_per_step", "step_s", "reload_s_per_step"):
+        for k in ("offload_GBps", "step_s", "reload_s_per_step", "exposed_offload_s_per_step"):
             assert s[k] > 0, (name, k)
+        assert len(s["exposed_reload_s_all"]) == len(s["exposed_offload_s_all"]) == 2
+        assert s["offload_gpu_s"] is None and s["reload_gpu_s"] is None  # copy-engine seconds: GPU only
         assert (s["reload_GBps"] is None) == name.endswith("+prefetch")  # its reload span is the issue time
         assert s["offload_frac_of_peak"] is None  # no link on a CPU
         assert s["rollout_alloc_ok"] and s["round_trip_bit_exact"], name
@@ -76,6 +81,8 @@ def test_tiny_preset_runs_on_cpu_and_writes_json_and_png(tmp_path):
         (["--preset", "qwen2.5-7b"], "needs a GPU"),
         (["--seq-len", "1"], "seq_len must be >= 2, got 1"),
         (["--phase-gap-s", "-1"], "phase_gap_s must be >= 0, got -1.0"),
+        (["--workload", "heavy"], "unknown workload 'heavy'; choose from default, compute-rich"),
+        (["--order", "random"], "unknown order 'random'; choose from interleaved, sequential"),
     ],
 )
 def test_bad_arguments_exit_nonzero_with_a_message(args, message, tmp_path):
@@ -104,3 +111,144 @@ def test_trace_summary_pairs_ranges_with_bytes_and_gpu_copies(tmp_path):
     assert len(s["kernel_busy"]) == 2 and abs(s["totals"]["kernel_busy_s"] - 230e-6) < 1e-12  # 2 kernels merged
     plot_trace(s, str(tmp_path / "t.png"))
     assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+def _finite(x, path="r"):
+    """Every number in a JSON value is finite (json.loads reads NaN and Infinity without complaint)."""
+    if isinstance(x, dict):
+        for k, v in x.items():
+            _finite(v, f"{path}.{k}")
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            _finite(v, f"{path}[{i}]")
+    elif isinstance(x, float):
+        assert math.isfinite(x), path
+
+
+def test_interleaved_rounds_resident_baseline_and_prefetch_floor(tmp_path):
+    out = tmp_path / "r.json"
+    p = _bench("--strategies", "torchferry,torchferry+prefetch", "--steps", "3", "--phase-gap-s", "0", "--no-swap",
+               "--json", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    _finite(r)
+    names = ["torchferry", "torchferry+prefetch", "resident"]
+    assert r["order"] == "interleaved"
+    assert r["order_per_round"] == [names, names[1:] + names[:1], names[2:] + names[:2]]  # each takes each position
+    base = r["baseline_resident"]
+    assert set(base["compute_s_all"]) == {"old_log_prob", "update_actor"}
+    assert all(len(v) == 3 and min(v) > 0 for v in base["compute_s_all"].values())
+    assert r["noise_frac"] == max(base["noise_frac"].values()) >= 0
+    assert r["model"]["tokens_per_phase_per_rank"] == 32 and r["model"]["batch_size"] == r["model"]["micro_batches"] == 1
+    pf = r["strategies"]["torchferry+prefetch"]
+    assert pf["exposed_reload_floor_s_per_step"] >= 0
+    sb = r["model"]["state_bytes"]
+    for phase, d in pf["floor_detail"].items():
+        # The root, embed_tokens, 2 layers, lm_head (tiny's embeddings are untied).
+        assert len(d["unit_bytes"]) == len(d["unit_compute_s"]) == r["model"]["fsdp_units"] == 5, phase
+        assert sum(d["unit_bytes"]) == sb["params"] and d["copy_rate_from"] == "torchferry" and d["copy_GBps"] > 0
+    assert pf["exposed_reload_floor_s_per_step"] == pytest.approx(sum(d["floor_s"] for d in pf["floor_detail"].values()))
+    for s in r["strategies"].values():
+        e = s["exposed_s_per_phase"]
+        assert set(e) == {"old_log_prob", "update_actor"} and len(s["exposed_reload_s_all"]) == 3
+        assert s["exposed_offload_s_per_step"] > 0 and s["pinning"]["seconds"] == r["strategies"]["torchferry"]["pinning"]["seconds"]
+    hp = r["env"]["host_pages"]
+    assert {"thp_enabled", "thp_defrag", "pool_bytes"} <= set(hp)
+    assert r["link_peak_GBps"] is None and r["link_peak_raised"] == []
+    assert "noise_frac" in p.stdout and "floor" in p.stdout
+
+
+def test_sequential_order_and_compute_rich_workload(tmp_path):
+    out = tmp_path / "r.json"
+    p = _bench("--order", "sequential", "--workload", "compute-rich", "--seq-len", "16", "--strategies",
+               "seed,torchferry+prefetch", "--steps", "2", "--phase-gap-s", "0", "--no-swap", "--json", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    _finite(r)
+    assert r["order"] == "sequential" and r["order_per_round"] is None
+    # compute-rich supplies batch_size and micro_batches; the seq_len given wins.
+    m = r["model"]
+    assert (m["seq_len"], m["batch_size"], m["micro_batches"], m["tokens_per_phase_per_rank"]) == (16, 2, 4, 128)
+    assert (r["config"]["seq_len"], r["config"]["batch_size"], r["config"]["micro_batches"]) == (16, 2, 4)
+    assert r["config"]["workload"] == "compute-rich"
+    assert all(len(v) == 2 for v in r["baseline_resident"]["compute_s_all"].values())
+    pf = r["strategies"]["torchferry+prefetch"]
+    # No plain torchferry run and no link peak on the CPU: no copy rate, so no floor (said in a note).
+    assert pf["exposed_reload_floor_s_per_step"] is None and pf["floor_detail"] is None
+    assert any("prefetch floor" in n for n in r["notes"])
+    assert pf["exposed_reload_vs_torchferry_reload"] is None
+    assert all(s["round_trip_bit_exact"] and s["rollout_alloc_ok"] for s in r["strategies"].values())
+
+
+def test_floor_hand_computed():
+    from torchferry.bench._overlap import phase_floor
+
+    # 10 GB/s: copies 0.1, 0.2, 0.1 s. Unit 0 computes 0.01 s while unit 1 copies 0.2 s: unit 1 starts at
+    # 0.3 s instead of 0.01 s. Cumulative copy - compute before: 0.1, 0.29, 0.4 - 0.51 -> 0.29 s.
+    assert phase_floor([1e9, 2e9, 1e9], [0.01, 0.5, 0.1], 10.0) == pytest.approx(0.29)
+    # Compute that covers every later copy: only the first unit's copy is left.
+    assert phase_floor([1e9, 1e9], [1.0, 1.0], 10.0) == pytest.approx(0.1)
+    # The optimizer tail: 12 GB at 10 GB/s = 1.2 s against 0.7 s of compute -> 0.5 s, above the units' 0.29 s...
+    assert phase_floor([1e9, 2e9, 1e9], [0.01, 0.5, 0.1], 10.0, tail_bytes=12e9, tail_compute_s=0.7) == pytest.approx(0.5)
+    # ...and without effect when the phase computes longer than it takes to copy everything.
+    assert phase_floor([1e9, 2e9, 1e9], [0.01, 0.5, 0.1], 10.0, tail_bytes=12e9, tail_compute_s=2.0) == pytest.approx(0.29)
+    assert phase_floor([], [], 10.0) == 0.0
+    with pytest.raises(ValueError, match="2 unit sizes but 1"):
+        phase_floor([1, 2], [0.1], 10.0)
+    with pytest.raises(ValueError, match="copy rate must be > 0"):
+        phase_floor([1], [0.1], 0.0)
+
+
+def test_exposure_and_noise_from_synthetic_spans():
+    from torchferry.bench._overlap import exposure, noise_frac
+
+    def step(olp_compute, ua_compute):
+        return {"old_log_prob": {"h2d": 0.1, "compute": olp_compute, "d2h": 0.2, "release": 0.05},
+                "update_actor": {"h2d": 0.3, "compute": ua_compute, "d2h": 0.4, "release": 0.05}}
+
+    resident = [{"old_log_prob": 1.0, "update_actor": 2.0}, {"old_log_prob": 1.0, "update_actor": 2.1}]
+    e = exposure([step(1.2, 2.0), step(1.0, 2.5)], resident)
+    # Round 0: (0.1 + 1.2 - 1.0) + (0.3 + 2.0 - 2.0) = 0.6; round 1: (0.1 + 0) + (0.3 + 0.4) = 0.8.
+    assert e["reload_all"] == pytest.approx([0.6, 0.8]) and e["reload"] == pytest.approx(0.7)
+    assert e["offload_all"] == pytest.approx([0.7, 0.7]) and e["offload"] == pytest.approx(0.7)
+    assert e["compute_overhead_all"] == pytest.approx([0.2, 0.4]) and e["compute_overhead"] == pytest.approx(0.3)
+    assert e["per_phase"]["old_log_prob"] == pytest.approx({"reload": 0.2, "offload": 0.25})
+    assert e["per_phase"]["update_actor"] == pytest.approx({"reload": 0.5, "offload": 0.45})
+    # An extra round on one side is left out.
+    assert exposure([step(1.2, 2.0)], resident)["reload_all"] == pytest.approx([0.6])
+
+    top, per = noise_frac([{"old_log_prob": 1.0, "update_actor": 2.0}, {"old_log_prob": 1.1, "update_actor": 2.1},
+                           {"old_log_prob": 0.9, "update_actor": 2.6}])
+    assert per["old_log_prob"] == pytest.approx(0.2) and per["update_actor"] == pytest.approx(0.6 / 2.1)
+    assert top == pytest.approx(0.6 / 2.1)
+    assert noise_frac([]) == (None, {"old_log_prob": None, "update_actor": None})
+
+
+def test_link_peak_is_raised_to_every_observed_rate():
+    from torchferry.bench._overlap import apply_peak, observed_rates, raise_peak
+
+    measured = {"h2d": 50.0, "d2h": 52.0, "bidir": 70.0}
+    results = {
+        "seed": {"offload_GBps": 40.0, "reload_GBps": 45.0,
+                 "observed_GBps": {"d2h": {"steady": 40.0, "first": 30.0}, "h2d": {"steady": 45.0, "per_step_max": 51.0}}},
+        "torchferry": {"offload_GBps": 53.0, "reload_GBps": 49.0,
+                       "observed_GBps": {"d2h": {"steady": 53.0, "per_step_max": 54.0, "gpu": 55.5},
+                                         "h2d": {"steady": 49.0, "gpu": 50.5, "first": None}}},
+        "torchferry+prefetch": {"offload_GBps": 52.5, "reload_GBps": None,
+                                "observed_GBps": {"d2h": {"steady": 52.5}, "h2d": {"gpu": None}}},
+    }
+    swap = {"GBps": 72.0, "frac_of_bidir_peak": 72.0 / 70.0}
+    peak, raised = raise_peak(measured, observed_rates(results, swap))
+    assert peak == {"h2d": 51.0, "d2h": 55.5, "bidir": 72.0} and measured["d2h"] == 52.0  # measured kept as is
+    assert {(x["direction"], x["by"], x["measured_GBps"], x["GBps"]) for x in raised} == {
+        ("d2h", "torchferry: gpu", 52.0, 55.5), ("h2d", "seed: per_step_max", 50.0, 51.0), ("bidir", "swap", 70.0, 72.0)}
+    apply_peak(results, swap, peak)
+    fracs = [r[k] for r in results.values() for k in ("offload_frac_of_peak", "reload_frac_of_peak")]
+    fracs.append(swap["frac_of_bidir_peak"])
+    assert all(f is None or 0 < f <= 1.0 for f in fracs) and fracs.count(None) == 1  # +prefetch: no reload GB/s
+    assert results["torchferry"]["offload_frac_of_peak"] == pytest.approx(53.0 / 55.5)
+    # Below the peak: nothing raised. No GPU: no peak, no fractions.
+    assert raise_peak({"h2d": 60.0, "d2h": 60.0, "bidir": 90.0}, observed_rates(results, swap))[1] == []
+    assert raise_peak(None, observed_rates(results, swap)) == (None, [])
+    apply_peak(results, None, None)
+    assert results["seed"]["offload_frac_of_peak"] is None

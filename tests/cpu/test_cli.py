@@ -43,9 +43,10 @@ def test_bench_help_shows_every_default_unescaped():
     text = " ".join(r.output.split())
     # The preset's default is computed at run time; its text used to vanish as rich markup.
     assert "[default: (qwen2.5-1.5b on a GPU, tiny on the CPU)]" in text
-    assert "[default: (512; 32 for tiny)]" in text
-    for default in ("[default: 3]", "[default: 1.0]", "[default: swap]",
-                    "[default: blocking,seed,torchferry,torchferry+prefetch]"):
+    assert "[default: (512; 32 for tiny; 4096 for compute-rich)]" in text
+    assert "[default: (1; 2 for compute-rich)]" in text and "[default: (1; 4 for compute-rich)]" in text
+    for default in ("[default: 3]", "[default: 1.0]", "[default: swap]", "[default: interleaved]",
+                    "[default: default]", "[default: blocking,seed,torchferry,torchferry+prefetch]"):
         assert default in text, default
 
 

@@ -323,3 +323,22 @@ def test_stats_logging_and_profiler_ranges(caplog):
     done = [r.getMessage() for r in caplog.records if " done: " in r.getMessage()]
     assert len(done) == 3 and all("bytes in" in d and "GB/s" in d for d in done)
     ferry.reload()
+
+
+def test_forget_plan_drops_the_cached_plan_and_the_next_offload_plans_again():
+    """State moved by other means (model.cpu() in place of the ferry): forget_plan() drops the
+    cached plan (which holds the device storages); refused while offloaded; the next offload works."""
+    m = nn.Linear(16, 16)
+    ferry = Ferry(m)
+    ferry.offload()
+    with pytest.raises(RuntimeError, match="forget_plan"):
+        ferry.forget_plan()
+    ferry.reload()
+    assert ferry._set.cache is not None
+    ferry.forget_plan()
+    assert ferry._set.cache is None and ferry._set.parking is None
+    want = m.weight.detach().clone()
+    ferry.offload()
+    assert m.weight.device.type == "cpu"
+    ferry.reload()
+    assert torch.equal(m.weight, want)

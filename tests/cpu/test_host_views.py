@@ -188,3 +188,40 @@ def test_packed_copy_failure_rolls_back_and_retry_works(monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(ts, want))
     ferry.reload()
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(ts, want))
+
+
+@pytest.mark.parametrize("op", ["cat", "split_with_sizes_copy"])
+def test_dense_chunks_one_op_each_way_bit_exact_and_rolled_back_on_failure(monkeypatch, op):
+    """Chunks without padding (sizes multiples of 16 B) gather with one torch.cat(out=) and scatter
+    with one torch.split_with_sizes_copy(out=) ([Note: packing pipeline]); a failure there leaves
+    the state where it was, and the next call works."""
+    g = torch.Generator().manual_seed(5)
+    ts = [torch.randn(4 * int(n), generator=g) for n in torch.randint(1, 3000, (600,), generator=g)]  # 16-B multiples
+    ts += [torch.randn(3, generator=g).to(torch.bfloat16)]  # 6 B: one chunk with padding too
+    want = [t.clone() for t in ts]
+    ferry = Ferry(*ts)
+    ferry.offload()
+    chunks = ferry._set.host.layout(ferry._offloaded.plan).chunks
+    assert chunks[0].dense and sum(c.dense for c in chunks) >= 1
+    assert all(torch.equal(a, b) for a, b in zip(ts, want))
+    ferry.reload()
+    assert all(torch.equal(a, b) for a, b in zip(ts, want))
+    orig = getattr(torch, op)
+
+    def broken(*a, **k):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(torch, op, broken)
+    phase = "offload" if op == "cat" else "reload"
+    if phase == "reload":
+        monkeypatch.setattr(torch, op, orig)
+        ferry.offload()
+        monkeypatch.setattr(torch, op, broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        getattr(ferry, phase)()
+    monkeypatch.setattr(torch, op, orig)
+    assert all(t.device.type == "cpu" for t in ts)
+    getattr(ferry, phase)()
+    if phase == "offload":
+        ferry.reload()
+    assert all(torch.equal(a, b) for a, b in zip(ts, want))

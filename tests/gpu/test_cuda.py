@@ -167,8 +167,8 @@ print("arena ok")
 
 def test_reload_arena_one_segment_and_full_release():
     """After empty_cache, reload puts the large storages in one segment ([Note: reload arena]),
-    and the next offload + empty_cache returns all of it. In a fresh process: the arena is
-    (rightly) skipped when earlier tests left free blocks cached in partly used segments."""
+    and the next offload + empty_cache returns all of it. In a fresh process: free blocks that
+    earlier tests left cached in partly used segments would take some storages by best fit."""
     import subprocess
     import sys
 
@@ -177,6 +177,51 @@ def test_reload_arena_one_segment_and_full_release():
     if not arena_supported():
         pytest.skip("allocator settings disable the reload arena")
     p = subprocess.run([sys.executable, "-c", _ARENA_CHECK], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "arena ok" in p.stdout, p.stderr[-3000:]
+
+
+_ARENA_FOREIGN_CHECK = r"""
+import torch
+from torchferry import Ferry
+x = torch.empty(200 << 20, dtype=torch.uint8, device="cuda")
+del x
+y = torch.empty(60 << 20, dtype=torch.uint8, device="cuda")  # carved from x's cached segment
+z = torch.empty(20 << 20, dtype=torch.uint8, device="cuda")  # keeps that segment alive
+del y  # a cached free block of 60 MiB in a partly used segment, as a training process has
+torch.manual_seed(0)
+ts = [torch.randn(n, device="cuda") for n in [10 << 20] * 12 + [3 << 20, 1000]]
+want = [t.cpu() for t in ts]
+ferry = Ferry(*ts)
+ferry.offload().wait()
+torch.cuda.empty_cache()
+before = {s["address"] for s in torch.cuda.memory_snapshot()}
+base = torch.cuda.memory_reserved()
+ferry.reload().wait()
+new = [s for s in torch.cuda.memory_snapshot() if s["address"] not in before and s.get("segment_type") != "small"]
+assert len(new) == 1, [(s["address"], s["total_size"]) for s in new]  # one arena, not one cudaMalloc per storage
+for t, w in zip(ts, want):
+    torch.testing.assert_close(t.cpu(), w, atol=0, rtol=0)
+ferry.offload().wait()
+torch.cuda.empty_cache()
+assert torch.cuda.memory_reserved() <= base, (torch.cuda.memory_reserved(), base)  # the arena went back whole
+ferry.reload().wait()
+for t, w in zip(ts, want):
+    torch.testing.assert_close(t.cpu(), w, atol=0, rtol=0)
+print("arena ok")
+"""
+
+
+def test_reload_arena_seeded_beside_cached_free_blocks():
+    """Free blocks cached in partly used segments (always there in training) no longer switch
+    the arena off: the reload makes one new segment, and offload + empty_cache returns it."""
+    import subprocess
+    import sys
+
+    from torchferry._device_alloc import arena_supported
+
+    if not arena_supported():
+        pytest.skip("allocator settings disable the reload arena")
+    p = subprocess.run([sys.executable, "-c", _ARENA_FOREIGN_CHECK], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "arena ok" in p.stdout, p.stderr[-3000:]
 
 
@@ -293,3 +338,60 @@ def test_cpu_tensors_stay_put_when_the_ferry_is_on_a_gpu():
     unmoved()
     opt.step()  # the counters are still the optimizer's: the step advances them in place
     assert all(int(s) == int(v) + 1 for s, (_, _, v) in zip(steps, before))
+
+
+def _wait_pool(ferry, seconds=120.0):
+    import time
+
+    t = time.perf_counter()
+    while not ferry._pool.ready():
+        assert time.perf_counter() - t < seconds, "pinning ahead did not finish"
+        time.sleep(0.01)
+
+
+def test_pin_ahead_pins_at_construction_and_the_first_offload_does_not(tmp_path, monkeypatch):
+    """[Note: pin ahead]: Ferry() starts the pool in the background; once it is ready the first
+    offload lands in pinned memory without allocating (same block), bit-exact."""
+    monkeypatch.setenv("TORCHFERRY_LEDGER_DIR", str(tmp_path))
+    ts = [torch.randn(16 << 20, device=DEV) for _ in range(8)]  # 512 MiB
+    want = [t.clone() for t in ts]
+    ferry = Ferry(*ts)
+    assert ferry.host_bytes == ferry.state_bytes  # being allocated already
+    x = torch.randn(4096, 4096, device=DEV)
+    for _ in range(20):  # training goes on meanwhile
+        x = torch.tanh(x @ x)
+    _wait_pool(ferry)
+    block = ferry._pool.block_id
+    assert ferry.reserve_host() > 0  # the pinning seconds, reported once
+    assert ferry.reserve_host() == 0.0
+    ferry.offload().wait()
+    assert ferry._pool.block_id == block and ferry.pinned and all(t.is_pinned() for t in ts)
+    ferry.reload().wait()
+    for t, w in zip(ts, want):
+        torch.testing.assert_close(t, w, atol=0, rtol=0)
+    off = Ferry(*[torch.ones(4 << 20, device=DEV)], pin_ahead=False)
+    assert off.host_bytes == 0  # opted out: pinned by the first offload, as before
+    off.close()
+
+
+def test_pin_ahead_waits_for_the_first_step_and_sizes_without_grads(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHFERRY_LEDGER_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024)).to(DEV)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    ferry = Ferry(m, opt)  # before the first step: no optimizer state yet
+    assert ferry.host_bytes == 0
+    m(torch.randn(8, 1024, device=DEV)).sum().backward()
+    opt.step()
+    assert ferry.host_bytes > 0  # started by the step post-hook
+    opt.zero_grad(set_to_none=True)
+    _wait_pool(ferry)
+    block, host = ferry._pool.block_id, ferry.host_bytes
+    before = [p.detach().clone() for p in m.parameters()]
+    ferry.offload().wait()
+    assert ferry._pool.block_id == block and ferry.host_bytes == host  # no regrowth: sized without grads
+    assert host <= 1.01 * ferry.state_bytes
+    ferry.reload().wait()
+    for p, w in zip(m.parameters(), before):
+        torch.testing.assert_close(p, w, atol=0, rtol=0)
+    ferry.close()

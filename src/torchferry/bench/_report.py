@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
-__all__ = ["on_gpu", "render_table", "swap_line", "write_json", "plot_timeline"]
+__all__ = ["on_gpu", "overlap_lines", "plot_timeline", "render_table", "swap_line", "write_json"]
 
 _COLORS = {"rollout": "#c8c8c8", "h2d": "#1f77b4", "compute": "#2ca02c", "d2h": "#ff7f0e", "release": "#9467bd"}
 _LABELS = {"rollout": "rollout (KV cache)", "h2d": "reload (H2D)", "compute": "compute", "d2h": "offload (D2H)",
@@ -53,14 +54,14 @@ def render_table(result: dict):
     )
     if peak:
         title += f"; link peak H2D {peak['h2d']:.1f} / D2H {peak['d2h']:.1f} / both {peak['bidir']:.1f} GB/s"
-    caption = None
+    caption = ("exposed reload: reload + compute over the resident baseline's in the same round; exposed "
+               "offload: offload + empty_cache (medians over rounds)")
     if any(n.endswith("+prefetch") for n in result["strategies"]):
-        caption = ("+prefetch: reload s is the issue time; its waits fall inside compute and are counted "
-                   "in exposed s/step (compute over plain torchferry's); no reload GB/s")
+        caption += "; +prefetch: reload s is the issue time, its waits fall inside compute; no reload GB/s"
     t = Table(title=title, caption=caption)
     for col in ("strategy", "offload s\nfirst / steady", "reload s\nfirst / steady", "offload\nGB/s (% peak)",
-                "reload\nGB/s (% peak)", "exposed\ns/step", "step s", "pinned host\nGB", "GPU left\noffloaded GB",
-                "rollout\nalloc", "bit-exact"):
+                "reload\nGB/s (% peak)", "exposed s/step\nreload / offload", "step s", "pinned host\nGB",
+                "GPU left\noffloaded GB", "rollout\nalloc", "bit-exact"):
         t.add_column(col, justify="right")
     for name, r in result["strategies"].items():
         t.add_row(
@@ -69,7 +70,7 @@ def render_table(result: dict):
             f"{_s(r['reload_s']['first'])} / {_s(r['reload_s']['steady'])}",
             _gbps(r["offload_GBps"], r["offload_frac_of_peak"], gpu),
             _gbps(r["reload_GBps"], r["reload_frac_of_peak"], gpu),
-            _s(r["exposed_transfer_s_per_step"]),
+            f"{_s(r.get('exposed_reload_s_per_step'))} / {_s(r.get('exposed_offload_s_per_step'))}",
             _s(r["step_s"]),
             _gb(r["pinned_host_bytes"]),
             _gb(r["gpu_bytes_left_offloaded"]),
@@ -77,6 +78,30 @@ def render_table(result: dict):
             "yes" if r["round_trip_bit_exact"] else "NO",
         )
     return t
+
+
+def overlap_lines(result: dict) -> list[str]:
+    """The lines under the table: the resident baseline's noise and, per ``+prefetch`` strategy,
+    its exposed reload against plain torchferry's reload and the floor no overlap can remove."""
+    lines = []
+    base = result.get("baseline_resident")
+    if base:
+        per = ", ".join(f"{p} {_pct(v)}" for p, v in base["noise_frac"].items())
+        rounds = len(next(iter(base["compute_s_all"].values()), []))
+        lines.append(f"resident baseline: noise_frac {_pct(result.get('noise_frac'))} ({per}; (max - min) / median "
+                     f"of its compute over {rounds} rounds; exposures within it are noise)")
+    plain = result["strategies"].get("torchferry")
+    for name, r in result["strategies"].items():
+        if not name.endswith("+prefetch"):
+            continue
+        line = f"{name}: exposed reload {_s(r.get('exposed_reload_s_per_step'))} s/step"
+        if r.get("exposed_reload_vs_torchferry_reload") is not None and plain:
+            line += (f", {r['exposed_reload_vs_torchferry_reload']:.3f}x torchferry's reload "
+                     f"{_s(plain['reload_s_per_step'])} s/step")
+        if "exposed_reload_floor_s_per_step" in r:
+            line += f"; floor {_s(r['exposed_reload_floor_s_per_step'])} s/step (copies no overlap can hide)"
+        lines.append(line)
+    return lines
 
 
 def swap_line(sw: dict, gpu: bool) -> str:
@@ -119,13 +144,14 @@ def plot_timeline(result: dict, path: str | Path) -> None:
         spans = result["strategies"][name]["timeline_step"]
         for s in spans:
             ax.broken_barh([(s["start"], s["end"] - s["start"])], (row - 0.35, 0.7), color=_COLORS[s["kind"]])
-        for a, b in zip(spans, spans[1:]):  # untimed host work between phases (--phase-gap-s)
+        for a, b in itertools.pairwise(spans):  # untimed host work between phases (--phase-gap-s)
             if b["start"] - a["end"] > 0.02:
                 ax.broken_barh([(a["end"], b["start"] - a["end"])], (row - 0.2, 0.4), facecolor="none",
                                edgecolor="#bbbbbb", hatch="///", linewidth=0)
         end = max(s["end"] for s in spans)
-        transfer = result["strategies"][name]["exposed_transfer_s_per_step"]
-        ax.text(end, row, f"  {end:.2f} s (transfers {transfer:.2f} s)", va="center", fontsize=9)
+        transfer = result["strategies"][name].get("exposed_transfer_s_per_step")
+        exposed = "" if transfer is None else f" (exposed transfers {transfer:.2f} s)"
+        ax.text(end, row, f"  {end:.2f} s{exposed}", va="center", fontsize=9)
         for phase in ("old_log_prob", "update_actor"):
             ph = [s for s in spans if s["phase"] == phase]
             if ph:

@@ -6,11 +6,20 @@
   and verl's optimizer helpers, which do ``v.to(..., non_blocking=True)``.
 * ``torchferry``: one :class:`~torchferry.Ferry` for the model, one for the
   optimizer, pools reserved at setup.
+* ``torchferry+prefetch``: the same two ferries (:class:`SharedFerries`), with
+  a layer-wise reload.
+* ``resident`` (the baseline, not selectable): the state stays on the device.
 
 ``offload`` returns when the host copies are complete and the device memory
 is back in the caching allocator; the caller then calls ``release()``
 (``torch.cuda.empty_cache()``, as verl does after every offload) and times it
 apart: it costs one ``cudaFree`` per cached segment, whatever moved the bytes.
+
+Strategies of one ``family`` keep the offloaded state in the same form; the
+bench hands the state from one family to another untimed:
+``prev.reload(optimizer=True); prev.settle(); nxt.offload(optimizer=True); nxt.release()``, with
+``prev.leave()`` right before the first offload of another family (the resident baseline in between
+keeps the state where ``prev`` put it).
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from torch import nn
 
 from .. import Ferry, Prefetch
 
-__all__ = ["STRATEGIES", "Strategy", "make_strategy"]
+__all__ = ["STRATEGIES", "Resident", "SharedFerries", "Strategy", "make_strategy"]
 
 
 def _sync(device: torch.device) -> None:
@@ -41,8 +50,12 @@ class Strategy:
     """Moves one model's parameters (and optionally its optimizer state) off and on."""
 
     name = "base"
+    family = "base"
+    """Strategies of one family keep the offloaded state in the same form (no hand-over between them)."""
     overlaps_reload = False
     """True if ``reload`` returns before its copies are complete and compute waits for them itself."""
+    keeps_resident = False
+    """True if the state never leaves the device (the resident baseline: no KV-cache allocation)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
         self.model, self.optimizer, self.device = model, optimizer, device
@@ -54,8 +67,27 @@ class Strategy:
     def offload(self, optimizer: bool) -> None:
         raise NotImplementedError
 
+    def begin_phase(self, phase: str) -> None:
+        """Called at the start of a phase (``"old_log_prob"``, ``"update_actor"``), before its reload."""
+
     def before_forward_only(self) -> None:
         """Called before a forward-only phase (old_log_prob), after the reload."""
+
+    def after_step(self) -> None:
+        """Called at the end of a step, untimed."""
+
+    def transfer_gpu_s(self) -> dict[str, float | None] | None:
+        """Copy-engine seconds of the last offload and of the reload before it
+        (``{"d2h", "h2d"}``), ``None`` where not known (all but torchferry; the CPU)."""
+        return None
+
+    def settle(self) -> None:
+        """After ``reload(optimizer=True)``: makes the whole state resident now (an overlapped
+        reload completes), so that another strategy can take it over."""
+
+    def leave(self) -> None:
+        """After :meth:`settle`, right before another family frees the state: drops what this
+        strategy keeps on the device beside it, which would keep the freed memory reserved."""
 
     def release(self) -> None:
         """Returns cached device memory to the driver, as verl does after an offload."""
@@ -74,7 +106,7 @@ class Strategy:
 
 
 class Blocking(Strategy):
-    name = "blocking"
+    name = family = "blocking"
 
     @torch.no_grad()
     def offload(self, optimizer: bool) -> None:
@@ -98,7 +130,7 @@ class Blocking(Strategy):
 
 
 class Seed(Strategy):
-    name = "seed"
+    name = family = "seed"
 
     @torch.no_grad()
     def offload(self, optimizer: bool) -> None:
@@ -124,65 +156,161 @@ class Seed(Strategy):
         return _caching_host_bytes()
 
 
+class SharedFerries:
+    """One model :class:`~torchferry.Ferry` and one optimizer ferry, shared by the torchferry
+    strategies: one pinned pool, and no hand-over between them."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        self.model = Ferry(model, device=device)
+        self.optimizer = Ferry(optimizer, device=device)
+        self.pin_s: float | None = None
+        """Host seconds the first ``reserve()`` spent pinning."""
+
+    def reserve(self) -> float:
+        """Reserves both pools once; returns the seconds the first reservation spent."""
+        if self.pin_s is None:
+            self.pin_s = self.model.reserve_host() + self.optimizer.reserve_host()
+        return self.pin_s
+
+    def close(self) -> None:
+        self.model.close()
+        self.optimizer.close()
+
+
 class Torchferry(Strategy):
     name = "torchferry"
+    family = "torchferry"
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.model_ferry = Ferry(self.model, device=self.device)
-        self.opt_ferry = Ferry(self.optimizer, device=self.device)
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+                 ferries: SharedFerries | None = None) -> None:
+        super().__init__(model, optimizer, device)
+        self.ferries = ferries or SharedFerries(model, optimizer, device)
+        self.model_ferry, self.opt_ferry = self.ferries.model, self.ferries.optimizer
+        self._gpu_s: dict[str, float | None] | None = None
 
     def setup(self) -> float:
-        return self.model_ferry.reserve_host() + self.opt_ferry.reserve_host()
+        """Reserves the shared pools; a second strategy on the same ferries reports the first's seconds."""
+        return self.ferries.reserve()
+
+    def _ferries(self, optimizer: bool) -> list[Ferry]:
+        return [self.model_ferry, self.opt_ferry] if optimizer else [self.model_ferry]
 
     def offload(self, optimizer: bool) -> None:
-        handles = [self.model_ferry.offload()]
-        if optimizer:
-            handles.append(self.opt_ferry.offload())
+        ferries = self._ferries(optimizer)
+        handles = [f.offload() for f in ferries]
+        for h in handles:
+            h.wait()
+        if self.device.type == "cuda":
+            def total(xs):
+                return None if any(x is None for x in xs) else sum(xs)
+            self._gpu_s = {"d2h": total([h.seconds for h in handles]),
+                           "h2d": total([f.stats.last_reload_s for f in ferries])}
+
+    def reload(self, optimizer: bool) -> None:
+        handles = [f.reload() for f in self._ferries(optimizer)]
         for h in handles:
             h.wait()
 
-    def reload(self, optimizer: bool) -> None:
-        handles = [self.model_ferry.reload()]
-        if optimizer:
-            handles.append(self.opt_ferry.reload())
-        for h in handles:
-            h.wait()
+    def transfer_gpu_s(self) -> dict[str, float | None] | None:
+        return self._gpu_s
+
+    def settle(self) -> None:
+        for f in (self.model_ferry, self.opt_ferry):
+            f.reload().wait()  # completes a layer-wise reload under way: everything resident
+
+    def leave(self) -> None:
+        # Another family replaces the tensors instead of emptying their storages (model.cpu()):
+        # the ferries' cached plans and reload-arena fillers would keep the whole state's memory
+        # reserved through its steps (seen on an H200: 7.3 GB left offloaded instead of 1.4).
+        # Dropped right before that other offload, not earlier: while the state stays resident
+        # (the resident baseline's steps) the fillers keep activations out of the segment's tail.
+        for f in (self.model_ferry, self.opt_ferry):
+            f.forget_plan()
 
     def pinned_host_bytes(self) -> int:
         return (self.model_ferry.host_bytes + self.opt_ferry.host_bytes) if self.device.type == "cuda" else 0
 
     def close(self) -> None:
-        self.model_ferry.close()
-        self.opt_ferry.close()
+        self.ferries.close()
 
 
 class TorchferryPrefetch(Torchferry):
-    """torchferry with layer-wise reload ([Note: prefetch reload]): the forward starts as soon
-    as the first FSDP unit is back; the optimizer state follows and the step waits for it.
-    In the forward-only phase the offload goes in pieces too ([Note: offload during forward])."""
+    """torchferry with layer-wise reload ([Note: prefetch reload]): ``reload()`` issues the copies of
+    every FSDP unit at once, in forward order (``Prefetch()``: no look-ahead limit), and each unit's
+    forward waits only for its own; the optimizer state follows and the step waits for it.
+    In the forward-only phase the offload goes in pieces too ([Note: offload during forward]).
+    Shares its ferries with ``torchferry`` when both run."""
 
     name = "torchferry+prefetch"
     overlaps_reload = True
 
-    # 2 GiB ahead of the unit computing: reload() issues only the first units and
-    # allocates the rest from the forward hooks, while the host runs ahead of the GPU.
-    lookahead = Prefetch(lookahead_bytes=2 << 30)
+    # Every group issued at reload(): the copy engine streams them back to back. (A 2 GiB look-ahead
+    # issued later copies from the forward hooks, behind the compute already queued.)
+    lookahead = Prefetch()
 
     def reload(self, optimizer: bool) -> None:
-        self.model_ferry.reload(prefetch=self.lookahead)
-        if optimizer:
-            self.opt_ferry.reload(prefetch=self.lookahead)
+        for f in self._ferries(optimizer):
+            f.reload(prefetch=self.lookahead)
 
     def before_forward_only(self) -> None:
         # Offload in pieces: each unit's D2H starts once its forward is done.
         self.model_ferry.offload_during_forward()
 
 
+class Resident(Strategy):
+    """The baseline: the state stays on the device; reload, offload and release do nothing.
+
+    Its steps time the phases' compute with nothing to wait for ([Note: exposed time against a
+    resident baseline] in ``_overlap``); with a :class:`~torchferry.bench._units.UnitTimer`, it
+    also times each FSDP unit in the first forward of each phase.
+    """
+
+    name = family = "resident"
+    keeps_resident = True
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+                 timer=None) -> None:
+        super().__init__(model, optimizer, device)
+        self.timer = timer
+
+    def offload(self, optimizer: bool) -> None:
+        pass
+
+    def reload(self, optimizer: bool) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def begin_phase(self, phase: str) -> None:
+        if self.timer is not None:
+            self.timer.arm(phase)
+
+    def after_step(self) -> None:
+        if self.timer is not None:
+            self.timer.collect()
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.remove()
+
+
 STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (Blocking, Seed, Torchferry, TorchferryPrefetch)}
+"""The strategies a user can select (not the resident baseline, which always runs)."""
 
 
-def make_strategy(name: str, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> Strategy:
+def make_strategy(name: str, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, *,
+                  ferries: SharedFerries | None = None) -> Strategy:
+    """A strategy by name (``"resident"`` too); torchferry strategies use ``ferries`` if given.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if name == Resident.name:
+        return Resident(model, optimizer, device)
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
-    return STRATEGIES[name](model, optimizer, device)
+    cls = STRATEGIES[name]
+    if issubclass(cls, Torchferry):
+        return cls(model, optimizer, device, ferries=ferries)
+    return cls(model, optimizer, device)

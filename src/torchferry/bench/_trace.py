@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["profile_step", "summarise_trace", "plot_trace", "trace_paths", "write_trace"]
+__all__ = ["plot_trace", "profile_step", "summarise_trace", "trace_paths", "write_trace"]
 
 _SUFFIXES = (".json.gz", ".summary.json", ".png")
 

@@ -3,7 +3,8 @@
 rollout (actor offloaded; a KV-cache-sized allocation proves the memory was
 released) -> old_log_prob (reload parameters, forward, offload parameters) ->
 update_actor (reload parameters and optimizer state, forward, backward, step,
-offload both).
+offload both). The resident baseline runs the same phases with the state left
+on the device (its reload, offload and release do nothing; no KV cache).
 """
 
 from __future__ import annotations
@@ -37,11 +38,21 @@ class Span:
 @dataclasses.dataclass
 class StepRecord:
     spans: list[Span]
-    rollout_alloc_ok: bool
+    rollout_alloc_ok: bool | None  # None: not tried (the resident baseline keeps the state on the device)
     rollout_alloc_bytes: int
     gpu_bytes_left_offloaded: int  # memory_reserved() while offloaded, after empty_cache
     pinned_host_bytes: int
     loss: float
+    transfer_gpu_s: dict[str, float | None] | None = None
+    """Copy-engine seconds of update_actor's offload and reload (``{"d2h", "h2d"}``), where known."""
+
+    def phase_seconds(self) -> dict[str, dict[str, float]]:
+        """``{phase: {kind: seconds}}``, spans of one kind in a phase summed."""
+        out: dict[str, dict[str, float]] = {}
+        for s in self.spans:
+            kinds = out.setdefault(s.phase, {})
+            kinds[s.kind] = kinds.get(s.kind, 0.0) + s.seconds
+        return out
 
     def seconds(self, kind: str) -> list[float]:
         return [s.seconds for s in self.spans if s.kind == kind]
@@ -102,7 +113,11 @@ def run_step(strategy: Strategy, batch: torch.Tensor, *, param_bytes: int, state
     left = _reserved(device)
     pinned = strategy.pinned_host_bytes()
 
-    def rollout() -> tuple[bool, int]:
+    def rollout() -> tuple[bool | None, int]:
+        if strategy.keeps_resident:  # the state holds the memory: no KV cache to prove anything
+            if rollout_s:
+                time.sleep(rollout_s)
+            return None, 0
         # A KV cache as large as the state the offload should have released.
         try:
             kv = torch.empty(state_bytes, dtype=torch.uint8, device=device)
@@ -125,6 +140,7 @@ def run_step(strategy: Strategy, batch: torch.Tensor, *, param_bytes: int, state
         return torch.stack(out).mean()
 
     sync = not strategy.overlaps_reload
+    strategy.begin_phase("old_log_prob")
     clock.run("old_log_prob", "h2d", lambda: strategy.reload(optimizer=False), param_bytes, sync_after=sync)
     strategy.before_forward_only()
     clock.run("old_log_prob", "compute", forward_only, sync_before=sync)
@@ -140,8 +156,11 @@ def run_step(strategy: Strategy, batch: torch.Tensor, *, param_bytes: int, state
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
+    strategy.begin_phase("update_actor")
     clock.run("update_actor", "h2d", lambda: strategy.reload(optimizer=True), state_bytes, sync_after=sync)
     loss = clock.run("update_actor", "compute", train, sync_before=sync)
     clock.run("update_actor", "d2h", lambda: strategy.offload(optimizer=True), state_bytes)
+    gpu_s = strategy.transfer_gpu_s()
     clock.run("update_actor", "release", strategy.release)
-    return StepRecord(clock.spans, ok, kv_bytes, left, pinned, float(loss))
+    strategy.after_step()
+    return StepRecord(clock.spans, ok, kv_bytes, left, pinned, float(loss), gpu_s)

@@ -1,0 +1,161 @@
+"""Pinning ahead (``_pin_ahead.py``, [Note: pin ahead]) and the quiet background pool it uses:
+started at once or after the optimizer's first step, once, never raising into training."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from torchferry._host_budget import HostBudgetError
+from torchferry._pin_ahead import PinAhead
+from torchferry._plan import build_plan
+from torchferry._pool import HostPool
+
+
+class _FakeHost:
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.calls: list[dict] = []
+        self.error = error
+
+    def reserve(self, plan, *, background=False, quiet=False, skip_grads=False):
+        self.calls.append({"plan": plan, "background": background, "quiet": quiet, "skip_grads": skip_grads})
+        if self.error is not None:
+            raise self.error
+        return "future"
+
+
+class _FakeState:
+    """The two things PinAhead uses of a StateSet, on a device it takes for a GPU."""
+
+    def __init__(self, targets, error=None, device="cuda") -> None:
+        self.device = torch.device(device)
+        self.host = _FakeHost(error)
+        self._targets = targets
+
+    def plan(self):
+        return build_plan(self._targets, torch.device("cpu"))
+
+
+def _model_and_opt():
+    m = nn.Linear(8, 8)
+    return m, torch.optim.AdamW(m.parameters(), lr=0.1)
+
+
+def _step(m, opt):
+    m(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_starts_at_once_in_the_background_when_the_state_is_complete():
+    m, opt = _model_and_opt()
+    _step(m, opt)  # the optimizer has its state
+    st = _FakeState((m, opt))
+    ahead = PinAhead.arm(st, st.plan())
+    assert len(st.host.calls) == 1 and st.host.calls[0]["background"] and st.host.calls[0]["quiet"]
+    assert st.host.calls[0]["plan"].state_bytes == st.plan().state_bytes
+    assert ahead.claim() == "future" and ahead.claim() is None  # handed out once
+
+
+def test_waits_for_the_first_optimizer_step_then_starts_once():
+    m, opt = _model_and_opt()  # no optimizer state yet: a pool sized now would be too small
+    st = _FakeState((m, opt))
+    params_only = st.plan().state_bytes
+    ahead = PinAhead.arm(st, st.plan())
+    assert st.host.calls == [] and ahead.future is None
+    _step(m, opt)
+    assert len(st.host.calls) == 1 and st.host.calls[0]["skip_grads"]  # grads still exist right after step()
+    assert st.host.calls[0]["plan"].has_grads and st.host.calls[0]["plan"].state_bytes > 3 * params_only
+    _step(m, opt)
+    assert len(st.host.calls) == 1  # the hook removed itself
+
+
+def test_not_armed_on_the_cpu():
+    m, _ = _model_and_opt()
+    st = _FakeState((m,), device="cpu")
+    assert PinAhead.arm(st, st.plan()) is None and st.host.calls == []
+
+
+@pytest.mark.parametrize("error", [HostBudgetError("over the node's budget", 10, 5), RuntimeError("cudaHostRegister failed")])
+def test_a_failure_is_logged_not_raised(error, caplog):
+    m, _ = _model_and_opt()
+    st = _FakeState((m,), error=error)
+    with caplog.at_level(logging.INFO, logger="torchferry._pin_ahead"):
+        ahead = PinAhead.arm(st, st.plan())
+    assert ahead.future is None and "first offload pins instead" in caplog.text
+
+
+def test_a_dropped_ferry_does_not_pin_after_the_step():
+    m, opt = _model_and_opt()
+    st = _FakeState((m, opt))
+    ahead = PinAhead.arm(st, st.plan())
+    del ahead
+    gc.collect()
+    _step(m, opt)
+    assert st.host.calls == []
+
+
+def test_cancel_removes_the_step_hook():
+    m, opt = _model_and_opt()
+    st = _FakeState((m, opt))
+    PinAhead.arm(st, st.plan()).cancel()
+    _step(m, opt)
+    assert st.host.calls == []
+
+
+def test_quiet_background_failure_leaves_an_empty_pool_and_the_next_reserve_allocates(monkeypatch):
+    import torchferry._pool as pool_mod
+
+    real = pool_mod.HostBuffer
+    fail = {"n": 1}
+
+    def flaky(nbytes, **kw):
+        if fail["n"]:
+            fail["n"] -= 1
+            raise RuntimeError("cudaHostRegister failed")
+        return real(nbytes, **kw)
+
+    monkeypatch.setattr(pool_mod, "HostBuffer", flaky)
+    pool = HostPool(pin=False)
+    fut = pool.reserve(4096, background=True, quiet=True)
+    with pytest.raises(RuntimeError):
+        fut.result(timeout=30)  # the future itself still tells
+    pool.reserve(4096)  # no raise from the failed background one: it allocates now
+    assert pool.nbytes == 4096 and pool.view(0, 16).numel() == 16
+
+
+def test_loud_background_failure_raises_at_the_next_use(monkeypatch):
+    import torchferry._pool as pool_mod
+
+    def broken(nbytes, **kw):
+        raise RuntimeError("cudaHostRegister failed")
+
+    monkeypatch.setattr(pool_mod, "HostBuffer", broken)
+    pool = HostPool(pin=False)
+    pool.reserve(4096, background=True)
+    with pytest.raises(RuntimeError, match="cudaHostRegister"):
+        pool.view(0, 16)
+
+
+def test_a_second_background_reserve_gets_the_pending_future():
+    pool = HostPool(pin=False)
+    first = pool.reserve(1 << 20, background=True)
+    assert pool.reserve(1 << 20, background=True) is first
+    assert first.result(timeout=30) >= 0 and pool.nbytes == 1 << 20
+
+
+def test_skip_grads_sizes_the_pool_for_the_state_after_zero_grad():
+    from torchferry._host_views import HostLayout
+
+    m, opt = _model_and_opt()
+    m(torch.ones(2, 8)).sum().backward()
+    opt.step()  # grads still set, as in a step post-hook
+    host = HostLayout(HostPool(pin=False), None)
+    host.reserve(build_plan((m, opt), torch.device("cpu")), skip_grads=True)
+    opt.zero_grad(set_to_none=True)
+    after = build_plan((m, opt), torch.device("cpu"))
+    assert not after.has_grads and host.pool.nbytes == host.layout(after).total  # exact, no grads

@@ -27,13 +27,14 @@ engine() {  # $1: file name suffix
       --json "$out/r/engine_fsdp2_qwen2.5-7b_h200x2_$day$1.json"
 }
 if [ "$stage" = round ]; then
-  run bench_cr 240 torchrun --nproc_per_node 2 -m torchferry bench --preset qwen2.5-7b --workload compute-rich \
-      --strategies torchferry,torchferry+prefetch --steps 4 --no-swap \
+  run bench_cr 210 torchrun --nproc_per_node 2 -m torchferry bench --preset qwen2.5-7b --workload compute-rich \
+      --strategies torchferry,torchferry+prefetch --steps 3 --no-swap \
       --json "$out/r/bench_qwen2.5-7b_h200x2_compute-rich_$day.json" \
       --plot "$out/r/bench_qwen2.5-7b_h200x2_compute-rich_$day.png"
-  run pytest_gpu_x2 190 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
-  CUDA_VISIBLE_DEVICES=0 run pytest_gpu_x1 90 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
-  CUDA_VISIBLE_DEVICES=0 run bench_pin 70 python3 -m torchferry bench-pin --json "$out/r/bench-pin_h200_$day.json"
+  run pytest_gpu_x2 170 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
+  CUDA_VISIBLE_DEVICES=0 run pytest_gpu_x1 80 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
+  tar -czf "$out/results_partial.tar.gz" -C "$out/r" .
+  CUDA_VISIBLE_DEVICES=0 run bench_pin 60 python3 -m torchferry bench-pin --json "$out/r/bench-pin_h200_$day.json"
 elif [ "$stage" = tests ]; then
   tiers
   engine _run6

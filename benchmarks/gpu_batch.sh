@@ -6,7 +6,8 @@
 #   bash benchmarks/gpu_batch.sh tests   # GPU tiers on 2 and 1 GPUs, the 7B engine run, verl's actor: ~8 min
 #   bash benchmarks/gpu_batch.sh final   # GPU tier on 2 GPUs, verl's actor (0.5B), GPU tier on 1 GPU: ~9 min
 #   bash benchmarks/gpu_batch.sh bench   # the 7B engine run and the 7B bench: ~6 min
-#   bash benchmarks/gpu_batch.sh round   # the compute-rich 7B bench, GPU tiers on 2 and 1 GPUs, bench-pin: ~9 min
+#   bash benchmarks/gpu_batch.sh round   # the compute-rich 7B bench (~3 min), GPU tiers on 2 and 1 GPUs (>3 min, ~70 s)
+#   bash benchmarks/gpu_batch.sh pin     # torchferry bench-pin on one GPU (~1 min)
 # The device's copy of .git may be older than the tree it runs: set TORCHFERRY_COMMIT to say which commit ran.
 set -u
 stage=${1:-tests}
@@ -19,7 +20,7 @@ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width
 grep -h "AnonHugePages\|HugePages_Total" /proc/meminfo > "$out/r/host_thp.txt" 2>&1
 cat /sys/kernel/mm/transparent_hugepage/enabled >> "$out/r/host_thp.txt" 2>&1
 tiers() {  # the GPU tests on 2 GPUs, then on 1
-  run pytest_gpu_x2 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
+  run pytest_gpu_x2 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
   CUDA_VISIBLE_DEVICES=0 run pytest_gpu_x1 110 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
 }
 engine() {  # $1: file name suffix
@@ -31,16 +32,16 @@ if [ "$stage" = round ]; then
       --strategies torchferry,torchferry+prefetch --steps 3 --no-swap \
       --json "$out/r/bench_qwen2.5-7b_h200x2_compute-rich_$day.json" \
       --plot "$out/r/bench_qwen2.5-7b_h200x2_compute-rich_$day.png"
-  run pytest_gpu_x2 170 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
-  CUDA_VISIBLE_DEVICES=0 run pytest_gpu_x1 80 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
-  tar -czf "$out/results_partial.tar.gz" -C "$out/r" .
-  CUDA_VISIBLE_DEVICES=0 run bench_pin 60 python3 -m torchferry bench-pin --json "$out/r/bench-pin_h200_$day.json"
+  run pytest_gpu_x2 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
+  CUDA_VISIBLE_DEVICES=0 run pytest_gpu_x1 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
+elif [ "$stage" = pin ]; then
+  CUDA_VISIBLE_DEVICES=0 run bench_pin 90 python3 -m torchferry bench-pin --json "$out/r/bench-pin_h200_$day.json"
 elif [ "$stage" = tests ]; then
   tiers
   engine _run6
   run verl_actor 150 bash benchmarks/verl_actor.sh "$out/r" 2 qwen2.5-0.5b 4
 elif [ "$stage" = final ]; then
-  run pytest_gpu_x2 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
+  run pytest_gpu_x2 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
   run verl_actor 240 bash benchmarks/verl_actor.sh "$out/r" 2 qwen2.5-0.5b 4
   CUDA_VISIBLE_DEVICES=0 run pytest_gpu_x1 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
 else

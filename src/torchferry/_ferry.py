@@ -24,10 +24,10 @@ from ._plan import build_plan
 from ._prefetch import Prefetch, PrefetchRun, prefetch_groups
 from ._reconcile import reconcile
 from ._release import PROGRESS_EVERY, ReleaseSchedule
-from ._residency import Offloaded, Residency
+from ._residency import Residency
 from ._stats import StatsRecorder, TransferStats
 from ._targets import Targets
-from ._whole import StateSet
+from ._whole import Offloaded, StateSet
 
 __all__ = ["Ferry"]
 

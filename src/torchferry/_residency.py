@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple
 
-from ._host_views import HostViews
-from ._plan import Plan
-
-__all__ = ["Offloaded", "Residency"]
+__all__ = ["Residency"]
 
 
 class Residency(enum.Enum):
@@ -41,11 +37,3 @@ class Residency(enum.Enum):
         """True for ``D2H_IN_FLIGHT`` and ``HOST``: the tensors are CPU tensors."""
         return self in (Residency.D2H_IN_FLIGHT, Residency.HOST)
 
-
-class Offloaded(NamedTuple):
-    """What a ferry holds while its state is on the host: the plan, its pool views, and the ids
-    of the tensors the targets held at the offload (see [Note: state replaced while offloaded])."""
-
-    plan: Plan
-    views: HostViews
-    ids: list[int]

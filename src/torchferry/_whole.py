@@ -39,7 +39,7 @@ from ._repoint import Parking
 from ._streams import TransferStreams, streams_for
 from ._targets import Targets
 
-__all__ = ["OffloadIssued", "StateSet"]
+__all__ = ["OffloadIssued", "Offloaded", "StateSet"]
 
 
 class OffloadIssued(NamedTuple):
@@ -49,6 +49,15 @@ class OffloadIssued(NamedTuple):
     plan: Plan
     views: HostViews
     copies: D2HIssued
+    ids: list[int]
+
+
+class Offloaded(NamedTuple):
+    """What a ferry holds while its state is on the host: the plan, its pool views, and the ids
+    of the tensors the targets held at the offload (see [Note: state replaced while offloaded])."""
+
+    plan: Plan
+    views: HostViews
     ids: list[int]
 
 

@@ -30,6 +30,7 @@ from .. import Ferry
 from .._pool import HostPool
 from .._host_budget import NodeLedger
 from ._link import measure_link_peak, release_host_cache
+from ._setup import source_commit
 
 __all__ = ["SCHEMA", "run_pin_bench", "summarise_small"]
 
@@ -223,7 +224,7 @@ def run_pin_bench(*, pin_bytes: int = 4 << 30, first_state_bytes: int = 8 << 30,
         "schema": SCHEMA,
         "env": {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "device": str(device),
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "command": command},
+                "command": command, "commit": source_commit()},
         "link_peak_GBps": peak,
         "pinning": pinning,
         "small_tensors": small,

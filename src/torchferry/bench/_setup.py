@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["command_line", "env_record", "init_distributed", "shard_fsdp2"]
+__all__ = ["command_line", "env_record", "init_distributed", "shard_fsdp2", "source_commit"]
 
 
 def init_distributed(use_cuda: bool) -> tuple[int, int, torch.device]:
@@ -77,4 +77,21 @@ def env_record(device: torch.device, world: int) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command_line(),
         "device": str(device),
+        "commit": source_commit(),
     }
+
+
+def source_commit() -> str | None:
+    """The commit that ran: ``TORCHFERRY_COMMIT`` if set (a copy of the tree whose ``.git`` is
+    stale, as on the device machines), else ``git rev-parse --short HEAD`` of the package's
+    checkout, else ``None``."""
+    if os.environ.get("TORCHFERRY_COMMIT"):
+        return os.environ["TORCHFERRY_COMMIT"]
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None

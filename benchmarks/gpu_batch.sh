@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_batch.sh bench   # the 7B engine run and the 7B bench: ~6 min
 #   bash benchmarks/gpu_batch.sh round   # the compute-rich 7B bench (~3 min), GPU tiers on 2 and 1 GPUs (>3 min, ~70 s)
 #   bash benchmarks/gpu_batch.sh pin     # torchferry bench-pin on one GPU (~1 min)
+#   bash benchmarks/gpu_batch.sh probe   # do H2D copies slow NCCL all-gathers or matmuls here? (~1 min)
 # The device's copy of .git may be older than the tree it runs: set TORCHFERRY_COMMIT to say which commit ran.
 set -u
 stage=${1:-tests}
@@ -34,6 +35,10 @@ if [ "$stage" = round ]; then
       --plot "$out/r/bench_qwen2.5-7b_h200x2_compute-rich_$day.png"
   run pytest_gpu_x2 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
   CUDA_VISIBLE_DEVICES=0 run pytest_gpu_x1 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
+elif [ "$stage" = probe ]; then  # what slows the compute while prefetch copies run (issue 17)
+  NCCL_DEBUG=INFO run probe_contention 120 torchrun --nproc_per_node 2 benchmarks/probe_contention.py \
+      "$out/r/probe_contention_h200x2_$day.json"
+  grep -h "via\|Channel 00" "$out/r/probe_contention.log" | head -20 > "$out/r/nccl_transport.txt"
 elif [ "$stage" = pin ]; then
   CUDA_VISIBLE_DEVICES=0 run bench_pin 90 python3 -m torchferry bench-pin --json "$out/r/bench-pin_h200_$day.json"
 elif [ "$stage" = tests ]; then

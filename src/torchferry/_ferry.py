@@ -104,7 +104,7 @@ class Ferry:
         self._state_bytes = plan.state_bytes
         self._recorder = StatsRecorder()
         self._closed = False
-        self._pin_ahead = PinAhead.arm(self._set, plan) if pin_ahead and fixed else None
+        self._pin_ahead = PinAhead.arm(self._set, plan) if pin_ahead else None
 
     # ------------------------------------------------------------------ state
     @property

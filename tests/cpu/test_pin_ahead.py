@@ -33,7 +33,9 @@ class _FakeState:
 
     def __init__(self, targets, error=None, device="cuda") -> None:
         self.device = torch.device(device)
+        self.device_fixed = True
         self.host = _FakeHost(error)
+        self.pool = HostPool(pin=False)  # empty: pinning ahead only starts on an empty pool
         self._targets = targets
 
     def plan(self):
@@ -58,6 +60,7 @@ def test_starts_at_once_in_the_background_when_the_state_is_complete():
     ahead = PinAhead.arm(st, st.plan())
     assert len(st.host.calls) == 1 and st.host.calls[0]["background"] and st.host.calls[0]["quiet"]
     assert st.host.calls[0]["plan"].state_bytes == st.plan().state_bytes
+    assert not st.host.calls[0]["skip_grads"]  # at construction: the state as it is
     assert ahead.claim() == "future" and ahead.claim() is None  # handed out once
 
 
@@ -159,3 +162,69 @@ def test_skip_grads_sizes_the_pool_for_the_state_after_zero_grad():
     opt.zero_grad(set_to_none=True)
     after = build_plan((m, opt), torch.device("cpu"))
     assert not after.has_grads and host.pool.nbytes == host.layout(after).total  # exact, no grads
+
+
+def test_another_step_post_hook_after_ours_still_runs_and_step_completes():
+    """Our hook must not remove itself while torch iterates over the step post-hooks
+    (that raised 'OrderedDict mutated during iteration' after the parameters were updated)."""
+    m, opt = _model_and_opt()
+    st = _FakeState((m, opt))
+    ahead = PinAhead.arm(st, st.plan())
+    seen = []
+    opt.register_step_post_hook(lambda *a: seen.append(1))
+    _step(m, opt)
+    _step(m, opt)
+    assert seen == [1, 1] and len(st.host.calls) == 1
+    ahead.cancel()
+
+
+def test_waits_until_every_optimizer_without_state_has_stepped():
+    m1, o1 = _model_and_opt()
+    m2, o2 = _model_and_opt()
+    st = _FakeState((m1, m2, o1, o2))
+    params_only = st.plan().state_bytes
+    ahead = PinAhead.arm(st, st.plan())
+    _step(m1, o1)
+    assert st.host.calls == []  # o2 has no state yet: a pool sized now would be too small
+    _step(m2, o2)
+    assert len(st.host.calls) == 1 and ahead.future == "future"
+    adam = sum(v.untyped_storage().nbytes() for o in (o1, o2) for st_ in o.state.values()
+               for v in st_.values() if torch.is_tensor(v))
+    assert adam >= 2 * params_only  # exp_avg and exp_avg_sq of both models' parameters
+    assert st.host.calls[0]["plan"].state_bytes >= params_only + adam  # sized for both optimizers' state
+
+
+def test_not_started_once_the_pool_holds_a_block():
+    """After an offload the pool holds the state; growing it from the step hook could drop a block
+    an H2D copy still reads: pinning ahead stays out."""
+    m, opt = _model_and_opt()
+    st = _FakeState((m, opt))
+    PinAhead.arm(st, st.plan())
+    st.pool.reserve(4096)  # an offload happened before the first step
+    _step(m, opt)
+    assert st.host.calls == []
+
+
+def test_optimizer_only_ferry_before_its_first_step_is_armed_from_its_parameters_device(monkeypatch):
+    """No tensor yet, no device given: the parameters' device says where the state will be."""
+    import torchferry._pin_ahead as pa
+
+    m, opt = _model_and_opt()
+    st = _FakeState((opt,), device="cpu")
+    st.device_fixed = False
+    assert pa._param_device([opt]) == torch.device("cpu")
+    assert PinAhead.arm(st, st.plan()) is None  # CPU parameters: nothing to pin
+    monkeypatch.setattr(pa, "_param_device", lambda opts: torch.device("cuda", 0))
+    ahead = PinAhead.arm(st, st.plan())
+    assert ahead is not None and st.host.calls == []
+    _step(m, opt)
+    assert len(st.host.calls) == 1 and st.host.calls[0]["plan"].state_bytes > 0
+
+
+def test_any_error_in_the_hook_is_logged_not_raised_into_step(caplog):
+    m, opt = _model_and_opt()
+    st = _FakeState((m, opt), error=MemoryError("no memory"))
+    ahead = PinAhead.arm(st, st.plan())  # noqa: F841  (kept: the hook holds it weakly)
+    with caplog.at_level(logging.INFO, logger="torchferry._pin_ahead"):
+        _step(m, opt)  # does not raise
+    assert "first offload pins instead" in caplog.text

@@ -11,6 +11,7 @@ against a resident baseline] in ``_overlap``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -98,8 +99,8 @@ class BenchConfig:
         for name, value, low in (("seq_len", self.seq_len, 2), ("batch_size", self.batch_size, 1),
                                  ("micro_batches", self.micro_batches, 1),
                                  ("rollout_s", self.rollout_s, 0), ("phase_gap_s", self.phase_gap_s, 0)):
-            if value is not None and value < low:
-                raise ValueError(f"{name} must be >= {low}, got {value}")
+            if value is not None and not (value >= low and math.isfinite(value)):  # NaN fails both
+                raise ValueError(f"{name} must be a finite number >= {low}, got {value}")
         if self.preset is not None and self.model_path is not None:
             raise ValueError("give either a preset or --model, not both")
 

@@ -395,3 +395,28 @@ def test_pin_ahead_waits_for_the_first_step_and_sizes_without_grads(tmp_path, mo
     for p, w in zip(m.parameters(), before):
         torch.testing.assert_close(p, w, atol=0, rtol=0)
     ferry.close()
+
+
+def test_pin_ahead_optimizer_only_ferry_and_other_step_hooks(tmp_path, monkeypatch):
+    """An optimizer-only ferry made before the first step is armed from its parameters' device;
+    another step post-hook registered after ours still runs (ours does not remove itself mid-step)."""
+    monkeypatch.setenv("TORCHFERRY_LEDGER_DIR", str(tmp_path))
+    m = torch.nn.Linear(1024, 1024).to(DEV)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    ferry = Ferry(opt)
+    seen = []
+    opt.register_step_post_hook(lambda *a: seen.append(1))
+    assert ferry.host_bytes == 0
+    m(torch.randn(8, 1024, device=DEV)).sum().backward()
+    opt.step()
+    assert seen == [1] and ferry.host_bytes > 0 and ferry.device.type == "cuda"
+    opt.zero_grad(set_to_none=True)
+    _wait_pool(ferry)
+    block = ferry._pool.block_id
+    want = {k: v.clone() for k, v in opt.state[m.weight].items()}
+    ferry.offload().wait()
+    assert ferry._pool.block_id == block
+    ferry.reload().wait()
+    for k, v in want.items():
+        torch.testing.assert_close(opt.state[m.weight][k], v, atol=0, rtol=0)
+    ferry.close()

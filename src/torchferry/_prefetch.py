@@ -116,8 +116,10 @@ def group_plan(plan: Plan) -> list[Group]:
             alias[id(u)] = seen_states[key]
     if not units:
         # Optimizer state alone: one tail group, completed by the step pre-hook,
-        # so the forward before the step does not wait for it.
-        if plan.optimizers and plan.storages:
+        # so the forward before the step does not wait for it. With a module target
+        # too (no FSDP units), a plain reload: its parameters must be back before
+        # the forward, not at the step (a backward in between would drop their grads).
+        if plan.optimizers and plan.storages and not plan.modules:
             return [Group(None, list(range(len(plan.storages))), list(range(len(plan.tensors))), plan.state_bytes)]
         return []
     owner: dict[int, int] = {}  # id(tensor) -> group index

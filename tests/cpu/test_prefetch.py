@@ -476,3 +476,21 @@ def test_prefetch_training_is_bit_identical_in_every_mode(mode):
     lookahead 0, a sub-unit run first, an exception in forward; training stays bit-identical."""
     body = functools.partial(_holds_case, mode=mode)
     run_spawned(body, world=2)
+
+
+def test_model_and_optimizer_without_fsdp_units_reload_plainly_with_prefetch():
+    """Parameters of a non-FSDP model must be resident for the forward, not only at the step:
+    otherwise the backward's grads were dropped and the step silently did nothing."""
+    m = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    m(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    ferry = Ferry(m, opt)
+    ferry.offload()
+    ferry.reload(prefetch=True)
+    before = m.weight.detach().clone()
+    m(torch.ones(2, 8)).sum().backward()
+    assert m.weight.grad is not None
+    opt.step()
+    assert not torch.equal(m.weight, before)  # the step updated the parameters

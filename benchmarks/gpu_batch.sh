@@ -8,12 +8,14 @@
 #   bash benchmarks/gpu_batch.sh bench   # the 7B engine run and the 7B bench: ~6 min
 #   bash benchmarks/gpu_batch.sh round   # the compute-rich 7B bench (~3 min), GPU tiers on 2 and 1 GPUs (>3 min, ~70 s)
 #   bash benchmarks/gpu_batch.sh pin     # torchferry bench-pin on one GPU (~1 min)
+#   bash benchmarks/gpu_batch.sh diag    # probe + the compute-rich bench traced, phases compared (~6 min)
 #   bash benchmarks/gpu_batch.sh probe   # do H2D copies slow NCCL all-gathers or matmuls here? (~1 min)
 # The device's copy of .git may be older than the tree it runs: set TORCHFERRY_COMMIT to say which commit ran.
 set -u
 stage=${1:-tests}
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
-out=${OUT:-/tmp/torchferry-out}; mkdir -p "$out/r"
+# Work under /tmp; only the tarball goes to $OUT (the device tool returns at most 8 files from there).
+out=/tmp/torchferry-work; mkdir -p "$out/r"
 export TORCHFERRY_RESULTS_DIR=$out/r
 day=$(date -u +%F)
 run() { local name=$1 limit=$2; shift 2; echo "== $name: $*"; timeout "$limit" "$@" > "$out/r/$name.log" 2>&1; echo "   rc=$? $(tail -1 "$out/r/$name.log")"; }
@@ -35,6 +37,15 @@ if [ "$stage" = round ]; then
       --plot "$out/r/bench_qwen2.5-7b_h200x2_compute-rich_$day.png"
   run pytest_gpu_x2 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
   CUDA_VISIBLE_DEVICES=0 run pytest_gpu_x1 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
+elif [ "$stage" = diag ]; then  # where prefetch's exposed time goes (issue 17): contention probe, traced bench
+  NCCL_DEBUG=INFO run probe_contention 120 torchrun --nproc_per_node 2 benchmarks/probe_contention.py \
+      "$out/r/probe_contention_h200x2_$day.json"
+  grep -h "via\|Channel 00" "$out/r/probe_contention.log" | head -20 > "$out/r/nccl_transport.txt"
+  run bench_cr 300 torchrun --nproc_per_node 2 -m torchferry bench --preset qwen2.5-7b --workload compute-rich \
+      --strategies torchferry,torchferry+prefetch --steps 2 --no-swap --trace "$out/t/trace_cr" \
+      --json "$out/r/bench_qwen2.5-7b_h200x2_compute-rich_diag_$day.json"
+  cp "$out"/t/*.summary.json "$out"/t/*.png "$out/r/" 2>/dev/null
+  python3 benchmarks/compare_phases.py "$out/t/trace_cr" "$out/r/phases_compute-rich_$day.json"
 elif [ "$stage" = probe ]; then  # what slows the compute while prefetch copies run (issue 17)
   NCCL_DEBUG=INFO run probe_contention 120 torchrun --nproc_per_node 2 benchmarks/probe_contention.py \
       "$out/r/probe_contention_h200x2_$day.json"
@@ -56,5 +67,6 @@ else
       --json "$out/r/bench_qwen2.5-7b_h200x2_${day}_final.json" \
       --plot "$out/r/bench_qwen2.5-7b_h200x2_${day}_final.png"
 fi
-tar -czf "$out/results_$stage.tar.gz" -C "$out/r" .
+mkdir -p "${OUT:-/tmp/torchferry-out}"
+tar -czf "${OUT:-/tmp/torchferry-out}/results_$stage.tar.gz" -C "$out/r" .
 grep -h "passed\|failed" "$out"/r/pytest_*.log 2>/dev/null | tail -4

@@ -78,8 +78,9 @@ def bench(
                                              "the run; missing folders are made)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG timeline of one step per strategy here."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Path prefix: profile one extra step of each "
-                                         "torchferry strategy (rank 0); writes PREFIX.<strategy>.json.gz "
-                                         "(Chrome/Perfetto trace), .summary.json and .png."),
+                                         "torchferry strategy and of the resident baseline (rank 0); writes "
+                                         "PREFIX.<strategy>.json.gz (Chrome/Perfetto trace), .summary.json "
+                                         "(with per-phase kernel time) and .png."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logs of every transfer."),
 ) -> None:
     """A colocated RL step (rollout, old_log_prob, update_actor) on Qwen2, strategies side by side.

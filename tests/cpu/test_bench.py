@@ -33,13 +33,16 @@ def test_tiny_preset_runs_on_cpu_and_writes_json_and_png(tmp_path):
     assert len(swap) == 1 and swap[0].endswith("bit-exact: yes") and "GB/s" not in swap[0]
     rows = [ln for ln in p.stdout.splitlines() if re.search(r"\b(blocking|seed|torchferry\S*) [│|]", ln)]
     assert len(rows) == 4 and all(ln.count(" - ") >= 2 for ln in rows), p.stdout
-    # --trace: each torchferry strategy's three files, each announced.
+    # --trace: each torchferry strategy's three files and the resident baseline's, each announced.
     wrote = [ln.split(" ", 1)[1] for ln in p.stderr.splitlines() if ln.startswith("wrote ")]
-    want = [f"{trace}.{s}{ext}" for s in ("torchferry", "torchferry-prefetch")
+    want = [f"{trace}.{s}{ext}" for s in ("torchferry", "torchferry-prefetch", "resident")
             for ext in (".json.gz", ".summary.json", ".png")]
     assert wrote == [*want, str(out), str(png)]
     assert r["trace_files"] == want and all(os.path.getsize(f) > 0 for f in want)
-    assert set(r["traces"]) == {"torchferry", "torchferry+prefetch"}
+    assert set(r["traces"]) == {"torchferry", "torchferry+prefetch", "resident"}
+    phases = json.loads(open(f"{trace}.resident.summary.json").read())["phases"]
+    assert [p["name"] for p in phases][1:4] == ["bench::old_log_prob::h2d", "bench::old_log_prob::compute",
+                                                "bench::old_log_prob::d2h"]
     assert r["schema"] == "torchferry.bench/1"
     assert set(r["env"]) >= {"gpu", "torch", "world_size", "date", "command"}
     assert r["env"]["world_size"] == 1 and r["link_peak_GBps"] is None
@@ -253,3 +256,28 @@ def test_link_peak_is_raised_to_every_observed_rate():
     assert raise_peak(None, observed_rates(results, swap)) == (None, [])
     apply_peak(results, None, None)
     assert results["seed"]["offload_frac_of_peak"] is None
+
+
+def test_trace_phase_breakdown_splits_kernels_by_kind_and_finds_the_compute_streams_idle_time():
+    from torchferry.bench._trace import summarise_trace
+
+    ev = lambda name, cat, ts, dur, **args: {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "args": args}  # noqa: E731
+    trace = {"traceEvents": [
+        ev("bench::update_actor::compute", "user_annotation", 0, 10_000),
+        ev("sm90_xmma_gemm_bf16", "kernel", 100, 3000, stream=7),
+        ev("flash_fwd_kernel", "kernel", 4100, 1000, stream=7),  # 1000 us idle before it
+        ev("ncclDevKernel_AllGather", "kernel", 200, 2000, stream=21),
+        ev("vectorized_elementwise_kernel", "kernel", 5100, 400, stream=7),
+        ev("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", 300, 1000, bytes=10**9),
+        ev("cudaMalloc", "cuda_runtime", 50, 20), ev("cudaMalloc", "cuda_runtime", 60, 30),
+        ev("sm90_xmma_gemm_bf16", "kernel", 20_000, 50, stream=7),  # outside the range
+    ]}
+    (row,) = summarise_trace(trace)["phases"]
+    assert row["name"] == "bench::update_actor::compute" and row["wall_s"] == 0.01
+    assert row["kernel_s"] == pytest.approx({"nccl": 0.002, "gemm": 0.003, "attention": 0.001, "other": 0.0004},
+                                            rel=1e-9, abs=0)
+    assert row["kernels"] == {"nccl": 1, "gemm": 1, "attention": 1, "other": 1}
+    assert row["compute_stream"] == 7 and abs(row["busy_s"] - 0.0044) < 1e-12
+    assert abs(row["idle_s"] - (0.01 - 0.0044)) < 1e-12
+    assert row["h2d_GB"] == 1.0 and row["h2d_s"] == 0.001 and row["d2h_GB"] == 0.0
+    assert row["runtime"]["cudaMalloc"][0] == 2 and abs(row["runtime"]["cudaMalloc"][1] - 50e-6) < 1e-12

@@ -235,7 +235,8 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
         ("no CUDA device: ran on the CPU end to end; transfer figures need a GPU (GB/s are left out: "
          "CPU copies of a tiny model time Python overhead, not a link)")]
     names = list(config.strategies)
-    traced = [n for n in names if n.startswith("torchferry")] if config.trace else []
+    # The resident baseline's step too: the same phases' kernels with nothing in flight.
+    traced = [*(n for n in names if n.startswith("torchferry")), "resident"] if config.trace else []
     bench = Rounds(config, model, opt, device, batch, shape["micro_batches"], sizes, say)
     order_per_round: list[list[str]] | None = None
     release_host_cache()

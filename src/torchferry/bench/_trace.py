@@ -5,7 +5,11 @@
 (Chrome / Perfetto trace), ``PREFIX.<strategy>.summary.json`` (the
 ``torchferry::d2h`` / ``torchferry::h2d`` ranges with their bytes, the
 memcpy activity on the GPU, merged kernel busy spans) and
-``PREFIX.<strategy>.png`` (that summary as a timeline).
+``PREFIX.<strategy>.png`` (that summary as a timeline). The resident
+baseline's step is profiled too (``PREFIX.resident.*``), so each phase's
+kernels can be compared with the same phase run with nothing in flight
+(``phases`` in the summary: kernel seconds per kind, the compute stream's idle
+time, CUDA runtime calls; see :func:`phase_breakdown`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["plot_trace", "profile_step", "summarise_trace", "trace_paths", "write_trace"]
+__all__ = ["phase_breakdown", "plot_trace", "profile_step", "summarise_trace", "trace_paths", "write_trace"]
 
 _SUFFIXES = (".json.gz", ".summary.json", ".png")
 
@@ -77,13 +81,13 @@ def summarise_trace(trace: dict) -> dict:
             kind = "HtoD" if "HtoD" in name else "DtoH" if "DtoH" in name else name
             memcpy.append({"kind": kind, "bytes": args.get("bytes"), "start_s": start, "dur_s": dur})
         elif cat == "kernel":
-            kernels.append((start, start + dur))
+            kernels.append((start, start + dur, name, args.get("stream")))
     for r in ranges:
         for s, e, nbytes in labels:
             if r["start_s"] <= s and e <= r["start_s"] + r["dur_s"] + 1e-9:
                 r["bytes"] = nbytes
                 break
-    busy = _merge(kernels, 50e-6)
+    busy = _merge([(s, e) for s, e, _, _ in kernels], 50e-6)
     totals = {}
     for kind in ("HtoD", "DtoH"):
         cps = [m for m in memcpy if m["kind"] == kind]
@@ -93,7 +97,77 @@ def summarise_trace(trace: dict) -> dict:
                         "GBps": nbytes / secs / 1e9 if secs else None}
     totals["kernel_busy_s"] = sum(e - s for s, e in busy)
     return {"ranges": ranges, "memcpy": memcpy, "kernel_busy": [{"start_s": s, "dur_s": e - s} for s, e in busy],
-            "totals": totals}
+            "totals": totals, "phases": phase_breakdown(events, t0, kernels, memcpy)}
+
+
+_KINDS = (("nccl", ("nccl",)), ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "wgmma")),
+          ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")), ("other", ("",)))
+_RUNTIME = ("cudaMalloc", "cudaFree", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize",
+            "cudaStreamWaitEvent", "cudaHostAlloc", "cudaMemcpyAsync")
+
+
+def _kind(name: str) -> str:
+    low = name.lower()
+    return next(k for k, keys in _KINDS if any(key in low for key in keys))
+
+
+def phase_breakdown(events: list[dict], t0: float, kernels: list[tuple], memcpy: list[dict]) -> list[dict]:
+    """Per ``bench::<phase>::<kind>`` range (the bench's clock, ``_workload``): what the GPU did in it.
+
+    A kernel or copy belongs to the range it starts in. Per range: ``wall_s``;
+    ``kernel_s`` (summed kernel seconds by kind: ``nccl``, ``gemm``,
+    ``attention``, ``other``) and ``kernels`` (their counts); ``compute_stream``
+    (the stream with the most non-NCCL kernel seconds) with its ``busy_s``
+    (merged over gaps < 5 us) and ``idle_s`` (``wall_s - busy_s``: where it
+    waited, for copies, collectives or the host); ``h2d_GB`` / ``d2h_GB`` and
+    their copy seconds; ``runtime``: per CUDA runtime call in ``_RUNTIME``,
+    ``[count, seconds]`` on the host; ``host_ops``: the ten CPU ops and ranges
+    with the most host seconds (nested ones counted in each). Seconds throughout.
+    """
+    spans = []
+    for e in events:
+        name = e.get("name", "")
+        if name.startswith("bench::") and e.get("cat") in ("user_annotation", "cpu_op"):
+            start = (float(e["ts"]) - t0) / 1e6
+            spans.append((name, start, start + float(e.get("dur", 0)) / 1e6))
+    runtime = [((float(e["ts"]) - t0) / 1e6, float(e.get("dur", 0)) / 1e6, e.get("name", ""))
+               for e in events if e.get("cat") == "cuda_runtime" and e.get("name", "") in _RUNTIME]
+    ops = [((float(e["ts"]) - t0) / 1e6, float(e.get("dur", 0)) / 1e6, e.get("name", ""))
+           for e in events if e.get("cat") in ("cpu_op", "user_annotation") and not e.get("name", "").startswith("bench::")]
+    out = []
+    for name, start, end in sorted(spans, key=lambda x: x[1]):
+        inside = [k for k in kernels if start <= k[0] < end]
+        kernel_s = {k: 0.0 for k, _ in _KINDS}
+        counts = {k: 0 for k, _ in _KINDS}
+        per_stream: dict = {}
+        for s, e, kname, stream in inside:
+            kind = _kind(kname)
+            kernel_s[kind] += e - s
+            counts[kind] += 1
+            if kind != "nccl":
+                per_stream.setdefault(stream, []).append((s, e))
+        stream = max(per_stream, key=lambda st: sum(e - s for s, e in per_stream[st]), default=None)
+        busy = sum(e - s for s, e in _merge(per_stream.get(stream, []), 5e-6))
+        row = {"name": name, "start_s": start, "wall_s": end - start, "kernel_s": kernel_s, "kernels": counts,
+               "compute_stream": stream, "busy_s": busy, "idle_s": (end - start) - busy, "runtime": {}}
+        for kind, key in (("HtoD", "h2d"), ("DtoH", "d2h")):
+            cps = [m for m in memcpy if m["kind"] == kind and start <= m["start_s"] < end]
+            row[f"{key}_GB"] = sum(m["bytes"] or 0 for m in cps) / 1e9
+            row[f"{key}_s"] = sum(m["dur_s"] for m in cps)
+        for ts, dur, rname in runtime:
+            if start <= ts < end:
+                c = row["runtime"].setdefault(rname, [0, 0.0])
+                c[0] += 1
+                c[1] += dur
+        host: dict[str, list] = {}
+        for ts, dur, oname in ops:
+            if start <= ts < end:
+                c = host.setdefault(oname, [0, 0.0])
+                c[0] += 1
+                c[1] += dur
+        row["host_ops"] = dict(sorted(host.items(), key=lambda kv: -kv[1][1])[:10])
+        out.append(row)
+    return out
 
 
 def write_trace(prof, prefix: str) -> dict:

@@ -1,84 +1,80 @@
-"""Probe (issue 17): which change takes update_actor's compute slowdown under a layer-wise reload away?
+"""Probe (issue 17): what takes update_actor's compute slowdown under a layer-wise reload away?
 
-The traced compute-rich run (``gpu_batch.sh diag``) showed, for update_actor under
-``torchferry+prefetch`` against the resident baseline: the same kernel seconds, but the compute
-stream idle 0.55 s instead of 0.09 s, NCCL kernels 1.06 s instead of 0.58 s (waiting for the
-other rank), and the phase's 346 ``cudaMalloc`` calls taking 0.275 s of host time instead of
-0.067 s while the optimizer state's 30.5 GB streamed in. Variants, run interleaved in one bench:
+The traced compute-rich run (``gpu_batch.sh diag``, ``phases_compute-rich_*.json``) showed, for
+update_actor under ``torchferry+prefetch`` against the resident baseline: the same kernel seconds,
+but the compute stream idle 0.55 s instead of 0.09 s, NCCL kernels 1.06 s instead of 0.58 s
+(waiting for the other rank), and the host slower throughout (the phase's 346 ``cudaMalloc`` calls
+0.275 s instead of 0.067 s; ``aten::mul`` 0.96 s instead of 0.65 s) while the optimizer state's
+30.5 GB streamed in at line rate. (A first version of this probe topped the caching allocator up
+at reload: it ran out of memory, the cached block was on the wrong stream for FSDP2's all-gathers.)
+Variants, interleaved with the resident baseline in one bench:
 
-* ``torchferry+prefetch+warm``: after the reload is issued, one allocation tops the caching
-  allocator up to what it held when this phase last ended (then freed into the cache), so the
-  phase's activations are carved from cached blocks instead of ~100 ``cudaMalloc`` calls.
-* ``torchferry+prefetch+lateopt``: the optimizer state's reload is issued when the first
-  micro-batch's forward returns (the parameters' copies alone run during that forward).
-* ``torchferry+prefetch+warm+lateopt``: both.
+* ``torchferry+prefetch+paced``: the optimizer state's copies spaced on the H2D stream (1 GiB,
+  then a ``torch.cuda._sleep`` of ~60 ms, GPU-side: no host work), ~13 GB/s instead of ~54,
+  still done ~2.4 s after the reload, before ``optimizer.step()``.
+* ``torchferry+prefetch+noearly``: no ``offload_during_forward()`` in old_log_prob (no D2H
+  copies beside the H2D ones and the forward).
 
-Usage (2 GPUs): ``torchrun --nproc_per_node 2 benchmarks/probe_prefetch_variants.py [bench options]``;
-the options are ``torchferry bench``'s (``--workload compute-rich --steps 3 --json OUT``).
+Usage (2 GPUs): ``torchrun --nproc_per_node 2 benchmarks/probe_prefetch_variants.py [bench options]``.
 """
 import sys
 
 import torch
 
-from torchferry import Prefetch
+from torchferry import _prefetch
 from torchferry.bench._strategies import STRATEGIES, TorchferryPrefetch
 from torchferry.cli import main
 
+CHUNK = 1 << 30
+SLEEP_CYCLES = 120_000_000  # ~60 ms at the H200's ~1.98 GHz
+_copy_group = _prefetch.PrefetchRun._copy_group
+PACE = {"on": False}
 
-class _Warm(TorchferryPrefetch):
-    name = "torchferry+prefetch+warm"
-    warm, late_opt = True, False
 
-    def __init__(self, *a, **k) -> None:
-        super().__init__(*a, **k)
-        self._phase, self._held = "", {}
-        self._late = None
+def _paced_copy_group(self, gi: int) -> None:
+    g = self.groups[gi]
+    if not (PACE["on"] and g.unit is None and self.streams.is_cuda and g.nbytes > 4 * CHUNK):
+        return _copy_group(self, gi)
+    plan, slots = self.plan, self.views.slots
+    done = 0
+    with torch.cuda.stream(self.streams.h2d):
+        for si in g.storages:
+            if not plan.nbytes[si]:
+                continue
+            dst = (self.device_views[si] if self.device_views is not None
+                   else torch.empty(0, dtype=torch.uint8, device=plan.device).set_(plan.storages[si]))
+            dst.copy_(slots[si], non_blocking=True)
+            done += plan.nbytes[si]
+            if done >= CHUNK:
+                torch.cuda._sleep(SLEEP_CYCLES)
+                done = 0
 
-    def begin_phase(self, phase: str) -> None:
-        self._phase = phase
 
-    def offload(self, optimizer: bool) -> None:
-        if self.device.type == "cuda":
-            self._held[self._phase] = torch.cuda.memory_reserved(self.device)
-        super().offload(optimizer)
+_prefetch.PrefetchRun._copy_group = _paced_copy_group
+
+
+class _Paced(TorchferryPrefetch):
+    name = "torchferry+prefetch+paced"
 
     def reload(self, optimizer: bool) -> None:
-        self.model_ferry.reload(prefetch=self.lookahead)
-        if optimizer and self.late_opt:
-            def hook(module, args, output):
-                self._late.remove()
-                self._late = None
-                self.opt_ferry.reload(prefetch=Prefetch())
-            self._late = self.model.register_forward_hook(hook)
-        elif optimizer:
-            self.opt_ferry.reload(prefetch=self.lookahead)
-        if self.warm and self.device.type == "cuda":
-            top_up = self._held.get(self._phase, 0) - torch.cuda.memory_reserved(self.device)
-            if top_up > 64 << 20:
-                torch.empty(top_up, dtype=torch.uint8, device=self.device)  # one cudaMalloc, freed into the cache
-
-    def settle(self) -> None:
-        if self._late is not None:
-            self._late.remove()
-            self._late = None
-        super().settle()
+        PACE["on"] = True
+        try:
+            super().reload(optimizer)
+        finally:
+            PACE["on"] = False
 
 
-class _LateOpt(_Warm):
-    name = "torchferry+prefetch+lateopt"
-    warm, late_opt = False, True
+class _NoEarly(TorchferryPrefetch):
+    name = "torchferry+prefetch+noearly"
+
+    def before_forward_only(self) -> None:
+        pass
 
 
-class _Both(_Warm):
-    name = "torchferry+prefetch+warm+lateopt"
-    warm, late_opt = True, True
-
-
-for cls in (_Warm, _LateOpt, _Both):
+for cls in (_Paced, _NoEarly):
     STRATEGIES[cls.name] = cls
 
 if __name__ == "__main__":
     sys.argv = [sys.argv[0], "bench", "--strategies",
-                "torchferry,torchferry+prefetch," + ",".join(c.name for c in (_Warm, _LateOpt, _Both)),
-                *sys.argv[1:]]
+                "torchferry,torchferry+prefetch," + ",".join(c.name for c in (_Paced, _NoEarly)), *sys.argv[1:]]
     main()

@@ -108,6 +108,11 @@ class EarlyOffload:
 
         return hook
 
+    @property
+    def copied(self) -> set[int]:
+        """Storage indices copied early: their slots were rewritten ([Note: unchanged storages])."""
+        return {si for gi in self._versions for si in self.groups[gi].storages if si not in self._skip}
+
     def take(self, plan: Plan, views: HostViews) -> set[int]:
         """Storage indices whose early copies still hold their current bytes (disarms).
 

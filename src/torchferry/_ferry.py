@@ -59,6 +59,10 @@ class Ferry:
             thread from now on (after an optimizer target's first step if it
             has no state yet), so that the first offload does not pin
             ([Note: pin ahead]). Default on.
+        skip_unchanged: offloads copy only the storages written since the last reload (version
+            counters, then a 128-bit hash on the device) and release the rest uncopied (a frozen
+            base, a reference model), at the cost of the hashing. Opt-in until measured on GPUs,
+            then the default ([Note: unchanged storages] in ``torchferry._unchanged``).
 
     Raises:
         ValueError: no targets, tensors on several devices, or a negative or
@@ -83,7 +87,7 @@ class Ferry:
 
     def __init__(self, *targets: object, device: torch.device | str | None = None,
                  max_pinned_bytes: int | None = None, host_budget_bytes: int | None = None,
-                 pin_ahead: bool = True) -> None:
+                 pin_ahead: bool = True, skip_unchanged: bool = False) -> None:
         for name, value in (("max_pinned_bytes", max_pinned_bytes), ("host_budget_bytes", host_budget_bytes)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise ValueError(f"torchferry: {name} must be an int >= 0 (bytes) or None, got {value!r}")
@@ -92,7 +96,8 @@ class Ferry:
         # No tensor yet (an optimizer before its first step), no device: decided at the first offload.
         fixed = device is not None or bool(plan.tensors)
         self._set = StateSet(self._targets, plan.device if fixed else None, max_pinned_bytes=max_pinned_bytes,
-                             host_budget_bytes=budget_from_env() if host_budget_bytes is None else host_budget_bytes)
+                             host_budget_bytes=budget_from_env() if host_budget_bytes is None else host_budget_bytes,
+                             skip_unchanged=skip_unchanged)
         ref = weakref.ref(self)
         self._guards = OffloadGuards(lambda: repr(ref()) if ref() is not None else "Ferry(dropped)")
         self._offloaded: Offloaded | None = None
@@ -288,8 +293,8 @@ class Ferry:
         issued_at = time.perf_counter()
         with transfer_range("d2h", self._state_bytes):
             tracks = schedule is not None and schedule.tracks and cuda
-            plan, views, copies, ids = self._set.issue_offload(self._disarm_early(),
-                                                                PROGRESS_EVERY if tracks else None)
+            issued = self._set.issue_offload(self._disarm_early(), PROGRESS_EVERY if tracks else None)
+            plan, views, copies, ids, same = issued
             sources = self._set.device_views(plan)
             try:
                 self._guards.install(plan.modules, plan.optimizers)
@@ -300,9 +305,9 @@ class Ferry:
             self._offloaded = Offloaded(plan, views, ids)
             self._residency = Residency.D2H_IN_FLIGHT if cuda else Residency.HOST
             handle = self._issued(TransferHandle("d2h", plan.state_bytes, copies.event, issued_at,
-                                                 start_event=copies.start))
+                                                 start_event=copies.start, bytes_copied=issued.bytes_copied))
             if tracks:
-                schedule.hold(plan, sources, copies, self._streams)  # see [Note: swap budget]
+                schedule.hold(plan, sources, copies, self._streams, same)  # see [Note: swap budget]
             else:
                 release(plan, sources, self._streams)
             if self._arena is not None:
@@ -430,6 +435,7 @@ class Ferry:
             except BaseException:
                 undo_allocations(plan, range(len(plan.storages)), self._streams)
                 raise
+            self._set.reloaded(plan, off.views, swapping=tracks)  # see [Note: unchanged storages]
         self._offloaded = None
         self._guards.remove()
         self._residency = Residency.H2D_IN_FLIGHT if cuda else Residency.DEVICE
@@ -450,7 +456,7 @@ class Ferry:
     # --------------------------------------------------------------- prefetch
     def _start_prefetch(self, off: Offloaded, groups: list, policy: Prefetch) -> TransferHandle:
         run = PrefetchRun(off.plan, off.views, self._set.parking, self._set.device_views(off.plan), groups, policy,
-                          self._streams, self._own_offload_event())
+                          self._streams, self._own_offload_event(), self._set.reloaded)
         self._guards.remove()
         self._prefetch = run
         self._residency = Residency.PREFETCHING

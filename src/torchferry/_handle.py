@@ -17,6 +17,8 @@ class TransferHandle:
     Attributes:
         direction: ``"d2h"`` (offload) or ``"h2d"`` (reload).
         nbytes: bytes the transfer moves (0 for a no-op).
+        bytes_copied: bytes actually copied: ``nbytes`` less, for an offload,
+            the storages skipped as unchanged (``Ferry(skip_unchanged=True)``).
         issued_at: ``time.perf_counter()`` when the transfer was issued.
     """
 
@@ -28,9 +30,11 @@ class TransferHandle:
         issued_at: float | None = None,
         *,
         start_event: torch.cuda.Event | None = None,
+        bytes_copied: int | None = None,
     ) -> None:
         self.direction = direction
         self.nbytes = nbytes
+        self.bytes_copied = nbytes if bytes_copied is None else bytes_copied
         self._event = event  # recorded on the copy stream after the last copy
         self._start_event = start_event  # recorded on the copy stream before the first copy
         self._callbacks: list[Callable[[TransferHandle], None]] = []

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -187,6 +188,8 @@ class PrefetchRun:
         streams: the device's streams.
         after: an event the H2D stream waits for first (the ferry's last
             offload: its slots may still be filling), or ``None``.
+        on_resident: called with ``(plan, views, group)`` once a group is
+            resident, before any later kernel (``StateSet.reloaded``), or ``None``.
 
     Attributes:
         finished: every group resident and every hook removed.
@@ -198,9 +201,10 @@ class PrefetchRun:
 
     def __init__(self, plan: Plan, views: HostViews, parking: Parking, device_views: list[torch.Tensor] | None,
                  groups: list[Group], policy: Prefetch, streams: TransferStreams,
-                 after: torch.cuda.Event | None) -> None:
+                 after: torch.cuda.Event | None, on_resident: Callable[..., None] | None = None) -> None:
         self.plan, self.views, self.parking, self.device_views = plan, views, parking, device_views
         self.groups, self.policy, self.streams, self._after = groups, policy, streams, after
+        self._on_resident = on_resident
         self.issued = 0  # groups issued, in order
         self.events: list[torch.cuda.Event | None] = []
         self._versions: list[list[int]] = []  # per issued group: its host tensors' versions at issue
@@ -363,3 +367,5 @@ class PrefetchRun:
                 stream.wait_event(ev)
         self.parking.to_device(self.groups[gi].tensors)
         self.resident.add(gi)
+        if self._on_resident is not None:  # re-copied above too: its baseline is taken now
+            self._on_resident(self.plan, self.views, self.groups[gi])

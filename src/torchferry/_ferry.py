@@ -17,7 +17,7 @@ from ._early import EarlyOffload
 from ._fsdp import comm_streams
 from ._gc import gc_paused
 from ._guards import OffloadGuards
-from ._handle import TransferHandle
+from ._handle import TransferHandle, done_future
 from ._host_budget import budget_from_env
 from ._pin_ahead import PinAhead
 from ._plan import build_plan
@@ -32,12 +32,6 @@ from ._whole import Offloaded, StateSet
 __all__ = ["Ferry"]
 
 logger = logging.getLogger("torchferry")
-
-
-def _done_future(value: object) -> Future:
-    fut: Future = Future()
-    fut.set_result(value)
-    return fut
 
 
 class Ferry:
@@ -59,10 +53,10 @@ class Ferry:
             thread from now on (after an optimizer target's first step if it
             has no state yet), so that the first offload does not pin
             ([Note: pin ahead]). Default on.
-        skip_unchanged: offloads copy only the storages written since the last reload (version
-            counters, then a 128-bit hash on the device) and release the rest uncopied (a frozen
-            base, a reference model), at the cost of the hashing. Opt-in until measured on GPUs,
-            then the default ([Note: unchanged storages] in ``torchferry._unchanged``).
+        skip_unchanged: offloads copy only the storages written since the last reload and
+            release the rest uncopied (a frozen base, a reference model); a 128-bit hash of each
+            such storage on the device at each reload and offload decides ([Note: unchanged
+            storages] in ``torchferry._unchanged``). Default off.
 
     Raises:
         ValueError: no targets, tensors on several devices, or a negative or
@@ -203,14 +197,14 @@ class Ferry:
         self._check_open()
         self._complete_prefetch()
         if self.residency.on_host:
-            return _done_future(0.0) if background else 0.0
+            return done_future(0.0) if background else 0.0
         before = self._pool.nbytes
         plan = self._set.plan()
         fut = self._set.host.reserve(plan, background=background)
         self._state_bytes = plan.state_bytes
         ahead = self._pin_ahead.claim() if self._pin_ahead is not None else None  # the pool came from it
         if background:
-            return fut or ahead or _done_future(0.0)
+            return fut or ahead or done_future(0.0)
         if self._pool.nbytes != before:
             return self._pool.pin_seconds
         return self._pool.pin_seconds if ahead is not None and self._pool.pinned_bytes else 0.0
@@ -319,8 +313,7 @@ class Ferry:
 
     def _own_offload_event(self) -> torch.cuda.Event | None:
         """This ferry's last offload event (only this ferry's, see ``StateSet.issue_reload``)."""
-        last = self._recorder.latest("d2h")
-        return last.event if last is not None else None
+        return getattr(self._recorder.latest("d2h"), "event", None)
 
     # ----------------------------------------------------- offload in pieces
     @torch.no_grad()
@@ -350,7 +343,8 @@ class Ferry:
         else:
             plan = self._set.plan()
             views = self._set.host.views(plan, cache=True)  # the pool, now: the hooks must not fail
-        self._early = EarlyOffload.arm_for(plan, views, self._set.device_views(plan), self._streams)
+        self._early = EarlyOffload.arm_for(plan, views, self._set.device_views(plan), self._streams,
+                                           self._set.baseline())
 
     def _disarm_early(self) -> EarlyOffload | None:
         early, self._early = self._early, None
@@ -456,8 +450,10 @@ class Ferry:
     # --------------------------------------------------------------- prefetch
     def _start_prefetch(self, off: Offloaded, groups: list, policy: Prefetch) -> TransferHandle:
         run = PrefetchRun(off.plan, off.views, self._set.parking, self._set.device_views(off.plan), groups, policy,
-                          self._streams, self._own_offload_event(), self._set.reloaded)
+                          self._streams, self._own_offload_event(), self._set.group_copied,
+                          self._set.group_resident)
         self._guards.remove()
+        self._set.forget_baseline()  # its groups take a new one as they are copied
         self._prefetch = run
         self._residency = Residency.PREFETCHING
         try:

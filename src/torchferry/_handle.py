@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Literal
 
 import torch
 
-__all__ = ["TransferHandle"]
+__all__ = ["TransferHandle", "done_future"]
 
 
 class TransferHandle:
@@ -107,3 +108,10 @@ class TransferHandle:
     def __repr__(self) -> str:
         state = "done" if self.done() else "in flight"
         return f"TransferHandle({self.direction}, {self.nbytes} bytes, {state})"
+
+
+def done_future(value: object) -> Future:
+    """A ``concurrent.futures.Future`` already holding ``value``."""
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut

@@ -141,24 +141,43 @@ class StateSet:
         if self.unchanged is not None:
             self.unchanged.drop_rules()
 
-    def reloaded(self, plan: Plan, views: HostViews, group=None, *, swapping: bool = False) -> None:
-        """Takes the baseline of [Note: unchanged storages] for what was just made resident:
-        all of ``plan``, or one group of a layer-wise reload (``_prefetch.Group``). Nothing under a
-        swap with a budget (the hash's temporaries would exceed it) or with ``skip_unchanged`` off."""
+    def reloaded(self, plan: Plan, views: HostViews, *, swapping: bool = False) -> None:
+        """Takes the baseline of [Note: unchanged storages] after a plain reload (the current stream
+        waited for its copies, no kernel queued since). Nothing under a swap with a budget (the
+        hash's temporaries would exceed it) or with ``skip_unchanged`` off."""
         if self.unchanged is None:
             return
         if swapping:
             self.unchanged.forget()
-        elif group is None:
-            self.unchanged.reloaded(plan, views, self.device_views(plan))
-        else:
-            self.unchanged.reloaded(plan, views, self.device_views(plan), group.storages, group.tensors)
+            return
+        self.unchanged.copied_in(plan, views, self.device_views(plan))
+        self.unchanged.resident(plan, views, self.parking.host_versions())
+
+    def group_copied(self, plan: Plan, views: HostViews, group) -> None:
+        """A layer-wise reload's group (``_prefetch.Group``) was just copied in on the current stream."""
+        if self.unchanged is not None:
+            self.unchanged.copied_in(plan, views, self.device_views(plan), group.storages)
+
+    def group_resident(self, plan: Plan, views: HostViews, group) -> None:
+        """A layer-wise reload's group was made resident: its version counters are the baseline's."""
+        if self.unchanged is not None:
+            self.unchanged.resident(plan, views, self.parking.host_versions(group.tensors), group.tensors)
+
+    def forget_baseline(self) -> None:
+        """Drops the baseline of [Note: unchanged storages] (a layer-wise reload starts a new one)."""
+        if self.unchanged is not None:
+            self.unchanged.forget()
+
+    def baseline(self) -> set[int] | frozenset[int]:
+        """Storages holding a baseline hash now (live; empty with ``skip_unchanged`` off)."""
+        return self.unchanged.baseline if self.unchanged is not None else frozenset()
 
     def _unchanged_now(self, plan: Plan, views: HostViews, early: EarlyOffload | None) -> set[int]:
         """Storages the offload may skip: their slots still hold their bytes (consumes the baseline)."""
         if self.unchanged is None:
             return set()
-        return self.unchanged.take(plan, views, self.device_views(plan), early.copied if early is not None else ())
+        return self.unchanged.take(plan, views, self.device_views(plan), self.parking.host_versions(),
+                                   early.copied if early is not None else ())
 
     # ----------------------------------------------------------------- copies
     def issue_offload(self, early: EarlyOffload | None, progress_every: int | None) -> OffloadIssued:

@@ -253,3 +253,41 @@ def test_link_peak_is_raised_to_every_observed_rate():
     assert raise_peak(None, observed_rates(results, swap)) == (None, [])
     apply_peak(results, None, None)
     assert results["seed"]["offload_frac_of_peak"] is None
+
+
+def test_lora_scenario_runs_on_cpu_skips_the_frozen_base_and_is_bit_exact(tmp_path):
+    """``torchferry bench-lora`` (issue 16): peft adapters on the tiny preset under FSDP2, seed and
+    torchferry (skip_unchanged) side by side; verify mode checks every skip against a full copy."""
+    pytest.importorskip("peft")
+    out = tmp_path / "lora.json"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TORCHFERRY_VERIFY_SKIPS": "1"}
+    p = subprocess.run([sys.executable, "-m", "torchferry", "bench-lora", "--steps", "3", "--layers", "2",
+                        "--rank", "4", "--json", str(out)], capture_output=True, text=True, timeout=600,
+                       cwd=tmp_path, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["schema"] == "torchferry.bench-lora/1" and r["model"]["lora_rank"] == 4
+    seed, tf = r["strategies"]["seed"], r["strategies"]["torchferry"]
+    assert seed["round_trip_bit_exact"] and tf["round_trip_bit_exact"]
+    assert seed["same_state_as_seed"] and tf["same_state_as_seed"]
+    assert seed["state_bytes"] == tf["state_bytes"]
+    assert seed["offload_all_bytes_copied"] == seed["state_bytes"]["total"]
+    # The frozen base is never copied again: the forward-only offload copies nothing, the training
+    # offload only the adapters and their AdamW state.
+    assert tf["offload_params_bytes_copied"] == 0
+    assert 0 < tf["offload_all_bytes_copied"] < 0.5 * tf["state_bytes"]["total"]
+    assert all(s["offload_params_bytes_copied"] == 0 for s in tf["steps"][1:])
+    assert "torchferry steady offload vs seed" in p.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--strategies", "blocking"], "strategies must be distinct names from seed, torchferry"),
+    (["--steps", "1"], "steps must be >= 2"),
+    (["--rank", "0"], "rank must be >= 1"),
+])
+def test_lora_bad_arguments_exit_nonzero_with_a_message(args, message, tmp_path):
+    pytest.importorskip("peft")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    p = subprocess.run([sys.executable, "-m", "torchferry", "bench-lora", *args], capture_output=True, text=True,
+                       timeout=600, cwd=tmp_path, env=env)
+    assert p.returncode == 2 and message in p.stderr, p.stderr[-2000:]

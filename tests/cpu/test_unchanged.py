@@ -13,13 +13,14 @@ import torch
 from torch import nn
 
 import torchferry
+import torchferry._hash as hash_mod
 import torchferry._unchanged as unchanged_mod
 from tests.helpers import snapshot, train_step
 from tests.spawn import run_spawned
 from torchferry import Ferry, Residency
 from torchferry._packing import layout
 from torchferry._release import ReleaseSchedule
-from torchferry._unchanged import LANES, UnchangedStorages, hash_bytes, hash_packed
+from torchferry._hash import LANES, hash_bytes, hash_packed
 
 pytestmark = pytest.mark.usefixtures("own_ledger")  # each test its own node ledger (tests/conftest.py)
 
@@ -57,9 +58,9 @@ def _u8(b: bytes) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------- the hash
-@pytest.mark.parametrize("piece", [unchanged_mod.HASH_PIECE, 16])
+@pytest.mark.parametrize("piece", [hash_mod.HASH_PIECE, 16])
 def test_hash_matches_a_plain_python_reference_for_odd_sizes(monkeypatch, piece):
-    monkeypatch.setattr(unchanged_mod, "HASH_PIECE", piece)  # 16: many pieces per storage
+    monkeypatch.setattr(hash_mod, "HASH_PIECE", piece)  # 16: many pieces per storage
     rng = random.Random(0)
     for n in (0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 257, 1001):
         b = bytes(rng.getrandbits(8) for _ in range(n))
@@ -298,13 +299,14 @@ def test_lora_like_training_copies_only_adapters_and_optimizer_state(verify):
 
 
 def test_prefetch_reload_without_units_takes_the_baseline(verify):
-    """An optimizer target makes reload(prefetch=True) layer-wise (one tail group): the baseline of
-    its storages is taken when the group is made resident (here by ``reload()``)."""
+    """Tensors and an optimizer in one ferry, no module: reload(prefetch=True) is layer-wise (one tail
+    group); the baseline is hashed when the group's copies are issued, versions when it is resident."""
     m = _model().eval()
     opt = torch.optim.SGD(m[2].parameters(), lr=0.1, momentum=0.9)
-    ferry = Ferry(m, opt, skip_unchanged=True)
     train_step(m, opt, torch.randn(4, 512), set_to_none=True)
-    m.zero_grad(set_to_none=True)  # the frozen layers' too: no grads, so a layer-wise reload
+    m.zero_grad(set_to_none=True)
+    frozen = list(m[0].parameters())
+    ferry = Ferry(*frozen, m[2].weight, m[2].bias, opt, skip_unchanged=True)
     moments = _storage_bytes(v for st in opt.state.values() for v in st.values())
     for write in (False, True):
         ferry.offload()
@@ -314,10 +316,11 @@ def test_prefetch_reload_without_units_takes_the_baseline(verify):
         if write:
             m[2].weight.data[0] += 1
             with torch.no_grad():
-                m[2].bias.mul_(2)
+                m[0].bias.mul_(2)
         want = snapshot(m, opt)
         ferry.offload()
-        assert ferry.stats.offload_bytes_copied == moments + (write and _storage_bytes(m[2].parameters()))
+        changed = _storage_bytes([m[2].weight, m[0].bias]) if write else 0
+        assert ferry.stats.offload_bytes_copied == moments + changed
         ferry.reload()
         assert_bits(want, snapshot(m, opt))
 
@@ -342,7 +345,15 @@ def test_verify_mode_raises_on_a_write_only_the_hash_sees(verify, monkeypatch):
     ferry.reload()
     ferry.offload()  # clean: verify passes
     ferry.reload()
-    monkeypatch.setattr(UnchangedStorages, "_compare", lambda self, base, cand, *a: [True] * len(cand))
+    real = hash_mod.hash_storages
+
+    def stale(kind, out, todo, *args):  # a hash blind to the write: every storage "equal"
+        real(kind, out, todo, *args)
+        if out.data_ptr() != baseline.data_ptr():
+            out.copy_(baseline)
+
+    baseline = ferry._set.unchanged._hashes
+    monkeypatch.setattr(unchanged_mod, "hash_storages", stale)
     m[0].weight.data[0, 0] += 1  # no version bump: only the hash would see it
     want = snapshot(m)
     with pytest.raises(RuntimeError, match=r"Sequential\.0\.weight.*differs from its host copy"):
@@ -365,14 +376,14 @@ def test_hashing_out_of_memory_falls_back_to_copying(verify, monkeypatch):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
     with monkeypatch.context() as mp:
-        mp.setattr(unchanged_mod, "hash_bytes", oom)
+        mp.setattr(unchanged_mod, "hash_storages", oom)
         ferry.reload()  # the baseline is dropped, the reload is complete
     assert ferry.residency is Residency.DEVICE
     ferry.offload()
     assert ferry.stats.offload_bytes_copied == ferry.state_bytes
     ferry.reload()
     with monkeypatch.context() as mp:
-        mp.setattr(UnchangedStorages, "_compare", oom)
+        mp.setattr(unchanged_mod, "hash_storages", oom)
         ferry.offload()  # memory short at the offload: copies instead
     assert ferry.stats.offload_bytes_copied == ferry.state_bytes
     ferry.reload()
@@ -461,8 +472,8 @@ def _fsdp2_checks(rank: int, world: int) -> None:
     ferry.reload()
     assert_bits(want, snapshot(frozen))
     assert torch.equal(frozen[1].weight._local_tensor, 2 * w1)  # the host write was kept
-    assert copied[0] == ferry.state_bytes and copied[1:6] == [0] * 5, copied
-    assert 0 < copied[6] <= ferry.state_bytes  # early copies count as copied (the rule defers to them)
+    # Early offload leaves storages with a baseline to the offload's hash: nothing copied either.
+    assert copied[0] == ferry.state_bytes and copied[1:] == [0] * 6, copied
 
     # 2. Training: AdamW(foreach=True) on DTensors, then _foreach_add_ on DTensors, are seen.
     ref, ref_opt = build(mesh)
@@ -496,3 +507,124 @@ def test_fsdp2_two_ranks_gloo():
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed not available")
     run_spawned(_fsdp2_checks, world=2, backend="gloo")
+
+
+# ------------------------------------------------------------------ writes the counters miss
+def _hashed_at_offload(monkeypatch) -> list[list[int]]:
+    """Records the storages each hash call covers (baseline and offload calls alike)."""
+    calls: list[list[int]] = []
+    real = unchanged_mod.hash_storages
+
+    def spy(kind, out, todo, *args):
+        calls.append(list(todo))
+        real(kind, out, todo, *args)
+
+    monkeypatch.setattr(unchanged_mod, "hash_storages", spy)
+    return calls
+
+
+def test_an_optimizer_step_sends_trainable_storages_to_the_copy_unhashed(verify, monkeypatch):
+    """The conservative rule for updates no counter sees (DTensor ``_foreach_`` steps): after any
+    optimizer step, storages of tensors requiring grad are copied without hashing; frozen ones hashed."""
+    m = _model().eval()
+    m[:2].requires_grad_(False)  # no new .grad: the same plan
+    opt = torch.optim.SGD(m[2].parameters(), lr=0.1)
+    ferry = Ferry(m, skip_unchanged=True)
+    ferry.offload()
+    ferry.reload()
+    calls = _hashed_at_offload(monkeypatch)
+    train_step(m, opt, torch.randn(4, 512), set_to_none=True)
+    want = snapshot(m)
+    ferry.offload()
+    plan = ferry._offloaded.plan
+    hashed = {plan.tensors[ti].name for si in calls[-1] for ti, r in enumerate(plan.tensors) if r.storage_index == si}
+    assert not any(n.startswith("Sequential.2.") for n in hashed), hashed
+    assert any(n.startswith("Sequential.0.") for n in hashed), hashed
+    assert ferry.stats.offload_bytes_copied == _storage_bytes(m[2].parameters())
+    ferry.reload()
+    assert_bits(want, snapshot(m))
+
+
+def test_an_inplace_write_to_a_host_tensor_kept_from_the_offload_is_copied_over(verify):
+    """A state_dict() taken while offloaded aliases the pool; writing it after the reload writes the
+    slot: the next offload must overwrite it with the device's bytes, as a full offload does."""
+    m = _model().eval()
+    ferry = Ferry(m, skip_unchanged=True)
+    ferry.offload()
+    ferry.reload()
+    ferry.offload()
+    kept = m.state_dict()  # host tensors viewing the pool
+    ferry.reload()
+    want = snapshot(m)
+    with torch.no_grad():
+        kept["0.weight"].add_(1)  # writes the pool slot, bumps the host twin's counter
+    ferry.offload()
+    assert ferry.stats.offload_bytes_copied == m[0].weight.untyped_storage().nbytes()
+    ferry.reload()
+    assert_bits(want, snapshot(m))
+
+
+def test_a_write_through_an_old_view_during_a_layer_wise_reload_is_seen(verify):
+    """The baseline of a layer-wise reload is hashed right after each group's copies, so a device
+    write before the group is used (through a view taken before the offload) is a change."""
+    torch.manual_seed(0)
+    ts = [torch.randn(512, 512), torch.randn(300)]
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.randn(8))], lr=0.1, momentum=0.9)
+    opt.param_groups[0]["params"][0].grad = torch.ones(8)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    ferry = Ferry(*ts, opt, skip_unchanged=True)
+    old_view = ts[0].data[3]  # its own version counter, over the device storage
+    ferry.offload()
+    ferry.reload()
+    for _ in range(2):
+        ferry.offload()
+        ferry.reload(prefetch=True)
+        assert ferry.residency is Residency.PREFETCHING
+        old_view.add_(1)  # the storage is allocated and copied into: the write lands on the device
+        ferry.reload()
+        want = [t.clone() for t in ts]
+        ferry.offload()
+        assert ferry.stats.offload_bytes_copied >= ts[0].untyped_storage().nbytes()
+        ferry.reload()
+        assert all(torch.equal(a, b) for a, b in zip(want, ts))
+
+
+def test_a_compiled_module_writing_its_buffers_is_seen(verify):
+    m = _model().eval()
+    ferry = Ferry(m, skip_unchanged=True)
+    compiled = torch.compile(m, backend="aot_eager")
+    ferry.offload()
+    ferry.reload()
+    with torch.no_grad():
+        compiled.train()(torch.randn(8, 512))  # BatchNorm's running statistics, in the compiled graph
+    want = snapshot(m)
+    ferry.offload()
+    assert ferry.stats.offload_bytes_copied == _storage_bytes(m[1].buffers())
+    ferry.reload()
+    assert_bits(want, snapshot(m))
+
+
+def test_a_baseline_is_compared_only_with_a_hash_of_its_own_kind(monkeypatch):
+    kinds: list[str] = []
+    real = unchanged_mod.hash_storages
+
+    def spy(kind, out, todo, *args):
+        kinds.append(kind)
+        real("torch", out, todo, *args)
+
+    monkeypatch.setattr(unchanged_mod, "hash_storages", spy)
+    monkeypatch.setattr(unchanged_mod, "hash_kind", lambda device: "first")
+    m = _model().eval()
+    ferry = Ferry(m, skip_unchanged=True)
+    ferry.offload()
+    ferry.reload()  # baseline taken by "first"
+    monkeypatch.setattr(unchanged_mod, "hash_kind", lambda device: "second")  # e.g. TORCHFERRY_HASH changed
+    ferry.offload()
+    assert kinds == ["first", "first"] and ferry.stats.offload_bytes_copied == 0
+
+
+def test_hash_kind_is_torch_on_the_cpu_and_when_forced(monkeypatch):
+    assert hash_mod.hash_kind(torch.device("cpu")) == "torch"
+    monkeypatch.setenv(hash_mod.HASH_ENV, "torch")
+    assert hash_mod.hash_kind(torch.device("cuda", 0)) == "torch"

@@ -34,7 +34,7 @@ from ._packing import PackChunk, pack_to_host, unpack_from_host
 from ._plan import Plan
 from ._streams import TransferStreams
 
-__all__ = ["D2HIssued", "H2DIssued", "issue_d2h", "issue_h2d", "release", "transfer_range", "undo_allocations"]
+__all__ = ["D2HIssued", "H2DIssued", "copy_runs", "issue_d2h", "issue_h2d", "release", "transfer_range", "undo_allocations"]
 
 
 @contextlib.contextmanager
@@ -81,16 +81,19 @@ def issue_d2h(plan: Plan, sources: list[torch.Tensor], views: HostViews, skip: s
         plan: what moves.
         sources: 1D uint8 device views of ``plan.storages`` (allocated).
         views: the plan's host views.
-        skip: storage indices whose slots already hold their bytes.
+        skip: storage indices whose slots already hold their bytes (packed ones
+            too: their chunks are copied in runs, see :func:`copy_runs`).
         streams: the device's streams (the D2H stream first waits for the current one).
         progress_every: record a progress event every this many bytes (swap's budget).
     """
     slots, packed = views.slots, views.packed
     large = [si for si, src in enumerate(sources) if src.numel() and si not in packed and si not in skip]
+    chunks, pool_chunks = copy_runs(views.chunks, views.pool_chunks, skip) if skip & packed else (
+        views.chunks, views.pool_chunks)
     if not streams.is_cuda:
         for si in large:
             slots[si].copy_(sources[si])
-        pack_to_host(views.chunks, sources, views.pool_chunks, plan.device)
+        pack_to_host(chunks, sources, pool_chunks, plan.device)
         return D2HIssued(None, None, [], None)
     d2h = streams.d2h
     d2h.wait_stream(streams.current())  # copy what pending kernels write
@@ -107,15 +110,44 @@ def issue_d2h(plan: Plan, sources: list[torch.Tensor], views: HostViews, skip: s
                 if copied - mark >= progress_every:
                     progress.append((copied, streams.event(d2h)))
                     mark = copied
-        pack_to_host(views.chunks, sources, views.pool_chunks, plan.device, streams)
+        pack_to_host(chunks, sources, pool_chunks, plan.device, streams)
     event = streams.event(d2h, timing=True)
     if copied_after is not None:
-        copied += sum(ch.nbytes for ch in views.chunks)
-        for ch in views.chunks:  # the packed ones are complete at the final event only
+        copied += sum(ch.nbytes for ch in chunks)
+        for ch in chunks:  # the packed ones are complete at the final event only
             for si in ch.storages:
                 copied_after[si] = copied
         progress.append((copied, event))
     return D2HIssued(event, start, progress, copied_after)
+
+
+def copy_runs(chunks: list[PackChunk], pool_chunks: list[torch.Tensor],
+              skip: set[int]) -> tuple[list[PackChunk], list[torch.Tensor]]:
+    """The packed chunks cut into runs of consecutive storages not in ``skip``, one DMA per run
+    (and their pool views); a chunk without skipped storages stays whole."""
+    out: list[PackChunk] = []
+    out_pool: list[torch.Tensor] = []
+    for ch, pool in zip(chunks, pool_chunks):
+        keep = [k for k, si in enumerate(ch.storages) if si not in skip]
+        if len(keep) == len(ch.storages):
+            out.append(ch)
+            out_pool.append(pool)
+            continue
+        runs: list[list[int]] = []
+        for k in keep:
+            if runs and runs[-1][-1] == k - 1:
+                runs[-1].append(k)
+            else:
+                runs.append([k])
+        for run in runs:
+            a, last = ch.offsets[run[0]], run[-1]
+            b = ch.offsets[last] + ch.split_sizes[2 * last]
+            split = [n for k in run for n in ch.split_sizes[2 * k:2 * k + 2]]
+            split[-1] = 0
+            out.append(PackChunk([ch.storages[k] for k in run], [ch.offsets[k] - a for k in run],
+                                 ch.pool_offset + a, b - a, split))
+            out_pool.append(pool[a:b])
+    return out, out_pool
 
 
 def release(plan: Plan, sources: list[torch.Tensor], streams: TransferStreams,

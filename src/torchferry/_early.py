@@ -12,10 +12,15 @@ unchanged. Writes after a unit's copy are caught by version counters, and any
 optimizer step (a global step pre-hook) invalidates every early copy: a
 DTensor's ``_foreach_`` updates bump no version counter. Storages holding an
 inference tensor (no version counter: a rotary cache made under
-``torch.inference_mode()``) are never copied early.
+``torch.inference_mode()``) are never copied early. Nor, with
+``skip_unchanged``, are storages holding a baseline hash of [Note: unchanged
+storages]: the offload hashes them and copies only those written (an early
+copy of a frozen unit would move bytes the pool already holds).
 """
 
 from __future__ import annotations
+
+from collections.abc import Container
 
 import torch
 from torch import nn
@@ -42,21 +47,24 @@ class EarlyOffload:
         sources: 1D uint8 device views of the plan's storages.
         groups: the plan's FSDP-unit groups (``unit`` not ``None``).
         streams: the device's streams.
+        leave: storages never copied early (a live container, read at each unit's hook).
     """
 
     def __init__(self, plan: Plan, views: HostViews, sources: list[torch.Tensor], groups: list[Group],
-                 streams: TransferStreams) -> None:
+                 streams: TransferStreams, leave: Container[int] = frozenset()) -> None:
         self.plan, self.views, self.sources, self.groups, self.streams = plan, views, sources, groups, streams
         inference = {r.storage_index for r in plan.tensors if r.tensor.is_inference() or r.local.is_inference()}
         # Left to the final offload: packed storages (one DMA per chunk) and inference tensors.
         self._skip = views.packed | inference
+        self._leave = leave
         self._versions: dict[int, list[int]] = {}  # group index -> its tensors' versions at copy time
+        self._copied: dict[int, list[int]] = {}  # group index -> the storages it copied early
         self._hooks: list = []
         self.invalidated = False  # an optimizer stepped since: every early copy may be stale
 
     @classmethod
     def arm_for(cls, plan: Plan, views: HostViews, device_views: list[torch.Tensor] | None,
-                streams: TransferStreams) -> EarlyOffload | None:
+                streams: TransferStreams, leave: Container[int] = frozenset()) -> EarlyOffload | None:
         """Arms an offload in pieces over ``plan``'s FSDP units; ``None`` where it does not apply:
         state holding gradients (written by ``_foreach_`` ops, e.g. clipping, that no version
         counter sees), or no FSDP2 units (or before FSDP2's lazy init)."""
@@ -67,7 +75,7 @@ class EarlyOffload:
             return None
         if device_views is None:
             device_views = [storage_bytes(s, plan.device) for s in plan.storages]
-        early = cls(plan, views, device_views, groups, streams)
+        early = cls(plan, views, device_views, groups, streams, leave)
         early.arm()
         return early
 
@@ -94,7 +102,8 @@ class EarlyOffload:
                 return
             g, plan, slots, sources = self.groups[gi], self.plan, self.views.slots, self.sources
             self._versions[gi] = versions(self._tensors(gi))
-            todo = [si for si in g.storages if plan.nbytes[si] and si not in self._skip]
+            todo = [si for si in g.storages if plan.nbytes[si] and si not in self._skip and si not in self._leave]
+            self._copied[gi] = todo
             with transfer_range("d2h", g.nbytes):
                 if self.streams.is_cuda:
                     d2h = self.streams.d2h
@@ -108,6 +117,11 @@ class EarlyOffload:
 
         return hook
 
+    @property
+    def copied(self) -> set[int]:
+        """Storage indices copied early: their slots were rewritten ([Note: unchanged storages])."""
+        return {si for todo in self._copied.values() for si in todo}
+
     def take(self, plan: Plan, views: HostViews) -> set[int]:
         """Storage indices whose early copies still hold their current bytes (disarms).
 
@@ -119,5 +133,5 @@ class EarlyOffload:
         valid: set[int] = set()
         for gi, recorded in self._versions.items():
             if versions(self._tensors(gi)) == recorded:
-                valid.update(si for si in self.groups[gi].storages if si not in self._skip)
+                valid.update(self._copied[gi])
         return valid

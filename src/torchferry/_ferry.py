@@ -17,7 +17,7 @@ from ._early import EarlyOffload
 from ._fsdp import comm_streams
 from ._gc import gc_paused
 from ._guards import OffloadGuards
-from ._handle import TransferHandle
+from ._handle import TransferHandle, done_future
 from ._host_budget import budget_from_env
 from ._pin_ahead import PinAhead
 from ._plan import build_plan
@@ -32,12 +32,6 @@ from ._whole import Offloaded, StateSet
 __all__ = ["Ferry"]
 
 logger = logging.getLogger("torchferry")
-
-
-def _done_future(value: object) -> Future:
-    fut: Future = Future()
-    fut.set_result(value)
-    return fut
 
 
 class Ferry:
@@ -59,6 +53,10 @@ class Ferry:
             thread from now on (after an optimizer target's first step if it
             has no state yet), so that the first offload does not pin
             ([Note: pin ahead]). Default on.
+        skip_unchanged: offloads copy only the storages written since the last reload and
+            release the rest uncopied (a frozen base, a reference model); a 128-bit hash of each
+            such storage on the device at each reload and offload decides ([Note: unchanged
+            storages] in ``torchferry._unchanged``). Default off.
 
     Raises:
         ValueError: no targets, tensors on several devices, or a negative or
@@ -83,7 +81,7 @@ class Ferry:
 
     def __init__(self, *targets: object, device: torch.device | str | None = None,
                  max_pinned_bytes: int | None = None, host_budget_bytes: int | None = None,
-                 pin_ahead: bool = True) -> None:
+                 pin_ahead: bool = True, skip_unchanged: bool = False) -> None:
         for name, value in (("max_pinned_bytes", max_pinned_bytes), ("host_budget_bytes", host_budget_bytes)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise ValueError(f"torchferry: {name} must be an int >= 0 (bytes) or None, got {value!r}")
@@ -92,7 +90,8 @@ class Ferry:
         # No tensor yet (an optimizer before its first step), no device: decided at the first offload.
         fixed = device is not None or bool(plan.tensors)
         self._set = StateSet(self._targets, plan.device if fixed else None, max_pinned_bytes=max_pinned_bytes,
-                             host_budget_bytes=budget_from_env() if host_budget_bytes is None else host_budget_bytes)
+                             host_budget_bytes=budget_from_env() if host_budget_bytes is None else host_budget_bytes,
+                             skip_unchanged=skip_unchanged)
         ref = weakref.ref(self)
         self._guards = OffloadGuards(lambda: repr(ref()) if ref() is not None else "Ferry(dropped)")
         self._offloaded: Offloaded | None = None
@@ -198,14 +197,14 @@ class Ferry:
         self._check_open()
         self._complete_prefetch()
         if self.residency.on_host:
-            return _done_future(0.0) if background else 0.0
+            return done_future(0.0) if background else 0.0
         before = self._pool.nbytes
         plan = self._set.plan()
         fut = self._set.host.reserve(plan, background=background)
         self._state_bytes = plan.state_bytes
         ahead = self._pin_ahead.claim() if self._pin_ahead is not None else None  # the pool came from it
         if background:
-            return fut or ahead or _done_future(0.0)
+            return fut or ahead or done_future(0.0)
         if self._pool.nbytes != before:
             return self._pool.pin_seconds
         return self._pool.pin_seconds if ahead is not None and self._pool.pinned_bytes else 0.0
@@ -288,8 +287,8 @@ class Ferry:
         issued_at = time.perf_counter()
         with transfer_range("d2h", self._state_bytes):
             tracks = schedule is not None and schedule.tracks and cuda
-            plan, views, copies, ids = self._set.issue_offload(self._disarm_early(),
-                                                                PROGRESS_EVERY if tracks else None)
+            issued = self._set.issue_offload(self._disarm_early(), PROGRESS_EVERY if tracks else None)
+            plan, views, copies, ids, same = issued
             sources = self._set.device_views(plan)
             try:
                 self._guards.install(plan.modules, plan.optimizers)
@@ -300,9 +299,9 @@ class Ferry:
             self._offloaded = Offloaded(plan, views, ids)
             self._residency = Residency.D2H_IN_FLIGHT if cuda else Residency.HOST
             handle = self._issued(TransferHandle("d2h", plan.state_bytes, copies.event, issued_at,
-                                                 start_event=copies.start))
+                                                 start_event=copies.start, bytes_copied=issued.bytes_copied))
             if tracks:
-                schedule.hold(plan, sources, copies, self._streams)  # see [Note: swap budget]
+                schedule.hold(plan, sources, copies, self._streams, same)  # see [Note: swap budget]
             else:
                 release(plan, sources, self._streams)
             if self._arena is not None:
@@ -314,8 +313,7 @@ class Ferry:
 
     def _own_offload_event(self) -> torch.cuda.Event | None:
         """This ferry's last offload event (only this ferry's, see ``StateSet.issue_reload``)."""
-        last = self._recorder.latest("d2h")
-        return last.event if last is not None else None
+        return getattr(self._recorder.latest("d2h"), "event", None)
 
     # ----------------------------------------------------- offload in pieces
     @torch.no_grad()
@@ -345,7 +343,8 @@ class Ferry:
         else:
             plan = self._set.plan()
             views = self._set.host.views(plan, cache=True)  # the pool, now: the hooks must not fail
-        self._early = EarlyOffload.arm_for(plan, views, self._set.device_views(plan), self._streams)
+        self._early = EarlyOffload.arm_for(plan, views, self._set.device_views(plan), self._streams,
+                                           self._set.baseline())
 
     def _disarm_early(self) -> EarlyOffload | None:
         early, self._early = self._early, None
@@ -430,6 +429,7 @@ class Ferry:
             except BaseException:
                 undo_allocations(plan, range(len(plan.storages)), self._streams)
                 raise
+            self._set.reloaded(plan, off.views, swapping=tracks)  # see [Note: unchanged storages]
         self._offloaded = None
         self._guards.remove()
         self._residency = Residency.H2D_IN_FLIGHT if cuda else Residency.DEVICE
@@ -450,8 +450,10 @@ class Ferry:
     # --------------------------------------------------------------- prefetch
     def _start_prefetch(self, off: Offloaded, groups: list, policy: Prefetch) -> TransferHandle:
         run = PrefetchRun(off.plan, off.views, self._set.parking, self._set.device_views(off.plan), groups, policy,
-                          self._streams, self._own_offload_event())
+                          self._streams, self._own_offload_event(), self._set.group_copied,
+                          self._set.group_resident)
         self._guards.remove()
+        self._set.forget_baseline()  # its groups take a new one as they are copied
         self._prefetch = run
         self._residency = Residency.PREFETCHING
         try:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Literal
 
 import torch
 
-__all__ = ["TransferHandle"]
+__all__ = ["TransferHandle", "done_future"]
 
 
 class TransferHandle:
@@ -17,6 +18,8 @@ class TransferHandle:
     Attributes:
         direction: ``"d2h"`` (offload) or ``"h2d"`` (reload).
         nbytes: bytes the transfer moves (0 for a no-op).
+        bytes_copied: bytes actually copied: ``nbytes`` less, for an offload,
+            the storages skipped as unchanged (``Ferry(skip_unchanged=True)``).
         issued_at: ``time.perf_counter()`` when the transfer was issued.
     """
 
@@ -28,9 +31,11 @@ class TransferHandle:
         issued_at: float | None = None,
         *,
         start_event: torch.cuda.Event | None = None,
+        bytes_copied: int | None = None,
     ) -> None:
         self.direction = direction
         self.nbytes = nbytes
+        self.bytes_copied = nbytes if bytes_copied is None else bytes_copied
         self._event = event  # recorded on the copy stream after the last copy
         self._start_event = start_event  # recorded on the copy stream before the first copy
         self._callbacks: list[Callable[[TransferHandle], None]] = []
@@ -103,3 +108,10 @@ class TransferHandle:
     def __repr__(self) -> str:
         state = "done" if self.done() else "in flight"
         return f"TransferHandle({self.direction}, {self.nbytes} bytes, {state})"
+
+
+def done_future(value: object) -> Future:
+    """A ``concurrent.futures.Future`` already holding ``value``."""
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut

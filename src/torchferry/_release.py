@@ -13,7 +13,9 @@ incoming state, the outgoing bytes still in flight and everything else
 allocated to stay within the budget, then releases the storages whose copies
 are complete: their blocks are free at once, for the incoming storages.
 Whatever is left is released (safely, with ``record_stream``) by
-:meth:`ReleaseSchedule.release_rest`.
+:meth:`ReleaseSchedule.release_rest`. Storages the offload skipped as
+unchanged ([Note: unchanged storages]) are read by no copy: they are released
+at once, and their bytes count as already gone.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class ReleaseSchedule:
         self._progress: list[tuple[int, torch.cuda.Event]] = []
         self._pending: list[tuple[int, torch.UntypedStorage, torch.Tensor]] = []  # (bytes copied after it, ...)
         self._out_bytes = 0
+        self._freed = 0  # bytes released at once (storages skipped as unchanged)
         self._streams: TransferStreams | None = None
 
     @property
@@ -53,20 +56,27 @@ class ReleaseSchedule:
         """Whether the offload should keep its storages and record progress."""
         return self.budget_bytes is not None
 
-    def hold(self, plan: Plan, sources: list[torch.Tensor], issued: D2HIssued, streams: TransferStreams) -> None:
-        """Takes the outgoing storages (called by the offload, after its copies were queued)."""
+    def hold(self, plan: Plan, sources: list[torch.Tensor], issued: D2HIssued, streams: TransferStreams,
+             unchanged: set[int] = frozenset()) -> None:
+        """Takes the outgoing storages (called by the offload, after its copies were queued);
+        those in ``unchanged`` (not copied, read by no stream now) are released at once."""
         self._streams = streams
         self._progress = list(issued.progress)
         self._out_bytes = issued.progress[-1][0] if issued.progress else 0
         after = issued.copied_after or [0] * len(sources)
-        self._pending = [(after[si], st, src) for si, (st, src) in enumerate(zip(plan.storages, sources))
-                         if src.numel()]
+        self._pending = []
+        for si, (st, src) in enumerate(zip(plan.storages, sources)):
+            if si in unchanged:
+                self._freed += plan.nbytes[si]
+                st.resize_(0)
+            elif src.numel():
+                self._pending.append((after[si], st, src))
 
     def before_alloc(self, allocated: int) -> None:
         """Called by the incoming reload with its bytes allocated so far (the next storage included)."""
         if self.budget_bytes is None or not self._progress:
             return
-        must_have_left = self.base_bytes + allocated - self.budget_bytes  # base still counts all of out
+        must_have_left = self.base_bytes + allocated - self.budget_bytes - self._freed  # base counts all of out
         if must_have_left <= 0:
             return
         for copied, event in self._progress:

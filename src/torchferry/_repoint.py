@@ -34,9 +34,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._fsdp import dtensor_twin, is_dtensor, swap_local
+from ._fsdp import dtensor_twin, is_dtensor, swap_local, versions
 
 __all__ = ["Parking", "move_to", "view_on"]
+
+_NONE = torch.empty(0)  # stands in for a missing twin in a versions() call
 
 
 def view_on(local: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
@@ -161,6 +163,14 @@ class Parking:
     def parked(self, i: int) -> torch.Tensor | None:
         """While ``tensors[i]`` is on the host: the twin holding its device impl."""
         return self._twins[i] if self.on_host[i] else None
+
+    def host_versions(self, indices: list[int] | range | None = None) -> list[int]:
+        """Per tensor (``indices``, default all), the version counter of its host twin while
+        resident (the impl that viewed the pool: a host tensor kept from the last offload shares
+        it), ``-1`` where there is none."""
+        idx = range(len(self.tensors)) if indices is None else indices
+        twins = [self._twins[i] if not self.on_host[i] else None for i in idx]
+        return [-1 if t is None else v for t, v in zip(twins, versions([_NONE if t is None else t for t in twins]))]
 
     def forget_host(self) -> None:
         """Drops the host twins of resident tensors (they keep the pool's memory mapped)."""

@@ -34,6 +34,10 @@ class TransferStats:
     reload_seconds: float = 0.0
     """Seconds of all completed reloads."""
     last_offload_bytes: int = 0
+    """Bytes of the state the last offload moved to the host (``state_bytes``)."""
+    offload_bytes_copied: int = 0
+    """Bytes the last offload actually copied device -> host: ``last_offload_bytes`` less the
+    storages skipped as unchanged (``Ferry(skip_unchanged=True)``, [Note: unchanged storages])."""
     last_offload_s: float | None = None
     last_reload_bytes: int = 0
     last_reload_s: float | None = None
@@ -71,7 +75,8 @@ class StatsRecorder:
             st,
             **{f"{kind}s": getattr(st, f"{kind}s") + 1,
                f"bytes_{kind}ed": getattr(st, f"bytes_{kind}ed") + nbytes,
-               f"last_{kind}_bytes": nbytes, f"last_{kind}_s": None},
+               f"last_{kind}_bytes": nbytes, f"last_{kind}_s": None,
+               **({"offload_bytes_copied": getattr(handle, "bytes_copied", nbytes)} if kind == "offload" else {})},
         )
         self._latest[handle.direction] = handle
         ref = weakref.ref(self)

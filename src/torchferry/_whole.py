@@ -38,6 +38,7 @@ from ._pool import HostPool
 from ._repoint import Parking
 from ._streams import TransferStreams, streams_for
 from ._targets import Targets
+from ._unchanged import UnchangedStorages
 
 __all__ = ["OffloadIssued", "Offloaded", "StateSet"]
 
@@ -50,6 +51,12 @@ class OffloadIssued(NamedTuple):
     views: HostViews
     copies: D2HIssued
     ids: list[int]
+    unchanged: set[int]  # skipped: their slots already hold their bytes ([Note: unchanged storages])
+
+    @property
+    def bytes_copied(self) -> int:
+        """Bytes this offload copies D2H (early copies included, unchanged storages not)."""
+        return self.plan.state_bytes - sum(self.plan.nbytes[si] for si in self.unchanged)
 
 
 class Offloaded(NamedTuple):
@@ -68,11 +75,11 @@ class StateSet:
         targets: the ferry's targets.
         device: the device, or ``None`` while no tensor tells it (an
             optimizer before its first step): decided at the first plan.
-        max_pinned_bytes, host_budget_bytes: as for ``Ferry``.
+        max_pinned_bytes, host_budget_bytes, skip_unchanged: as for ``Ferry``.
     """
 
     def __init__(self, targets: Targets, device: torch.device | None, *, max_pinned_bytes: int | None,
-                 host_budget_bytes: int | None) -> None:
+                 host_budget_bytes: int | None, skip_unchanged: bool = False) -> None:
         self.targets = targets
         self.device_fixed = device is not None
         self._max_pinned_bytes = max_pinned_bytes
@@ -80,6 +87,7 @@ class StateSet:
         self._set_device(device if device is not None else torch.device("cpu"))
         self.cache: PlanCache | None = None
         self.parking: Parking | None = None
+        self.unchanged = UnchangedStorages() if skip_unchanged else None
 
     def _set_device(self, device: torch.device) -> None:
         self.device = device
@@ -108,6 +116,7 @@ class StateSet:
         self.cache = PlanCache(fp, plan, [storage_bytes(s, plan.device) for s in plan.storages])
         self.parking = Parking([r.tensor for r in plan.tensors], [r.name for r in plan.tensors])
         self.host.forget()  # made for the old plan
+        self._forget_unchanged()
         return plan
 
     def device_views(self, plan: Plan) -> list[torch.Tensor] | None:
@@ -118,12 +127,57 @@ class StateSet:
         """Drops the plan (and the device storages it holds), the parked objects and the host views."""
         self.cache = self.parking = None
         self.host.forget()
+        self._forget_unchanged()
 
     def forget_host(self) -> None:
         """Drops every view of the pool (host views and host twins) so that it can be unmapped."""
         self.host.forget()
+        self._forget_unchanged()
         if self.parking is not None:
             self.parking.forget_host()
+
+    # ------------------------------------------------------ unchanged storages
+    def _forget_unchanged(self) -> None:
+        if self.unchanged is not None:
+            self.unchanged.drop_rules()
+
+    def reloaded(self, plan: Plan, views: HostViews, *, swapping: bool = False) -> None:
+        """Takes the baseline of [Note: unchanged storages] after a plain reload (the current stream
+        waited for its copies, no kernel queued since). Nothing under a swap with a budget (the
+        hash's temporaries would exceed it) or with ``skip_unchanged`` off."""
+        if self.unchanged is None:
+            return
+        if swapping:
+            self.unchanged.forget()
+            return
+        self.unchanged.copied_in(plan, views, self.device_views(plan))
+        self.unchanged.resident(plan, views, self.parking.host_versions())
+
+    def group_copied(self, plan: Plan, views: HostViews, group) -> None:
+        """A layer-wise reload's group (``_prefetch.Group``) was just copied in on the current stream."""
+        if self.unchanged is not None:
+            self.unchanged.copied_in(plan, views, self.device_views(plan), group.storages)
+
+    def group_resident(self, plan: Plan, views: HostViews, group) -> None:
+        """A layer-wise reload's group was made resident: its version counters are the baseline's."""
+        if self.unchanged is not None:
+            self.unchanged.resident(plan, views, self.parking.host_versions(group.tensors), group.tensors)
+
+    def forget_baseline(self) -> None:
+        """Drops the baseline of [Note: unchanged storages] (a layer-wise reload starts a new one)."""
+        if self.unchanged is not None:
+            self.unchanged.forget()
+
+    def baseline(self) -> set[int] | frozenset[int]:
+        """Storages holding a baseline hash now (live; empty with ``skip_unchanged`` off)."""
+        return self.unchanged.baseline if self.unchanged is not None else frozenset()
+
+    def _unchanged_now(self, plan: Plan, views: HostViews, early: EarlyOffload | None) -> set[int]:
+        """Storages the offload may skip: their slots still hold their bytes (consumes the baseline)."""
+        if self.unchanged is None:
+            return set()
+        return self.unchanged.take(plan, views, self.device_views(plan), self.parking.host_versions(),
+                                   early.copied if early is not None else ())
 
     # ----------------------------------------------------------------- copies
     def issue_offload(self, early: EarlyOffload | None, progress_every: int | None) -> OffloadIssued:
@@ -150,10 +204,11 @@ class StateSet:
         if (hv is not None and early is None and progress_every is None
                 and all(st.nbytes() == n for st, n in zip(cache.plan.storages, cache.plan.nbytes))):
             targets = self.targets.resharded()
-            copies = issue_d2h(cache.plan, cache.device_views, hv, set(), self.streams)
+            same = self._unchanged_now(cache.plan, hv, None)
+            copies = issue_d2h(cache.plan, cache.device_views, hv, same, self.streams)
             fp = fingerprint(targets)
             if fp == cache.fingerprint:
-                return OffloadIssued(cache.plan, hv, copies, [f[0] for f in fp])
+                return OffloadIssued(cache.plan, hv, copies, [f[0] for f in fp], same)
             if copies.event is not None:
                 copies.event.synchronize()  # the copies only wrote the pool; redo with a new plan
             # Hold nothing of the old plan's views: a growing pool must be able to
@@ -165,8 +220,10 @@ class StateSet:
         fp = self.cache.fingerprint
         views = self.host.views(plan, cache=True)  # may raise (pool allocation): nothing moved yet
         skip = early.take(plan, views) if early is not None else set()  # copied during the forward
-        copies = issue_d2h(plan, self.device_views(plan), views, skip, self.streams, progress_every=progress_every)
-        return OffloadIssued(plan, views, copies, [f[0] for f in fp])
+        same = self._unchanged_now(plan, views, early)
+        copies = issue_d2h(plan, self.device_views(plan), views, skip | same, self.streams,
+                           progress_every=progress_every)
+        return OffloadIssued(plan, views, copies, [f[0] for f in fp], same)
 
     def issue_reload(self, plan: Plan, views: HostViews, after: torch.cuda.Event | None,
                      before_alloc=None) -> H2DIssued:

@@ -158,6 +158,71 @@ def bench(
         raise typer.Exit(1)
 
 
+@app.command("bench-lora")
+def bench_lora(
+    preset: Optional[str] = typer.Option(None, help="qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b or tiny.",
+                                         show_default="qwen2.5-7b on a GPU, tiny on the CPU"),
+    layers: Optional[int] = typer.Option(None, help="Override the number of decoder layers."),
+    rank: int = typer.Option(64, help="LoRA rank of every adapter (q/k/v/o, gate/up/down projections)."),
+    strategies: str = typer.Option("seed,torchferry", help="Comma-separated, from seed and torchferry."),
+    steps: int = typer.Option(4, help="Steps per strategy (>= 2; the first is the first cycle)."),
+    seq_len: Optional[int] = typer.Option(None, help="Tokens per sequence.", show_default="512; 32 for tiny"),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results JSON here."),
+) -> None:
+    """LoRA training (frozen bf16 base, fp32 adapters, AdamW on the adapters; FSDP2): the seed's
+    offload against torchferry's with skip_unchanged, steady seconds and bytes copied.
+
+    Run under `torchrun --nproc_per_node N -m torchferry bench-lora ...` for N GPUs.
+    """
+    _check_paths(("--json", json_path, False, "bench-lora.json"))
+    try:
+        import peft  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        _fail(f"torchferry bench-lora needs {e.name}: pip install 'torchferry[bench]'")
+    from .bench._lora import LoraBenchConfig, run_lora
+    from .bench._paths import write_json_or_fallback
+
+    names = tuple(x.strip() for x in strategies.split(",") if x.strip())
+    try:
+        config = LoraBenchConfig(preset=preset, layers=layers, rank=rank, strategies=names, steps=steps,
+                                 seq_len=seq_len)
+        result = run_lora(config)
+    except ValueError as e:
+        _fail(str(e))
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    m = result["model"]
+    typer.echo(f"LoRA r={m['lora_rank']} on {m['preset']} ({m['layers']} layers, bf16 base), "
+               f"{result['env']['world_size']} rank(s), rank 0; steady = median of steps 2..{steps}")
+    typer.echo("strategy | state GB (params + optimizer) | offload params s, first / steady | copied | "
+               "offload all s, first / steady | copied | round trip bit-exact")
+    for name, r in result["strategies"].items():
+        sb = r["state_bytes"]
+        typer.echo(f"{name} | {sb['params'] / 1e9:.3f} + {sb['optimizer'] / 1e9:.3f} | "
+                   f"{r['offload_params_s']['first']:.4f} / {r['offload_params_s']['steady']:.4f} | "
+                   f"{r['offload_params_bytes_copied'] / 1e9:.3f} GB ({r['copied_frac_params']:.3f}x) | "
+                   f"{r['offload_all_s']['first']:.4f} / {r['offload_all_s']['steady']:.4f} | "
+                   f"{r['offload_all_bytes_copied'] / 1e9:.3f} GB ({r['copied_frac_all']:.3f}x) | "
+                   f"{'yes' if r['round_trip_bit_exact'] else 'NO'}, same state as "
+                   f"{config.strategies[0]}: {'yes' if next(v for k, v in r.items() if k.startswith('same_state')) else 'NO'}")
+    tf = result["strategies"].get("torchferry", {})
+    if "offload_params_s_speedup_vs_seed" in tf:
+        typer.echo(f"torchferry steady offload vs seed: params {tf['offload_params_s_speedup_vs_seed']:.1f}x "
+                   f"faster, all {tf['offload_all_s_speedup_vs_seed']:.1f}x faster")
+    for note in result["notes"]:
+        typer.echo(f"note: {note}", err=True)
+    if json_path:
+        written, error = write_json_or_fallback(result, json_path)
+        if error:
+            typer.echo(f"error: --json {json_path}: could not write it ({error}); the results are in {written}",
+                       err=True)
+            raise typer.Exit(1)
+        typer.echo(f"wrote {written}", err=True)
+
+
 @app.command("bench-pin")
 def bench_pin(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results JSON here (checked before "

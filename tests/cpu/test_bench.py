@@ -281,3 +281,41 @@ def test_trace_phase_breakdown_splits_kernels_by_kind_and_finds_the_compute_stre
     assert abs(row["idle_s"] - (0.01 - 0.0044)) < 1e-12
     assert row["h2d_GB"] == 1.0 and row["h2d_s"] == 0.001 and row["d2h_GB"] == 0.0
     assert row["runtime"]["cudaMalloc"][0] == 2 and abs(row["runtime"]["cudaMalloc"][1] - 50e-6) < 1e-12
+
+
+def test_lora_scenario_runs_on_cpu_skips_the_frozen_base_and_is_bit_exact(tmp_path):
+    """``torchferry bench-lora`` (issue 16): peft adapters on the tiny preset under FSDP2, seed and
+    torchferry (skip_unchanged) side by side; verify mode checks every skip against a full copy."""
+    pytest.importorskip("peft")
+    out = tmp_path / "lora.json"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TORCHFERRY_VERIFY_SKIPS": "1"}
+    p = subprocess.run([sys.executable, "-m", "torchferry", "bench-lora", "--steps", "3", "--layers", "2",
+                        "--rank", "4", "--json", str(out)], capture_output=True, text=True, timeout=600,
+                       cwd=tmp_path, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["schema"] == "torchferry.bench-lora/1" and r["model"]["lora_rank"] == 4
+    seed, tf = r["strategies"]["seed"], r["strategies"]["torchferry"]
+    assert seed["round_trip_bit_exact"] and tf["round_trip_bit_exact"]
+    assert seed["same_state_as_seed"] and tf["same_state_as_seed"]
+    assert seed["state_bytes"] == tf["state_bytes"]
+    assert seed["offload_all_bytes_copied"] == seed["state_bytes"]["total"]
+    # The frozen base is never copied again: the forward-only offload copies nothing, the training
+    # offload only the adapters and their AdamW state.
+    assert tf["offload_params_bytes_copied"] == 0
+    assert 0 < tf["offload_all_bytes_copied"] < 0.5 * tf["state_bytes"]["total"]
+    assert all(s["offload_params_bytes_copied"] == 0 for s in tf["steps"][1:])
+    assert "torchferry steady offload vs seed" in p.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--strategies", "blocking"], "strategies must be distinct names from seed, torchferry"),
+    (["--steps", "1"], "steps must be >= 2"),
+    (["--rank", "0"], "rank must be >= 1"),
+])
+def test_lora_bad_arguments_exit_nonzero_with_a_message(args, message, tmp_path):
+    pytest.importorskip("peft")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    p = subprocess.run([sys.executable, "-m", "torchferry", "bench-lora", *args], capture_output=True, text=True,
+                       timeout=600, cwd=tmp_path, env=env)
+    assert p.returncode == 2 and message in p.stderr, p.stderr[-2000:]

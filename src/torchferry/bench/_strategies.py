@@ -160,9 +160,10 @@ class SharedFerries:
     """One model :class:`~torchferry.Ferry` and one optimizer ferry, shared by the torchferry
     strategies: one pinned pool, and no hand-over between them."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-        self.model = Ferry(model, device=device)
-        self.optimizer = Ferry(optimizer, device=device)
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, *,
+                 skip_unchanged: bool = False) -> None:
+        self.model = Ferry(model, device=device, skip_unchanged=skip_unchanged)
+        self.optimizer = Ferry(optimizer, device=device, skip_unchanged=skip_unchanged)
         self.pin_s: float | None = None
         """Host seconds the first ``reserve()`` spent pinning."""
 

@@ -5,6 +5,8 @@
 # one device call (600 s).
 #   bash benchmarks/gpu_batch.sh tests   # GPU tiers on 2 and 1 GPUs, the 7B engine run, verl's actor: ~8 min
 #   bash benchmarks/gpu_batch.sh final   # GPU tier on 2 GPUs, verl's actor (0.5B), GPU tier on 1 GPU: ~9 min
+#   bash benchmarks/gpu_batch.sh final2  # GPU tier on 2 GPUs, bench-lora at 7B, the hash probe (~9 min)
+#   bash benchmarks/gpu_batch.sh final1  # GPU tier on 1 GPU, the compression probe (~4 min)
 #   bash benchmarks/gpu_batch.sh bench   # the 7B engine run and the 7B bench: ~6 min
 #   bash benchmarks/gpu_batch.sh round   # the compute-rich 7B bench (~3 min), GPU tiers on 2 and 1 GPUs (>3 min, ~70 s)
 #   bash benchmarks/gpu_batch.sh pin     # torchferry bench-pin on one GPU (~1 min)
@@ -56,6 +58,14 @@ elif [ "$stage" = tests ]; then
   tiers
   engine _run6
   run verl_actor 150 bash benchmarks/verl_actor.sh "$out/r" 2 qwen2.5-0.5b 4
+elif [ "$stage" = final2 ]; then  # the last call on 2 GPUs: GPU tier, the LoRA scenario (issue 16), the hash's rate
+  run pytest_gpu_x2 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
+  run bench_lora 230 torchrun --nproc_per_node 2 -m torchferry bench-lora --preset qwen2.5-7b --steps 3 \
+      --json "$out/r/bench-lora_qwen2.5-7b_h200x2_$day.json"
+  CUDA_VISIBLE_DEVICES=0 run probe_hash 80 python3 benchmarks/probe_hash.py "$out/r/probe_hash_h200_$day.json" --gib 4
+elif [ "$stage" = final1 ]; then  # the last call on 1 GPU: GPU tier, the compression measurement (issue 16)
+  CUDA_VISIBLE_DEVICES=0 run pytest_gpu_x1 110 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
+  CUDA_VISIBLE_DEVICES=0 run probe_compress 150 python3 benchmarks/probe_compress.py "$out/r/probe_compress_h200_$day.json"
 elif [ "$stage" = final ]; then
   run pytest_gpu_x2 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
   run verl_actor 240 bash benchmarks/verl_actor.sh "$out/r" 2 qwen2.5-0.5b 4

@@ -65,7 +65,10 @@ elif [ "$stage" = final2 ]; then  # the last call on 2 GPUs: GPU tier, the LoRA 
   CUDA_VISIBLE_DEVICES=0 run probe_hash 80 python3 benchmarks/probe_hash.py "$out/r/probe_hash_h200_$day.json" --gib 4
 elif [ "$stage" = final1 ]; then  # the last call on 1 GPU: GPU tier, the compression measurement (issue 16)
   CUDA_VISIBLE_DEVICES=0 run pytest_gpu_x1 110 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
-  CUDA_VISIBLE_DEVICES=0 run probe_compress 150 python3 benchmarks/probe_compress.py "$out/r/probe_compress_h200_$day.json"
+  CUDA_VISIBLE_DEVICES=0 run probe_compress 120 python3 benchmarks/probe_compress.py "$out/r/probe_compress_h200_$day.json"
+  # The 7B LoRA run on 2 GPUs outran 230 s; 8 of its 28 layers on one GPU here.
+  CUDA_VISIBLE_DEVICES=0 run bench_lora 150 python3 -m torchferry bench-lora --preset qwen2.5-7b --layers 8 --steps 3 \
+      --json "$out/r/bench-lora_qwen2.5-7b-8layers_h200x1_$day.json"
 elif [ "$stage" = final ]; then
   run pytest_gpu_x2 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
   run verl_actor 240 bash benchmarks/verl_actor.sh "$out/r" 2 qwen2.5-0.5b 4

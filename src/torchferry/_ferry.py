@@ -61,7 +61,8 @@ class Ferry:
     Raises:
         ValueError: no targets, tensors on several devices, or a negative or
             non-integer byte count.
-        TypeError: a target that is not a module, optimizer or tensor.
+        TypeError: a target that is not a module, optimizer or tensor;
+            ``pin_ahead`` or ``skip_unchanged`` not a bool.
         NotImplementedError: meta, nested, non-strided, quantized tensors,
             tensor subclasses other than DTensor (also as a DTensor's local
             shard), storages that cannot be resized, an optimizer holding
@@ -85,6 +86,9 @@ class Ferry:
         for name, value in (("max_pinned_bytes", max_pinned_bytes), ("host_budget_bytes", host_budget_bytes)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise ValueError(f"torchferry: {name} must be an int >= 0 (bytes) or None, got {value!r}")
+        for name, flag in (("pin_ahead", pin_ahead), ("skip_unchanged", skip_unchanged)):
+            if not isinstance(flag, bool):  # "no" is truthy: refuse rather than guess
+                raise TypeError(f"torchferry: {name} must be True or False, got {flag!r}")
         plan = build_plan(targets, device)  # validates every target now
         self._targets = Targets(targets)
         # No tensor yet (an optimizer before its first step), no device: decided at the first offload.

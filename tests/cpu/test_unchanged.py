@@ -628,3 +628,15 @@ def test_hash_kind_is_torch_on_the_cpu_and_when_forced(monkeypatch):
     assert hash_mod.hash_kind(torch.device("cpu")) == "torch"
     monkeypatch.setenv(hash_mod.HASH_ENV, "torch")
     assert hash_mod.hash_kind(torch.device("cuda", 0)) == "torch"
+
+
+@pytest.mark.parametrize("flag", ["pin_ahead", "skip_unchanged"])
+@pytest.mark.parametrize("value", ["no", "yes", 1, None, []])
+def test_flags_that_are_not_bools_are_refused(flag, value):
+    """``skip_unchanged="no"`` is truthy: it would turn skipping on. Refused, naming the option."""
+    import torch.nn as nn
+
+    m = nn.Linear(4, 4)
+    with pytest.raises(TypeError, match=flag):
+        torchferry.Ferry(m, **{flag: value})
+    assert m.weight.device.type == "cpu" and m.weight.untyped_storage().nbytes() == 64  # untouched

@@ -159,6 +159,18 @@ def flat_sample(tensors, dtype, cap_bytes: int, device) -> torch.Tensor:
     return out[:n].contiguous()
 
 
+
+def state_samples(params, opt, cap, device):
+    """Per dtype sample of the state: fp32 params, their bf16 copies, Adam's two moments."""
+    ea = [opt.state[p]["exp_avg"] for p in params]
+    eas = [opt.state[p]["exp_avg_sq"] for p in params]
+    return {
+        "fp32_param": flat_sample(params, torch.float32, cap, device),
+        "bf16_weight": flat_sample(params, torch.bfloat16, cap, device),
+        "adam_exp_avg": flat_sample(ea, torch.float32, cap, device),
+        "adam_exp_avg_sq": flat_sample(eas, torch.float32, cap, device),
+    }
+
 def qwen2_config(**kw):
     from transformers import Qwen2Config
 
@@ -207,14 +219,7 @@ def randinit_state(dev: Dev, smoke: bool, cap: int):
     opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
                             **({"fused": True} if dev.cuda else {}))
     opt.step()
-    ea = [opt.state[p]["exp_avg"] for p in params]
-    eas = [opt.state[p]["exp_avg_sq"] for p in params]
-    samples = {
-        "fp32_param": flat_sample(params, torch.float32, cap, dev.device),
-        "bf16_weight": flat_sample(params, torch.bfloat16, cap, dev.device),
-        "adam_exp_avg": flat_sample(ea, torch.float32, cap, dev.device),
-        "adam_exp_avg_sq": flat_sample(eas, torch.float32, cap, dev.device),
-    }
+    samples = state_samples(params, opt, cap, dev.device)
     info = {
         "what": "2 Qwen2 decoder layers, transformers default init (normal std=initializer_range, "
                 "zero biases, unit norms), one AdamW step (lr 1e-3, betas 0.9/0.95) on N(0, 1e-3^2) grads",
@@ -223,7 +228,7 @@ def randinit_state(dev: Dev, smoke: bool, cap: int):
         "layer_bytes_fp32": n_params * 4,
         "build_s": round(time.perf_counter() - t0, 2),
     }
-    del opt, model, params, ea, eas
+    del opt, model, params
     return samples, info
 
 
@@ -305,14 +310,7 @@ def trained_state(dev: Dev, smoke: bool, cap: int, steps: int, seconds: float):
     num = sum(float((p.detach() - q).float().pow(2).sum()) for p, q in zip(params, w0) if p.dim() > 1)
     den = sum(float(q.float().pow(2).sum()) for p, q in zip(params, w0) if p.dim() > 1)
     del w0
-    ea = [opt.state[p]["exp_avg"] for p in params]
-    eas = [opt.state[p]["exp_avg_sq"] for p in params]
-    samples = {
-        "fp32_param": flat_sample(params, torch.float32, cap, dev.device),
-        "bf16_weight": flat_sample(params, torch.bfloat16, cap, dev.device),
-        "adam_exp_avg": flat_sample(ea, torch.float32, cap, dev.device),
-        "adam_exp_avg_sq": flat_sample(eas, torch.float32, cap, dev.device),
-    }
+    samples = state_samples(params, opt, cap, dev.device)
     info = {
         "what": "Qwen2-shaped causal LM trained here from transformers' default init on synthetic tokens "
                 "(Zipf(1.1) unigram noise mixed 1:3 with a fixed random bigram table of 4 successors per token); "
@@ -331,7 +329,7 @@ def trained_state(dev: Dev, smoke: bool, cap: int, steps: int, seconds: float):
         "rel_weight_change": math.sqrt(num / max(den, 1e-30)),
         "checkpoint_from_package": "none used (no network on the GPU host; no package ships a suitable trained checkpoint)",
     }
-    del opt, model, params, ea, eas, data
+    del opt, model, params, data
     return samples, info
 
 

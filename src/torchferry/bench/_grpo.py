@@ -47,7 +47,7 @@ from ._grpo_config import (
     STRATEGIES,
     GrpoConfig,
 )
-from ._setup import env_record, init_distributed
+from ._setup import env_record, start_scenario
 from ._grpo_report import _median, _summarise, plot_grpo, summary_lines  # noqa: F401 (re-exported)
 from ._grpo_steps import (
     _build_side,
@@ -82,12 +82,7 @@ def run_grpo(config: GrpoConfig, *, on_progress: Callable[[str, float], None] | 
     import torch.distributed as dist
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (before its first use)
-    use_cuda = torch.cuda.is_available()
-    preset = config.preset or ("qwen2.5-1.5b" if use_cuda else "tiny")
-    if not use_cuda and preset != "tiny":
-        raise ValueError(f"preset {preset!r} needs a GPU; on a machine without CUDA use --preset tiny")
-    rank, world, device = init_distributed(use_cuda)
-    say = on_progress if (on_progress and rank == 0) else (lambda msg, frac: None)
+    use_cuda, preset, rank, world, device, say = start_scenario(config.preset, "qwen2.5-1.5b", on_progress)
     if config.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = False  # no memsets in every reload

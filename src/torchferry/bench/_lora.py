@@ -28,7 +28,7 @@ from torch import nn
 
 from ._model import PRESETS, build_model
 from ._rounds import checksum, state_bytes
-from ._setup import env_record, init_distributed, shard_fsdp2
+from ._setup import env_record, shard_fsdp2, start_scenario
 from ._strategies import SharedFerries, Strategy, make_strategy
 
 __all__ = ["LORA_STRATEGIES", "LORA_TARGETS", "LoraBenchConfig", "build_lora", "run_lora"]
@@ -196,12 +196,7 @@ def run_lora(config: LoraBenchConfig, *, on_progress: Callable[[str, float], Non
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (before its first use)
     torch.use_deterministic_algorithms(True, warn_only=True)  # strategies compared bit for bit
-    use_cuda = torch.cuda.is_available()
-    preset = config.preset or ("qwen2.5-7b" if use_cuda else "tiny")
-    if not use_cuda and preset != "tiny":
-        raise ValueError(f"preset {preset!r} needs a GPU; on a machine without CUDA use --preset tiny")
-    rank, world, device = init_distributed(use_cuda)
-    say = on_progress if (on_progress and rank == 0) else (lambda msg, frac: None)
+    use_cuda, preset, rank, world, device, say = start_scenario(config.preset, "qwen2.5-7b", on_progress)
     seq_len = config.seq_len or (32 if preset == "tiny" else 512)
     vocab = PRESETS[preset].vocab_size
     batch = torch.randint(0, vocab, (1, seq_len), generator=torch.Generator().manual_seed(rank)).to(device)

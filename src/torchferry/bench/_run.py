@@ -23,7 +23,7 @@ from ._link import measure_link_peak, release_host_cache
 from ._model import PRESETS, build_model
 from ._overlap import apply_peak, observed_rates, raise_peak
 from ._rounds import Rounds, checksum, rotated, state_bytes
-from ._setup import env_record, init_distributed, shard_fsdp2
+from ._setup import env_record, shard_fsdp2, start_scenario
 from ._strategies import STRATEGIES
 from ._summary import account_overlap, prefetch_floor, resident_summary, summarise
 from ._units import unit_bytes
@@ -196,12 +196,8 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
     """
     import torch.distributed as dist
 
-    use_cuda = torch.cuda.is_available()
-    preset = config.preset or ("qwen2.5-1.5b" if use_cuda else "tiny")
-    if not use_cuda and config.model_path is None and preset != "tiny":
-        raise ValueError(f"preset {preset!r} needs a GPU; on a machine without CUDA use --preset tiny")
-    rank, world, device = init_distributed(use_cuda)
-    say = on_progress if (on_progress and rank == 0) else (lambda msg, frac: None)
+    use_cuda, preset, rank, world, device, say = start_scenario(
+        config.preset, "qwen2.5-1.5b", on_progress, local_model=config.model_path is not None)
     shape = config.resolved(preset)
 
     measured = solo = None

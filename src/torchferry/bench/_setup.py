@@ -10,7 +10,27 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["command_line", "env_record", "init_distributed", "shard_fsdp2", "source_commit"]
+__all__ = ["command_line", "env_record", "init_distributed", "shard_fsdp2", "source_commit", "start_scenario"]
+
+
+def start_scenario(preset: str | None, gpu_default: str, on_progress, *, local_model: bool = False):
+    """A scenario's common start: ``(use_cuda, preset, rank, world size, device, say)``.
+
+    ``preset`` defaults to ``gpu_default`` on a GPU and ``"tiny"`` on the CPU;
+    ``say(msg, frac)`` is ``on_progress`` on rank 0 and a no-op elsewhere.
+
+    Raises:
+        ValueError: a preset other than ``tiny`` without CUDA (unless
+            ``local_model``: a checkpoint folder is used instead); more local
+            ranks than CUDA devices.
+    """
+    use_cuda = torch.cuda.is_available()
+    preset = preset or (gpu_default if use_cuda else "tiny")
+    if not use_cuda and not local_model and preset != "tiny":
+        raise ValueError(f"preset {preset!r} needs a GPU; on a machine without CUDA use --preset tiny")
+    rank, world, device = init_distributed(use_cuda)
+    say = on_progress if (on_progress and rank == 0) else (lambda msg, frac: None)
+    return use_cuda, preset, rank, world, device, say
 
 
 def init_distributed(use_cuda: bool) -> tuple[int, int, torch.device]:

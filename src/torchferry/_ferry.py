@@ -22,7 +22,7 @@ from ._host_budget import budget_from_env
 from ._pin_ahead import PinAhead
 from ._plan import build_plan
 from ._prefetch import Prefetch, PrefetchRun, prefetch_groups
-from ._reconcile import reconcile
+from ._reconcile import moved_away, reconcile
 from ._release import PROGRESS_EVERY, ReleaseSchedule
 from ._residency import Residency
 from ._stats import StatsRecorder, TransferStats
@@ -284,7 +284,7 @@ class Ferry:
         self._check_open()
         self._complete_prefetch()
         if self.residency.on_host:
-            if self._targets.ids() == self._offloaded.ids:
+            if not self._replaced_while_offloaded(self._offloaded):
                 return self._handle_or_noop("d2h")
             self._reconcile()
         cuda = self._streams.is_cuda
@@ -397,7 +397,7 @@ class Ferry:
         plan = off.plan
         groups = prefetch_groups(plan) if prefetch else None
         if groups is not None:
-            if self._targets.ids() != off.ids:
+            if self._replaced_while_offloaded(off):
                 return self._reconcile()
             return self._start_prefetch(off, groups, prefetch if isinstance(prefetch, Prefetch) else Prefetch())
         return self._reload_all(off, schedule)
@@ -418,7 +418,7 @@ class Ferry:
                     "again); the state is still offloaded, nothing was lost"
                 ) from e
             # Checked while the copies are in flight; see [Note: state replaced while offloaded].
-            if self._targets.ids() != off.ids:
+            if self._replaced_while_offloaded(off):
                 undo_allocations(plan, range(len(plan.storages)), self._streams)
                 return self._reconcile()
             if cuda:
@@ -439,6 +439,11 @@ class Ferry:
         self._residency = Residency.H2D_IN_FLIGHT if cuda else Residency.DEVICE
         logger.debug("reload: %d bytes in %d storages to %s", plan.state_bytes, len(plan.storages), self.device)
         return self._issued(TransferHandle("h2d", plan.state_bytes, copies.event, issued_at, start_event=copies.start))
+
+    def _replaced_while_offloaded(self, off: Offloaded) -> bool:
+        """Whether the targets hold other tensors, or the ferry's tensors other bytes, than at the
+        offload ([Note: state replaced while offloaded], [Note: storage swapped while offloaded])."""
+        return self._targets.ids() != off.ids or bool(moved_away(off.views, self._set.parking))
 
     def _reconcile(self) -> TransferHandle:
         """Brings back what the targets still hold after a replacement; the state is then resident."""

@@ -71,13 +71,38 @@ class HostViews:
         self._storages = [s.untyped_storage() for s in slots]
         self._ptrs = [st.data_ptr() for st in self._storages]
         self._host_locals: list[torch.Tensor] | None = None
+        self._expected: tuple[list, list, list] | None = None
+        self._layouts: list[tuple[int, tuple[int, ...]]] = []
 
     @property
     def host_locals(self) -> list[torch.Tensor]:
         """Per ``plan.tensors`` entry, a view of its slot shaped like its local tensor."""
         if self._host_locals is None:
             self._host_locals = [view_on(r.local, self.slots[r.storage_index]) for r in self.plan.tensors]
+            # Taken before any exchange: to_host() may give these very objects the device impls.
+            self._expected = _signature(self._host_locals)
+            self._layouts = [(h.storage_offset(), h.stride()) for h in self._host_locals]
         return self._host_locals
+
+    def moved_away(self, locals_: list[torch.Tensor]) -> list[int]:
+        """Indices of the plan's tensors whose local tensor (``locals_[i]``, taken while offloaded)
+        no longer views its slot as the offload left it: address, shape or dtype changed
+        (``p.data = t``, ``p.set_(t)``); see [Note: storage swapped while offloaded]."""
+        expected = self._expected
+        if expected is None:
+            return []
+        now = _signature(locals_)
+        if now == expected:
+            return []
+        differ = sorted({i for a, b in zip(now, expected) for i, (x, y) in enumerate(zip(a, b)) if x != y})
+        return [i for i in differ if not self._slot_moved(i, locals_[i])]
+
+    def _slot_moved(self, i: int, t: torch.Tensor) -> bool:
+        """Whether ``t`` still views its slot's storage as offloaded, the slot's memory having
+        moved under it (``share_memory_()``, which :meth:`intact` finds): not the user's doing."""
+        slot = self._storages[self.plan.tensors[i].storage_index]
+        return (t.untyped_storage()._cdata == slot._cdata and t.shape == self._expected[1][i]
+                and t.dtype == self._expected[2][i] and (t.storage_offset(), t.stride()) == self._layouts[i])
 
     def intact(self) -> bool:
         """False if a slot's storage no longer views the pool (``share_memory_()`` moved it)."""
@@ -167,3 +192,8 @@ class HostLayout:
     def forget(self) -> None:
         """Drops the cached views (they keep the pool's memory mapped)."""
         self.cached = None
+
+
+def _signature(tensors: list[torch.Tensor]) -> tuple[list, list, list]:
+    """Addresses, shapes and dtypes (about 0.3 us a tensor: ``map`` over the C methods)."""
+    return (list(map(torch.Tensor.data_ptr, tensors)), [t.shape for t in tensors], [t.dtype for t in tensors])

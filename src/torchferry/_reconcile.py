@@ -15,6 +15,19 @@ rule), and forgets its plan. The state is then resident; an ``offload()``
 that found the change offloads everything again (one extra round trip, only
 after a replacement). Issue 15 item 3 reproduced it: the second offload moved
 0 of 12 new tensors and the reload re-allocated the dead ones.
+
+[Note: storage swapped while offloaded]
+The same object can be given other bytes while offloaded: ``p.data = t``,
+``p.set_(t)``, ``p.grad.data = g``. Ids do not change (and ``.data =``
+bumps no version counter), so a reload that only compared ids brought the
+pool's bytes back into the object and silently undid the assignment (found
+by a breaker helper). So every check above also compares each object's local
+tensor with the host view the offload gave it (address, shape, dtype, read
+once per check: about 0.3 us a tensor). A tensor that moved away is
+reconciled like a replacement, keeping its object and its parked device impl
+(autograd hooks, grad accumulator): its slot is not brought back, the parked
+impl comes back and then takes the assigned tensor, moved to the device
+(``.data =`` on the same device keeps the grad accumulator).
 """
 
 from __future__ import annotations
@@ -32,7 +45,7 @@ from ._repoint import Parking, move_to
 from ._streams import TransferStreams
 from ._targets import describe, walk
 
-__all__ = ["reconcile"]
+__all__ = ["moved_away", "reconcile"]
 
 logger = logging.getLogger("torchferry")
 
@@ -43,6 +56,12 @@ def _placed_by_optimizer(targets: list[object], where: tuple, t: torch.Tensor) -
     if not isinstance(targets[where[0]], torch.optim.Optimizer):
         return False
     return where[3] != "step" and (t.is_floating_point() or t.is_complex())
+
+
+def moved_away(views: HostViews, parking: Parking) -> list[int]:
+    """Indices of the offloaded tensors given other bytes since the offload ([Note: storage
+    swapped while offloaded])."""
+    return views.moved_away(parking.locals())
 
 
 def reconcile(plan: Plan, views: HostViews, parking: Parking, targets: list[object], streams: TransferStreams,
@@ -61,9 +80,11 @@ def reconcile(plan: Plan, views: HostViews, parking: Parking, targets: list[obje
     """
     current = list(walk(targets))
     held = {id(t) for _, t in current}
-    live_t = [i for i, r in enumerate(plan.tensors) if id(r.tensor) in held]
+    swapped = [i for i in moved_away(views, parking) if id(plan.tensors[i].tensor) in held]
+    assigned = {i: local_of(parking.tensors[i]).detach() for i in swapped}  # the bytes the user gave
+    live_t = [i for i, r in enumerate(plan.tensors) if id(r.tensor) in held and i not in assigned]
     live_s = sorted({plan.tensors[i].storage_index for i in live_t})
-    user_grads = {i: parking.tensors[i].grad for i in live_t if parking.has_grad_slot(i)}
+    user_grads = {i: parking.tensors[i].grad for i in live_t + swapped if parking.has_grad_slot(i)}
     if streams.is_cuda and after is not None:
         streams.h2d.wait_event(after)
     issue_h2d(plan, views, streams, storages=live_s, device_views=device_views)
@@ -72,7 +93,10 @@ def reconcile(plan: Plan, views: HostViews, parking: Parking, targets: list[obje
         streams.pack.synchronize()
     for si in set(range(len(plan.storages))) - set(live_s):  # a packed chunk brings back dead neighbours
         plan.storages[si].resize_(0)
-    parking.to_device(live_t)
+    parking.to_device(sorted(live_t + swapped))
+    for i, new in assigned.items():  # a view of the pool (p.data = p.data[:n]) is copied out of it
+        pooled = new.numel() > 0 and in_host_pool(new.data_ptr())
+        local_of(parking.tensors[i]).data = new.to(plan.device, copy=pooled)
     names = {r.name for r in plan.tensors}
     mine = {id(r.tensor) for r in plan.tensors}
     moved = 0
@@ -90,6 +114,6 @@ def reconcile(plan: Plan, views: HostViews, parking: Parking, targets: list[obje
         t = parking.tensors[i]
         if t.grad is not g:
             t.grad = g
-    logger.debug("reconcile: %d of %d tensors still held, %d replacements moved to %s",
-                 len(live_t), len(plan.tensors), moved, plan.device)
+    logger.debug("reconcile: %d of %d tensors still held, %d given other bytes, %d replacements moved to %s",
+                 len(live_t), len(plan.tensors), len(swapped), moved, plan.device)
     return sum(plan.nbytes[si] for si in live_s)

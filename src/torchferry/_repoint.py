@@ -156,6 +156,12 @@ class Parking:
         for i in done:
             self.on_host[i] = False
 
+    def locals(self) -> list[torch.Tensor]:
+        """The plain tensor of each object (a DTensor's local shard), in order."""
+        if not any(self._dtensor):
+            return self.tensors
+        return [t._local_tensor if d else t for t, d in zip(self.tensors, self._dtensor)]
+
     def has_grad_slot(self, i: int) -> bool:
         """Whether ``tensors[i]`` can hold a ``.grad`` link (a parameter, or a leaf requiring grad)."""
         return self._grad_slot[i]

@@ -303,8 +303,13 @@ def test_lora_scenario_runs_on_cpu_skips_the_frozen_base_and_is_bit_exact(tmp_pa
     # The frozen base is never copied again: the forward-only offload copies nothing, the training
     # offload only the adapters and their AdamW state.
     assert tf["offload_params_bytes_copied"] == 0
-    assert 0 < tf["offload_all_bytes_copied"] < 0.5 * tf["state_bytes"]["total"]
     assert all(s["offload_params_bytes_copied"] == 0 for s in tf["steps"][1:])
+    # After the update exactly what the step wrote: the adapters, then all of the AdamW state.
+    sb = tf["state_bytes"]
+    assert 0 < tf["offload_params_after_update_bytes_copied"] < 0.5 * sb["params"]
+    assert tf["offload_optimizer_bytes_copied"] == sb["optimizer"]
+    assert tf["offload_all_bytes_copied"] == sb["written_per_step"] < 0.5 * sb["total"]
+    assert seed["offload_params_after_update_bytes_copied"] == sb["params"]
     assert "torchferry steady offload vs seed" in p.stdout
 
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 import copy
 import gc
 
+import pytest
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from tests.helpers import assert_same, snapshot, trained
+from tests.helpers import assert_same, identities, snapshot, trained
 from torchferry import Ferry, Residency
 from torchferry._host_memory import in_host_pool
 
@@ -84,3 +85,76 @@ def test_parameters_reassigned_or_grads_dropped_while_offloaded():
     assert in_host_pool(new_w.data_ptr())
     ferry.reload()
     assert torch.equal(new_w, torch.full_like(new_w, 2.0)) and m.low.weight.grad is None
+
+
+def _give_other_bytes(m, opt, how: str) -> dict[str, torch.Tensor]:
+    """Gives offloaded tensors other bytes in place of their objects' storage; returns the values."""
+    w, b, buf = m.proj.weight, m.proj.bias, next(m.buffers())
+    avg = opt.state[w]["exp_avg"]
+    with torch.no_grad():
+        new = {"w": torch.full_like(w, 3.0), "b": torch.full_like(b, -1.5), "buf": torch.ones_like(buf),
+               "avg": torch.full_like(avg, 0.25), "grad": torch.full_like(w.grad, 7.0)}
+        if how == "data":
+            w.data, b.data, buf.data, avg.data = new["w"], new["b"], new["buf"], new["avg"]
+            w.grad.data = new["grad"]
+        else:
+            w.set_(new["w"].clone())
+            b.set_(new["b"].clone())
+            buf.set_(new["buf"].clone())
+            avg.set_(new["avg"].clone())
+            w.grad.set_(new["grad"].clone())
+    return new
+
+
+@pytest.mark.parametrize("how", ["data", "set_"])
+@pytest.mark.parametrize("back", ["reload", "prefetch", "offload", "skip_unchanged"])
+def test_storage_swapped_while_offloaded_is_kept(how, back):
+    """``p.data = t`` / ``p.set_(t)`` while offloaded (breaker finding F1): the assigned bytes survive
+    the reload, in the same objects, and the next cycle moves them."""
+    m, opt = trained(ids=IDS)
+    ferry = Ferry(m, opt, skip_unchanged=back == "skip_unchanged")
+    for _ in range(2):  # the second cycle: host views cached, skips armed
+        ferry.offload()
+        ferry.reload()
+    w = m.proj.weight
+    fired = []
+    w.register_post_accumulate_grad_hook(lambda p: fired.append(1))
+    objects = identities(m, opt)
+    ferry.offload()
+    untouched = snapshot(m, opt)
+    new = _give_other_bytes(m, opt, how)
+    if back == "offload":
+        ferry.offload()  # finds the change: reconciles, then offloads what is there now
+        assert ferry.residency is Residency.HOST and in_host_pool(w.data_ptr())
+    ferry.reload(prefetch=back == "prefetch")
+    assert ferry.residency is not Residency.HOST
+    assert identities(m, opt) == objects
+    buf = next(m.buffers())
+    got = {"w": w, "b": m.proj.bias, "buf": buf, "avg": opt.state[w]["exp_avg"], "grad": w.grad}
+    for k in new:
+        assert not in_host_pool(got[k].data_ptr()), k
+        torch.testing.assert_close(got[k], new[k], atol=0, rtol=0, msg=k)
+    now = snapshot(m, opt)
+    changed = {"proj.weight", "proj.bias", "proj.weight.grad"}
+    for k in untouched:  # everything else came back as it was
+        if k not in changed and not k.startswith("buf.") and "exp_avg" not in k:
+            torch.testing.assert_close(now[k], untouched[k], atol=0, rtol=0, msg=k)
+    ferry.offload()  # the next cycle moves the assigned bytes
+    ferry.reload()
+    torch.testing.assert_close(w, new["w"], atol=0, rtol=0)
+    torch.testing.assert_close(w.grad, new["grad"], atol=0, rtol=0)
+    w.grad = None
+    m(IDS).backward()
+    assert fired == [1]  # the hook registered before the offload still fires
+
+
+def test_narrowed_while_offloaded_keeps_the_new_shape():
+    m, opt = trained(ids=IDS)
+    ferry = Ferry(m, opt)
+    ferry.offload()
+    b = m.proj.bias
+    first = b.detach()[:2].clone()
+    b.data = b.data[:2]  # same address, other shape
+    ferry.reload()
+    assert b.shape == (2,) and not in_host_pool(b.data_ptr())
+    torch.testing.assert_close(b, first, atol=0, rtol=0)

@@ -121,6 +121,32 @@ def test_checkpoint_resume_while_offloaded_leaves_everything_on_the_device():
     assert_same(snapshot(ref_m, ref_opt), snapshot(m, opt))
 
 
+@pytest.mark.parametrize("source", ["cuda", "cpu"])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_storage_swapped_while_offloaded_survives_reload(source, prefetch):
+    """``p.data = t`` while offloaded (a CUDA or a CPU tensor): reload keeps it, the same object,
+    its autograd hook, and the next cycle moves it (was: reload brought the old bytes back)."""
+    m, opt = _trained()
+    ferry = Ferry(m, opt, skip_unchanged=True)
+    ferry.offload()
+    ferry.reload()
+    w = m[0].weight
+    fired = []
+    w.register_post_accumulate_grad_hook(lambda p: fired.append(1))
+    ferry.offload().wait()
+    new = torch.randn(w.shape, device=source, generator=torch.Generator(source).manual_seed(5))
+    w.data = new
+    ferry.reload(prefetch=prefetch).wait()
+    assert w.device.type == "cuda" and m[0].weight is w
+    torch.testing.assert_close(w, new.cuda(), atol=0, rtol=0)
+    ferry.offload().wait()
+    ferry.reload().wait()
+    torch.testing.assert_close(w, new.cuda(), atol=0, rtol=0)
+    opt.zero_grad()
+    m(torch.randn(8, 1024, device="cuda")).square().mean().backward()
+    assert fired == [1] and w.grad.device.type == "cuda"
+
+
 def test_offloaded_views_are_pinned_and_pickle_only_their_own_bytes():
     m, opt = _trained()
     ferry = Ferry(m, opt)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ._model import PRESETS, build_model
-from ._rounds import checksum, state_bytes
+from ._rounds import bit_sums, checksum, state_bytes
 from ._setup import env_record, shard_fsdp2, start_scenario
 from ._strategies import SharedFerries, Strategy, make_strategy
 
@@ -93,16 +93,21 @@ def build_lora(preset: str, device: torch.device, world: int, *, rank: int, laye
     return model, torch.optim.AdamW(trainable, lr=1e-4)
 
 
-def _optimizer_checksum(opt: torch.optim.Optimizer) -> list[int]:
-    out = []
-    for st in opt.state.values():
-        for k in sorted(st):
-            v = st[k]
-            if torch.is_tensor(v):
-                t = (v._local_tensor if hasattr(v, "_local_tensor") else v).detach().contiguous()
-                ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-                out.append(int(t.view(ints).sum(dtype=torch.int64)) if t.numel() else 0)
-    return out
+def _optimizer_checksum(opt: torch.optim.Optimizer, device: torch.device) -> list[int]:
+    tensors = [v for st in opt.state.values() for k in sorted(st) if torch.is_tensor(v := st[k])]
+    return bit_sums([getattr(t, "_local_tensor", t) for t in tensors], device)
+
+
+def _trainable_bytes(model: nn.Module, device: torch.device) -> int:
+    """Bytes of the device storages of parameters that require grad (what a step writes, with
+    the optimizer state)."""
+    seen = {}
+    for p in model.parameters():
+        local = getattr(p, "_local_tensor", p)
+        if p.requires_grad and local.device == device:
+            st = local.untyped_storage()
+            seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
 
 
 def _sync(device: torch.device) -> None:
@@ -125,6 +130,7 @@ def _run_strategy(name: str, preset: str, config: LoraBenchConfig, device: torch
     opt.step()
     opt.zero_grad(set_to_none=True)
     sizes = state_bytes(model, opt, device)
+    written = _trainable_bytes(model, device) + sizes["optimizer"]
     ferries = SharedFerries(model, opt, device, skip_unchanged=True) if name == "torchferry" else None
     strategy: Strategy = make_strategy(name, model, opt, device, ferries=ferries)
     strategy.setup()
@@ -136,18 +142,26 @@ def _run_strategy(name: str, preset: str, config: LoraBenchConfig, device: torch
         rec["reload_params_s"] = _timed(device, lambda: strategy.reload(optimizer=False))
         with torch.no_grad():
             model(input_ids=batch).logits.float().logsumexp(-1).mean().item()
-        before = checksum(model)
+        before = checksum(model, device)
         rec["offload_params_s"] = _timed(device, lambda: strategy.offload(optimizer=False))
-        exact = checksum(model) == before  # the host copies, read on the host
+        exact = checksum(model, device) == before  # the host copies
         rec["offload_params_bytes_copied"] = _copied(strategy, optimizer=False, default=sizes["params"])
         rec["reload_all_s"] = _timed(device, lambda: strategy.reload(optimizer=True))
         model(input_ids=batch, labels=batch).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        before = (checksum(model), _optimizer_checksum(opt))
-        rec["offload_all_s"] = _timed(device, lambda: strategy.offload(optimizer=True))
-        rec["offload_all_bytes_copied"] = _copied(strategy, optimizer=True, default=total)
-        sums.append((checksum(model), _optimizer_checksum(opt)))  # read on the host, offloaded
+        before = (checksum(model, device), _optimizer_checksum(opt, device))
+        # verl's order after update_actor: the weights (offload_fsdp_model_to_cpu), then the optimizer.
+        rec["offload_params_after_update_s"] = _timed(device, lambda: strategy.offload(optimizer=False))
+        rec["offload_params_after_update_bytes_copied"] = _copied(strategy, optimizer=False,
+                                                                 default=sizes["params"])
+        rec["offload_optimizer_s"] = _timed(device, lambda: strategy.offload(optimizer=True))
+        rec["offload_optimizer_bytes_copied"] = _copied(strategy, optimizer=True, default=total,
+                                                        only_optimizer=True) if ferries else sizes["optimizer"]
+        rec["offload_all_s"] = rec["offload_params_after_update_s"] + rec["offload_optimizer_s"]
+        rec["offload_all_bytes_copied"] = (rec["offload_params_after_update_bytes_copied"]
+                                           + rec["offload_optimizer_bytes_copied"])
+        sums.append((checksum(model, device), _optimizer_checksum(opt, device)))  # the host copies
         rec["round_trip_bit_exact"] = exact and sums[-1] == before
         steps.append(rec)
     strategy.reload(optimizer=True)
@@ -160,26 +174,35 @@ def _run_strategy(name: str, preset: str, config: LoraBenchConfig, device: torch
     def med(key: str) -> float:
         return statistics.median(r[key] for r in steady)
 
+    def spread(key: str) -> dict:
+        return {"first": steps[0][key], "steady": med(key), "steady_min": min(r[key] for r in steady),
+                "steady_max": max(r[key] for r in steady)}
+
     return {
-        "state_bytes": {"params": sizes["params"], "optimizer": sizes["optimizer"], "total": total},
-        "offload_params_s": {"first": steps[0]["offload_params_s"], "steady": med("offload_params_s")},
-        "offload_all_s": {"first": steps[0]["offload_all_s"], "steady": med("offload_all_s")},
-        "reload_all_s": {"first": steps[0]["reload_all_s"], "steady": med("reload_all_s")},
+        "state_bytes": {"params": sizes["params"], "optimizer": sizes["optimizer"], "total": total,
+                        "written_per_step": written},
+        **{key: spread(key) for key in ("offload_params_s", "offload_params_after_update_s",
+                                        "offload_optimizer_s", "offload_all_s", "reload_all_s")},
         "offload_params_bytes_copied": int(med("offload_params_bytes_copied")),
+        "offload_params_after_update_bytes_copied": int(med("offload_params_after_update_bytes_copied")),
+        "offload_optimizer_bytes_copied": int(med("offload_optimizer_bytes_copied")),
         "offload_all_bytes_copied": int(med("offload_all_bytes_copied")),
         "copied_frac_params": med("offload_params_bytes_copied") / sizes["params"],
+        "copied_frac_params_after_update": med("offload_params_after_update_bytes_copied") / sizes["params"],
         "copied_frac_all": med("offload_all_bytes_copied") / total,
+        "written_frac_all": written / total,
         "steps": steps,
         "_sums": sums,
     }
 
 
-def _copied(strategy: Strategy, *, optimizer: bool, default: int) -> int:
+def _copied(strategy: Strategy, *, optimizer: bool, default: int, only_optimizer: bool = False) -> int:
     """Bytes the last offload copied D2H: the ferries' ``offload_bytes_copied``, else all of it."""
     ferries = getattr(strategy, "_ferries", None)
     if ferries is None:
         return default
-    return sum(f.stats.offload_bytes_copied for f in ferries(optimizer))
+    chosen = [strategy.opt_ferry] if only_optimizer else ferries(optimizer)
+    return sum(f.stats.offload_bytes_copied for f in chosen)
 
 
 def run_lora(config: LoraBenchConfig, *, on_progress: Callable[[str, float], None] | None = None) -> dict:
@@ -211,7 +234,7 @@ def run_lora(config: LoraBenchConfig, *, on_progress: Callable[[str, float], Non
     for r in results.values():
         del r["_sums"]
     if "seed" in results and "torchferry" in results:
-        for key in ("offload_params_s", "offload_all_s"):
+        for key in ("offload_params_s", "offload_params_after_update_s", "offload_optimizer_s", "offload_all_s"):
             ours = results["torchferry"][key]["steady"]
             results["torchferry"][f"{key}_speedup_vs_seed"] = (
                 results["seed"][key]["steady"] / ours if ours > 0 else math.inf)

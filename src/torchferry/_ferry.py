@@ -27,6 +27,7 @@ from ._release import PROGRESS_EVERY, ReleaseSchedule
 from ._residency import Residency
 from ._stats import StatsRecorder, TransferStats
 from ._targets import Targets
+from ._tree import tree_memo
 from ._whole import Offloaded, StateSet
 
 __all__ = ["Ferry"]
@@ -259,6 +260,7 @@ class Ferry:
     # ---------------------------------------------------------------- offload
     @torch.no_grad()
     @gc_paused()
+    @tree_memo()
     def offload(self, *, schedule: ReleaseSchedule | None = None) -> TransferHandle:
         """Copies the state to the host pool and releases its device memory.
 
@@ -359,6 +361,7 @@ class Ferry:
     # ----------------------------------------------------------------- reload
     @torch.no_grad()
     @gc_paused()
+    @tree_memo()
     def reload(self, prefetch: bool | Prefetch = False, *, schedule: ReleaseSchedule | None = None
                ) -> TransferHandle:
         """Re-allocates the device storages and copies the state back.

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ._tree import module_tree
+
 __all__ = [
     "comm_streams",
     "dtensor_twin",
@@ -61,7 +63,7 @@ def fsdp_modules(module: nn.Module) -> list[nn.Module]:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
         return []
-    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+    return [m for _, m in module_tree(module) if isinstance(m, FSDPModule)]
 
 
 def unit_key(unit: nn.Module) -> int:

@@ -8,7 +8,16 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ._tree import module_tree
+
 __all__ = ["OffloadGuards"]
+
+
+def _owns_state(m: nn.Module) -> bool:
+    """Whether ``m`` directly holds a parameter or buffer (``None`` entries do not count)."""
+    params, buffers = m._parameters, m._buffers  # most modules of a large model hold neither
+    return bool(params) and any(v is not None for v in params.values()) or (
+        bool(buffers) and any(v is not None for v in buffers.values()))
 
 
 class OffloadGuards:
@@ -33,11 +42,8 @@ class OffloadGuards:
         if self._handles:
             return
         for root in modules:
-            for name, m in root.named_modules():
-                owns_state = any(True for _ in m.parameters(recurse=False)) or any(
-                    True for _ in m.buffers(recurse=False)
-                )
-                if m is root or owns_state:
+            for name, m in module_tree(root):
+                if m is root or _owns_state(m):
                     self._handles.append(m.register_forward_pre_hook(self._forward_hook(name), prepend=True))
         for opt in optimizers:
             self._handles.append(opt.register_step_pre_hook(self._step_hook))

@@ -227,6 +227,12 @@ def bench_lora(
                    f"{tf['offload_optimizer_s_speedup_vs_seed']:.1f}x, all {tf['offload_all_s_speedup_vs_seed']:.1f}x; "
                    f"a step writes {tf['written_frac_all']:.3f}x of the state (adapters and AdamW state), "
                    f"all copied {tf['copied_frac_all']:.3f}x")
+    if "speedup_vs_full_copy_at_peak" in tf:
+        sp = tf["speedup_vs_full_copy_at_peak"]
+        typer.echo(f"torchferry steady offload vs a full copy at the link peak "
+                   f"({result['link_peak_GBps']['d2h']:.1f} GB/s D2H, this run): params after forward "
+                   f"{sp['offload_params_s']:.1f}x, after update {sp['offload_params_after_update_s']:.1f}x, "
+                   f"all {sp['offload_all_s']:.1f}x faster")
     for note in result["notes"]:
         typer.echo(f"note: {note}", err=True)
     if json_path:

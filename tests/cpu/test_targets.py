@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import WithRotary
+from tests.helpers import Mixed, WithRotary
 from torchferry import Ferry, Residency
 from torchferry._plan import build_plan
 
@@ -124,3 +124,40 @@ def test_inference_mode_buffers_move_and_come_back():
         assert m.cos.is_inference() and torch.equal(m.cos, want)
         with torch.no_grad():
             m(torch.ones(2, 8))
+
+
+def test_module_tree_walks_like_named_modules_parameters_and_buffers():
+    """``module_tree`` (the stack walk behind ``walk`` and the guards) yields what PyTorch's own
+    walks yield, in the same order: shared submodules and tied weights once, ``None`` entries
+    skipped; a class overriding ``named_modules`` gets PyTorch's walk."""
+    from torchferry._tree import members, module_tree
+
+    shared = nn.Linear(3, 3)
+    m = nn.Sequential(shared, nn.Sequential(shared, nn.Linear(3, 3, bias=False)), nn.BatchNorm1d(3),
+                      nn.ModuleDict({"a": nn.Linear(3, 4), "b": nn.Embedding(5, 3)}))
+    m[3]["b"].weight = m[3]["a"].weight  # tied across branches (shape aside)
+    m.add_module("missing", None)
+    m.register_buffer("none_buf", None)
+    models = [m, Mixed()]
+    peft = pytest.importorskip("peft")
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = nn.Linear(8, 8)
+            self.inner = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+
+    models.append(peft.get_peft_model(Tiny(), peft.LoraConfig(r=2, target_modules=["q", "0"])))
+
+    class Custom(nn.Module):
+        def named_modules(self, *args, **kwargs):
+            return super().named_modules(*args, **kwargs)
+
+    c = Custom()
+    c.lin = nn.Linear(2, 2)
+    models.append(nn.Sequential(c, nn.Linear(2, 2)))
+    for model in models:
+        tree = module_tree(model)
+        assert [(n, id(x)) for n, x in tree] == [(n, id(x)) for n, x in model.named_modules()]
+        for kind, ref in (("_parameters", model.named_parameters()), ("_buffers", model.named_buffers())):
+            assert [(n, id(t)) for n, t in members(tree, kind)] == [(n, id(t)) for n, t in ref]

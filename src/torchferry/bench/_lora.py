@@ -6,7 +6,10 @@ q/k/v/o and gate/up/down projections, fp32) added, FSDP2 applied as the main ben
 and trainable parameters share units, bf16 compute), AdamW over the adapters only. Each strategy
 gets its own copy of that model (same seed) and runs the same steps: reload the parameters,
 forward (old_log_prob), offload the parameters; reload everything, forward, backward, step,
-offload everything. Offload seconds are from the call until the host copies are complete
+offload the parameters, then the optimizer state (verl's order: ``offload_fsdp_model_to_cpu``,
+``offload_fsdp_optimizer``), each timed; ``offload_all`` is the two together. A step writes the
+adapters and their AdamW state (``state_bytes["written_per_step"]``): no exact method can copy
+less after an update. Offload seconds are from the call until the host copies are complete
 (synchronised); ``torchferry`` runs its two ferries with ``skip_unchanged=True``, so its offloads
 copy only what was written ([Note: unchanged storages]). ``round_trip_bit_exact``: after every
 offload the state read on the host equals its bytes on the device before it (what a skipped copy
@@ -26,6 +29,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .._fsdp import reshard
+from ._link import measure_link_peak
 from ._model import PRESETS, build_model
 from ._rounds import bit_sums, checksum, state_bytes
 from ._setup import env_record, shard_fsdp2, start_scenario
@@ -142,6 +147,9 @@ def _run_strategy(name: str, preset: str, config: LoraBenchConfig, device: torch
         rec["reload_params_s"] = _timed(device, lambda: strategy.reload(optimizer=False))
         with torch.no_grad():
             model(input_ids=batch).logits.float().logsumexp(-1).mean().item()
+        # FSDP2 keeps the root unit unsharded after a forward; every strategy moves the sharded state
+        # (the ferry reshards by itself), and the checksums compare the same shards.
+        reshard([model])
         before = checksum(model, device)
         rec["offload_params_s"] = _timed(device, lambda: strategy.offload(optimizer=False))
         exact = checksum(model, device) == before  # the host copies
@@ -209,7 +217,9 @@ def run_lora(config: LoraBenchConfig, *, on_progress: Callable[[str, float], Non
     """Runs the LoRA scenario and returns its results (the ``torchferry.bench-lora/1`` JSON, as a dict).
 
     Bytes are per rank (rank 0's; ``per_rank`` holds every rank's), seconds wall clock,
-    synchronised. ``speedup_vs_seed``: the seed's steady offload seconds over torchferry's.
+    synchronised. ``speedup_vs_seed``: the seed's steady offload seconds over torchferry's;
+    ``speedup_vs_full_copy_at_peak``: the seconds a copy of all of it would take at the link
+    peak measured in the same run (all ranks copying at once), over the strategy's.
 
     Raises:
         ValueError: a preset that needs a GPU on a machine without one.
@@ -219,10 +229,16 @@ def run_lora(config: LoraBenchConfig, *, on_progress: Callable[[str, float], Non
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (before its first use)
     torch.use_deterministic_algorithms(True, warn_only=True)  # strategies compared bit for bit
+    if torch.cuda.is_available():
+        torch.backends.cuda.enable_cudnn_sdp(False)  # its backward is not deterministic (PyTorch warns)
     use_cuda, preset, rank, world, device, say = start_scenario(config.preset, "qwen2.5-7b", on_progress)
     seq_len = config.seq_len or (32 if preset == "tiny" else 512)
     vocab = PRESETS[preset].vocab_size
     batch = torch.randint(0, vocab, (1, seq_len), generator=torch.Generator().manual_seed(rank)).to(device)
+    peak = None
+    if use_cuda:
+        say("measuring the link peak", 0.0)
+        peak = measure_link_peak(device, barrier=dist.barrier)
     results: dict[str, dict] = {}
     for i, name in enumerate(config.strategies):
         say(f"{name}: building and running {config.steps} steps", i / len(config.strategies))
@@ -238,6 +254,13 @@ def run_lora(config: LoraBenchConfig, *, on_progress: Callable[[str, float], Non
             ours = results["torchferry"][key]["steady"]
             results["torchferry"][f"{key}_speedup_vs_seed"] = (
                 results["seed"][key]["steady"] / ours if ours > 0 else math.inf)
+    if peak is not None:  # what copying everything at the link's peak would take: no full copy beats it
+        for r in results.values():
+            sb = r["state_bytes"]
+            r["full_copy_at_peak_s"] = {k: sb[of] / (peak.d2h * 1e9) for k, of in (
+                ("offload_params_s", "params"), ("offload_params_after_update_s", "params"),
+                ("offload_optimizer_s", "optimizer"), ("offload_all_s", "total"))}
+            r["speedup_vs_full_copy_at_peak"] = {k: v / r[k]["steady"] for k, v in r["full_copy_at_peak_s"].items()}
     say("done", 1.0)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, {"rank": rank, "strategies": results})
@@ -250,6 +273,7 @@ def run_lora(config: LoraBenchConfig, *, on_progress: Callable[[str, float], Non
                   "seq_len": seq_len},
         "config": dataclasses.asdict(dataclasses.replace(config, preset=preset, seq_len=seq_len)),
         "strategies": results,
+        "link_peak_GBps": None if peak is None else {"h2d": peak.h2d, "d2h": peak.d2h, "solo": peak.solo},
         "per_rank": gathered,
         "notes": notes,
     }

@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_batch.sh final   # GPU tier on 2 GPUs, verl's actor (0.5B), GPU tier on 1 GPU: ~9 min
 #   bash benchmarks/gpu_batch.sh final2  # GPU tier on 2 GPUs, bench-lora at 7B, the hash probe (~9 min)
 #   bash benchmarks/gpu_batch.sh lora2   # GPU tier on 2 GPUs, bench-lora at 7B on 2 GPUs (~8 min)
+#   bash benchmarks/gpu_batch.sh lora    # bench-lora at 7B on 2 GPUs (~3 min)
 #   bash benchmarks/gpu_batch.sh final1  # GPU tier on 1 GPU, the compression probe (~4 min)
 #   bash benchmarks/gpu_batch.sh bench   # the 7B engine run and the 7B bench: ~6 min
 #   bash benchmarks/gpu_batch.sh round   # the compute-rich 7B bench (~3 min), GPU tiers on 2 and 1 GPUs (>3 min, ~70 s)
@@ -66,6 +67,9 @@ elif [ "$stage" = final2 ]; then  # the last call on 2 GPUs: GPU tier, the LoRA 
   CUDA_VISIBLE_DEVICES=0 run probe_hash 80 python3 benchmarks/probe_hash.py "$out/r/probe_hash_h200_$day.json" --gib 4
 elif [ "$stage" = lora2 ]; then  # GPU tier on 2 GPUs, then the full 7B LoRA scenario on 2 GPUs (issue 16), ~8 min
   run pytest_gpu_x2 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
+  run bench_lora 280 torchrun --nproc_per_node 2 -m torchferry bench-lora --preset qwen2.5-7b --steps 4 \
+      --json "$out/r/bench-lora_qwen2.5-7b_h200x2_$day.json"
+elif [ "$stage" = lora ]; then  # the full 7B LoRA scenario on 2 GPUs (issue 16), ~3 min
   run bench_lora 280 torchrun --nproc_per_node 2 -m torchferry bench-lora --preset qwen2.5-7b --steps 4 \
       --json "$out/r/bench-lora_qwen2.5-7b_h200x2_$day.json"
 elif [ "$stage" = final1 ]; then  # the last call on 1 GPU: GPU tier, the compression measurement (issue 16)

@@ -229,8 +229,10 @@ def run_lora(config: LoraBenchConfig, *, on_progress: Callable[[str, float], Non
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (before its first use)
     torch.use_deterministic_algorithms(True, warn_only=True)  # strategies compared bit for bit
-    if torch.cuda.is_available():
-        torch.backends.cuda.enable_cudnn_sdp(False)  # its backward is not deterministic (PyTorch warns)
+    if torch.cuda.is_available():  # the math attention: cuDNN's and flash's backward are not deterministic
+        for enable in (torch.backends.cuda.enable_cudnn_sdp, torch.backends.cuda.enable_flash_sdp,
+                       torch.backends.cuda.enable_mem_efficient_sdp):
+            enable(False)
     use_cuda, preset, rank, world, device, say = start_scenario(config.preset, "qwen2.5-7b", on_progress)
     seq_len = config.seq_len or (32 if preset == "tiny" else 512)
     vocab = PRESETS[preset].vocab_size

@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_batch.sh final2  # GPU tier on 2 GPUs, bench-lora at 7B, the hash probe (~9 min)
 #   bash benchmarks/gpu_batch.sh lora2   # GPU tier on 2 GPUs, bench-lora at 7B on 2 GPUs (~8 min)
 #   bash benchmarks/gpu_batch.sh lora    # bench-lora at 7B on 2 GPUs (~3 min)
+#   bash benchmarks/gpu_batch.sh moved   # Triton bf16 codec probe, LoRA offload profile (1 GPU), bench-lora at 7B (~6 min)
 #   bash benchmarks/gpu_batch.sh final1  # GPU tier on 1 GPU, the compression probe (~4 min)
 #   bash benchmarks/gpu_batch.sh bench   # the 7B engine run and the 7B bench: ~6 min
 #   bash benchmarks/gpu_batch.sh round   # the compute-rich 7B bench (~3 min), GPU tiers on 2 and 1 GPUs (>3 min, ~70 s)
@@ -71,6 +72,13 @@ elif [ "$stage" = lora2 ]; then  # GPU tier on 2 GPUs, then the full 7B LoRA sce
       --json "$out/r/bench-lora_qwen2.5-7b_h200x2_$day.json"
 elif [ "$stage" = lora ]; then  # the full 7B LoRA scenario on 2 GPUs (issue 16), ~3 min
   run bench_lora 280 torchrun --nproc_per_node 2 -m torchferry bench-lora --preset qwen2.5-7b --steps 4 \
+      --json "$out/r/bench-lora_qwen2.5-7b_h200x2_$day.json"
+elif [ "$stage" = moved ]; then  # issue 16: the Triton bf16 codec measured, an offload's host time, bench-lora at 7B (~6 min)
+  CUDA_VISIBLE_DEVICES=0 run probe_codec 170 python3 benchmarks/probe_compress.py "$out/r/probe_compress_triton_h200_$day.json" \
+      --codecs triton,bytesplit-raw --train-seconds 40
+  CUDA_VISIBLE_DEVICES=0 run profile_lora 120 torchrun --nproc_per_node 1 benchmarks/profile_lora_offload.py \
+      "$out/r/profile_lora_offload_h200_$day"
+  run bench_lora 200 torchrun --nproc_per_node 2 -m torchferry bench-lora --preset qwen2.5-7b --steps 4 \
       --json "$out/r/bench-lora_qwen2.5-7b_h200x2_$day.json"
 elif [ "$stage" = final1 ]; then  # the last call on 1 GPU: GPU tier, the compression measurement (issue 16)
   CUDA_VISIBLE_DEVICES=0 run pytest_gpu_x1 110 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu

@@ -11,7 +11,8 @@ and (b) a ~150M-param Qwen2-shaped model trained here on synthetic LM data
 
   * the byte-plane Shannon entropy bound (the ceiling for any byte-plane
     entropy coder) and an order-0 16-bit-symbol bound;
-  * every codec: ratio, compress / decompress GB/s (of original bytes, CUDA
+  * every codec (nvCOMP where it loads; for bf16 also the Triton nibble codec of
+    codec_triton.py where Triton and CUDA are present): ratio, compress / decompress GB/s (of original bytes, CUDA
     events, after warm-up), bit-exact round trip;
   * effective offload / reload rate against the link peak measured in the same
     run: sequential  = orig / (codec_s + comp_bytes / peak),
@@ -42,6 +43,16 @@ import traceback
 
 import torch
 import torch.nn.functional as F
+
+# The Triton bf16 codec (benchmarks/codec_triton.py, found beside this script). Optional: without
+# Triton the probe runs as before. Any exception, not only ImportError, leaves it out: a Triton that
+# does not match the installed torch can fail on import in other ways, and the other codecs still run.
+try:
+    from codec_triton import TritonNibble
+    _TRITON_ERR = None
+except Exception as _exc:  # noqa: BLE001
+    TritonNibble = None
+    _TRITON_ERR = repr(_exc)
 
 GB = 1e9
 PAYS_FACTOR = 1.2
@@ -503,8 +514,8 @@ class Split:
         return planes.t().contiguous().view(-1)
 
 
-def make_codecs(dtype_k: int, nv, stream_ptr, only: set | None, errors: list):
-    """Codec list for elements of dtype_k bytes (4 = fp32, 2 = bf16)."""
+def make_codecs(dtype_k: int, nv, stream_ptr, only: set | None, errors: list, cuda: bool = False):
+    """Codec list for elements of dtype_k bytes (4 = fp32, 2 = bf16); the Triton codec needs cuda=True."""
     typed_f = "<f4" if dtype_k == 4 else "<f2"  # bf16 handed to nvCOMP as fp16 bits (lossless either way)
     typed_i = "<i4" if dtype_k == 4 else "<i2"
     specs = [("bytesplit-raw(torch)", lambda: RawSplit(dtype_k))]
@@ -529,6 +540,9 @@ def make_codecs(dtype_k: int, nv, stream_ptr, only: set | None, errors: list):
             ("nvcomp-LZ4", N("nvcomp-LZ4", "LZ4")),
             ("nvcomp-zstd", N("nvcomp-zstd", "zstd")),
         ]
+    if dtype_k == 2 and cuda and TritonNibble is not None:
+        # Constructing it compiles its kernels and checks a small round trip (a failure is a construct error).
+        specs.append((TritonNibble.name, lambda: TritonNibble(torch.device("cuda"))))
     out = []
     for name, ctor in specs:
         if only and not any(o in name for o in only):
@@ -843,6 +857,13 @@ def main():
             note(f"nvCOMP not importable ({exc!r}); only torch codecs and the entropy bound are measured")
     else:
         env["nvcomp"] = "not tried (smoke/CPU)"
+    if TritonNibble is None:
+        env["triton_codec"] = f"unavailable: {_TRITON_ERR}"
+    else:
+        import triton
+
+        env["triton_codec"] = (f"triton {triton.__version__}" if cuda
+                               else f"not used (smoke/CPU; triton {triton.__version__} importable)")
     log(f"env: {json.dumps(env)}")
 
     # 1. link peak
@@ -894,7 +915,8 @@ def main():
         log(f"{name}: entropy bound byte-plane {ebound[name]['byteplane_bound_ratio']:.3f}x, "
             f"16-bit {ebound[name]['sym16_bound_ratio']:.3f}x")
         errs = []
-        codecs = make_codecs(x.element_size(), nv, dev.s_codec.cuda_stream if cuda else None, only, errs)
+        codecs = make_codecs(x.element_size(), nv, dev.s_codec.cuda_stream if cuda else None, only, errs,
+                             cuda=cuda)
         for e in errs:
             e["sample"] = name
             results.append({"sample": name, "source": src, "dtype": kind, "codec": e["codec"],

@@ -71,8 +71,9 @@ class HostViews:
         self._storages = [s.untyped_storage() for s in slots]
         self._ptrs = [st.data_ptr() for st in self._storages]
         self._host_locals: list[torch.Tensor] | None = None
-        self._expected: tuple[list, list, list] | None = None
+        self._expected: tuple[list, list, list, list] | None = None
         self._layouts: list[tuple[int, tuple[int, ...]]] = []
+        self._slot_index: dict[int, int] | None = None
 
     @property
     def host_locals(self) -> list[torch.Tensor]:
@@ -86,7 +87,7 @@ class HostViews:
 
     def moved_away(self, locals_: list[torch.Tensor]) -> list[int]:
         """Indices of the plan's tensors whose local tensor (``locals_[i]``, taken while offloaded)
-        no longer views its slot as the offload left it: address, shape or dtype changed
+        no longer views its slot as the offload left it: address, shape, stride or dtype changed
         (``p.data = t``, ``p.set_(t)``); see [Note: storage swapped while offloaded]."""
         expected = self._expected
         if expected is None:
@@ -97,12 +98,19 @@ class HostViews:
         differ = sorted({i for a, b in zip(now, expected) for i, (x, y) in enumerate(zip(a, b)) if x != y})
         return [i for i in differ if not self._slot_moved(i, locals_[i])]
 
+    def slot_of(self, storage: torch.UntypedStorage) -> int | None:
+        """The plan's storage index whose slot ``storage`` is (each slot has a storage of its own),
+        or ``None``."""
+        if self._slot_index is None:
+            self._slot_index = {st._cdata: si for si, st in enumerate(self._storages)}
+        return self._slot_index.get(storage._cdata)
+
     def _slot_moved(self, i: int, t: torch.Tensor) -> bool:
         """Whether ``t`` still views its slot's storage as offloaded, the slot's memory having
         moved under it (``share_memory_()``, which :meth:`intact` finds): not the user's doing."""
         slot = self._storages[self.plan.tensors[i].storage_index]
         return (t.untyped_storage()._cdata == slot._cdata and t.shape == self._expected[1][i]
-                and t.dtype == self._expected[2][i] and (t.storage_offset(), t.stride()) == self._layouts[i])
+                and t.dtype == self._expected[3][i] and (t.storage_offset(), t.stride()) == self._layouts[i])
 
     def intact(self) -> bool:
         """False if a slot's storage no longer views the pool (``share_memory_()`` moved it)."""
@@ -194,6 +202,7 @@ class HostLayout:
         self.cached = None
 
 
-def _signature(tensors: list[torch.Tensor]) -> tuple[list, list, list]:
-    """Addresses, shapes and dtypes (about 0.3 us a tensor: ``map`` over the C methods)."""
-    return (list(map(torch.Tensor.data_ptr, tensors)), [t.shape for t in tensors], [t.dtype for t in tensors])
+def _signature(tensors: list[torch.Tensor]) -> tuple[list, list, list, list]:
+    """Addresses, shapes, strides and dtypes (about 0.4 us a tensor: ``map`` over the C methods)."""
+    return (list(map(torch.Tensor.data_ptr, tensors)), [t.shape for t in tensors],
+            list(map(torch.Tensor.stride, tensors)), [t.dtype for t in tensors])

@@ -64,6 +64,27 @@ def moved_away(views: HostViews, parking: Parking) -> list[int]:
     return views.moved_away(parking.locals())
 
 
+def _onto_device(new: torch.Tensor, plan: Plan, views: HostViews,
+                 on_device: dict[int, torch.UntypedStorage]) -> torch.Tensor:
+    """The tensor an object given ``new`` while offloaded holds after the reload: a view of the
+    reloaded storage where ``new`` views a slot of this pool (``p.data = q.data`` ties ``p`` to
+    ``q``), ``new`` itself where it is on the device already, else a view of a device copy of
+    its whole storage (one copy per storage, so tensors assigned views of one stay tied)."""
+    st = new.untyped_storage()
+    si = views.slot_of(st)
+    if si is not None:
+        target = plan.storages[si]
+    elif new.device == plan.device and not (new.numel() and in_host_pool(new.data_ptr())):
+        return new
+    else:
+        target = on_device.get(st._cdata)
+        if target is None:
+            whole = torch.empty(0, dtype=torch.uint8, device=new.device).set_(st)
+            target = on_device[st._cdata] = whole.to(plan.device, copy=True).untyped_storage()
+    out = torch.empty(0, dtype=new.dtype, device=plan.device)
+    return out.set_(target, new.storage_offset(), new.shape, new.stride())
+
+
 def reconcile(plan: Plan, views: HostViews, parking: Parking, targets: list[object], streams: TransferStreams,
               device_views: list[torch.Tensor] | None, after: torch.cuda.Event | None) -> int:
     """Makes the state the targets hold now resident (synchronously).
@@ -83,7 +104,11 @@ def reconcile(plan: Plan, views: HostViews, parking: Parking, targets: list[obje
     swapped = [i for i in moved_away(views, parking) if id(plan.tensors[i].tensor) in held]
     assigned = {i: local_of(parking.tensors[i]).detach() for i in swapped}  # the bytes the user gave
     live_t = [i for i, r in enumerate(plan.tensors) if id(r.tensor) in held and i not in assigned]
-    live_s = sorted({plan.tensors[i].storage_index for i in live_t})
+    # Every storage a held tensor viewed comes back, also one whose tensor was given other bytes
+    # (its other views: FSDP2's padded shard, the user's), and one whose slot was assigned.
+    live_s = {plan.tensors[i].storage_index for i in live_t + swapped}
+    live_s |= {si for new in assigned.values() if (si := views.slot_of(new.untyped_storage())) is not None}
+    live_s = sorted(live_s)
     user_grads = {i: parking.tensors[i].grad for i in live_t + swapped if parking.has_grad_slot(i)}
     if streams.is_cuda and after is not None:
         streams.h2d.wait_event(after)
@@ -94,9 +119,9 @@ def reconcile(plan: Plan, views: HostViews, parking: Parking, targets: list[obje
     for si in set(range(len(plan.storages))) - set(live_s):  # a packed chunk brings back dead neighbours
         plan.storages[si].resize_(0)
     parking.to_device(sorted(live_t + swapped))
-    for i, new in assigned.items():  # a view of the pool (p.data = p.data[:n]) is copied out of it
-        pooled = new.numel() > 0 and in_host_pool(new.data_ptr())
-        local_of(parking.tensors[i]).data = new.to(plan.device, copy=pooled)
+    on_device: dict[int, torch.UntypedStorage] = {}  # assigned tensors sharing a storage stay tied
+    for i, new in assigned.items():
+        local_of(parking.tensors[i]).data = _onto_device(new, plan, views, on_device)
     names = {r.name for r in plan.tensors}
     mine = {id(r.tensor) for r in plan.tensors}
     moved = 0

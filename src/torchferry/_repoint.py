@@ -148,7 +148,10 @@ class Parking:
         done: list[int] = []
         try:
             for i in indices:
-                _exchange(self.tensors[i], self._twins[i], self._dtensor[i])
+                t, twin = self.tensors[i], self._twins[i]
+                if twin.requires_grad != t.requires_grad:  # frozen or unfrozen while offloaded
+                    twin.requires_grad_(t.requires_grad)
+                _exchange(t, twin, self._dtensor[i])
                 done.append(i)
         except BaseException as e:
             self._undo(done, to_host=False)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ._fsdp import is_dtensor, reshard
-from ._tree import members, module_tree
+from ._tree import named_tensors
 
 __all__ = ["Targets", "check_tensor", "hidden_optimizer_tensors", "inner_optimizers", "walk"]
 
@@ -72,13 +72,13 @@ def walk(targets: Sequence[object]) -> Iterator[tuple[object, torch.Tensor]]:
                     f"torchferry: targets[{i}] is a TorchScript module; its forward cannot be guarded while "
                     "offloaded. Make the ferry over the eager module."
                 )
-            tree = module_tree(target)
-            for name, p in members(tree, "_parameters"):
+            params, buffers = named_tensors(target)
+            for name, p in params:
                 yield (i, name), p
                 g = p.grad
                 if g is not None:
                     yield (i, name, ".grad"), g
-            for name, b in members(tree, "_buffers"):
+            for name, b in buffers:
                 yield (i, name), b
         elif isinstance(target, torch.optim.Optimizer):
             for path, opt in inner_optimizers(target):

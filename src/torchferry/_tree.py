@@ -12,7 +12,9 @@ bytes). :func:`module_tree` makes the same list with a stack, and inside
 :func:`tree_memo` (each ``Ferry.offload()`` / ``reload()``, which run no user
 code in between) a root is walked once. A module class overriding
 ``named_modules``, ``named_parameters`` or ``named_buffers`` (FSDP1, some peft
-layers) gets PyTorch's own walk.
+layers) in the tree gets PyTorch's module walk, and a root overriding
+``named_parameters`` or ``named_buffers`` is asked for them itself (a breaker
+helper found an override's extra tensors left behind).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-__all__ = ["members", "module_tree", "tree_memo"]
+__all__ = ["members", "module_tree", "named_tensors", "tree_memo"]
 
 _STANDARD = (nn.Module.named_modules, nn.Module.named_parameters, nn.Module.named_buffers)
 _memo = threading.local()
@@ -79,7 +81,21 @@ def _walk(root: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def members(tree: list[tuple[str, nn.Module]], kind: str) -> Iterator[tuple[str, torch.Tensor]]:
+Named = Iterator[tuple[str, torch.Tensor]]
+
+
+def named_tensors(root: nn.Module) -> tuple[Named, Named]:
+    """``(root.named_parameters(), root.named_buffers())``, from one :func:`module_tree` where the
+    root's class does not override them."""
+    cls = type(root)
+    standard_p = cls.named_parameters is nn.Module.named_parameters
+    standard_b = cls.named_buffers is nn.Module.named_buffers
+    tree = module_tree(root) if standard_p or standard_b else []
+    return (members(tree, "_parameters") if standard_p else root.named_parameters(),
+            members(tree, "_buffers") if standard_b else root.named_buffers())
+
+
+def members(tree: list[tuple[str, nn.Module]], kind: str) -> Named:
     """``named_parameters()`` (``kind="_parameters"``) or ``named_buffers()`` (``"_buffers"``) over a
     :func:`module_tree`: the same names and order, each tensor once, ``None`` entries skipped."""
     seen: set[int] = set()

@@ -160,3 +160,40 @@ def check_fsdp2_inference_buffers_and_state_dict_after_prefetch(rank: int, world
 
 def test_fsdp2_inference_buffers_and_state_dict_after_prefetch_gloo():
     run_spawned(check_fsdp2_inference_buffers_and_state_dict_after_prefetch, world=2)
+
+
+def check_local_shard_given_other_bytes_while_offloaded(rank, world):
+    """``p._local_tensor.data = t`` while offloaded (a breaker found a segfault: FSDP2's all-gather
+    read its padded shard, whose storage the reload had left empty). Afterwards FSDP2 gathers what
+    its padded shard holds, as it would without a ferry: the forward matches a run without one."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def run(ferried: bool):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(16, 11), nn.Linear(11, 4))
+        fully_shard(m[0], mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        x = torch.randn(8, 16)
+        m(x).sum().backward()
+        ferry = Ferry(m) if ferried else None
+        if ferry:
+            ferry.offload()
+        local = m[0].weight._local_tensor
+        local.data = torch.full_like(local, 0.5)
+        if ferry:
+            ferry.reload()
+            torch.testing.assert_close(local, torch.full_like(local, 0.5), atol=0, rtol=0)
+        out = m(x).detach()
+        if ferry:
+            ferry.offload()
+            ferry.reload()
+        return out
+
+    torch.testing.assert_close(run(True), run(False), atol=0, rtol=0)
+
+
+def test_local_shard_given_other_bytes_while_offloaded_gloo():
+    run_spawned(check_local_shard_given_other_bytes_while_offloaded, world=2)

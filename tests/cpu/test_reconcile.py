@@ -158,3 +158,63 @@ def test_narrowed_while_offloaded_keeps_the_new_shape():
     ferry.reload()
     assert b.shape == (2,) and not in_host_pool(b.data_ptr())
     torch.testing.assert_close(b, first, atol=0, rtol=0)
+
+
+def test_views_taken_before_keep_the_old_bytes_and_ties_by_data_stay_tied():
+    """Other bytes given while offloaded, as plain PyTorch does it (breaker findings): a view of the
+    old storage taken before (an alias the ferry does not know, like FSDP2's padded shard) still
+    reads the old bytes; ``head.weight.data = emb.weight.data`` ties them; one tensor given to two
+    parameters is one storage after the reload; a transpose (same address, shape, dtype) is kept."""
+    torch.manual_seed(0)
+    m = nn.ModuleDict({"emb": nn.Linear(4, 4, bias=False), "head": nn.Linear(4, 4, bias=False),
+                       "a": nn.Linear(3, 3, bias=False), "b": nn.Linear(3, 3, bias=False),
+                       "sq": nn.Linear(5, 5, bias=False)})
+    alias = m["emb"].weight.detach().view(-1)
+    old = alias.clone()
+    sq = m["sq"].weight.detach().clone()
+    ferry = Ferry(m)
+    ferry.offload()
+    m["head"].weight.data = m["emb"].weight.data
+    shared = torch.full((3, 3), 2.0)
+    m["a"].weight.data = shared
+    m["b"].weight.data = shared
+    m["sq"].weight.data = m["sq"].weight.data.t()
+    ferry.reload()
+    torch.testing.assert_close(alias, old, atol=0, rtol=0)
+    st = lambda p: p.untyped_storage()._cdata  # noqa: E731
+    assert st(m["head"].weight) == st(m["emb"].weight)
+    assert st(m["a"].weight) == st(m["b"].weight)
+    assert m["sq"].weight.stride() == (1, 5)
+    torch.testing.assert_close(m["sq"].weight, sq.t(), atol=0, rtol=0)
+    with torch.no_grad():
+        m["emb"].weight.add_(1.0)
+    torch.testing.assert_close(m["head"].weight, m["emb"].weight, atol=0, rtol=0)
+    for _ in range(2):  # later cycles move the new layout, still tied
+        ferry.offload()
+        ferry.reload()
+    assert st(m["head"].weight) == st(m["emb"].weight) and st(m["a"].weight) == st(m["b"].weight)
+    torch.testing.assert_close(m["a"].weight, shared, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_requires_grad_flipped_while_offloaded_is_kept(freeze):
+    """``requires_grad_`` while offloaded (freezing a base, unfreezing it) survives the reload, and the
+    optimizer step after it does what it would do without a ferry (was: reload undid the flip)."""
+    def run(ferried: bool):
+        torch.manual_seed(0)
+        m = nn.Linear(4, 3)
+        m.weight.requires_grad_(not freeze)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        ferry = Ferry(m, opt) if ferried else None
+        if ferry:
+            ferry.offload()
+        m.weight.requires_grad_(freeze)
+        if ferry:
+            ferry.reload()
+        assert m.weight.requires_grad is freeze
+        m(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        return m.weight.detach().clone(), m.bias.detach().clone()
+
+    for a, b in zip(run(True), run(False)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)

@@ -161,3 +161,32 @@ def test_module_tree_walks_like_named_modules_parameters_and_buffers():
         assert [(n, id(x)) for n, x in tree] == [(n, id(x)) for n, x in model.named_modules()]
         for kind, ref in (("_parameters", model.named_parameters()), ("_buffers", model.named_buffers())):
             assert [(n, id(t)) for n, t in members(tree, kind)] == [(n, id(t)) for n, t in ref]
+
+
+def test_a_root_overriding_named_parameters_and_buffers_is_asked_for_them():
+    """A root whose ``named_parameters`` / ``named_buffers`` yield tensors outside ``_parameters`` /
+    ``_buffers``: those move too (a breaker helper found them left behind by the stack walk)."""
+
+    class WithExtra(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self._extra = [nn.Parameter(torch.randn(1024))]
+            self.stash = torch.randn(256)
+
+        def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+            yield from super().named_parameters(prefix, recurse, remove_duplicate)
+            yield prefix + "extra", self._extra[0]
+
+        def named_buffers(self, prefix="", recurse=True, remove_duplicate=True):
+            yield from super().named_buffers(prefix, recurse, remove_duplicate)
+            yield prefix + "stash", self.stash
+
+    m = WithExtra()
+    want = m._extra[0].detach().clone(), m.stash.clone()
+    ferry = Ferry(m)
+    ferry.offload()
+    assert ferry.state_bytes == (16 + 4 + 1024 + 256) * 4
+    ferry.reload()
+    torch.testing.assert_close(m._extra[0], want[0], atol=0, rtol=0)
+    torch.testing.assert_close(m.stash, want[1], atol=0, rtol=0)

@@ -147,6 +147,34 @@ def test_storage_swapped_while_offloaded_survives_reload(source, prefetch):
     assert fired == [1] and w.grad.device.type == "cuda"
 
 
+def test_ties_and_old_views_survive_bytes_given_while_offloaded():
+    """On the device: ``b.data = a.data`` while offloaded ties them after the reload, one CPU tensor
+    given to two parameters becomes one device storage, a view taken before keeps the old bytes."""
+    m, opt = _trained()
+    first, last = m[0], m[2]
+    alias = first.bias.detach().view(-1)
+    old = alias.clone()
+    ferry = Ferry(m, opt)
+    ferry.offload().wait()
+    last.bias.data = first.bias.data
+    shared = torch.full_like(first.weight, 0.25, device="cpu")
+    first.weight.data = shared
+    last.weight.data = shared
+    first.bias.data = torch.zeros_like(first.bias)
+    ferry.reload().wait()
+    st = lambda p: p.untyped_storage()._cdata  # noqa: E731
+    assert all(p.device.type == "cuda" for p in m.parameters())
+    assert st(first.weight) == st(last.weight)
+    torch.testing.assert_close(first.weight, shared.cuda(), atol=0, rtol=0)
+    torch.testing.assert_close(alias, old, atol=0, rtol=0)
+    assert not torch.equal(last.bias, first.bias)  # last.bias was tied to the *old* first.bias bytes
+    torch.testing.assert_close(last.bias, old, atol=0, rtol=0)
+    ferry.offload().wait()
+    ferry.reload().wait()
+    assert st(first.weight) == st(last.weight)
+    torch.testing.assert_close(last.weight, shared.cuda(), atol=0, rtol=0)
+
+
 def test_offloaded_views_are_pinned_and_pickle_only_their_own_bytes():
     m, opt = _trained()
     ferry = Ferry(m, opt)

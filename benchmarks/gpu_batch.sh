@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_batch.sh lora2   # GPU tier on 2 GPUs, bench-lora at 7B on 2 GPUs (~8 min)
 #   bash benchmarks/gpu_batch.sh lora    # bench-lora at 7B on 2 GPUs (~3 min)
 #   bash benchmarks/gpu_batch.sh moved   # Triton bf16 codec probe, LoRA offload profile (1 GPU), bench-lora at 7B (~6 min)
+#   bash benchmarks/gpu_batch.sh check   # GPU tier on 2 GPUs, the LoRA offload profile, bench-pin (~5 min)
 #   bash benchmarks/gpu_batch.sh final1  # GPU tier on 1 GPU, the compression probe (~4 min)
 #   bash benchmarks/gpu_batch.sh bench   # the 7B engine run and the 7B bench: ~6 min
 #   bash benchmarks/gpu_batch.sh round   # the compute-rich 7B bench (~3 min), GPU tiers on 2 and 1 GPUs (>3 min, ~70 s)
@@ -80,6 +81,11 @@ elif [ "$stage" = moved ]; then  # issue 16: the Triton bf16 codec measured, an 
       "$out/r/profile_lora_offload_h200_$day"
   run bench_lora 200 torchrun --nproc_per_node 2 -m torchferry bench-lora --preset qwen2.5-7b --steps 4 \
       --json "$out/r/bench-lora_qwen2.5-7b_h200x2_$day.json"
+elif [ "$stage" = check ]; then  # GPU tier on 2 GPUs, an offload's host time (1 GPU), bench-pin (1 GPU): ~5 min
+  run pytest_gpu_x2 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
+  CUDA_VISIBLE_DEVICES=0 run profile_lora 120 torchrun --nproc_per_node 1 benchmarks/profile_lora_offload.py \
+      "$out/r/profile_lora_offload_h200_$day"
+  CUDA_VISIBLE_DEVICES=0 run bench_pin 90 python3 -m torchferry bench-pin --json "$out/r/bench-pin_h200_$day.json"
 elif [ "$stage" = final1 ]; then  # the last call on 1 GPU: GPU tier, the compression measurement (issue 16)
   CUDA_VISIBLE_DEVICES=0 run pytest_gpu_x1 110 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
   CUDA_VISIBLE_DEVICES=0 run probe_compress 120 python3 benchmarks/probe_compress.py "$out/r/probe_compress_h200_$day.json"

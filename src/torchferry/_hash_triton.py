@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._hash import row_table
+
 __all__ = ["ALIGN", "PIECE_WORDS", "hash_segments"]
 
 PIECE_WORDS = 1 << 17  # 8-byte words per program (1 MiB): a 15 GB state is ~15k rows
@@ -94,27 +96,11 @@ def hash_segments(ptrs: list[int], nbytes: list[int], device: torch.device) -> t
         nbytes: bytes of each range (0 allowed: its hash is ``[0, 0]``).
         device: the CUDA device holding them.
 
-    Enqueued on the current stream; no host sync (the row table goes up from pinned memory).
+    Enqueued on the current stream; no host sync (the row table is built there, :func:`row_table`).
     """
     if any(p % ALIGN for p, n in zip(ptrs, nbytes) if n):
         raise ValueError(f"torchferry: a storage address is not {ALIGN}-byte aligned")
-    n = torch.tensor(nbytes, dtype=torch.int64)
-    words = n // 8
-    rows_per = torch.clamp((words + PIECE_WORDS - 1) // PIECE_WORDS, min=1)
-    seg = torch.repeat_interleave(torch.arange(len(ptrs)), rows_per)
-    start = torch.cumsum(rows_per, 0) - rows_per
-    k = torch.arange(seg.numel()) - start[seg]  # piece index within its storage
-    first = k * PIECE_WORDS
-    table = torch.stack([
-        torch.tensor(ptrs, dtype=torch.int64)[seg] + first * 8,
-        torch.clamp(words[seg] - first, max=PIECE_WORDS),
-        first,
-        torch.where(k == rows_per[seg] - 1, n[seg] % 8, 0),
-    ], 1).contiguous()
-    both = torch.cat([table.view(-1), seg])
-    if device.type == "cuda":
-        both = both.pin_memory().to(device, non_blocking=True)
-    rows = table.shape[0]
+    both, rows = row_table(ptrs, nbytes, PIECE_WORDS, device)
     partials = torch.empty(rows, 2, dtype=torch.int64, device=device)
     _hash_rows[(rows,)](both, _consts(device), partials, BLOCK=BLOCK, num_warps=8)
     out = torch.zeros(len(ptrs), 2, dtype=torch.int64, device=device)

@@ -119,6 +119,10 @@ def reconcile(plan: Plan, views: HostViews, parking: Parking, targets: list[obje
     for si in set(range(len(plan.storages))) - set(live_s):  # a packed chunk brings back dead neighbours
         plan.storages[si].resize_(0)
     parking.to_device(sorted(live_t + swapped))
+    for i, g in user_grads.items():  # before any new shape: PyTorch checks a .grad against its tensor
+        t = parking.tensors[i]
+        if t.grad is not g:
+            t.grad = g
     on_device: dict[int, torch.UntypedStorage] = {}  # assigned tensors sharing a storage stay tied
     for i, new in assigned.items():
         local_of(parking.tensors[i]).data = _onto_device(new, plan, views, on_device)
@@ -135,10 +139,6 @@ def reconcile(plan: Plan, views: HostViews, parking: Parking, targets: list[obje
             move_to(t, plan.device)
             mine.add(id(t))
             moved += 1
-    for i, g in user_grads.items():
-        t = parking.tensors[i]
-        if t.grad is not g:
-            t.grad = g
     logger.debug("reconcile: %d of %d tensors still held, %d given other bytes, %d replacements moved to %s",
                  len(live_t), len(plan.tensors), len(swapped), moved, plan.device)
     return sum(plan.nbytes[si] for si in live_s)

@@ -61,6 +61,17 @@ def view_on(local: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     return out.set_(base.untyped_storage(), byte_offset // itemsize, local.size(), local.stride())
 
 
+def _link_grad(t: torch.Tensor, g: torch.Tensor | None, name: str) -> None:
+    try:
+        t.grad = g
+    except RuntimeError as e:  # PyTorch checks a .grad against its tensor
+        raise RuntimeError(
+            f"torchferry: cannot offload {name}: its .grad ({tuple(g.shape)}, {g.dtype}) no longer fits it "
+            f"({tuple(t.shape)}, {t.dtype}); was it given other bytes (.data = ...)? Set its .grad to None "
+            "first. Nothing was moved."
+        ) from e
+
+
 def _exchange(a: torch.Tensor, b: torch.Tensor, dtensor: bool) -> None:
     torch._C._swap_tensor_impl(a, b)
     if dtensor:
@@ -127,15 +138,15 @@ class Parking:
                 if twin.requires_grad != t.requires_grad:
                     twin.requires_grad_(t.requires_grad)
                 if grad_slot[i]:
-                    grads.append((t, t.grad))
+                    grads.append((i, t, t.grad))
                 _exchange(t, twin, dtensor[i])
                 twins[i] = twin
                 done.append(i)
-            for t, g in grads:  # the host impl links the host grad (the grad objects moved above)
+            for i, t, g in grads:  # the host impl links the host grad (the grad objects moved above)
                 if t.grad is not g:
-                    t.grad = g
+                    _link_grad(t, g, self.names[i])
         except BaseException as e:
-            for t, g in grads:
+            for _, t, g in grads:
                 if t.grad is not None:
                     t.grad = None
             self._undo(done, to_host=True)

@@ -218,3 +218,24 @@ def test_requires_grad_flipped_while_offloaded_is_kept(freeze):
 
     for a, b in zip(run(True), run(False)):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_a_grad_that_no_longer_fits_its_tensor_is_refused_by_name():
+    """``p.data = smaller`` with the old ``.grad`` kept: the next offload raises naming the tensor and
+    the fix, and leaves everything resident and intact (was PyTorch's bare "attempting to assign a
+    gradient of size ...")."""
+    m, opt = trained(ids=IDS)
+    ferry = Ferry(m, opt)
+    ferry.offload()
+    ferry.reload()
+    m.proj.bias.data = m.proj.bias.data[:2].clone()
+    before = snapshot(m, opt)
+    with pytest.raises(RuntimeError, match=r"proj\.bias: its \.grad \(\(7,\).*no longer fits.*Set its \.grad to None"):
+        ferry.offload()
+    assert ferry.residency is Residency.DEVICE
+    assert_same(before, snapshot(m, opt))
+    m.proj.bias.grad = None
+    ferry.offload()
+    ferry.reload()
+    assert m.proj.bias.shape == (2,)
+    assert_same({k: v for k, v in before.items() if k != "proj.bias.grad"}, snapshot(m, opt))

@@ -640,3 +640,29 @@ def test_flags_that_are_not_bools_are_refused(flag, value):
     with pytest.raises(TypeError, match=flag):
         torchferry.Ferry(m, **{flag: value})
     assert m.weight.device.type == "cpu" and m.weight.untyped_storage().nbytes() == 64  # untouched
+
+
+def test_the_fused_hash_row_table_cuts_every_range_into_pieces():
+    """``_hash.row_table`` (the Triton kernel's work table, now built on the device): every range is
+    covered once, in pieces of at most ``piece_words`` words, positions counted from the range's
+    start, the tail bytes on its last row, one empty row for an empty range."""
+    from torchferry._hash import row_table
+
+    g = torch.Generator().manual_seed(0)
+    nbytes = [0, 3, 8, 16, 5 * 64, 5 * 64 + 7, 1000] + [int(x) for x in torch.randint(0, 4000, (40,), generator=g)]
+    ptrs = [(i + 1) << 20 for i in range(len(nbytes))]
+    piece = 8  # words
+    both, rows = row_table(ptrs, nbytes, piece, torch.device("cpu"))
+    table, seg = both[:rows * 4].view(rows, 4).tolist(), both[rows * 4:].tolist()
+    assert len(seg) == rows
+    for r, n in enumerate(nbytes):
+        mine = [row for row, s in zip(table, seg) if s == r]
+        words = n // 8
+        want_rows = max(1, -(-words // piece))
+        assert len(mine) == want_rows
+        covered = 0
+        for k, (addr, nw, first, tail) in enumerate(mine):
+            assert first == covered and addr == ptrs[r] + 8 * first and 0 <= nw <= piece
+            assert tail == (n % 8 if k == want_rows - 1 else 0)
+            covered += nw
+        assert covered == words

@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_batch.sh lora    # bench-lora at 7B on 2 GPUs (~3 min)
 #   bash benchmarks/gpu_batch.sh moved   # Triton bf16 codec probe, LoRA offload profile (1 GPU), bench-lora at 7B (~6 min)
 #   bash benchmarks/gpu_batch.sh check   # GPU tier on 2 GPUs, the LoRA offload profile, bench-pin (~5 min)
+#   bash benchmarks/gpu_batch.sh phases  # host time by phase: LoRA offload, small tensors' reload (1 GPU, ~2 min)
 #   bash benchmarks/gpu_batch.sh final1  # GPU tier on 1 GPU, the compression probe (~4 min)
 #   bash benchmarks/gpu_batch.sh bench   # the 7B engine run and the 7B bench: ~6 min
 #   bash benchmarks/gpu_batch.sh round   # the compute-rich 7B bench (~3 min), GPU tiers on 2 and 1 GPUs (>3 min, ~70 s)
@@ -86,6 +87,11 @@ elif [ "$stage" = check ]; then  # GPU tier on 2 GPUs, an offload's host time (1
   CUDA_VISIBLE_DEVICES=0 run profile_lora 120 torchrun --nproc_per_node 1 benchmarks/profile_lora_offload.py \
       "$out/r/profile_lora_offload_h200_$day"
   CUDA_VISIBLE_DEVICES=0 run bench_pin 90 python3 -m torchferry bench-pin --json "$out/r/bench-pin_h200_$day.json"
+elif [ "$stage" = phases ]; then  # host time by phase: the LoRA offload copying nothing, 4096 small tensors' reload (1 GPU, ~2 min)
+  CUDA_VISIBLE_DEVICES=0 run profile_lora 120 torchrun --nproc_per_node 1 benchmarks/profile_lora_offload.py \
+      "$out/r/profile_lora_offload_h200_${day}_phases" --profiled 1
+  CUDA_VISIBLE_DEVICES=0 run profile_small 60 python3 benchmarks/profile_small_reload.py \
+      "$out/r/profile_small_reload_h200_$day.json"
 elif [ "$stage" = final1 ]; then  # the last call on 1 GPU: GPU tier, the compression measurement (issue 16)
   CUDA_VISIBLE_DEVICES=0 run pytest_gpu_x1 110 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
   CUDA_VISIBLE_DEVICES=0 run probe_compress 120 python3 benchmarks/probe_compress.py "$out/r/probe_compress_h200_$day.json"

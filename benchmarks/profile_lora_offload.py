@@ -6,7 +6,9 @@
 builds the same model (``bench._lora.build_lora``: bf16 base frozen, rank-64 fp32 adapters,
 FSDP2, AdamW on the adapters) on one GPU, runs the bench's cycle (reload, forward, reshard,
 offload) with ``skip_unchanged=True``, and writes the steady offload's wall seconds (median,
-min, max over ``--cycles``) and a cProfile of ``--profiled`` offloads (cumulative and own time).
+min, max over ``--cycles``), the host milliseconds of its phases over those cycles (wall clock
+around each phase's function, no profiler, no syncs added: ``phases_ms``), and a cProfile of
+``--profiled`` offloads (cumulative and own time).
 
     python benchmarks/profile_lora_offload.py OUT_PREFIX [--layers 28] [--cycles 8] [--profiled 3]
 
@@ -29,6 +31,54 @@ from torchferry import Ferry
 from torchferry._fsdp import reshard
 from torchferry.bench._lora import build_lora
 from torchferry.bench._setup import env_record, init_distributed
+
+
+# (module, attribute path) of the functions an offload spends its host time in, timed inclusively.
+PHASES = (
+    ("torchferry._targets", "Targets.resharded"),
+    ("torchferry._unchanged", "UnchangedStorages.take"),
+    ("torchferry._unchanged", "hash_storages"),
+    ("torchferry._unchanged", "versions"),
+    ("torchferry._whole", "fingerprint"),
+    ("torchferry._whole", "issue_d2h"),
+    ("torchferry._repoint", "Parking.to_host"),
+    ("torchferry._guards", "OffloadGuards.install"),
+    ("torchferry._ferry", "release"),
+    ("torchferry._ferry", "Ferry.offload"),
+)
+
+
+def time_phases(phases=PHASES, outer_path: str = "Ferry.offload") -> dict[str, list[float]]:
+    """Wraps each of ``phases`` to record its wall seconds per call made inside ``outer_path``
+    (``Ferry.offload``: a reload hashes too); returns the record."""
+    import functools
+    import importlib
+
+    record: dict[str, list[float]] = {}
+    inside = [0]
+    for mod_name, path in phases:
+        owner = importlib.import_module(mod_name)
+        *outer, name = path.split(".")
+        for part in outer:
+            owner = getattr(owner, part)
+        fn = getattr(owner, name)
+        calls = record.setdefault(path, [])
+
+        def wrap(fn=fn, calls=calls, outer=path == outer_path):
+            @functools.wraps(fn)
+            def timed(*args, **kwargs):
+                inside[0] += outer
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    if inside[0]:
+                        calls.append(time.perf_counter() - t0)
+                    inside[0] -= outer
+            return timed
+
+        setattr(owner, name, wrap())
+    return record
 
 
 def main() -> None:
@@ -68,7 +118,9 @@ def main() -> None:
     ferry.offload()
     for _ in range(3):
         cycle()
+    record = time_phases()
     secs = [cycle() for _ in range(a.cycles)]
+    phases_ms = {k: 1e3 * sum(v) / a.cycles for k, v in record.items()}
     prof = cProfile.Profile()
     for _ in range(a.profiled):
         cycle(prof)
@@ -79,6 +131,7 @@ def main() -> None:
     result = {"env": env_record(device, world), "preset": a.preset, "layers": a.layers, "parameters": n_tensors,
               "state_bytes": ferry.state_bytes, "bytes_copied": ferry.stats.offload_bytes_copied,
               "offload_s": {"median": statistics.median(secs), "min": min(secs), "max": max(secs), "all": secs},
+              "phases_ms": phases_ms,
               "profiled_offloads": a.profiled}
     with open(a.out + ".json", "w") as f:
         json.dump(result, f, indent=1)

@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--kib", type=int, default=256)
     ap.add_argument("--cycles", type=int, default=10)
     a = ap.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     ts = [torch.randn(a.kib * 256, device=device) for _ in range(a.tensors)]
     ferry = Ferry(*ts, device=device)
 

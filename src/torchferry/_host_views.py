@@ -72,7 +72,7 @@ class HostViews:
         self._ptrs = [st.data_ptr() for st in self._storages]
         self._host_locals: list[torch.Tensor] | None = None
         self._expected: tuple[list, list, list, list] | None = None
-        self._layouts: list[tuple[int, tuple[int, ...]]] = []
+        self._offsets: list[int] = []  # per tensor, its slot view's storage offset (elements)
         self._slot_index: dict[int, int] | None = None
 
     @property
@@ -82,7 +82,7 @@ class HostViews:
             self._host_locals = [view_on(r.local, self.slots[r.storage_index]) for r in self.plan.tensors]
             # Taken before any exchange: to_host() may give these very objects the device impls.
             self._expected = _signature(self._host_locals)
-            self._layouts = [(h.storage_offset(), h.stride()) for h in self._host_locals]
+            self._offsets = list(map(torch.Tensor.storage_offset, self._host_locals))
         return self._host_locals
 
     def moved_away(self, locals_: list[torch.Tensor]) -> list[int]:
@@ -109,8 +109,9 @@ class HostViews:
         """Whether ``t`` still views its slot's storage as offloaded, the slot's memory having
         moved under it (``share_memory_()``, which :meth:`intact` finds): not the user's doing."""
         slot = self._storages[self.plan.tensors[i].storage_index]
-        return (t.untyped_storage()._cdata == slot._cdata and t.shape == self._expected[1][i]
-                and t.dtype == self._expected[3][i] and (t.storage_offset(), t.stride()) == self._layouts[i])
+        shapes, strides, dtypes = self._expected[1:]
+        return (t.untyped_storage()._cdata == slot._cdata and t.shape == shapes[i] and t.stride() == strides[i]
+                and t.dtype == dtypes[i] and t.storage_offset() == self._offsets[i])
 
     def intact(self) -> bool:
         """False if a slot's storage no longer views the pool (``share_memory_()`` moved it)."""

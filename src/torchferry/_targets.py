@@ -267,4 +267,10 @@ class Targets:
 
     def ids(self) -> list[int]:
         """``id`` of every tensor the targets hold now, in walk order (who is there, not where)."""
-        return [id(t) for _, t in walk(self.live())]
+        out: list[int] = []
+        for target in self.live():
+            if isinstance(target, torch.Tensor):  # a tensor target is itself (no generator per tensor)
+                out.append(id(target))
+            else:
+                out.extend(id(t) for _, t in walk((target,)))
+        return out

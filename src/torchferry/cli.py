@@ -218,21 +218,22 @@ def bench_lora(
                           f"{r[copied] / 1e9:.3f}", f"{r[copied] / sb[of]:.3f}",
                           f"{'yes' if r['round_trip_bit_exact'] else 'NO'}; same state as "
                           f"{config.strategies[0]}: {'yes' if same else 'NO'}")
-    Console(width=200).print(table)
+    out = Console()
+    (out if out.is_terminal else Console(width=200)).print(table)  # logs and pipes: one line per row
     tf = result["strategies"].get("torchferry", {})
     if "offload_params_s_speedup_vs_seed" in tf:
-        typer.echo(f"torchferry steady offload vs seed: params after forward "
-                   f"{tf['offload_params_s_speedup_vs_seed']:.1f}x faster, params after update "
+        typer.echo(f"steady offload seconds, seed / torchferry (above 1: torchferry faster): params after forward "
+                   f"{tf['offload_params_s_speedup_vs_seed']:.1f}x, params after update "
                    f"{tf['offload_params_after_update_s_speedup_vs_seed']:.1f}x, optimizer "
                    f"{tf['offload_optimizer_s_speedup_vs_seed']:.1f}x, all {tf['offload_all_s_speedup_vs_seed']:.1f}x; "
                    f"a step writes {tf['written_frac_all']:.3f}x of the state (adapters and AdamW state), "
                    f"all copied {tf['copied_frac_all']:.3f}x")
     if "speedup_vs_full_copy_at_peak" in tf:
         sp = tf["speedup_vs_full_copy_at_peak"]
-        typer.echo(f"torchferry steady offload vs a full copy at the link peak "
+        typer.echo(f"steady offload seconds, a full copy at the link peak / torchferry "
                    f"({result['link_peak_GBps']['d2h']:.1f} GB/s D2H, this run): params after forward "
                    f"{sp['offload_params_s']:.1f}x, after update {sp['offload_params_after_update_s']:.1f}x, "
-                   f"all {sp['offload_all_s']:.1f}x faster")
+                   f"all {sp['offload_all_s']:.1f}x")
     for note in result["notes"]:
         typer.echo(f"note: {note}", err=True)
     if json_path:

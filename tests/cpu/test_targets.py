@@ -190,3 +190,21 @@ def test_a_root_overriding_named_parameters_and_buffers_is_asked_for_them():
     ferry.reload()
     torch.testing.assert_close(m._extra[0], want[0], atol=0, rtol=0)
     torch.testing.assert_close(m.stash, want[1], atol=0, rtol=0)
+
+
+def test_ids_of_mixed_targets_follow_the_walk():
+    """``Targets.ids`` (tensor targets without a generator each) lists the same tensors in the same
+    order as :func:`walk`, grads and optimizer state included, and sees a tensor replaced."""
+    from torchferry._targets import Targets, walk
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    a, b = torch.randn(3), torch.randn(2, 2)
+    targets = Targets([a, model, b, opt])
+    want = [id(t) for _, t in walk([a, model, b, opt])]
+    assert targets.ids() == want
+    assert len(want) == 2 + 4 + 4 + 4 * 3  # tensors; params; grads; step, exp_avg, exp_avg_sq per param
+    model[0].weight = nn.Parameter(torch.randn(3, 4))
+    assert targets.ids() != want

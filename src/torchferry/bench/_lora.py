@@ -32,7 +32,7 @@ from torch import nn
 from .._fsdp import reshard
 from ._link import measure_link_peak
 from ._model import PRESETS, build_model
-from ._rounds import bit_sums, checksum, state_bytes
+from ._rounds import bit_sums, checksum, state_bytes, unique_storage_bytes
 from ._setup import env_record, shard_fsdp2, start_scenario
 from ._strategies import SharedFerries, Strategy, make_strategy
 
@@ -106,13 +106,7 @@ def _optimizer_checksum(opt: torch.optim.Optimizer, device: torch.device) -> lis
 def _trainable_bytes(model: nn.Module, device: torch.device) -> int:
     """Bytes of the device storages of parameters that require grad (what a step writes, with
     the optimizer state)."""
-    seen = {}
-    for p in model.parameters():
-        local = getattr(p, "_local_tensor", p)
-        if p.requires_grad and local.device == device:
-            st = local.untyped_storage()
-            seen[st._cdata] = st.nbytes()
-    return sum(seen.values())
+    return unique_storage_bytes((p for p in model.parameters() if p.requires_grad), device)
 
 
 def _sync(device: torch.device) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -30,14 +30,20 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
+def unique_storage_bytes(tensors: Iterable[torch.Tensor], device: torch.device) -> int:
+    """Bytes of the distinct storages on ``device`` under ``tensors`` (a DTensor counts its local shard)."""
+    seen = {}
+    for t in tensors:
+        local = _local(t)
+        if local.device == device:
+            st = local.untyped_storage()
+            seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
 def state_bytes(model: nn.Module, opt: torch.optim.Optimizer, device: torch.device) -> dict[str, int]:
     def unique(ts):
-        seen = {}
-        for t in ts:
-            st = _local(t).untyped_storage()
-            if _local(t).device == device:
-                seen[st._cdata] = st.nbytes()
-        return sum(seen.values())
+        return unique_storage_bytes(ts, device)
 
     return {
         "params": unique(model.parameters()),

@@ -14,7 +14,14 @@ from torchferry import Ferry
 
 def _offload_during_forward_checks(rank: int, world: int) -> None:
     """Offload in pieces: each unit's D2H is issued once its forward is done; offload() copies
-    only the rest, and recopies what was written since (in-place writes, an optimizer step)."""
+    only the rest, and recopies what was written since (in-place writes, an optimizer step).
+
+    What the ferry did is compared with the same model's outputs and state before the
+    offload, not with a second model trained alongside: two identical FSDP2 models trained
+    one step over gloo on a loaded 2-core machine came out different (about half of one
+    rank's shard of the first layer, weight differences up to 3e-6) before any ferry call,
+    about 1 run in 50 under load; a test of the ferry must not depend on that.
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -35,12 +42,13 @@ def _offload_during_forward_checks(rank: int, world: int) -> None:
 
     mesh = init_device_mesh("cpu", (world,))
     x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(rank))
-    ref_m, ref_opt = build(mesh)
     m, opt = build(mesh)
     layers = [m[0], m[2], m[3]]
     ferry = Ferry(m)  # the model alone, as in a log-prob phase
-    train_step(ref_m, ref_opt, x)
     train_step(m, opt, x)
+    with torch.no_grad():
+        want = m(x)  # the state resident, never offloaded
+    trained = snapshot(m, None)
 
     copies = []  # storage indices copied by offload() itself
     from torchferry._early import EarlyOffload
@@ -60,9 +68,9 @@ def _offload_during_forward_checks(rank: int, world: int) -> None:
         ferry.offload_during_forward()
         assert ferry._early is not None and len(ferry._early.groups) == 3  # the 3 layers (the root holds none)
         with torch.no_grad():
-            want = ref_m(x)
             got = m(x)
         assert torch.equal(want, got)
+        assert_same(trained, snapshot(m, None))
         assert set(ferry._early._versions) == {0, 1, 2}  # every unit's copy issued in its forward
         before = snapshot(m, None)
         ferry.offload()
@@ -89,12 +97,13 @@ def _offload_during_forward_checks(rank: int, world: int) -> None:
         ferry.offload_during_forward()
         with torch.no_grad():
             m(x)
-        train_step(m, opt, x)
-        train_step(ref_m, ref_opt, x)  # the step updated every unit after its early copy
+        train_step(m, opt, x)  # the step updated every unit after its early copy
+        stepped = snapshot(m, opt)
+        assert not torch.equal(stepped["0.weight"], trained["0.weight"])  # the step wrote the state
         ferry.offload()
         assert copies[-1] == {si for si, n in enumerate(ferry._set.cache.plan.nbytes) if n}
         ferry.reload()
-        assert_same(snapshot(ref_m, ref_opt), snapshot(m, opt))
+        assert_same(stepped, snapshot(m, opt))
 
         # 3. Armed, then no forward: offload() copies everything; close() disarms.
         ferry.offload_during_forward()

@@ -14,6 +14,8 @@
 #   bash benchmarks/gpu_batch.sh final1  # GPU tier on 1 GPU, the compression probe (~4 min)
 #   bash benchmarks/gpu_batch.sh bench   # the 7B engine run and the 7B bench: ~6 min
 #   bash benchmarks/gpu_batch.sh round   # the compute-rich 7B bench (~3 min), GPU tiers on 2 and 1 GPUs (>3 min, ~70 s)
+#   bash benchmarks/gpu_batch.sh close   # last call on 2 GPUs: GPU tier, the default 7B bench (~7 min)
+#   bash benchmarks/gpu_batch.sh close1  # last call on 1 GPU: GPU tier, bench-pin, the small reload by phase (~3 min)
 #   bash benchmarks/gpu_batch.sh small   # host us per small storage, the small reload by phase, bench-pin (1 GPU, ~2 min)
 #   bash benchmarks/gpu_batch.sh pin     # torchferry bench-pin on one GPU (~1 min)
 #   bash benchmarks/gpu_batch.sh diag    # probe + the compute-rich bench traced, phases compared (~6 min)
@@ -58,6 +60,17 @@ elif [ "$stage" = probe ]; then  # what slows the compute while prefetch copies 
   NCCL_DEBUG=INFO run probe_contention 120 torchrun --nproc_per_node 2 benchmarks/probe_contention.py \
       "$out/r/probe_contention_h200x2_$day.json"
   grep -h "via\|Channel 00" "$out/r/probe_contention.log" | head -20 > "$out/r/nccl_transport.txt"
+elif [ "$stage" = close ]; then  # last call on 2 GPUs: GPU tier, the default 7B bench (line rate, huge pages in env) (~7 min)
+  run pytest_gpu_x2 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
+  run bench_x2 300 torchrun --nproc_per_node 2 -m torchferry bench --preset qwen2.5-7b \
+      --strategies torchferry,torchferry+prefetch --steps 3 --no-swap \
+      --json "$out/r/bench_qwen2.5-7b_h200x2_${day}_close.json"
+elif [ "$stage" = close1 ]; then  # last call on 1 GPU: GPU tier, bench-pin, the small reload by phase (~3 min)
+  CUDA_VISIBLE_DEVICES=0 run pytest_gpu_x1 110 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu
+  CUDA_VISIBLE_DEVICES=0 run bench_pin 90 python3 -m torchferry bench-pin --json "$out/r/bench-pin_h200_${day}_close.json"
+  CUDA_VISIBLE_DEVICES=0 run profile_small 60 python3 benchmarks/profile_small_reload.py \
+      "$out/r/profile_small_reload_h200_${day}_close.json"
+  CUDA_VISIBLE_DEVICES=0 run probe_small 60 python3 benchmarks/probe_small_host.py "$out/r/probe_small_host_h200_${day}_close.json"
 elif [ "$stage" = small ]; then  # host microseconds per small storage, the small reload by phase, bench-pin (1 GPU, ~2 min)
   CUDA_VISIBLE_DEVICES=0 run probe_small 60 python3 benchmarks/probe_small_host.py "$out/r/probe_small_host_h200_$day.json"
   CUDA_VISIBLE_DEVICES=0 run profile_small 60 python3 benchmarks/profile_small_reload.py \

@@ -38,7 +38,7 @@ def main() -> None:
     variants = {  # name: (staging buffers, scatter op or None)
         "2buf_split_copy": (2, "split"), "dma_only": (2, None), "4buf_split_copy": (4, "split"),
         "2buf_foreach_copy": (2, "foreach"), "16buf_split_copy": (16, "split")}
-    for pool_name, (nbuf, scatter) in variants.items():
+    for variant, (nbuf, scatter) in variants.items():
         chunks = [pool[i * per * nb:(i + 1) * per * nb] for i in range(n // per)]
         steps: dict[str, list[float]] = defaultdict(list)
         walls, gpus = [], []
@@ -95,7 +95,7 @@ def main() -> None:
                 steps["host_total"].append(host * 1e3)
                 for key, v in acc.items():
                     steps[key].append(v * 1e3)
-        result[pool_name] = {"wall_s": statistics.median(walls), "gpu_s": statistics.median(gpus),
+        result[variant] = {"wall_s": statistics.median(walls), "gpu_s": statistics.median(gpus),
                              "GBps": total / statistics.median(walls) / 1e9,
                              "host_ms": {k: statistics.median(v) for k, v in sorted(steps.items())}}
         del bufs

@@ -66,38 +66,43 @@ def walk(targets: Sequence[object]) -> Iterator[tuple[object, torch.Tensor]]:
         NotImplementedError: a TorchScript module.
     """
     for i, target in enumerate(targets):
-        if isinstance(target, nn.Module):
-            if isinstance(target, torch.jit.ScriptModule):
-                raise NotImplementedError(
-                    f"torchferry: targets[{i}] is a TorchScript module; its forward cannot be guarded while "
-                    "offloaded. Make the ferry over the eager module."
-                )
-            params, buffers = named_tensors(target)
-            for name, p in params:
-                yield (i, name), p
-                g = p.grad
-                if g is not None:
-                    yield (i, name, ".grad"), g
-            for name, b in buffers:
-                yield (i, name), b
-        elif isinstance(target, torch.optim.Optimizer):
-            for path, opt in inner_optimizers(target):
-                order = {id(p): k for k, p in enumerate(p for g in opt.param_groups for p in g["params"])}
-                # Every entry of optimizer.state, also of parameters no longer in a group.
-                for n, (p, state) in enumerate(opt.state.items()):
-                    for key, value in state.items():
-                        for suffix, t in _state_tensors(value, ""):
-                            yield (i, path, order.get(id(p), f"extra{n}"), key, suffix), t
-        elif isinstance(target, torch.Tensor):
-            yield (i,), target
-        else:
-            hint = ""
-            if isinstance(target, (list, tuple, dict)) or hasattr(target, "__next__"):
-                hint = " (pass tensors as separate arguments: Ferry(*tensors), or pass the module itself)"
-            raise TypeError(
-                "torchferry: a target must be an nn.Module, a torch.optim.Optimizer "
-                f"or a torch.Tensor; targets[{i}] is {type(target).__name__}{hint}"
+        yield from _walk_one(i, target)
+
+
+def _walk_one(i: int, target: object) -> Iterator[tuple[object, torch.Tensor]]:
+    """:func:`walk` of ``targets[i]`` alone (errors name it as ``targets[i]``)."""
+    if isinstance(target, nn.Module):
+        if isinstance(target, torch.jit.ScriptModule):
+            raise NotImplementedError(
+                f"torchferry: targets[{i}] is a TorchScript module; its forward cannot be guarded while "
+                "offloaded. Make the ferry over the eager module."
             )
+        params, buffers = named_tensors(target)
+        for name, p in params:
+            yield (i, name), p
+            g = p.grad
+            if g is not None:
+                yield (i, name, ".grad"), g
+        for name, b in buffers:
+            yield (i, name), b
+    elif isinstance(target, torch.optim.Optimizer):
+        for path, opt in inner_optimizers(target):
+            order = {id(p): k for k, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+            # Every entry of optimizer.state, also of parameters no longer in a group.
+            for n, (p, state) in enumerate(opt.state.items()):
+                for key, value in state.items():
+                    for suffix, t in _state_tensors(value, ""):
+                        yield (i, path, order.get(id(p), f"extra{n}"), key, suffix), t
+    elif isinstance(target, torch.Tensor):
+        yield (i,), target
+    else:
+        hint = ""
+        if isinstance(target, (list, tuple, dict)) or hasattr(target, "__next__"):
+            hint = " (pass tensors as separate arguments: Ferry(*tensors), or pass the module itself)"
+        raise TypeError(
+            "torchferry: a target must be an nn.Module, a torch.optim.Optimizer "
+            f"or a torch.Tensor; targets[{i}] is {type(target).__name__}{hint}"
+        )
 
 
 def describe(targets: Sequence[object], where: tuple) -> str:
@@ -268,9 +273,9 @@ class Targets:
     def ids(self) -> list[int]:
         """``id`` of every tensor the targets hold now, in walk order (who is there, not where)."""
         out: list[int] = []
-        for target in self.live():
+        for i, target in enumerate(self.live()):
             if isinstance(target, torch.Tensor):  # a tensor target is itself (no generator per tensor)
                 out.append(id(target))
             else:
-                out.extend(id(t) for _, t in walk((target,)))
+                out.extend(id(t) for _, t in _walk_one(i, target))
         return out

@@ -38,7 +38,8 @@ def _offload_during_forward_checks(rank: int, world: int) -> None:
         for layer in (model[0], model[2], model[3]):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+        # foreach: the step's _foreach_ ops on DTensors bump no version counter (section 2)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
 
     mesh = init_device_mesh("cpu", (world,))
     x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(rank))
@@ -46,8 +47,11 @@ def _offload_during_forward_checks(rank: int, world: int) -> None:
     layers = [m[0], m[2], m[3]]
     ferry = Ferry(m)  # the model alone, as in a log-prob phase
     train_step(m, opt, x)
+    ferry.offload()
+    ferry.reload(prefetch=True)
+    train_step(m, opt, x)  # the pool now holds stale bytes of every unit
     with torch.no_grad():
-        want = m(x)  # the state resident, never offloaded
+        want = m(x)
     trained = snapshot(m, None)
 
     copies = []  # storage indices copied by offload() itself
@@ -62,6 +66,16 @@ def _offload_during_forward_checks(rank: int, world: int) -> None:
 
     EarlyOffload.take = spy
     try:
+        # 0. Resident state written since the last offload: only the early copies of the units
+        # can bring their bytes to the pool (offload() copies the packed rest).
+        ferry.offload_during_forward()
+        with torch.no_grad():
+            assert torch.equal(want, m(x))
+        ferry.offload()
+        assert copies[-1] <= ferry._set.host.cached.packed
+        ferry.reload()
+        assert_same(trained, snapshot(m, None))
+
         # 1. Forward-only phase after a prefetch reload: every unit copied during the forward.
         ferry.offload()
         ferry.reload(prefetch=True)

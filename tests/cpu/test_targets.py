@@ -208,3 +208,10 @@ def test_ids_of_mixed_targets_follow_the_walk():
     assert len(want) == 2 + 4 + 4 + 4 * 3  # tensors; params; grads; step, exp_avg, exp_avg_sq per param
     model[0].weight = nn.Parameter(torch.randn(3, 4))
     assert targets.ids() != want
+
+
+def test_ids_names_the_bad_target_by_its_position():
+    from torchferry._targets import Targets
+
+    with pytest.raises(TypeError, match=r"targets\[1\] is list"):
+        Targets([torch.randn(2), [torch.randn(1)]]).ids()

@@ -23,7 +23,7 @@ from ._trace import profile_step, trace_paths, write_trace
 from ._units import UnitTimer, fsdp_units
 from ._workload import StepRecord, run_step
 
-__all__ = ["Rounds", "bit_sums", "checksum", "rotated", "state_bytes"]
+__all__ = ["Rounds", "bit_sums", "checksum", "rotated", "state_bytes", "unique_storage_bytes"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

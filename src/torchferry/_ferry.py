@@ -309,7 +309,7 @@ class Ferry:
             if tracks:
                 schedule.hold(plan, sources, copies, self._streams, same)  # see [Note: swap budget]
             else:
-                release(plan, sources, self._streams)
+                release(plan, sources, self._streams, gathered=copies.gathered)
             if self._arena is not None:
                 self._arena.release()
                 self._arena = None

@@ -16,15 +16,22 @@ A chunk is gathered into (scattered out of) its staging buffer with one op:
 padding, else ``torch._foreach_copy_`` over per-storage views; making those
 views cost about 0.3 ms of host time per chunk of 256 storages, which at 4096
 small tensors kept the host, not the link, on the critical path.
-On a GPU, two staging buffers alternate and the batched gather/scatter runs
-on a third stream (``pack``), so chunk k+1 is packed while chunk k is on the
-wire (offload), and chunk k is scattered while chunk k+1 comes in (reload):
-the copy engine never waits for a kernel. Events order each buffer's reuse
-after the DMA or scatter that last read it; the copy stream waits for the
-pack stream at the end, so the transfer's final event covers everything. On
-reload the chunk's storages are allocated on the host while its DMA is in
-flight (4096 allocations took longer than the copies when done first, on an
-H200 host). Extra device memory: two chunks (``2 * PACK_CHUNK``).
+On a GPU the batched gather/scatter runs on a third stream (``pack``), so
+chunk k+1 is packed while chunk k is on the wire (offload), and chunk k is
+scattered while chunk k+1 comes in (reload): the copy engine never waits for
+a kernel. Reload alternates two staging buffers. Offload gives every chunk a
+staging buffer of its own where they take at most a quarter of the free
+device memory, so no gather waits for a DMA and the sources can be freed
+without an event each ([Note: small storages released without an event
+each] in ``_copies``); else two alternate. Its gathers wait for the caller's
+stream only, not for the large storages' DMAs queued before them. Events
+order each buffer's reuse after the DMA or scatter that last read it; the
+copy stream waits for the pack stream at the end, so the transfer's final
+event covers everything. On reload the chunk's storages are allocated on the
+host while its DMA is in flight (4096 allocations took longer than the
+copies when done first, on an H200 host). Extra device memory: two chunks
+(``2 * PACK_CHUNK``) on reload; on offload one per chunk within the quarter
+of free memory, else two.
 """
 
 from __future__ import annotations
@@ -145,32 +152,64 @@ def _scatter(staging: torch.Tensor, chunk: PackChunk, dests: list[torch.Tensor])
         torch._foreach_copy_(dests, _views(staging, chunk))
 
 
+def _staging_buffers(chunks: int, size: int, device: torch.device) -> int:
+    """How many staging buffers of ``size`` bytes an offload of ``chunks`` chunks uses: one per
+    chunk (no gather waits for a DMA) where they take at most a quarter of the device memory free
+    now (the driver's free bytes and the caching allocator's unused reserve), else two."""
+    if chunks <= 2:
+        return chunks
+    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return chunks if chunks * size <= free // 4 else 2
+
+
 def pack_to_host(chunks: list[PackChunk], sources: list[torch.Tensor], pool_chunks: list[torch.Tensor],
-                 device: torch.device, streams=None) -> None:
+                 device: torch.device, streams=None, after: torch.cuda.Event | None = None
+                 ) -> torch.cuda.Event | None:
     """Gathers each chunk's storages (1D uint8 views, on ``device``) into its pool view (1D uint8, host).
 
-    On CUDA, call with the D2H stream current (after it waited for the
-    caller's stream); ``streams`` is the device's ``TransferStreams``. See
-    [Note: packing pipeline]. On the CPU, a plain gather per chunk.
+    On CUDA, call with the D2H stream current; ``streams`` is the device's
+    ``TransferStreams`` and ``after`` an event on the caller's stream (the
+    gathers read after it). See [Note: packing pipeline]. On the CPU, a plain
+    gather per chunk.
+
+    Returns:
+        On CUDA, where every chunk had a staging buffer of its own, an event on
+        the pack stream after the last gather, which waited for no DMA: the
+        sources are not read after it ([Note: small storages released without
+        an event each]). ``None`` otherwise (buffers reused, the CPU, no chunks).
+
+    Raises:
+        torch.OutOfMemoryError: not even two staging buffers could be allocated.
     """
     if not chunks:
-        return
+        return None
     if device.type != "cuda":
         for ch, pool_chunk in zip(chunks, pool_chunks):
             staging = torch.empty(ch.nbytes, dtype=torch.uint8)
             _gather(staging, ch, [sources[si] for si in ch.storages])
             pool_chunk.copy_(staging)
-        return
+        return None
     d2h, pack = streams.d2h, streams.pack
-    pack.wait_stream(d2h)  # d2h waited for the caller's stream: pack reads after it too
-    size = max(ch.nbytes for ch in chunks)  # bytes of each of the two staging buffers
-    bufs: list[torch.Tensor] = []
-    sent: list[torch.cuda.Event | None] = [None, None]  # the DMA out of each buffer
+    # After the caller's stream, not after the large storages' DMAs queued on d2h before.
+    if after is not None:
+        pack.wait_event(after)
+    else:
+        pack.wait_stream(d2h)
+    size = max(ch.nbytes for ch in chunks)  # bytes of each staging buffer
+    nbuf = _staging_buffers(len(chunks), size, device)
+    with torch.cuda.stream(pack):
+        try:
+            block = torch.empty(nbuf * size, dtype=torch.uint8, device=device)
+        except torch.OutOfMemoryError:
+            if nbuf <= 2:
+                raise
+            nbuf = 2
+            block = torch.empty(nbuf * size, dtype=torch.uint8, device=device)
+    bufs = [block[i * size:(i + 1) * size] for i in range(nbuf)]
+    sent: list[torch.cuda.Event | None] = [None] * nbuf  # the DMA out of each buffer
     for k, (ch, pool_chunk) in enumerate(zip(chunks, pool_chunks)):
-        b = k % 2
+        b = k % nbuf
         with torch.cuda.stream(pack):
-            if len(bufs) <= b:
-                bufs.append(torch.empty(size, dtype=torch.uint8, device=device))
             if sent[b] is not None:
                 pack.wait_event(sent[b])  # the buffer's previous chunk has left
             _gather(bufs[b], ch, [sources[si] for si in ch.storages])
@@ -178,9 +217,10 @@ def pack_to_host(chunks: list[PackChunk], sources: list[torch.Tensor], pool_chun
         d2h.wait_event(packed)
         pool_chunk.copy_(bufs[b][: ch.nbytes], non_blocking=True)
         sent[b] = streams.event(d2h)
+    gathered = streams.event(pack) if nbuf >= len(chunks) else None  # no gather waited for a DMA
     d2h.wait_stream(pack)  # the offload's final D2H event covers every pack kernel
-    for buf in bufs:
-        buf.record_stream(d2h)  # freed on the pack stream once its last DMA is done
+    block.record_stream(d2h)  # freed on the pack stream once its last DMA is done
+    return gathered
 
 
 def unpack_from_host(chunks: list[PackChunk], pool_chunks: list[torch.Tensor],

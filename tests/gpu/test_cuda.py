@@ -261,16 +261,38 @@ def test_small_tensors_packed_round_trip_bit_exact():
     want = [t.clone() for t in ts]
     ferry = Ferry(*ts)
     h = ferry.offload()
-    scribble = torch.full((256 << 20,), float("nan"), device=DEV)  # may reuse the released blocks
+    # Kernels queued right after the offload on blocks it released: the small storages are freed
+    # without an event each (the caller's stream waits for their gathers), the large by event.
+    scribble = torch.full((256 << 20,), float("nan"), device=DEV)
+    small = [torch.full((64 << 10,), float("nan"), device=DEV) for _ in range(4096)]
     h.wait()
     assert len(ferry._set.host.layout(ferry._offloaded.plan).chunks) == 16  # 1 GiB in 64 MiB chunks
     for t, w in zip(ts, want):
         assert t.is_pinned()
         torch.testing.assert_close(t, w.cpu(), atol=0, rtol=0)
-    del scribble
+    del scribble, small
     ferry.reload()
     for t, w in zip(ts, want):
         torch.testing.assert_close(t, w, atol=0, rtol=0)
+
+
+def test_small_storages_beside_large_ones_round_trip_bit_exact_under_reuse():
+    """Large storages' DMAs queued first, then the packed small ones' gathers (which wait for the
+    caller's stream only); blocks reused at once by the caller's stream, over several cycles."""
+    g = torch.Generator(device=DEV).manual_seed(1)
+    big = [torch.randn(32 << 20, device=DEV, generator=g) for _ in range(4)]  # 4 x 128 MiB
+    small = [torch.randn(1000 + i, device=DEV, generator=g) for i in range(3000)]  # ~12 MB, 1 chunk
+    want = [t.clone() for t in big + small]
+    ferry = Ferry(*big, *small)
+    for _ in range(3):
+        h = ferry.offload()
+        junk = [torch.full((1000 + i,), float("nan"), device=DEV) for i in range(3000)]
+        junk.append(torch.full((64 << 20,), float("nan"), device=DEV))
+        h.wait()
+        del junk
+        ferry.reload()
+        for t, w in zip(big + small, want):
+            torch.testing.assert_close(t, w, atol=0, rtol=0)
 
 
 def test_background_pinning_then_first_offload_pinned_bit_exact(tmp_path, monkeypatch):

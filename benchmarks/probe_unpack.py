@@ -7,7 +7,7 @@ while the chunk's DMA is in flight) over torchferry's pool (``HostBuffer``: mmap
 ``cudaHostRegister``; a ``torch`` pinned buffer measured the same), with a host timer around
 each step, storages freed with ``record_stream`` in between as an offload frees them; variants:
 2, 4 or 16 staging buffers, the scatter by ``split_with_sizes_copy`` or ``_foreach_copy_``, or
-the DMAs alone.
+the DMAs alone; and the storages freed without ``record_stream`` (no events left to process).
 
     python benchmarks/probe_unpack.py OUT.json
 """
@@ -35,16 +35,19 @@ def main() -> None:
     h2d, pack, d2h = torch.cuda.Stream(device), torch.cuda.Stream(device), torch.cuda.Stream(device)
     result = {"env": env_record(device, 1)}
     pool = HostBuffer(total, pin_bytes=total, device=device.index).tensor
-    variants = {  # name: (staging buffers, scatter op or None)
-        "2buf_split_copy": (2, "split"), "dma_only": (2, None), "4buf_split_copy": (4, "split"),
-        "2buf_foreach_copy": (2, "foreach"), "16buf_split_copy": (16, "split")}
-    for variant, (nbuf, scatter) in variants.items():
+    variants = {  # name: (staging buffers, scatter op or None, storages freed with record_stream)
+        "2buf_split_copy": (2, "split", True), "dma_only": (2, None, True), "4buf_split_copy": (4, "split", True),
+        "2buf_foreach_copy": (2, "foreach", True), "16buf_split_copy": (16, "split", True),
+        "2buf_split_copy_freed_without_events": (2, "split", False),
+        "dma_only_freed_without_events": (2, None, False)}
+    for variant, (nbuf, scatter, events) in variants.items():
         chunks = [pool[i * per * nb:(i + 1) * per * nb] for i in range(n // per)]
         steps: dict[str, list[float]] = defaultdict(list)
         walls, gpus = [], []
         for rep in range(8):
             for v, s in zip(views, sts):  # an offload's release
-                v.record_stream(d2h)
+                if events:
+                    v.record_stream(d2h)
                 s.resize_(0)
             torch.cuda.synchronize()
             acc: dict[str, float] = defaultdict(float)

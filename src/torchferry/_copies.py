@@ -20,8 +20,11 @@ before the first H2D copy, the reload at 35.8 against 52.8 GB/s without
 those events (``benchmarks/results/probe_unpack_h200_2026-12-01_events.json``),
 and 1.75 against 0.45 us of host time per free (``probe_small_host``).
 So where every chunk has a staging buffer of its own (no gather waits for a
-DMA, see [Note: packing pipeline]), the caller's stream waits for the last
-gather, a device-to-device copy queued right after the caller's own work,
+DMA, see [Note: packing pipeline]) and the gathers run on the ``gather``
+stream, which holds nothing that waits for a copy (another ferry's reload
+scatters and buffer-reusing gathers run on ``pack``), the caller's stream
+waits for the last gather, a device-to-device copy queued right after the
+caller's own work,
 and each packed storage is freed with ``record_stream`` on the caller's
 stream, which the allocator ignores for blocks of that very stream (the
 usual case) and turns into an event for blocks of another one. Where the
@@ -131,7 +134,8 @@ def issue_d2h(plan: Plan, sources: list[torch.Tensor], views: HostViews, skip: s
                 if copied - mark >= progress_every:
                     progress.append((copied, streams.event(d2h)))
                     mark = copied
-        last_gather = pack_to_host(chunks, sources, pool_chunks, plan.device, streams, after=caller)
+        last_gather = pack_to_host(chunks, sources, pool_chunks, plan.device, streams, after=caller,
+                                   own_buffers=progress_every is None)  # a swap's budget counts no staging
     event = streams.event(d2h, timing=True)
     gathered = None
     if last_gather is not None:

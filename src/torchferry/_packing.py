@@ -21,10 +21,12 @@ chunk k+1 is packed while chunk k is on the wire (offload), and chunk k is
 scattered while chunk k+1 comes in (reload): the copy engine never waits for
 a kernel. Reload alternates two staging buffers. Offload gives every chunk a
 staging buffer of its own where they take at most a quarter of the free
-device memory, so no gather waits for a DMA and the sources can be freed
-without an event each ([Note: small storages released without an event
-each] in ``_copies``); else two alternate. Its gathers wait for the caller's
-stream only, not for the large storages' DMAs queued before them. Events
+device memory (not in a swap, whose budget counts no staging), gathered on a
+stream of their own (``gather``) where nothing waits for a copy, so the
+sources can be freed without an event each ([Note: small storages released
+without an event each] in ``_copies``); else two buffers alternate on
+``pack``. The gathers wait for the caller's stream only, not for the large
+storages' DMAs queued before them. Events
 order each buffer's reuse after the DMA or scatter that last read it; the
 copy stream waits for the pack stream at the end, so the transfer's final
 event covers everything. On reload the chunk's storages are allocated on the
@@ -152,34 +154,37 @@ def _scatter(staging: torch.Tensor, chunk: PackChunk, dests: list[torch.Tensor])
         torch._foreach_copy_(dests, _views(staging, chunk))
 
 
-def _staging_buffers(chunks: int, size: int, device: torch.device) -> int:
-    """How many staging buffers of ``size`` bytes an offload of ``chunks`` chunks uses: one per
-    chunk (no gather waits for a DMA) where they take at most a quarter of the device memory free
-    now (the driver's free bytes and the caching allocator's unused reserve), else two."""
-    if chunks <= 2:
-        return chunks
-    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return chunks if chunks * size <= free // 4 else 2
+_last_block: dict[torch.device, int] = {}  # bytes of the last own-buffers staging block, cached on ``gather``
+
+
+def _own_buffers_fit(nbytes: int, device: torch.device) -> bool:
+    """Whether a staging block of ``nbytes`` (one buffer per chunk) takes at most a quarter of
+    what the ``gather`` stream can get without the allocator flushing its cache: the driver's free
+    bytes, and the block the last such offload left cached on that stream."""
+    free = torch.cuda.mem_get_info(device)[0] + _last_block.get(device, 0)
+    return nbytes <= free // 4
 
 
 def pack_to_host(chunks: list[PackChunk], sources: list[torch.Tensor], pool_chunks: list[torch.Tensor],
-                 device: torch.device, streams=None, after: torch.cuda.Event | None = None
-                 ) -> torch.cuda.Event | None:
+                 device: torch.device, streams=None, after: torch.cuda.Event | None = None,
+                 own_buffers: bool = True) -> torch.cuda.Event | None:
     """Gathers each chunk's storages (1D uint8 views, on ``device``) into its pool view (1D uint8, host).
 
     On CUDA, call with the D2H stream current; ``streams`` is the device's
     ``TransferStreams`` and ``after`` an event on the caller's stream (the
-    gathers read after it). See [Note: packing pipeline]. On the CPU, a plain
-    gather per chunk.
+    gathers read after it). With ``own_buffers``, every chunk gets a staging
+    buffer of its own where a quarter of the free device memory holds them;
+    else, or beyond that, two buffers alternate. See [Note: packing pipeline].
+    On the CPU, a plain gather per chunk.
 
     Returns:
-        On CUDA, where every chunk had a staging buffer of its own, an event on
-        the pack stream after the last gather, which waited for no DMA: the
-        sources are not read after it ([Note: small storages released without
-        an event each]). ``None`` otherwise (buffers reused, the CPU, no chunks).
+        On CUDA with a buffer per chunk, an event on the ``gather`` stream
+        after the last gather, which waited for no copy: the sources are not
+        read after it ([Note: small storages released without an event each]).
+        ``None`` otherwise (buffers reused, the CPU, no chunks).
 
     Raises:
-        torch.OutOfMemoryError: not even two staging buffers could be allocated.
+        torch.OutOfMemoryError: two staging buffers could not be allocated.
     """
     if not chunks:
         return None
@@ -189,37 +194,47 @@ def pack_to_host(chunks: list[PackChunk], sources: list[torch.Tensor], pool_chun
             _gather(staging, ch, [sources[si] for si in ch.storages])
             pool_chunk.copy_(staging)
         return None
-    d2h, pack = streams.d2h, streams.pack
+    d2h = streams.d2h
+    total = sum(ch.nbytes for ch in chunks)
+    own = own_buffers and (len(chunks) <= 2 or _own_buffers_fit(total, device))
+    if own:
+        # Own buffers, packed back to back: no gather waits for a DMA, and the stream holds
+        # nothing that does, so the caller's stream may wait for it.
+        kernels = streams.gather
+        offsets = [0]
+        for ch in chunks[:-1]:
+            offsets.append(offsets[-1] + ch.nbytes)
+        with torch.cuda.stream(kernels):
+            block = torch.empty(total, dtype=torch.uint8, device=device)
+        if len(chunks) > 2:
+            _last_block[device] = total
+        bufs = [block[o:o + ch.nbytes] for o, ch in zip(offsets, chunks)]
+    else:
+        kernels = streams.pack
+        size = max(ch.nbytes for ch in chunks)
+        with torch.cuda.stream(kernels):
+            block = torch.empty(2 * size, dtype=torch.uint8, device=device)
+        bufs = [block[:size], block[size:]]
     # After the caller's stream, not after the large storages' DMAs queued on d2h before.
     if after is not None:
-        pack.wait_event(after)
+        kernels.wait_event(after)
     else:
-        pack.wait_stream(d2h)
-    size = max(ch.nbytes for ch in chunks)  # bytes of each staging buffer
-    nbuf = _staging_buffers(len(chunks), size, device)
-    with torch.cuda.stream(pack):
-        try:
-            block = torch.empty(nbuf * size, dtype=torch.uint8, device=device)
-        except torch.OutOfMemoryError:
-            if nbuf <= 2:
-                raise
-            nbuf = 2
-            block = torch.empty(nbuf * size, dtype=torch.uint8, device=device)
-    bufs = [block[i * size:(i + 1) * size] for i in range(nbuf)]
+        kernels.wait_stream(d2h)
+    nbuf = len(bufs)
     sent: list[torch.cuda.Event | None] = [None] * nbuf  # the DMA out of each buffer
     for k, (ch, pool_chunk) in enumerate(zip(chunks, pool_chunks)):
         b = k % nbuf
-        with torch.cuda.stream(pack):
+        with torch.cuda.stream(kernels):
             if sent[b] is not None:
-                pack.wait_event(sent[b])  # the buffer's previous chunk has left
+                kernels.wait_event(sent[b])  # the buffer's previous chunk has left
             _gather(bufs[b], ch, [sources[si] for si in ch.storages])
-            packed = streams.event(pack)
+            packed = streams.event(kernels)
         d2h.wait_event(packed)
         pool_chunk.copy_(bufs[b][: ch.nbytes], non_blocking=True)
         sent[b] = streams.event(d2h)
-    gathered = streams.event(pack) if nbuf >= len(chunks) else None  # no gather waited for a DMA
-    d2h.wait_stream(pack)  # the offload's final D2H event covers every pack kernel
-    block.record_stream(d2h)  # freed on the pack stream once its last DMA is done
+    gathered = streams.event(kernels) if own else None  # no gather waited for a DMA
+    d2h.wait_stream(kernels)  # the offload's final D2H event covers every gather
+    block.record_stream(d2h)  # freed on its stream once its last DMA is done
     return gathered
 
 

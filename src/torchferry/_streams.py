@@ -2,8 +2,9 @@
 
 [Note: torchferry streams]
 Each device gets two copy streams (and a ``pack`` stream for the kernels that
-gather and scatter packed small storages, see [Note: packing pipeline]),
-created lazily on first use:
+gather and scatter packed small storages, see [Note: packing pipeline], and a
+``gather`` stream for an offload's gathers that wait for no copy, see [Note:
+small storages released without an event each]), created lazily on first use:
 
 * ``d2h`` carries offload copies (device -> pinned host), so that they run on
   a copy engine beside compute instead of behind it on the current stream.
@@ -35,6 +36,7 @@ class TransferStreams:
         self._d2h: torch.cuda.Stream | None = None
         self._h2d: torch.cuda.Stream | None = None
         self._pack: torch.cuda.Stream | None = None
+        self._gather: torch.cuda.Stream | None = None
 
     @property
     def is_cuda(self) -> bool:
@@ -60,6 +62,15 @@ class TransferStreams:
         if self._pack is None:
             self._pack = torch.cuda.Stream(self.device)
         return self._pack
+
+    @property
+    def gather(self) -> torch.cuda.Stream:
+        """An offload's gathers when every chunk has its own staging buffer: nothing on it ever
+        waits for a copy, so the caller's stream can wait for it ([Note: small storages released
+        without an event each])."""
+        if self._gather is None:
+            self._gather = torch.cuda.Stream(self.device)
+        return self._gather
 
     def current(self) -> torch.cuda.Stream:
         """The caller's current stream on this device."""

@@ -267,7 +267,9 @@ class Ferry:
         The copies run on the D2H stream after the current stream's pending work. On return the
         known tensors are CPU tensors viewing the pinned pool (``is_pinned()``) and the device
         storages are empty (their blocks go back to the caching allocator once the copies
-        finish). Read them on the host only after ``handle.wait()``. A no-op when already
+        finish; small packed ones once their gathers, device-to-device, are done, the current
+        stream waiting for those: [Note: small storages released without an event each]). Read
+        them on the host only after ``handle.wait()``. A no-op when already
         offloaded, unless the targets' tensors were replaced meanwhile ([Note: state replaced
         while offloaded]). Runs with the cyclic GC paused ([Note: GC pause]).
 

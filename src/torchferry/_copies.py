@@ -24,10 +24,9 @@ DMA, see [Note: packing pipeline]) and the gathers run on the ``gather``
 stream, which holds nothing that waits for a copy (another ferry's reload
 scatters and buffer-reusing gathers run on ``pack``), the caller's stream
 waits for the last gather, a device-to-device copy queued right after the
-caller's own work,
-and each packed storage is freed with ``record_stream`` on the caller's
-stream, which the allocator ignores for blocks of that very stream (the
-usual case) and turns into an event for blocks of another one. Where the
+caller's own work, and each packed storage is freed with ``record_stream``
+on the caller's stream, which the allocator ignores for blocks of that very
+stream (the usual case) and turns into an event for blocks of another one. Where the
 staging buffers are reused, the gathers wait for DMAs and the storages are
 freed with an event each, as the large ones are.
 
@@ -78,8 +77,9 @@ class D2HIssued(NamedTuple):
         start: recorded on the D2H stream before the first copy (timing).
         progress: ``(bytes copied, event)`` every ``progress_every`` bytes, last one final.
         copied_after: per storage, the bytes copied once its copy is done (with ``progress_every``).
-        gathered: the packed storages' indices and the event after their last gather on the pack
-            stream ([Note: small storages released without an event each]); ``None`` when none.
+        gathered: the packed storages' indices and the event after their last gather on the
+            ``gather`` stream ([Note: small storages released without an event each]); ``None``
+            where the gathers reused staging buffers (then they waited for DMAs) or there were none.
     """
 
     event: torch.cuda.Event | None
@@ -183,8 +183,8 @@ def release(plan: Plan, sources: list[torch.Tensor], streams: TransferStreams,
             gathered: tuple[frozenset[int], torch.cuda.Event] | None = None) -> None:
     """Frees the device memory of ``plan``'s storages after their D2H copies (see
     [Note: release is safe against the in-flight copy]); storages ``keep(si)`` are left allocated.
-    ``gathered`` (from :class:`D2HIssued`): packed storages read only by the pack stream's
-    gathers, freed after the caller's stream waits for them ([Note: small storages released
+    ``gathered`` (from :class:`D2HIssued`): packed storages read only by the ``gather``
+    stream's kernels, freed after the caller's stream waits for them ([Note: small storages released
     without an event each])."""
     cuda = streams.is_cuda
     d2h = streams.d2h if cuda else None

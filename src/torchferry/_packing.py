@@ -26,14 +26,14 @@ stream of their own (``gather``) where nothing waits for a copy, so the
 sources can be freed without an event each ([Note: small storages released
 without an event each] in ``_copies``); else two buffers alternate on
 ``pack``. The gathers wait for the caller's stream only, not for the large
-storages' DMAs queued before them. Events
-order each buffer's reuse after the DMA or scatter that last read it; the
-copy stream waits for the pack stream at the end, so the transfer's final
-event covers everything. On reload the chunk's storages are allocated on the
-host while its DMA is in flight (4096 allocations took longer than the
-copies when done first, on an H200 host). Extra device memory: two chunks
-(``2 * PACK_CHUNK``) on reload; on offload one per chunk within the quarter
-of free memory, else two.
+storages' DMAs queued before them. Events order each buffer's reuse after
+the DMA or scatter that last read it; the copy stream waits for the
+gathers' stream at the end, so the transfer's final event covers
+everything. On reload the chunk's storages are allocated on the host while
+its DMA is in flight (4096 allocations took longer than the copies when done
+first, on an H200 host). Extra device memory: two chunks (``2 *
+PACK_CHUNK``) on reload; on offload one per chunk within the quarter of free
+memory, else two.
 """
 
 from __future__ import annotations
@@ -184,7 +184,8 @@ def pack_to_host(chunks: list[PackChunk], sources: list[torch.Tensor], pool_chun
         ``None`` otherwise (buffers reused, the CPU, no chunks).
 
     Raises:
-        torch.OutOfMemoryError: two staging buffers could not be allocated.
+        torch.OutOfMemoryError: the staging buffers could not be allocated (the
+            large storages' copies may be queued; nothing was re-pointed or freed).
     """
     if not chunks:
         return None

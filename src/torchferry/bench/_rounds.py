@@ -42,9 +42,7 @@ def unique_storage_bytes(tensors: Iterable[torch.Tensor], device: torch.device) 
 
 
 def state_bytes(model: nn.Module, opt: torch.optim.Optimizer, device: torch.device) -> dict[str, int]:
-    def unique(ts):
-        return unique_storage_bytes(ts, device)
-
+    unique = functools.partial(unique_storage_bytes, device=device)
     return {
         "params": unique(model.parameters()),
         "grads": unique(p.grad for p in model.parameters() if p.grad is not None),

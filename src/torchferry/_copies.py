@@ -179,13 +179,16 @@ def copy_runs(chunks: list[PackChunk], pool_chunks: list[torch.Tensor],
 
 
 def release(plan: Plan, sources: list[torch.Tensor], streams: TransferStreams,
-            keep: Callable[[int], bool] | None = None,
             gathered: tuple[frozenset[int], torch.cuda.Event] | None = None) -> None:
     """Frees the device memory of ``plan``'s storages after their D2H copies (see
-    [Note: release is safe against the in-flight copy]); storages ``keep(si)`` are left allocated.
-    ``gathered`` (from :class:`D2HIssued`): packed storages read only by the ``gather``
-    stream's kernels, freed after the caller's stream waits for them ([Note: small storages released
-    without an event each])."""
+    [Note: release is safe against the in-flight copy]). ``gathered`` (from :class:`D2HIssued`):
+    packed storages read only by the ``gather`` stream's kernels, freed after the caller's stream
+    waits for them ([Note: small storages released without an event each]).
+
+    Everything that can fail runs before the first storage is freed; the loop that frees them
+    calls only ``record_stream`` and ``resize_`` ([Note: all or nothing]: an offload that fails
+    before its release is undone, one that reached it completes).
+    """
     cuda = streams.is_cuda
     d2h = streams.d2h if cuda else None
     packed: frozenset[int] = frozenset()
@@ -195,8 +198,6 @@ def release(plan: Plan, sources: list[torch.Tensor], streams: TransferStreams,
         current = streams.current()
         current.wait_event(last_gather)
     for si, (src, storage) in enumerate(zip(sources, plan.storages)):
-        if keep is not None and keep(si):
-            continue
         if cuda and src.numel():
             src.record_stream(current if si in packed else d2h)
         storage.resize_(0)

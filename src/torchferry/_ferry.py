@@ -11,6 +11,7 @@ from concurrent.futures import Future
 
 import torch
 
+from ._args import check_bool, check_device
 from ._copies import release, transfer_range, undo_allocations
 from ._device_alloc import ReloadArena
 from ._early import EarlyOffload
@@ -19,6 +20,7 @@ from ._gc import gc_paused
 from ._guards import OffloadGuards
 from ._handle import TransferHandle, done_future
 from ._host_budget import budget_from_env
+from ._interrupts import interrupts_deferred
 from ._pin_ahead import PinAhead
 from ._plan import build_plan
 from ._prefetch import Prefetch, PrefetchRun, prefetch_groups
@@ -60,10 +62,12 @@ class Ferry:
             storages] in ``torchferry._unchanged``). Default off.
 
     Raises:
-        ValueError: no targets, tensors on several devices, or a negative or
+        ValueError: no targets, tensors on several devices, a ``device``
+            string torch does not know (``"gpu"``), or a negative or
             non-integer byte count.
         TypeError: a target that is not a module, optimizer or tensor;
-            ``pin_ahead`` or ``skip_unchanged`` not a bool.
+            ``device`` not a str, int or ``torch.device``; ``pin_ahead`` or
+            ``skip_unchanged`` not a bool.
         NotImplementedError: meta, nested, non-strided, quantized tensors,
             tensor subclasses other than DTensor (also as a DTensor's local
             shard), storages that cannot be resized, an optimizer holding
@@ -90,6 +94,7 @@ class Ferry:
         for name, flag in (("pin_ahead", pin_ahead), ("skip_unchanged", skip_unchanged)):
             if not isinstance(flag, bool):  # "no" is truthy: refuse rather than guess
                 raise TypeError(f"torchferry: {name} must be True or False, got {flag!r}")
+        device = check_device(device, "Ferry(device=...)")
         plan = build_plan(targets, device)  # validates every target now
         self._targets = Targets(targets)
         # No tensor yet (an optimizer before its first step), no device: decided at the first offload.
@@ -175,6 +180,7 @@ class Ferry:
 
     def _issued(self, handle: TransferHandle) -> TransferHandle:
         self._last = handle
+        self._guards.pending = handle  # see [Note: state_dict() waits for the offload] in _guards.py
         self._recorder.issued(handle)
         return handle
 
@@ -198,7 +204,9 @@ class Ferry:
                 memory cannot hold the pool; nothing was allocated.
             RuntimeError: host memory could not be allocated or pinned (with
                 ``background``, raised by the future and by the next offload).
+            TypeError: ``background`` is not a bool.
         """
+        check_bool(background, "reserve_host(background=...)")
         self._check_open()
         self._complete_prefetch()
         if self.residency.on_host:
@@ -258,6 +266,7 @@ class Ferry:
         self._pool.release()
 
     # ---------------------------------------------------------------- offload
+    @interrupts_deferred
     @torch.no_grad()
     @gc_paused()
     @tree_memo()
@@ -268,8 +277,19 @@ class Ferry:
         known tensors are CPU tensors viewing the pinned pool (``is_pinned()``) and the device
         storages are empty (their blocks go back to the caching allocator once the copies
         finish; small packed ones once their gathers, device-to-device, are done, the current
-        stream waiting for those: [Note: small storages released without an event each]). Read
-        them on the host only after ``handle.wait()``. A no-op when already
+        stream waiting for those: [Note: small storages released without an event each]).
+
+        Returns before the copies complete, and they are not on the caller's stream: a
+        synchronisation of that stream alone (``.item()``, a blocking ``.cpu()``,
+        ``torch.cuda.current_stream().synchronize()``) does not order them. A host read of the
+        offloaded tensors needs one of: ``handle.wait()``; ``state_dict()`` of a module or
+        optimizer target (and DCP's ``get_model_state_dict`` / ``get_optimizer_state_dict``,
+        which call it), which waits by itself ([Note: state_dict() waits for the offload]); or
+        ``handle.wait_stream(torch.cuda.current_stream())`` followed by a synchronisation of
+        that stream (what the verl helpers do for you, as verl's same-stream copies gave).
+        ``torch.cuda.synchronize()`` (the whole device) orders them too.
+
+        A no-op when already
         offloaded, unless the targets' tensors were replaced meanwhile ([Note: state replaced
         while offloaded]). Runs with the cyclic GC paused ([Note: GC pause]).
 
@@ -296,25 +316,32 @@ class Ferry:
         with transfer_range("d2h", self._state_bytes):
             tracks = schedule is not None and schedule.tracks and cuda
             issued = self._set.issue_offload(self._disarm_early(), PROGRESS_EVERY if tracks else None)
-            plan, views, copies, ids, same = issued
+            plan, views, copies, ids, same = issued  # the copies only wrote the pool: nothing to undo
             sources = self._set.device_views(plan)
-            try:
+            parking, everything = self._set.parking, range(len(plan.tensors))
+            last, repointed = self._last, False
+            try:  # see [Note: all or nothing]
                 self._guards.install(plan.modules, plan.optimizers)
-                self._set.parking.to_host(range(len(plan.tensors)), views.host_locals, key=views)
+                parking.to_host(everything, views.host_locals, key=views)
+                repointed = True
+                handle = self._issued(TransferHandle("d2h", plan.state_bytes, copies.event, issued_at,
+                                                     start_event=copies.start, bytes_copied=issued.bytes_copied))
+                self._offloaded = Offloaded(plan, views, ids)
+                self._residency = Residency.D2H_IN_FLIGHT if cuda else Residency.HOST
+                if self._arena is not None:
+                    self._arena.release()
+                    self._arena = None
+                # The last step: nothing that can fail once a storage is freed.
+                if tracks:
+                    schedule.hold(plan, sources, copies, self._streams, same)  # see [Note: swap budget]
+                else:
+                    release(plan, sources, self._streams, gathered=copies.gathered)
             except BaseException:
+                if repointed:
+                    parking.to_device(everything)
                 self._guards.remove()
-                raise  # the copies only wrote the pool
-            self._offloaded = Offloaded(plan, views, ids)
-            self._residency = Residency.D2H_IN_FLIGHT if cuda else Residency.HOST
-            handle = self._issued(TransferHandle("d2h", plan.state_bytes, copies.event, issued_at,
-                                                 start_event=copies.start, bytes_copied=issued.bytes_copied))
-            if tracks:
-                schedule.hold(plan, sources, copies, self._streams, same)  # see [Note: swap budget]
-            else:
-                release(plan, sources, self._streams, gathered=copies.gathered)
-            if self._arena is not None:
-                self._arena.release()
-                self._arena = None
+                self._offloaded, self._residency, self._last = None, Residency.DEVICE, last
+                raise
         self._state_bytes = plan.state_bytes
         logger.debug("offload: %d bytes in %d storages from %s", plan.state_bytes, len(plan.storages), self.device)
         return handle
@@ -361,6 +388,7 @@ class Ferry:
         return early
 
     # ----------------------------------------------------------------- reload
+    @interrupts_deferred
     @torch.no_grad()
     @gc_paused()
     @tree_memo()
@@ -410,40 +438,58 @@ class Ferry:
     def _reload_all(self, off: Offloaded, schedule: ReleaseSchedule | None) -> TransferHandle:
         plan, cuda = off.plan, self._streams.is_cuda
         tracks = schedule is not None and schedule.tracks
+        parking, everything = self._set.parking, range(len(plan.tensors))
         issued_at = time.perf_counter()
         with transfer_range("h2d", plan.state_bytes):
             arena = ReloadArena.seed(self.device, plan.nbytes) if cuda and not tracks else None
-            try:
+            last, copies, repointed = self._last, None, False
+            try:  # see [Note: all or nothing]
                 copies = self._set.issue_reload(plan, off.views, self._own_offload_event(),
                                                 schedule.before_alloc if tracks else None)
-            except torch.OutOfMemoryError as e:
-                raise RuntimeError(
-                    f"torchferry: reload needs {plan.state_bytes} bytes on {self.device} and ran out of "
-                    "device memory (free memory, e.g. the rollout engine's KV cache, and call reload() "
-                    "again); the state is still offloaded, nothing was lost"
-                ) from e
-            # Checked while the copies are in flight; see [Note: state replaced while offloaded].
-            if self._replaced_while_offloaded(off):
-                undo_allocations(plan, range(len(plan.storages)), self._streams)
-                return self._reconcile()
-            if cuda:
-                self._streams.current().wait_event(copies.event)
-                for stream in comm_streams(plan.modules):  # also read by FSDP2's all-gathers
-                    stream.wait_event(copies.event)
+                # Checked while the copies are in flight; see [Note: state replaced while offloaded].
+                replaced = self._replaced_while_offloaded(off)
+                if replaced:
+                    undo_allocations(plan, range(len(plan.storages)), self._streams)
+                    copies = None
+                    if arena is not None:
+                        arena.release()
+                        arena = None
+                else:
+                    if cuda:
+                        self._streams.current().wait_event(copies.event)
+                        for stream in comm_streams(plan.modules):  # also read by FSDP2's all-gathers
+                            stream.wait_event(copies.event)
+                        if arena is not None:
+                            arena.seal(plan.storages)
+                    parking.to_device(everything)
+                    repointed = True
+                    self._set.reloaded(plan, off.views, swapping=tracks)  # see [Note: unchanged storages]
+                    handle = self._issued(TransferHandle("h2d", plan.state_bytes, copies.event, issued_at,
+                                                         start_event=copies.start))
+                    self._guards.remove()
+                    self._offloaded, self._arena = None, arena
+                    self._residency = Residency.H2D_IN_FLIGHT if cuda else Residency.DEVICE
+            except BaseException as e:
+                self._set.forget_baseline()
+                if repointed:
+                    parking.revert_to_device(everything)
+                self._guards.install(plan.modules, plan.optimizers)
+                self._offloaded, self._residency, self._last, self._arena = off, Residency.HOST, last, None
+                if copies is not None:
+                    undo_allocations(plan, range(len(plan.storages)), self._streams)
                 if arena is not None:
-                    arena.seal(plan.storages)
-                    self._arena = arena
-            try:
-                self._set.parking.to_device(range(len(plan.tensors)))
-            except BaseException:
-                undo_allocations(plan, range(len(plan.storages)), self._streams)
+                    arena.release()
+                if isinstance(e, torch.OutOfMemoryError):
+                    raise RuntimeError(
+                        f"torchferry: reload needs {plan.state_bytes} bytes on {self.device} and ran out of "
+                        "device memory (free memory, e.g. the rollout engine's KV cache, and call reload() "
+                        "again); the state is still offloaded, nothing was lost"
+                    ) from e
                 raise
-            self._set.reloaded(plan, off.views, swapping=tracks)  # see [Note: unchanged storages]
-        self._offloaded = None
-        self._guards.remove()
-        self._residency = Residency.H2D_IN_FLIGHT if cuda else Residency.DEVICE
+        if replaced:
+            return self._reconcile()
         logger.debug("reload: %d bytes in %d storages to %s", plan.state_bytes, len(plan.storages), self.device)
-        return self._issued(TransferHandle("h2d", plan.state_bytes, copies.event, issued_at, start_event=copies.start))
+        return handle
 
     def _replaced_while_offloaded(self, off: Offloaded) -> bool:
         """Whether the targets hold other tensors, or the ferry's tensors other bytes, than at the
@@ -451,33 +497,39 @@ class Ferry:
         return self._targets.ids() != off.ids or bool(moved_away(off.views, self._set.parking))
 
     def _reconcile(self) -> TransferHandle:
-        """Brings back what the targets still hold after a replacement; the state is then resident."""
+        """Brings back what the targets still hold after a replacement; the state is then resident.
+        All or nothing: ``reconcile`` undoes itself, and nothing after it can tear the state."""
         off = self._offloaded
-        nbytes = reconcile(off.plan, off.views, self._set.parking, self._targets.live(), self._streams,
-                           self._set.device_views(off.plan), self._own_offload_event())
-        self._offloaded = None
-        self._guards.remove()
-        self._set.forget()  # re-planned at the next offload
-        self._residency = Residency.DEVICE
-        return self._issued(TransferHandle("h2d", nbytes, None))
+        try:
+            self._guards.remove()
+            nbytes = reconcile(off.plan, off.views, self._set.parking, self._targets.live(), self._streams,
+                               self._set.device_views(off.plan), self._own_offload_event())
+            self._offloaded, self._residency = None, Residency.DEVICE
+        except BaseException:
+            self._guards.install(off.plan.modules, off.plan.optimizers)
+            raise
+        handle = self._issued(TransferHandle("h2d", nbytes, None))
+        self._set.forget()  # re-planned at the next offload (a forget cut short is redone there)
+        return handle
 
     # --------------------------------------------------------------- prefetch
     def _start_prefetch(self, off: Offloaded, groups: list, policy: Prefetch) -> TransferHandle:
         run = PrefetchRun(off.plan, off.views, self._set.parking, self._set.device_views(off.plan), groups, policy,
                           self._streams, self._own_offload_event(), self._set.group_copied,
                           self._set.group_resident)
-        self._guards.remove()
-        self._set.forget_baseline()  # its groups take a new one as they are copied
-        self._prefetch = run
-        self._residency = Residency.PREFETCHING
-        try:
+        last = self._last
+        try:  # see [Note: all or nothing]
+            self._guards.remove()
+            self._set.forget_baseline()  # its groups take a new one as they are copied
+            self._prefetch = run
+            self._residency = Residency.PREFETCHING
             run.begin()
+            self._last = run.handle()
         except BaseException:
-            self._prefetch = None
-            self._residency = Residency.HOST
+            run.abort()
+            self._prefetch, self._residency, self._last = None, Residency.HOST, last
             self._guards.install(off.plan.modules, off.plan.optimizers)
             raise
-        self._last = run.handle()
         return self._last
 
     def _complete_prefetch(self) -> TransferHandle | None:

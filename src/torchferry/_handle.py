@@ -9,6 +9,8 @@ from typing import Literal
 
 import torch
 
+from ._args import check_callable, check_stream
+
 __all__ = ["TransferHandle", "done_future"]
 
 
@@ -59,7 +61,11 @@ class TransferHandle:
         """Calls ``fn(self)`` once the transfer is seen complete (now, if it already is).
 
         Completion is observed by ``wait()`` or ``done()``, on the thread that calls them.
+
+        Raises:
+            TypeError: ``fn`` is not callable.
         """
+        check_callable(fn, "add_done_callback(fn)")
         if self._completed_at is not None:
             fn(self)
         else:
@@ -87,7 +93,11 @@ class TransferHandle:
 
         ``reload()`` already does this for the stream that was current when it
         was called; use this to consume the state on another stream.
+
+        Raises:
+            TypeError: ``stream`` is not a stream (checked on the CPU too).
         """
+        check_stream(stream, "wait_stream(stream)")
         if self._event is not None:
             stream.wait_event(self._event)
 

@@ -11,6 +11,25 @@ Planning checks every tensor (10-40 us each); a fingerprint of the tensors,
 storages, sizes and addresses (about 1 us each) tells whether the last plan
 still holds, which it does every steady cycle. 4096 small tensors cost
 100-230 ms to plan on a CI host against 3 ms to fingerprint.
+
+[Note: NumPy views mark storages not resizable]
+``Tensor.numpy()`` (and ``np.asarray(t)``, ``t.__array__()``) of a CPU tensor
+sets its storage's ``resizable`` flag to False, so that a ``resize_`` cannot
+free memory under the array; PyTorch never sets it back, even once the array
+is gone. With ``device="cpu"`` the resident storages are CPU storages: such a
+view taken after the plan was cached made the offload fail half-way, at the
+release's ``resize_(0)``, after re-pointing, and then every ``reload()`` failed
+at its ``resize_`` (found by a breaker helper). The fingerprint therefore holds
+``resizable()``: a storage that lost it invalidates the cached plan and
+:func:`build_plan` refuses it by name before anything is copied or re-pointed;
+the state stays resident. Views of the pool are harmless: pool views are
+never resizable (they borrow the pool's memory) and are never resized, and a
+reload allocates the device storages, not them (tested with the array alive
+during the reload and across later cycles). A NumPy array made *while
+offloaded* of an alias the ferry does not know (using it is undefined: its
+memory is released) leaves a device storage that can never be allocated
+again: a plain ``reload()`` refuses it by name (:func:`refuse_unresizable`)
+before allocating anything, and the state stays on the host.
 """
 
 from __future__ import annotations
@@ -26,7 +45,8 @@ from torch import nn
 from ._fsdp import local_of
 from ._targets import check_tensor, describe, hidden_optimizer_tensors, inner_optimizers, walk
 
-__all__ = ["Plan", "PlanCache", "TensorRef", "build_plan", "fingerprint", "resolve_device", "storage_bytes"]
+__all__ = ["Plan", "PlanCache", "TensorRef", "build_plan", "fingerprint", "refuse_unresizable", "resolve_device",
+           "storage_bytes"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -123,17 +143,36 @@ def fingerprint(targets: Sequence[object]) -> list[tuple]:
     reused) mean :func:`build_plan` would return the same plan, and the host
     views made for it still fit: the same tensor objects over the same
     storages (``StorageImpl``, which a reload keeps while its address changes)
-    of the same sizes and sharing (``share_memory_()`` after planning must be
-    refused again), with the same dtype, storage offset, size and stride.
-    See [Note: cached plan].
+    of the same sizes, sharing and resizability (``share_memory_()`` or a NumPy
+    array made of a resident CPU tensor after planning must be refused again,
+    before anything moves: [Note: NumPy views mark storages not resizable]),
+    with the same dtype, storage offset, size and stride. See [Note: cached plan].
     """
     out = []
     for _, t in walk(targets):
         local = local_of(t)
         st = local.untyped_storage()
-        out.append((id(t), st._cdata, st.nbytes(), st.is_shared(), local.dtype, local.storage_offset(), local.shape,
-                    local.stride()))
+        out.append((id(t), st._cdata, st.nbytes(), st.is_shared(), st.resizable(), local.dtype,
+                    local.storage_offset(), local.shape, local.stride()))
     return out
+
+
+def refuse_unresizable(plan: Plan) -> None:
+    """Refuses a reload that could not allocate: a device storage made not resizable while offloaded.
+
+    Raises:
+        RuntimeError: a storage of ``plan`` is no longer resizable (a NumPy array made of
+            a view of it while offloaded: [Note: NumPy views mark storages not resizable]);
+            nothing was allocated, the state stays offloaded.
+    """
+    for si, st in enumerate(plan.storages):
+        if not st.resizable():
+            name = next(r.name for r in plan.tensors if r.storage_index == si)
+            raise RuntimeError(
+                f"torchferry: cannot reload: the device storage of {name} was made not resizable while "
+                "offloaded (a NumPy array of a view of it, e.g. v.numpy(); PyTorch never undoes that), "
+                "so it cannot be allocated again; the state is still offloaded, on the host"
+            )
 
 
 def resolve_device(found: list[tuple[str, torch.Tensor, torch.Tensor]], device: torch.device | None) -> torch.device:
@@ -217,11 +256,12 @@ def build_plan(targets: Sequence[object], device: torch.device | str | None = No
         st = local.untyped_storage()
         key = st._cdata
         if key not in index_of:
-            if not st.resizable():
+            if not st.resizable():  # see [Note: NumPy views mark storages not resizable]
                 raise NotImplementedError(
-                    f"torchferry: the storage of {name} cannot be resized (it is "
-                    "borrowed, e.g. from NumPy or DLPack), so its memory cannot be "
-                    "released; clone the tensor into a torch-owned one first"
+                    f"torchferry: the storage of {name} cannot be resized (a NumPy array was made of it, "
+                    "e.g. t.numpy() or np.asarray(t), which PyTorch never undoes, or it is borrowed from "
+                    "NumPy or DLPack), so its memory cannot be released; nothing was moved: give the "
+                    "tensor torch-owned memory (p.data = p.data.clone()) and offload again"
                 )
             index_of[key] = len(storages)
             storages.append(st)

@@ -76,7 +76,8 @@ class Prefetch:
         if self.lookahead_bytes is not None and (
                 not isinstance(self.lookahead_bytes, int) or isinstance(self.lookahead_bytes, bool)
                 or self.lookahead_bytes < 0):
-            raise ValueError(f"lookahead_bytes must be an int >= 0 or None, got {self.lookahead_bytes!r}")
+            raise ValueError(f"torchferry: Prefetch: lookahead_bytes must be an int >= 0 (bytes) or None, "
+                             f"got {self.lookahead_bytes!r}")
 
 
 @dataclasses.dataclass
@@ -226,38 +227,54 @@ class PrefetchRun:
         """Issues the first groups and installs the hooks.
 
         Raises:
-            BaseException: whatever the first copies raised; nothing is left
-                allocated or hooked, the tensors are still on the host.
+            BaseException: whatever the first copies (or a hook's registration) raised, after
+                :meth:`abort`: nothing is left allocated or hooked, the tensors are still on the host.
         """
         cuda = self.streams.is_cuda
-        if cuda:
-            h2d = self.streams.h2d
-            h2d.wait_stream(self.streams.current())
-            if self._after is not None:
-                h2d.wait_event(self._after)
-            self.start = self.streams.event(h2d, timing=True)
-            self._comm = comm_streams(self.plan.modules)
-            if self.policy.lookahead_bytes is None:
-                self.arena = ReloadArena.seed(self.plan.device, self.plan.nbytes)
         try:
-            self._issue_ahead(0)
-        except BaseException:
             if cuda:
-                self.streams.h2d.synchronize()
-            for si in self._allocated:
-                self.plan.storages[si].resize_(0)
+                h2d = self.streams.h2d
+                h2d.wait_stream(self.streams.current())
+                if self._after is not None:
+                    h2d.wait_event(self._after)
+                self.start = self.streams.event(h2d, timing=True)
+                self._comm = comm_streams(self.plan.modules)
+                if self.policy.lookahead_bytes is None:
+                    self.arena = ReloadArena.seed(self.plan.device, self.plan.nbytes)
+            self._issue_ahead(0)
+            if self.arena is not None:
+                self.arena.seal(self.plan.storages)
+            for gi, g in enumerate(self.groups):
+                if g.unit is not None:
+                    self._hooks.append(g.unit.register_forward_pre_hook(self._unit_hook(gi), prepend=True))
+            for m in self.plan.modules:
+                self._hooks.append(m.register_state_dict_pre_hook(self._complete_hook))
+            for opt in self.plan.optimizers:
+                self._hooks.append(opt.register_step_pre_hook(self._complete_hook))
+                self._hooks.append(opt.register_state_dict_pre_hook(self._complete_hook))
+            _RUNS.add(id(self), self.finish)
+        except BaseException:
+            self.abort()
             raise
+
+    def abort(self) -> None:
+        """Undoes :meth:`begin` before any group was made resident: hooks removed, storages
+        released again after the copies into them, the arena given back (idempotent)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        _RUNS.discard(id(self))
+        if self.resident:
+            self.parking.revert_to_device([i for gi in sorted(self.resident) for i in self.groups[gi].tensors])
+            self.resident = set()
+        if self.streams.is_cuda:
+            self.streams.h2d.synchronize()
+        for si in self._allocated:
+            self.plan.storages[si].resize_(0)
+        self._allocated = []
         if self.arena is not None:
-            self.arena.seal(self.plan.storages)
-        for gi, g in enumerate(self.groups):
-            if g.unit is not None:
-                self._hooks.append(g.unit.register_forward_pre_hook(self._unit_hook(gi), prepend=True))
-        for m in self.plan.modules:
-            self._hooks.append(m.register_state_dict_pre_hook(self._complete_hook))
-        for opt in self.plan.optimizers:
-            self._hooks.append(opt.register_step_pre_hook(self._complete_hook))
-            self._hooks.append(opt.register_state_dict_pre_hook(self._complete_hook))
-        _RUNS.add(id(self), self.finish)
+            self.arena.release()
+            self.arena = None
 
     def finish(self) -> None:
         """Issues what is left and makes every group resident (idempotent)."""

@@ -32,16 +32,17 @@ impl comes back and then takes the assigned tensor, moved to the device
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 
-from ._copies import issue_h2d
+from ._copies import issue_h2d, undo_allocations
 from ._fsdp import local_of
 from ._host_memory import in_host_pool
 from ._host_views import HostViews
 from ._plan import Plan
-from ._repoint import Parking, move_to
+from ._repoint import Parking, move_to, moved
 from ._streams import TransferStreams
 from ._targets import describe, walk
 
@@ -87,7 +88,11 @@ def _onto_device(new: torch.Tensor, plan: Plan, views: HostViews,
 
 def reconcile(plan: Plan, views: HostViews, parking: Parking, targets: list[object], streams: TransferStreams,
               device_views: list[torch.Tensor] | None, after: torch.cuda.Event | None) -> int:
-    """Makes the state the targets hold now resident (synchronously).
+    """Makes the state the targets hold now resident (synchronously), all or nothing.
+
+    Everything that allocates runs first (the storages still held, device copies of the
+    replacements and of the tensors assigned while offloaded); only then are tensor objects
+    re-pointed, each step undone in reverse if a later one fails ([Note: all or nothing]).
 
     Args:
         plan, views, parking: what was offloaded, where, and its tensor objects.
@@ -98,6 +103,10 @@ def reconcile(plan: Plan, views: HostViews, parking: Parking, targets: list[obje
 
     Returns:
         Bytes copied back.
+
+    Raises:
+        RuntimeError: the device ran out of memory (naming the bytes; the state is still
+            offloaded, nothing was lost), or a tensor could not be re-pointed (nothing moved).
     """
     current = list(walk(targets))
     held = {id(t) for _, t in current}
@@ -109,26 +118,11 @@ def reconcile(plan: Plan, views: HostViews, parking: Parking, targets: list[obje
     live_s = {plan.tensors[i].storage_index for i in live_t + swapped}
     live_s |= {si for new in assigned.values() if (si := views.slot_of(new.untyped_storage())) is not None}
     live_s = sorted(live_s)
-    user_grads = {i: parking.tensors[i].grad for i in live_t + swapped if parking.has_grad_slot(i)}
-    if streams.is_cuda and after is not None:
-        streams.h2d.wait_event(after)
-    issue_h2d(plan, views, streams, storages=live_s, device_views=device_views)
-    if streams.is_cuda:
-        streams.h2d.synchronize()
-        streams.pack.synchronize()
-    for si in set(range(len(plan.storages))) - set(live_s):  # a packed chunk brings back dead neighbours
-        plan.storages[si].resize_(0)
-    parking.to_device(sorted(live_t + swapped))
-    for i, g in user_grads.items():  # before any new shape: PyTorch checks a .grad against its tensor
-        t = parking.tensors[i]
-        if t.grad is not g:
-            t.grad = g
-    on_device: dict[int, torch.UntypedStorage] = {}  # assigned tensors sharing a storage stay tied
-    for i, new in assigned.items():
-        local_of(parking.tensors[i]).data = _onto_device(new, plan, views, on_device)
+    back = sorted(live_t + swapped)
+    user_grads = {i: parking.tensors[i].grad for i in back if parking.has_grad_slot(i)}
     names = {r.name for r in plan.tensors}
     mine = {id(r.tensor) for r in plan.tensors}
-    moved = 0
+    replacements = []  # held tensors the ferry does not know that belong on the device
     for where, t in current:
         if id(t) in mine:
             continue
@@ -136,9 +130,54 @@ def reconcile(plan: Plan, views: HostViews, parking: Parking, targets: list[obje
         if local.device.type != "cpu" or (local.numel() and in_host_pool(local.data_ptr())):
             continue
         if describe(targets, where) in names or _placed_by_optimizer(targets, where, t):
-            move_to(t, plan.device)
             mine.add(id(t))
-            moved += 1
+            replacements.append(t)
+    # 1. Allocate: nothing is re-pointed yet.
+    try:
+        if streams.is_cuda and after is not None:
+            streams.h2d.wait_event(after)
+        issue_h2d(plan, views, streams, storages=live_s, device_views=device_views)
+        if streams.is_cuda:
+            streams.h2d.synchronize()
+            streams.pack.synchronize()
+        on_device: dict[int, torch.UntypedStorage] = {}  # assigned tensors sharing a storage stay tied
+        onto = {i: _onto_device(new, plan, views, on_device) for i, new in assigned.items()}
+        moves = [move_to(t, plan.device) for t in replacements]
+    except BaseException as e:
+        undo_allocations(plan, range(len(plan.storages)), streams)  # all were released at the offload
+        if isinstance(e, torch.OutOfMemoryError):
+            extra = sum(t.untyped_storage().nbytes() for t in replacements)
+            raise RuntimeError(
+                f"torchferry: bringing back the state replaced while offloaded needs "
+                f"{sum(plan.nbytes[si] for si in live_s)} bytes of held storages plus {extra} bytes of "
+                f"replacements on {plan.device} and ran out of device memory (free memory and call "
+                "reload() again); the state is still offloaded, nothing was lost"
+            ) from e
+        raise
+    nbytes = sum(plan.nbytes[si] for si in live_s)
+    # 2. Re-point, each step undone in reverse on a failure; nothing after it can fail.
+    undo: list = []
+    try:
+        for si in set(range(len(plan.storages))) - set(live_s):  # a packed chunk brings back dead neighbours
+            plan.storages[si].resize_(0)
+        parking.to_device(back)
+        undo.append(lambda: parking.revert_to_device(back))
+        for i, g in user_grads.items():  # before any new shape: PyTorch checks a .grad against its tensor
+            t = parking.tensors[i]
+            if t.grad is not g:
+                undo.append(functools.partial(setattr, t, "grad", t.grad))
+                t.grad = g
+        for i, dev in onto.items():
+            local = local_of(parking.tensors[i])
+            undo.append(functools.partial(setattr, local, "data", local.data))
+            local.data = dev
+        for m in moves:
+            undo.append(moved(m))
+    except BaseException:
+        for step in reversed(undo):
+            step()
+        undo_allocations(plan, range(len(plan.storages)), streams)
+        raise
     logger.debug("reconcile: %d of %d tensors still held, %d given other bytes, %d replacements moved to %s",
-                 len(live_t), len(plan.tensors), len(swapped), moved, plan.device)
-    return sum(plan.nbytes[si] for si in live_s)
+                 len(live_t), len(plan.tensors), len(swapped), len(moves), plan.device)
+    return nbytes

@@ -31,12 +31,15 @@ the device grad, which comes back with it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from ._fsdp import dtensor_twin, is_dtensor, swap_local, versions
 
-__all__ = ["Parking", "move_to", "view_on"]
+__all__ = ["Move", "Parking", "move_to", "moved", "view_on"]
 
 _NONE = torch.empty(0)  # stands in for a missing twin in a versions() call
 
@@ -78,17 +81,35 @@ def _exchange(a: torch.Tensor, b: torch.Tensor, dtensor: bool) -> None:
         swap_local(a, b)
 
 
-def move_to(t: torch.Tensor, device: torch.device) -> None:
-    """Moves a tensor object that the ferry does not hold yet to ``device``, keeping its identity.
+class Move(NamedTuple):
+    """A tensor object's move to the device, prepared (allocated) but not applied: see :func:`moved`."""
 
-    For tensors without autograd history of their own (a state-dict load's new
-    tensors): plain ones through ``t.data``, DTensors by exchanging impls with
-    a twin over the moved local shard.
+    tensor: torch.Tensor  # the object the user holds
+    dtensor: bool
+    replacement: torch.Tensor  # a DTensor twin over the moved local shard, or the moved plain tensor
+
+
+def move_to(t: torch.Tensor, device: torch.device) -> Move:
+    """Prepares the move of a tensor object the ferry does not hold yet to ``device``, keeping its
+    identity: the device copy is made now (this may run out of memory), nothing is re-pointed.
+
+    For tensors without autograd history of their own (a state-dict load's new tensors): plain
+    ones through ``t.data``, DTensors by exchanging impls with a twin over the moved local shard.
     """
     if is_dtensor(t):
-        _exchange(t, dtensor_twin(t, t._local_tensor.to(device)), True)
-    else:
-        t.data = t.data.to(device)
+        return Move(t, True, dtensor_twin(t, t._local_tensor.to(device)))
+    return Move(t, False, t.data.to(device))
+
+
+def moved(move: Move) -> Callable[[], None]:
+    """Applies a prepared :class:`Move`; returns what undoes it."""
+    t = move.tensor
+    if move.dtensor:
+        _exchange(t, move.replacement, True)
+        return lambda: _exchange(t, move.replacement, True)
+    old = t.data
+    t.data = move.replacement
+    return lambda: setattr(t, "data", old)
 
 
 class Parking:
@@ -137,11 +158,12 @@ class Parking:
                     twin = dtensor_twin(t, local) if dtensor[i] else local
                 if twin.requires_grad != t.requires_grad:
                     twin.requires_grad_(t.requires_grad)
-                if grad_slot[i]:
-                    grads.append((i, t, t.grad))
+                g = t.grad if grad_slot[i] else None
                 _exchange(t, twin, dtensor[i])
                 twins[i] = twin
                 done.append(i)
+                if grad_slot[i]:  # only once exchanged: the undo unlinks host impls' grads alone
+                    grads.append((i, t, g))
             for i, t, g in grads:  # the host impl links the host grad (the grad objects moved above)
                 if t.grad is not g:
                     _link_grad(t, g, self.names[i])
@@ -169,6 +191,13 @@ class Parking:
             self._raise(e, indices, done)
         for i in done:
             self.on_host[i] = False
+
+    def revert_to_device(self, indices: list[int] | range) -> None:
+        """Undoes a :meth:`to_device` of ``indices`` exactly: the objects take their host impls back
+        and the twins park the device impls again, grad links as they were ([Note: all or nothing])."""
+        for i in indices:
+            _exchange(self.tensors[i], self._twins[i], self._dtensor[i])
+            self.on_host[i] = True
 
     def locals(self) -> list[torch.Tensor]:
         """The plain tensor of each object (a DTensor's local shard), in order."""

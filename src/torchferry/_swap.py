@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import torch
 
+from ._args import check_bytes, shown
 from ._ferry import Ferry
 from ._handle import TransferHandle
+from ._interrupts import interrupts_deferred
 from ._release import ReleaseSchedule
 
 __all__ = ["swap"]
 
 
+@interrupts_deferred
 def swap(out: Ferry, into: Ferry, *, gpu_budget_bytes: int | None = None) -> tuple[TransferHandle, TransferHandle]:
     """Offloads ``out`` and reloads ``into`` at the same time (D2H and H2D streams).
 
@@ -35,18 +38,21 @@ def swap(out: Ferry, into: Ferry, *, gpu_budget_bytes: int | None = None) -> tup
         ``(offload_handle, reload_handle)``.
 
     Raises:
+        TypeError: ``out`` or ``into`` is not a :class:`~torchferry.Ferry`.
         ValueError: the two ferries are one, or on different devices, or the
-            budget is negative or cannot hold what is allocated besides ``out``
-            plus ``into``'s state.
+            budget is not an int >= 0 or cannot hold what is allocated besides
+            ``out`` plus ``into``'s state.
         RuntimeError: a ferry is closed, or ``into``'s reload failed (``out``
             is then reloaded too, so neither moved).
     """
+    for name, ferry in (("out", out), ("into", into)):
+        if not isinstance(ferry, Ferry):
+            raise TypeError(f"torchferry: swap({name}=...) must be a torchferry.Ferry, got {shown(ferry)}")
+    check_bytes(gpu_budget_bytes, "swap(gpu_budget_bytes=...)")
     if out is into:
-        raise ValueError("torchferry.swap: out and into are the same ferry")
+        raise ValueError("torchferry: swap: out and into are the same ferry")
     if out.device != into.device:
-        raise ValueError(f"torchferry.swap: out is on {out.device} but into on {into.device}")
-    if gpu_budget_bytes is not None and gpu_budget_bytes < 0:
-        raise ValueError(f"torchferry.swap: gpu_budget_bytes must be >= 0, got {gpu_budget_bytes}")
+        raise ValueError(f"torchferry: swap: out is on {out.device} but into on {into.device}")
     out._check_open()
     into._check_open()
     cuda = out.device.type == "cuda"
@@ -56,7 +62,7 @@ def swap(out: Ferry, into: Ferry, *, gpu_budget_bytes: int | None = None) -> tup
         need = base - out_bytes + into.state_bytes
         if need > gpu_budget_bytes:
             raise ValueError(
-                f"torchferry.swap: gpu_budget_bytes={gpu_budget_bytes} but the incoming state "
+                f"torchferry: swap: gpu_budget_bytes={gpu_budget_bytes} but the incoming state "
                 f"({into.state_bytes} bytes) plus what stays allocated ({base - out_bytes} bytes) needs {need}"
             )
     schedule = ReleaseSchedule(gpu_budget_bytes if cuda else None, base)

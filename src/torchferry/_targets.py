@@ -246,19 +246,26 @@ class Targets:
         self._refs: list[object] = [
             weakref.ref(t) if isinstance(t, (nn.Module, torch.optim.Optimizer)) else t for t in targets
         ]
+        self._kinds = [f"{type(t).__name__} {'module' if isinstance(t, nn.Module) else 'optimizer'}"
+                       for t in targets]  # for the message once one is gone
 
     def live(self) -> list[object]:
         """The targets.
 
         Raises:
-            RuntimeError: a module or optimizer target was garbage collected.
+            RuntimeError: a module or optimizer target was garbage collected
+                (the ferry holds them weakly), named by position and type.
         """
         out = []
-        for t in self._refs:
+        for i, t in enumerate(self._refs):
             if isinstance(t, weakref.ref):
                 obj = t()
                 if obj is None:
-                    raise RuntimeError("torchferry: a module or optimizer target of this ferry was garbage collected")
+                    raise RuntimeError(
+                        f"torchferry: targets[{i}] (a {self._kinds[i]}) of this ferry was garbage collected: "
+                        "a ferry holds its modules and optimizers by weak reference, so keep a reference "
+                        "to it (model = ...; Ferry(model)) while the ferry is used"
+                    )
                 out.append(obj)
             else:
                 out.append(t)

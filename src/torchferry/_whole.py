@@ -33,7 +33,7 @@ import torch
 from ._copies import D2HIssued, H2DIssued, issue_d2h, issue_h2d
 from ._early import EarlyOffload
 from ._host_views import HostLayout, HostViews
-from ._plan import Plan, PlanCache, build_plan, fingerprint, storage_bytes
+from ._plan import Plan, PlanCache, build_plan, fingerprint, refuse_unresizable, storage_bytes
 from ._pool import HostPool
 from ._repoint import Parking
 from ._streams import TransferStreams, streams_for
@@ -113,10 +113,11 @@ class StateSet:
         if not self.device_fixed and plan.tensors:
             self._set_device(plan.device)
             self.device_fixed = True
-        self.cache = PlanCache(fp, plan, [storage_bytes(s, plan.device) for s in plan.storages])
-        self.parking = Parking([r.tensor for r in plan.tensors], [r.name for r in plan.tensors])
+        cache = PlanCache(fp, plan, [storage_bytes(s, plan.device) for s in plan.storages])
+        parking = Parking([r.tensor for r in plan.tensors], [r.name for r in plan.tensors])
         self.host.forget()  # made for the old plan
         self._forget_unchanged()
+        self.cache, self.parking = cache, parking  # together: see [Note: all or nothing]
         return plan
 
     def device_views(self, plan: Plan) -> list[torch.Tensor] | None:
@@ -237,7 +238,9 @@ class StateSet:
 
         Raises:
             torch.OutOfMemoryError: nothing stays allocated.
+            RuntimeError: a storage is no longer resizable (:func:`refuse_unresizable`); nothing allocated.
         """
+        refuse_unresizable(plan)  # see [Note: NumPy views mark storages not resizable]
         if self.streams.is_cuda and after is not None:
             self.streams.h2d.wait_event(after)  # the slots may still be filling
         return issue_h2d(plan, views, self.streams, device_views=self.device_views(plan), before_alloc=before_alloc)

@@ -5,6 +5,7 @@ dock is visible at once in ``ferry.residency`` and ``ferry.stats``.
 """
 
 import random
+import weakref
 
 import pytest
 import torch
@@ -392,6 +393,210 @@ def test_sets_resident_beyond_the_budget_when_added_are_brought_back_within_it()
     with dock.use("c"):
         pass
     assert dock.resident_bytes == 8 * U and not s["a"].resident
+
+
+# ------------------------------------------------------ the budget counts bytes as they are now
+P = 256 * 256 * 4  # bytes of a 256 x 256 float32 weight
+X = torch.ones(2, 256)
+
+
+def _docked_linear(budget: int) -> tuple[Dock, torch.nn.Linear, Ferry]:
+    """A dock with one set: a 256 x 256 Linear without bias (``P`` bytes), offloaded."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256, bias=False)
+    ferry = Ferry(model, device="cpu")
+    ferry.offload()
+    dock = Dock(budget)
+    dock.add("params", ferry)
+    return dock, model, ferry
+
+
+def test_budget_counts_grads_kept_by_zero_grad_set_to_none_false():
+    """Reproduces the Dock budget report (item 3): grads kept by ``zero_grad(set_to_none=False)`` were
+    not counted (the last plan had the parameters only), so a claimant got room that was not there."""
+    dock, model, ferry = _docked_linear(3 * P)
+    dock.add_claimant("kv", 3 * P // 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with dock.use("params"):
+        model(X).square().sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        model(X).sum().backward()  # the next micro-batch accumulates into the kept grads
+    want = (model.weight.detach().clone(), model.weight.grad.clone())
+    assert ferry.state_bytes == P  # its last plan
+    assert dock.nbytes("params") == 2 * P and dock.resident_bytes == 2 * P and dock.free_bytes == P
+    with dock.use("kv"):  # 2P + 1.5P > 3P: the set leaves (counted at P, it would have stayed)
+        assert not dock.is_resident("params") and dock.resident_bytes == 3 * P // 2
+    assert ferry.state_bytes == dock.nbytes("params") == 2 * P  # the grads moved with the set
+    assert dock.stats.bytes_evicted == 2 * P and dock.stats.evictions == 1
+    with dock.use("params"):
+        torch.testing.assert_close((model.weight.detach(), model.weight.grad), want, atol=0, rtol=0)
+        assert dock.resident_bytes == 2 * P
+
+
+def test_budget_counts_an_embedding_resized_while_resident():
+    """``resize_token_embeddings``-style: a larger Parameter replaces the weight while resident. Until
+    the next offload the ferry's plan still holds the old storage, so both count; then the new one."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(256, 256))
+    ferry = Ferry(model, device="cpu")
+    ferry.offload()
+    dock = Dock(4 * P)
+    dock.add("emb", ferry)
+    dock.add_claimant("kv", 2 * P)
+    with dock.use("emb"):
+        old = model[0].weight
+        model[0].weight = torch.nn.Parameter(torch.cat([old.detach(), torch.randn(256, 256)]))  # 2P bytes
+        del old
+    want = model[0].weight.detach().clone()
+    assert ferry.state_bytes == P and dock.nbytes("emb") == P + 2 * P
+    assert dock.resident_bytes == 3 * P and dock.free_bytes == P
+    with dock.use("kv"):  # 3P + 2P > 4P: the set leaves (counted at P, it would have stayed)
+        assert not dock.is_resident("emb") and dock.resident_bytes == 2 * P
+    assert ferry.state_bytes == dock.nbytes("emb") == 2 * P and dock.stats.bytes_evicted == 2 * P
+    with dock.use("emb"):
+        assert model[0].weight.shape == (512, 256) and dock.resident_bytes == 2 * P
+        torch.testing.assert_close(model[0].weight.detach(), want, atol=0, rtol=0)
+        model(IDS).sum()  # the resized embedding runs
+
+
+def test_budget_counts_optimizer_state_created_by_its_first_step():
+    """A ferry made before the optimizer's first step plans 0 bytes; the step creates AdamW's
+    ``exp_avg`` and ``exp_avg_sq`` (and, on the CPU, a 4-byte float32 ``step``) while resident."""
+    dock, model, _ = _docked_linear(4 * P)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fo = Ferry(opt, device="cpu")
+    assert fo.state_bytes == 0
+    dock.add("opt", fo)
+    dock.add_claimant("kv", 2 * P)
+    with dock.use("params", "opt"):
+        assert dock.resident_bytes == P
+        model(X).square().sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    state = opt.state[model.weight]
+    assert sorted(state) == ["exp_avg", "exp_avg_sq", "step"]
+    assert dock.nbytes("opt") == 2 * P + 4 == sum(t.untyped_storage().nbytes() for t in state.values())
+    assert fo.state_bytes == 0 and dock.nbytes("params") == P and dock.resident_bytes == 3 * P + 4
+    want = {k: v.clone() for k, v in state.items()}
+    with dock.use("params"):  # used last: the LRU takes the optimizer state first
+        pass
+    with dock.use("kv"):  # 3P + 4 + 2P > 4P: the state leaves (counted at 0 bytes, nothing would)
+        assert not dock.is_resident("opt") and dock.is_resident("params") and dock.resident_bytes == 3 * P
+    assert fo.state_bytes == 2 * P + 4 and dock.stats.bytes_evicted == 2 * P + 4
+    with dock.use("params", "opt"):
+        torch.testing.assert_close(dict(opt.state[model.weight]), want, atol=0, rtol=0)
+        opt.step()  # no grads: a no-op step, the state is usable
+    assert dock.resident_bytes == 3 * P + 4
+
+
+def test_release_brings_the_dock_back_within_the_budget_when_state_grew_in_use():
+    """The update phase grows (grads kept, AdamW's first step) past the room left beside the awake
+    rollout: at ``release()`` the idle rollout sleeps, so the next phase starts within the budget."""
+    dock, model, _ = _docked_linear(5 * P)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dock.add("opt", Ferry(opt, device="cpu"))
+    calls = []
+    dock.add_claimant("rollout", 2 * P, sleep=lambda: calls.append("sleep"), wake=lambda: calls.append("wake"))
+    with dock.use("rollout"):
+        pass
+    with dock.use("params", "opt"):
+        assert dock.resident_bytes == 2 * P + P
+        model(X).square().sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        assert dock.resident_bytes == 2 * P + 2 * P + (2 * P + 4) and dock.free_bytes == -P - 4
+    assert calls == ["wake", "sleep"] and not dock.is_resident("rollout")
+    assert dock.resident_bytes == 4 * P + 4 and dock.stats.evictions == 0
+    with dock.use("rollout"):  # 4P + 4 + 2P > 5P: the parameters and their grads (2P) leave
+        assert not dock.is_resident("params") and dock.resident_bytes == (2 * P + 4) + 2 * P
+    assert dock.stats.bytes_evicted == 2 * P and calls == ["wake", "sleep", "wake"]
+
+
+def test_use_refuses_names_grown_beyond_the_budget_naming_each_and_moves_nothing():
+    dock, model, fp = _docked_linear(3 * P)
+    other = Ferry(torch.randn(3 * P // 8), device="cpu")  # 1.5P bytes
+    other.offload()
+    dock.add("other", other)
+    with dock.use("params", "other"):  # 2.5P: fits
+        pass
+    with dock.use("params"):
+        model(X).sum().backward()  # grads kept: 2P + 1.5P > 3P, the idle "other" leaves at release
+    assert not dock.is_resident("other") and dock.resident_bytes == 2 * P
+    moves, grad = len(dock.moves), model.weight.grad.clone()
+    with pytest.raises(ValueError, match=r"\['params', 'other'\] need 917504 bytes .* together but the budget is "
+                                         r"786432 bytes .*\('params' 524288 bytes \(grew while resident: its last "
+                                         r"plan had 262144 bytes\), 'other' 393216 bytes\).*nothing was moved"):
+        dock.acquire("params", "other")
+    assert len(dock.moves) == moves and dock.in_use == frozenset()
+    assert fp.residency is Residency.DEVICE and other.residency is Residency.HOST
+    torch.testing.assert_close(model.weight.grad, grad, atol=0, rtol=0)
+    model.weight.grad = None  # the caller's fix: the pair fits again
+    with dock.use("params", "other"):
+        assert dock.resident_bytes == P + 3 * P // 2
+
+
+def test_a_set_grown_beyond_the_budget_alone_leaves_at_release_with_its_state():
+    dock, model, fp = _docked_linear(3 * P // 2)
+    with dock.use("params"):
+        model(X).sum().backward()  # 2P > 1.5P
+        want = (model.weight.detach().clone(), model.weight.grad.clone())
+    assert fp.residency is Residency.HOST and dock.resident_bytes == 0
+    assert fp.state_bytes == dock.nbytes("params") == 2 * P and dock.stats.bytes_evicted == 2 * P
+    with pytest.raises(ValueError, match=r"\['params'\] need 524288 bytes .* budget is 393216 bytes"):
+        dock.acquire("params")
+    fp.reload()
+    torch.testing.assert_close((model.weight.detach(), model.weight.grad), want, atol=0, rtol=0)
+
+
+# ------------------------------------------------------------------------- one dock per ferry
+def test_a_ferry_held_by_another_live_dock_is_refused_and_neither_dock_changes():
+    """Reproduces the Dock report (item 4): a ferry in two docks, each evicting it while the other used it."""
+    first, s = dock_with(10, a=4)
+    second, _ = dock_with(10, b=2)
+    with first.use("a"):
+        pass
+    before = (repr(first), first.stats, repr(second), second.stats)
+    with pytest.raises(RuntimeError, match=r"^torchferry.Dock.add: cannot add 'again': its ferry is held by another "
+                                           r"dock \(Dock at 0x[0-9a-f]+ with budget_bytes=40960 and sets \['a'\]\) as "
+                                           r"'a'; a ferry belongs to one dock: .*dock.remove\('a'\)[^\n]*$"):
+        second.add("again", s["a"].ferry)
+    assert (repr(first), first.stats, repr(second), second.stats) == before
+    assert first.ferry("a") is s["a"].ferry and s["a"].resident
+    with pytest.raises(ValueError, match="unknown names"):
+        second.nbytes("again")
+
+
+def test_a_ferry_joins_another_dock_once_removed_closed_or_dropped():
+    first, s = dock_with(10, a=4, b=4)
+    f = s["a"].ferry
+    with first.use("a"):
+        with pytest.raises(RuntimeError, match=r"remove: 'a' is in use"):
+            first.remove("a")
+        with pytest.raises(RuntimeError, match=r"close: \['a'\] in use"):
+            first.close()
+    first.remove("a")  # stays where it is: resident
+    assert f.residency is Residency.DEVICE and first.resident_bytes == 0 and "'a'" not in repr(first)
+    second = Dock(10 * U)
+    second.add("a2", f)
+    with pytest.raises(RuntimeError, match="held by another dock"):
+        first.add("a", f)
+    first.add("b2", Set(1, 7).ferry)  # the first dock still takes new sets
+    second.close()
+    second.close()  # idempotent
+    with pytest.raises(RuntimeError, match="this dock is closed; make a new Dock"):
+        second.add("x", Set(1, 8).ferry)
+    third = Dock(10 * U)
+    third.add("a3", f)
+    gone = weakref.ref(third)
+    del third
+    assert gone() is None  # a dropped dock lets its ferries go
+    fourth = Dock(10 * U)
+    fourth.add("a4", f)
+    with fourth.use("a4"):
+        s["a"].check()
+    fourth.evict("a4")
+    assert not s["a"].resident and s["a"].moves == (2, 1)
 
 
 # ------------------------------------------------------------------------ errors

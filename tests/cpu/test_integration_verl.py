@@ -113,3 +113,58 @@ def test_unpatch_restores_a_verl_module_that_imported_the_helpers_by_name_after_
         assert probe.offload_fsdp_model_to_cpu is original, "late-imported verl module still routed to torchferry"
     finally:
         sys.modules.pop("verl._breaker2_late_engine", None)
+
+
+class _Event:
+    """Stands in for the D2H event of an offload whose copies are in flight (the CPU copies are
+    synchronous); counts host waits."""
+
+    def __init__(self) -> None:
+        self.synchronized = 0
+
+    def query(self) -> bool:
+        return self.synchronized > 0
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+
+def test_offload_helpers_make_the_current_stream_wait_for_the_copies(patched, monkeypatch):
+    """verl reads host copies after synchronising its own stream, which ordered the seed's
+    same-stream copies; torchferry's run on its D2H stream, so each offload helper makes the
+    caller's current stream wait for their event (no host wait for the optimizer; the model's
+    empty_cache=True waits on the host as before). Reproduces item 2 of the "no host read
+    earlier than the bytes" issue (a stale host read after offload_fsdp_optimizer, 3 of 3
+    trials on one H200)."""
+    import torchferry._ferry
+    from torchferry._handle import TransferHandle
+
+    events: list[_Event] = []
+
+    def handle(direction, nbytes, event, *args, **kwargs):
+        if direction == "d2h" and event is None and nbytes:
+            event = _Event()
+            events.append(event)
+        return TransferHandle(direction, nbytes, event, *args, **kwargs)
+
+    stream, asked, waited = object(), [], []  # stream: the caller's current stream
+    monkeypatch.setattr(torchferry._ferry, "TransferHandle", handle)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: asked.append(device) or stream)
+    monkeypatch.setattr(TransferHandle, "wait_stream", lambda self, s: waited.append((self.event, s)))
+    torch.manual_seed(0)
+    m, m2 = Mixed(), Mixed()
+    opt = torch.optim.AdamW(m.parameters())
+    m(IDS).backward()
+    opt.step()
+    verl_fsdp_utils.offload_fsdp_optimizer(opt)
+    assert waited == [(events[0], stream)] and events[0].synchronized == 0  # ordered, no host sync
+    verl_fsdp_utils.offload_fsdp_model_to_cpu(m, empty_cache=False)
+    verl_fsdp_utils.offload_fsdp2_model_to_cpu(m2)  # empty_cache=True: also waits on the host
+    assert len(events) == 3 and waited == [(e, stream) for e in events]
+    assert [e.synchronized for e in events] == [0, 0, 1]
+    assert asked == [compat.ferry_for(x).device for x in (opt, m, m2)]
+    verl_fsdp_utils.offload_fsdp_optimizer(opt)  # a no-op offload: the same copies again
+    assert waited[3:] == [(events[0], stream)]
+    verl_fsdp_utils.load_fsdp_optimizer(opt, "cpu")
+    verl_fsdp_utils.load_fsdp_model_to_gpu(m)
+    verl_fsdp_utils.load_fsdp_model_to_gpu(m2)

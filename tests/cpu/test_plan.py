@@ -4,8 +4,11 @@ that follows state replaced between cycles.
 
 from __future__ import annotations
 
+import gc
+import re
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -155,3 +158,110 @@ def test_share_memory_after_a_cached_plan_is_refused():
     with pytest.raises(NotImplementedError, match="shared memory"):
         ferry.offload()
     assert ferry.residency is Residency.DEVICE and m.weight.untyped_storage().nbytes() == 64
+
+
+def _numpy_target(m: nn.Module, opt: torch.optim.Optimizer, which: str) -> tuple[torch.Tensor, str]:
+    """One tensor of each kind a ferry moves, and the tail of the name the ferry gives it."""
+    if which == "parameter":
+        return m.proj.weight, "proj.weight"
+    if which == "grad":
+        return m.proj.weight.grad, "proj.weight.grad"
+    if which == "buffer":
+        return m.steps, "steps"
+    return opt.state[m.proj.weight]["exp_avg"], "['exp_avg']"
+
+
+def _assert_equal(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    assert want.keys() == got.keys()
+    for k, v in want.items():
+        assert torch.equal(v, got[k]), k
+
+
+KINDS = ["parameter", "grad", "buffer", "optimizer state"]
+
+
+@pytest.mark.parametrize("which", KINDS)
+def test_a_numpy_view_of_offloaded_state_does_not_block_reload_or_later_cycles(which):
+    """Reproduces issue item 5 as reported: ``np.asarray`` of an offloaded tensor (it views the
+    pool) with ``device="cpu"``; the reload, with the array alive, must bring the state back, and
+    every cycle after it, with the array alive and once it is gone, must be bit-exact."""
+    m, opt = trained()
+    ferry = Ferry(m, opt, device="cpu")
+    ferry.offload()
+    ferry.reload()  # the plan is cached, as in the report
+    want = snapshot(m, opt)
+    ferry.offload()
+    t, _ = _numpy_target(m, opt, which)
+    view = np.asarray(t.detach())
+    assert in_host_pool(view.ctypes.data)
+    ferry.reload()  # the array alive: pool views are never resized, the device storages are others
+    assert ferry.residency is Residency.DEVICE and t.device.type == "cpu" and not in_host_pool(t.data_ptr())
+    _assert_equal(want, snapshot(m, opt))
+    ferry.offload()  # the pool is reused: the array sees this offload's bytes
+    ferry.reload()
+    _assert_equal(want, snapshot(m, opt))
+    del view
+    gc.collect()
+    for _ in range(2):
+        ferry.offload()
+        ferry.reload()
+        _assert_equal(want, snapshot(m, opt))
+    m(IDS).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("which", KINDS)
+def test_a_numpy_view_of_resident_state_is_refused_before_anything_moves(which):
+    """Reproduces issue item 5 (the failure docs/reliability.md listed): with ``device="cpu"``,
+    ``t.numpy()`` of a resident tensor after the first cycle made the next ``offload()`` fail
+    half-way, at the release, in PyTorch's words ("Trying to resize storage that is not
+    resizable"), the state left offloaded, and every ``reload()`` then failed the same way.
+    PyTorch marks the storage not resizable for good, so dropping the array does not lift the
+    refusal; torch-owned memory (``t.data = t.data.clone()``) does."""
+    m, opt = trained()
+    ferry = Ferry(m, opt, device="cpu")
+    ferry.offload()
+    ferry.reload()
+    want = snapshot(m, opt)
+    t, name = _numpy_target(m, opt, which)
+    before = t.detach().clone()
+    view = t.detach().numpy()
+    msg = rf"^torchferry: the storage of \S*{re.escape(name)} cannot be resized \(a NumPy array was made of it"
+    with pytest.raises(NotImplementedError, match=msg) as info:
+        ferry.offload()
+    assert "\n" not in str(info.value)
+    assert ferry.residency is Residency.DEVICE
+    assert all(not in_host_pool(x.data_ptr()) for x in snapshot(m, opt).values() if x.numel())
+    _assert_equal(want, snapshot(m, opt))
+    assert torch.equal(torch.from_numpy(view.copy()), before) and torch.equal(t, before)
+    del view
+    gc.collect()
+    with pytest.raises(NotImplementedError, match=msg):  # the flag outlives the array
+        ferry.offload()
+    t.data = t.data.clone()  # the way out the message names
+    for _ in range(2):
+        ferry.offload()
+        assert in_host_pool(t.data_ptr())
+        ferry.reload()
+        _assert_equal(want, snapshot(m, opt))
+    m(IDS).backward()
+    opt.step()
+
+
+def test_a_numpy_view_made_while_offloaded_is_refused_before_the_reload_allocates():
+    """A NumPy array made, while offloaded, of a view the ferry does not know (undefined: its
+    memory is released) leaves a device storage PyTorch will not resize again: the reload is
+    refused by name before it allocates anything, the state stays readable on the host."""
+    m = nn.Linear(8, 8)
+    want = m.weight.detach().clone()
+    ferry = Ferry(m, device="cpu")
+    alias = m.weight.detach()
+    ferry.offload()
+    alias.numpy()  # never read: it views released memory
+    del alias
+    with pytest.raises(RuntimeError, match=r"^torchferry: cannot reload: the device storage of Linear\.weight "
+                                           r"was made not resizable while offloaded") as info:
+        ferry.reload()
+    assert "\n" not in str(info.value)
+    assert ferry.residency is Residency.HOST and in_host_pool(m.weight.data_ptr())
+    assert torch.equal(m.weight, want)

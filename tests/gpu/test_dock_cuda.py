@@ -118,3 +118,59 @@ def test_prefetch_evicts_an_idle_set_while_compute_runs_and_use_waits_for_its_ro
     with dock.use("s0"):
         t, want = sets["s0"]
         torch.testing.assert_close(t.cpu(), want, atol=0, rtol=0)
+
+
+def test_device_memory_stays_within_the_budget_when_state_grows_while_resident():
+    """Reproduces the Dock budget report (item 3: 1024 MiB allocated after ``use("rollout")`` against an
+    896 MiB budget, the dock counting 768 MiB). The update phase keeps its grads
+    (``zero_grad(set_to_none=False)``) and makes AdamW's first step, both while resident; at every
+    ``use()`` entry and exit the device holds at most the budget, and what moved comes back bit-exact."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    P = 128 * MiB  # a 4096 x 8192 float32 weight; its grad and each AdamW moment are as large
+    x = torch.randn(64, 4096, device=DEV, generator=torch.Generator(DEV).manual_seed(0))
+    base = _settled_allocated()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4096, 8192, bias=False, device=DEV)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)  # its "step" counter stays on the host
+    fp = Ferry(model)
+    fp.reserve_host()
+    fp.offload().wait()
+    fo = Ferry(opt, device=torch.device(DEV, torch.cuda.current_device()))  # before its first step: 0 bytes
+    assert fo.state_bytes == 0
+    dock = Dock(4 * P)  # the update phase's state (weight, grad, two moments) exactly
+    dock.add("params", fp)
+    dock.add("opt", fo)
+    kv = {}
+    # empty_cache=True, as for vLLM: otherwise the blocks cached at the evicted set's old addresses take its
+    # storages at the next reload before the reload arena does, and the arena's filler then holds the unused
+    # arena (up to the set's bytes) while resident: memory beyond the state that no dock counts.
+    dock.add_claimant("rollout", 2 * P, wake=lambda: kv.update(buf=torch.empty(2 * P, dtype=torch.uint8, device=DEV)),
+                      sleep=lambda: kv.pop("buf"), empty_cache=True)
+    kept = None
+    for step in range(3):
+        for phase in (("rollout",), ("params", "opt")):
+            with dock.use(*phase):
+                inside = _settled_allocated() - base
+                assert inside <= dock.budget_bytes + SLACK, (step, phase, "entry", inside, dock.budget_bytes)
+                if phase == ("rollout",):
+                    kv["buf"].fill_(1)
+                else:
+                    if kept is not None:  # evicted by the last rollout with its grad, the state stayed
+                        grad, state = kept
+                        assert torch.equal(model.weight.grad.cpu(), grad)
+                        assert all(torch.equal(v.cpu(), state[k]) for k, v in opt.state[model.weight].items())
+                    model(x).square().mean().backward()
+                    opt.step()  # step 0: AdamW's state is created here (2P on the device)
+                    opt.zero_grad(set_to_none=False)  # the grad stays (P on the device)
+                    model(x).mean().backward()  # the next micro-batch accumulates into it
+                    kept = (model.weight.grad.cpu(), {k: v.cpu() for k, v in opt.state[model.weight].items()})
+            after = _settled_allocated() - base
+            assert after <= dock.budget_bytes + SLACK, (step, phase, "exit", after, dock.budget_bytes)
+            assert dock.resident_bytes <= dock.budget_bytes
+        assert dock.nbytes("params") == 2 * P and dock.nbytes("opt") == 2 * P  # counted as they are
+        assert dock.resident_bytes == 4 * P and not dock.is_resident("rollout")
+    st = dock.stats
+    # Each later rollout evicts the parameters with their grad (2P); the state is never evicted.
+    assert st.evictions == 2 and st.bytes_evicted == 2 * 2 * P and st.wakes == 3 and st.sleeps == 3
+    assert fp.state_bytes == 2 * P

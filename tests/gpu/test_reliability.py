@@ -1,6 +1,8 @@
-"""GPU reliability: a real out-of-memory during reload, and a 1,000-cycle soak."""
+"""GPU reliability: a real out-of-memory during reload, a 1,000-cycle soak, and host reads right
+after an offload (a stream sync through the verl helper, a checkpoint through ``state_dict()``)."""
 
 import gc
+import io
 import json
 import os
 
@@ -29,8 +31,64 @@ def test_real_out_of_memory_during_reload_keeps_state_and_retry_succeeds():
     assert ferry.residency is Residency.HOST
     torch.testing.assert_close(x, want, atol=0, rtol=0)  # the host copy is intact
     del hog
+    torch.cuda.empty_cache()  # later tests need the memory back from the allocator
     ferry.reload().wait()
     torch.testing.assert_close(x.cpu(), want, atol=0, rtol=0)
+
+
+def test_real_out_of_memory_while_reconciling_replaced_state_keeps_it_offloaded_and_hooks_fire():
+    """Issue 24 item 1 on a GPU: optimizer state replaced while offloaded (a checkpoint resumed in
+    verl's order) and a reload that runs out of device memory moving the replacements: before, 9 of
+    24 tensors stayed on the GPU under residency HOST, the error was torch's, and the retry gave
+    the parameters the host twins' impls (their hooks never fired again)."""
+    import copy
+
+    from torchferry._host_memory import in_host_pool
+
+    torch.cuda.empty_cache()
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(4)]).cuda()  # 4 x 64 MiB of weights
+    opt = torch.optim.AdamW(m.parameters())
+    x = torch.randn(8, 4096, device="cuda")
+    m(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    fires = []
+    for p in m.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fires.append(p))
+    params = [p.detach().cpu() for p in m.parameters()]
+    saved = copy.deepcopy({k: v for k, v in opt.state_dict().items()})  # on the device
+    saved = {"state": {i: {k: v.cpu() for k, v in st.items()} for i, st in saved["state"].items()},
+             "param_groups": saved["param_groups"]}
+    ferry = Ferry(m, opt)
+    ferry.offload().wait()
+    opt.load_state_dict(saved)  # new CPU tensors where the ferry's were: 512 MiB to move back
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    hog = torch.empty(free - (320 << 20), dtype=torch.uint8, device="cuda")  # the weights fit, the rest not
+    # offload() while offloaded with replaced state reconciles first (no plain reload before it)
+    with pytest.raises(RuntimeError, match=r"replaced while offloaded .*ran out of device memory.*nothing was lost"):
+        ferry.offload()
+    assert ferry.residency is Residency.HOST
+    assert all(in_host_pool(p.data_ptr()) for p in m.parameters())
+    with pytest.raises(RuntimeError, match="offloaded"):
+        m(x)
+    del hog
+    torch.cuda.empty_cache()
+    ferry.reload()
+    assert ferry.residency is not Residency.HOST
+    for p, want in zip(m.parameters(), params):
+        assert p.is_cuda
+        torch.testing.assert_close(p.detach().cpu(), want, atol=0, rtol=0)
+    for i, p in enumerate(m.parameters()):
+        for k, v in opt.state[p].items():
+            if k != "step":
+                assert v.device == p.device, k
+            torch.testing.assert_close(v.cpu(), saved["state"][i][k], atol=0, rtol=0)
+    m(x).square().mean().backward()
+    assert sorted(map(id, fires)) == sorted(map(id, m.parameters()))  # each hook once
+    opt.step()
+    torch.cuda.synchronize()
 
 
 def test_thousand_cycles_hold_memory_flat():
@@ -70,3 +128,79 @@ def test_thousand_cycles_hold_memory_flat():
     assert abs(growth["reserved"]) <= (8 << 20), growth
     assert growth["rss"] < (16 << 20) and growth["objects"] < 200, growth
     assert all(torch.equal(a, p) for a, p in zip(want, m.parameters()))
+
+
+def _adamw_with_state(n: int = 12, size: int = 4096):
+    """``n`` fp32 ``size`` x ``size`` parameters (n = 12: 0.8 GB) and their AdamW, stepped once (1.6 GB of state)."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(size, size, device="cuda")) for _ in range(n)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    opt.step()
+    return params, opt
+
+
+def _new_state(params, opt) -> dict[tuple[int, str], torch.Tensor]:
+    """One more step (so the host pool holds older state than the optimizer); host copies of the new state."""
+    for p in params:
+        p.grad.normal_()
+    opt.step()
+    return {(i, k): v.to("cpu", copy=True) for i, p in enumerate(params) for k, v in opt.state[p].items()}
+
+
+def _late_copies(ferry: Ferry) -> None:
+    """Delays the next offload's D2H copies (about 0.1 s): host reads ordered wrongly then see the old pool."""
+    with torch.cuda.stream(ferry._streams.d2h):
+        torch.cuda._sleep(200_000_000)
+
+
+def test_host_read_after_the_verl_optimizer_offload_and_a_stream_sync_sees_the_state():
+    """verl reads host copies after synchronising its own stream (``.item()``, ``.cpu()``), which
+    ordered the seed's same-stream copies. Reproduces item 2 of the "no host read earlier than
+    the bytes" issue: the last state tensor read right after ``offload_fsdp_optimizer`` differed
+    from the state (3 of 3 trials on one H200, 12 x 8192^2 AdamW)."""
+    from torchferry.integrations.verl import (
+        ferry_for,
+        load_fsdp_optimizer,
+        offload_fsdp_optimizer,
+    )
+
+    params, opt = _adamw_with_state()
+    offload_fsdp_optimizer(opt)  # a first cycle: the pool then holds this step's state
+    load_fsdp_optimizer(opt, torch.cuda.current_device())
+    want = _new_state(params, opt)
+    ferry = ferry_for(opt)
+    _late_copies(ferry)
+    offload_fsdp_optimizer(opt)
+    assert not ferry.last_handle.done()
+    torch.cuda.current_stream().synchronize()  # what verl's code does before a host read
+    last = opt.state[params[-1]]
+    assert last["exp_avg_sq"].device.type == "cpu"
+    got = {k: v.clone() for k, v in last.items()}  # the host read, the last state tensor first
+    for k, v in got.items():
+        torch.testing.assert_close(v, want[(len(params) - 1, k)], atol=0, rtol=0, msg=k)
+    for i, p in enumerate(params):
+        for k, v in opt.state[p].items():
+            torch.testing.assert_close(v, want[(i, k)], atol=0, rtol=0)
+    load_fsdp_optimizer(opt, torch.cuda.current_device())
+
+
+def test_state_dict_right_after_an_offload_saves_the_state():
+    """``torch.save(optimizer.state_dict())`` right after ``offload()``, its copies in flight on
+    the D2H stream: ``state_dict()`` waits for them (verl's checkpoint after ``update_actor``)."""
+    params, opt = _adamw_with_state()
+    ferry = Ferry(opt)
+    ferry.offload()
+    ferry.reload()
+    want = _new_state(params, opt)
+    _late_copies(ferry)
+    handle = ferry.offload()
+    assert not handle.done()  # in flight: what the state_dict() must wait for
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)["state"]
+    for (i, k), v in want.items():
+        torch.testing.assert_close(saved[i][k], v, atol=0, rtol=0, msg=f"{i}.{k}")
+    ferry.reload()

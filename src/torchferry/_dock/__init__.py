@@ -18,14 +18,17 @@ under one GPU budget in bytes, and moves state only when the budget needs it:
         ref_log_prob = ref(batch)
 
 It is a layer above ``Ferry`` (it calls ``offload()``, ``reload()``,
-``residency``, ``state_bytes`` and :func:`torchferry.swap`, nothing else).
+``residency``, ``state_bytes`` and :func:`torchferry.swap`, and ``_measure``
+reads the storages a ferry holds now, [Note: a set counts its bytes now]).
+A ferry belongs to one dock at a time ([Note: one dock per ferry]).
 
 The package is a stack, each module calling only those above it in this list:
-``_records`` (the stats, moves and per-name records), ``_schedule`` (the
-schedule, budget arithmetic and the choice of victims, [Note: choosing
-victims]), ``_engine`` (accounting and execution of moves, [Note: dock
-accounting], [Note: prefetch], [Note: prefetch hand-off], [Note: released
-without a copy]) and ``_dock`` (the public :class:`Dock`).
+``_measure`` (a set's bytes as they are now), ``_records`` (the stats, moves
+and per-name records), ``_schedule`` (the schedule, budget arithmetic and the
+choice of victims, [Note: choosing victims]), ``_engine`` (accounting and
+execution of moves, [Note: dock accounting], [Note: one dock per ferry],
+[Note: prefetch], [Note: prefetch hand-off], [Note: released without a
+copy]) and ``_dock`` (the public :class:`Dock`).
 """
 
 from ._dock import Dock

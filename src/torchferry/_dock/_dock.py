@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from .._args import check_callable, shown
 from .._ferry import Ferry
-from ._engine import _Engine
+from ._engine import _HOLDERS, _Engine
+from ._measure import counted_bytes, ensure_plan
 from ._records import DockStats, Move, _Claimant, _fmt, _Set
 from ._schedule import Schedule
 
@@ -21,30 +24,44 @@ class Dock(_Engine):
     """State sets and claimants of GPU memory under one GPU budget (see the module docstring).
 
     Args:
-        budget_bytes: bytes that the resident state sets, the awake claimants
-            and the byte-count claimants in use may hold together on the
-            device (see [Note: dock accounting]).
+        budget_bytes: bytes that the resident state sets (their storages as
+            they are now, grown state included), the awake claimants and the
+            byte-count claimants in use may hold together on the device (see
+            [Note: dock accounting]).
         device: the device of the state sets; default the first added ferry's.
 
     Raises:
         ValueError: ``budget_bytes`` not a positive int.
 
+    A ferry belongs to one dock at a time ([Note: one dock per ferry]).
     Not thread-safe: drive a dock from one thread.
     """
     # ---------------------------------------------------------------- registration
     def add(self, name: str, ferry: Ferry) -> None:
-        """Registers a state set: the ferry's state, counted as ``ferry.state_bytes``.
+        """Registers a state set: the ferry's state, counted in bytes as it is at each decision.
 
-        The set stays where it is (resident or offloaded). Its bytes are read
-        from the ferry at every decision: create the ferry of an optimizer
-        after its first step, or its state counts 0 bytes until its first
-        offload.
+        The set stays where it is (resident or offloaded). A resident set
+        counts the storages it holds on the device now, state grown since the
+        ferry's last plan included (``.grad``s kept, a resized embedding, an
+        optimizer's first step: [Note: a set counts its bytes now]); an evicted
+        one its ``ferry.state_bytes``. The ferry of an optimizer may be made
+        before its first step (give it ``device=`` on a GPU): its state counts
+        from the ``release()`` after that step. A resident ferry that has no
+        plan yet is planned here (``ferry.reserve_host(background=True)``), so
+        that FSDP2's sharded storages of a unit left unsharded count too.
 
         Raises:
             ValueError: a name already registered, a ferry already added, a
                 ferry on another device than the dock's, or a set larger than
                 the budget (it could never be resident).
             TypeError: ``ferry`` is not a :class:`~torchferry.Ferry`.
+            HostBudgetError: a resident ferry that had no plan yet is planned
+                here (``ferry.reserve_host(background=True)``, which starts
+                allocating the host pool its first eviction needs) and the
+                node cannot hold that pool.
+            RuntimeError: another dock that is still alive holds the ferry
+                (:meth:`remove` it there or :meth:`close` that dock first), or
+                this dock is closed. Nothing changes in either dock.
         """
         self._check_new_name(name)
         if not isinstance(ferry, Ferry):
@@ -52,17 +69,62 @@ class Dock(_Engine):
         for s in self._sets.values():
             if s.ferry is ferry:
                 raise ValueError(f"torchferry.Dock.add: this ferry is already added as {s.name!r}")
+        other = self._holder(ferry)
+        if other is not None:
+            held_as = next(s.name for s in other._sets.values() if s.ferry is ferry)
+            raise RuntimeError(
+                f"torchferry.Dock.add: cannot add {name!r}: its ferry is held by another dock ({other._label()}) "
+                f"as {held_as!r}; a ferry belongs to one dock: remove it there first "
+                f"(dock.remove({held_as!r}) or dock.close())"
+            )
         dev = self._device
         if dev is not None and (ferry.device.type != dev.type or (dev.index is not None and ferry.device.index != dev.index)):
             raise ValueError(f"torchferry.Dock.add: {name!r} is on {ferry.device} but the dock on {dev}")
-        if ferry.state_bytes > self._budget:
+        nbytes = counted_bytes(ferry)
+        if nbytes > self._budget:
             raise ValueError(
-                f"torchferry.Dock.add: state set {name!r} is {_fmt(ferry.state_bytes)} but the budget is "
+                f"torchferry.Dock.add: state set {name!r} is {_fmt(nbytes)} but the budget is "
                 f"{_fmt(self._budget)}; it could never be resident: raise budget_bytes or split the set "
                 "(e.g. parameters and optimizer state as two ferries)"
             )
+        ensure_plan(ferry)  # after the checks: a refused ferry is left as it was
+        nbytes = counted_bytes(ferry)
         self._device = ferry.device
-        self._sets[name] = _Set(name, ferry, self._order())
+        self._sets[name] = _Set(name, ferry, self._order(), nbytes)
+        _HOLDERS[ferry] = weakref.ref(self)
+
+    def remove(self, name: str) -> None:
+        """Forgets a state set or claimant; its ferry may then join another dock.
+
+        The set stays where it is (resident or offloaded: its moves are waited
+        for first), a claimant as it is (awake or asleep: its bytes no longer
+        count). A schedule that names it keeps it (declare a new one with
+        :meth:`plan`).
+
+        Raises:
+            ValueError: an unknown name.
+            RuntimeError: the name is in use.
+        """
+        self._check_names((name,), "remove")
+        if (self._sets.get(name) or self._claimants[name]).in_use:
+            raise RuntimeError(f"torchferry.Dock.remove: {name!r} is in use; leave its use() block first")
+        self._drop(name)
+
+    def close(self) -> None:
+        """Forgets every set and claimant (as :meth:`remove`) and refuses new ones; idempotent.
+
+        The sets stay where they are; their ferries may join another dock.
+        Dropping a dock (garbage collection) lets its ferries go as well.
+
+        Raises:
+            RuntimeError: a name is in use (nothing is forgotten then).
+        """
+        busy = sorted(self.in_use)
+        if busy:
+            raise RuntimeError(f"torchferry.Dock.close: {busy} in use; leave their use() blocks first")
+        for name in [*self._sets, *self._claimants]:
+            self._drop(name)
+        self._schedule, self._pos, self._closed = None, -1, True
 
     def add_claimant(self, name: str, nbytes: int, *, sleep: Callable[[], object] | None = None,
                      wake: Callable[[], object] | None = None, empty_cache: bool = False) -> None:
@@ -89,7 +151,11 @@ class Dock(_Engine):
         Raises:
             ValueError: a name already registered, ``nbytes`` negative, not an
                 int or larger than the budget, or only one of ``sleep``/``wake``.
+            TypeError: ``sleep`` or ``wake`` given but not callable.
         """
+        for what, fn in (("sleep", sleep), ("wake", wake)):
+            if fn is not None:
+                check_callable(fn, f"Dock.add_claimant({what}=...)")
         self._check_new_name(name)
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
             raise ValueError(f"torchferry.Dock.add_claimant: nbytes of {name!r} must be an int >= 0, got {nbytes!r}")
@@ -111,7 +177,11 @@ class Dock(_Engine):
 
         Raises:
             ValueError: a name not registered, or a malformed schedule.
+            TypeError: ``schedule`` is not a :class:`Schedule`, an iterable of phases or ``None``.
         """
+        if not (schedule is None or isinstance(schedule, (Schedule, Iterable))):
+            raise TypeError(f"torchferry: Dock.plan() takes a Schedule, a list of phases (each a name or "
+                            f"names) or None, got {shown(schedule)}")
         if schedule is None:
             self._schedule = None
             self._pos = -1
@@ -135,9 +205,15 @@ class Dock(_Engine):
         ``prefetch()`` loaded is waited for only for what is left. After the
         block everything stays where it is until the room is needed.
 
+        The sets are counted as they are now (see [Note: a set counts its
+        bytes now]); state that grows in the block is seen at its end: if the
+        dock then holds more than the budget, idle sets leave and idle
+        claimants sleep until it is within the budget again.
+
         Raises:
             ValueError: an unknown or repeated name, or names that together
-                need more than the budget.
+                need more than the budget now (the message names each one's
+                bytes and which grew while resident; nothing is moved).
             RuntimeError: the room cannot be made because the sets holding it
                 are in use (nothing is moved then).
         """
@@ -153,11 +229,13 @@ class Dock(_Engine):
         Pair every call with :meth:`release` of the same names.
         """
         names = self._check_names(names, "use")
+        self._refresh()
         total = sum(self._nbytes(n) for n in names)
         if total > self._budget:
+            each = ", ".join(f"{n!r} {self._nbytes(n)} bytes{self._grown(n)}" for n in names)
             raise ValueError(
                 f"torchferry.Dock.use: {list(names)} need {_fmt(total)} together but the budget is "
-                f"{_fmt(self._budget)}: use them in separate phases or raise budget_bytes"
+                f"{_fmt(self._budget)} ({each}): use them in separate phases or raise budget_bytes; nothing was moved"
             )
         self._poll()
         pos = self._schedule.match(frozenset(names), self._pos) if self._schedule is not None else None
@@ -187,6 +265,12 @@ class Dock(_Engine):
     def release(self, *names: str) -> None:
         """``use()``'s exit: the names are idle again (and stay resident: eviction is lazy).
 
+        The sets are measured again: if state grew while in use (gradients
+        kept, an optimizer's first step, a parameter replaced by a larger one)
+        and the dock now holds more than the budget, idle sets leave and idle
+        claimants sleep as far as the budget needs (chosen as for a ``use()``;
+        see [Note: dock accounting]).
+
         Raises:
             ValueError: an unknown or repeated name.
             RuntimeError: a name that is not in use.
@@ -198,6 +282,8 @@ class Dock(_Engine):
                 raise RuntimeError(f"torchferry.Dock.release: {n!r} is not in use (release() without acquire())")
         for n in names:
             (self._sets.get(n) or self._claimants[n]).in_use -= 1
+        self._refresh()
+        self._restore()
         self._poll()
 
     def prefetch(self, *names: str) -> tuple[str, ...]:
@@ -219,6 +305,7 @@ class Dock(_Engine):
             ValueError: an unknown or repeated name.
         """
         names = self._check_names(names, "prefetch")
+        self._refresh()
         self._poll()
         started = []
         with torch.profiler.record_function("torchferry::dock.prefetch"):
@@ -237,7 +324,7 @@ class Dock(_Engine):
             raise RuntimeError("torchferry.Dock.prefetch_next: no schedule; declare one with dock.plan([...])")
         phase = self._schedule.phases[(self._pos + 1) % len(self._schedule.phases)]
         ordered = [n for n in (*self._sets, *self._claimants) if n in phase]
-        return self.prefetch(*ordered)
+        return self.prefetch(*ordered) if ordered else ()  # the phase names only removed sets
 
     def evict(self, *names: str) -> None:
         """Evicts the named sets (offload) and puts the named claimants to sleep now; no names: all idle ones.
@@ -283,6 +370,8 @@ class Dock(_Engine):
         names = self._check_names(names, "require")
         for n in names:
             if not self._resident(n):
+                if n in self._sets:
+                    self._measure(self._sets[n])
                 kind = "state set" if n in self._sets else "claimant"
                 where = "evicted to the host" if n in self._sets else "asleep"
                 raise RuntimeError(
@@ -319,8 +408,11 @@ class Dock(_Engine):
         return self._sets[name].ferry
 
     def nbytes(self, name: str) -> int:
-        """Bytes the dock counts for ``name`` (a set's ``state_bytes``, a claimant's bytes)."""
+        """Bytes the dock counts for ``name`` now: a resident set's storages on the device as they are
+        now, an evicted set's ``state_bytes``, a claimant's bytes (see [Note: a set counts its bytes now])."""
         self._check_names((name,), "nbytes")
+        if name in self._sets:
+            self._measure(self._sets[name])
         return self._nbytes(name)
 
     def is_resident(self, name: str) -> bool:
@@ -330,13 +422,16 @@ class Dock(_Engine):
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes counted against the budget now (outgoing sets not counted, see [Note: dock accounting])."""
+        """Bytes counted against the budget now, sets measured as they are now (outgoing sets not
+        counted, see [Note: dock accounting])."""
+        self._refresh()
         return self._held()
 
     @property
     def free_bytes(self) -> int:
-        """``budget_bytes - resident_bytes`` (negative if sets were resident beyond it when added)."""
-        return self._budget - self._held()
+        """``budget_bytes - resident_bytes``, bytes (negative if sets were resident beyond it when added,
+        or grew beyond it in a use that is still open)."""
+        return self._budget - self.resident_bytes
 
     @property
     def in_use(self) -> frozenset[str]:
@@ -354,6 +449,7 @@ class Dock(_Engine):
         return tuple(self._moves)
 
     def __repr__(self) -> str:
+        self._refresh()
         return (f"Dock(budget_bytes={self._budget}, resident_bytes={self._held()}, sets={list(self._sets)}, "
                 f"claimants={list(self._claimants)}, in_use={sorted(self.in_use)})")
 

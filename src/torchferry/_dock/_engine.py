@@ -2,8 +2,10 @@
 
 [Note: dock accounting]
 The budget counts bytes the dock knows, not ``torch.cuda.memory_allocated``:
-each resident state set's ``ferry.state_bytes``, each awake claimant's bytes,
-and each byte-count claimant while a ``use()`` holds it. So the arithmetic is
+each resident state set's bytes as they are now (the storages it holds on the
+device, measured at every decision: [Note: a set counts its bytes now] in
+``_measure``), each evicted set's ``ferry.state_bytes``, each awake claimant's
+bytes, and each byte-count claimant while a ``use()`` holds it. So the arithmetic is
 the same on the CPU (``Ferry(..., device="cpu")``, where it is tested) as on
 a GPU, and what the compute allocates besides the state (activations,
 gradients, optimizer temporaries) is declared as a byte-count claimant used
@@ -17,6 +19,19 @@ after), the dock waits for the oldest outgoing sets until the new bytes fit
 reload's allocations would come while the outgoing blocks are still held
 for their copies (``record_stream``), and the device would briefly hold
 both: over budget (the bug [Note: swap budget] describes for one swap).
+Every public call measures the sets once at its start (``_refresh``) and
+again each set it moves, right after the move; the decisions in between
+read those numbers. State that grows inside a ``use()`` (gradients, an
+optimizer's first step) is seen at its ``release()``: if more than the budget
+is then held, the idle sets and claimants leave as far as the budget needs,
+chosen as for a ``use()`` (``_restore``), so the next phase starts within it.
+
+[Note: one dock per ferry]
+Two docks holding one ferry would each evict it while the other's ``use()``
+holds it. ``Dock.add`` looks the ferry up in ``_HOLDERS`` (ferry -> weak
+reference to its dock, both held weakly) and refuses it while another dock
+that is still alive holds it; ``remove()``, ``close()`` and the dock's
+garbage collection let it go.
 
 [Note: prefetch]
 ``prefetch(name)`` plans the victims ``use(name)`` would need once the sets
@@ -56,18 +71,25 @@ from __future__ import annotations
 import collections
 import logging
 import time
+import weakref
 
 import torch
 
+from .._args import check_device, shown
+from .._ferry import Ferry
 from .._handle import TransferHandle
 from .._residency import Residency
 from .._swap import swap
+from ._measure import counted_bytes
 from ._records import Move, _Claimant, _fmt, _Set
 from ._schedule import Schedule, belady, held, lru
 
 logger = logging.getLogger("torchferry")
 
 _MOVES_KEPT = 4096
+
+# ferry -> its dock, see [Note: one dock per ferry]
+_HOLDERS: weakref.WeakKeyDictionary[Ferry, weakref.ref[_Engine]] = weakref.WeakKeyDictionary()
 
 
 class _Engine:
@@ -77,7 +99,7 @@ class _Engine:
         if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
             raise ValueError(f"torchferry.Dock: budget_bytes must be an int > 0 (bytes), got {budget_bytes!r}")
         self._budget = budget_bytes
-        self._device: torch.device | None = torch.device(device) if device is not None else None
+        self._device: torch.device | None = check_device(device, "Dock(device=...)")
         self._sets: dict[str, _Set] = {}
         self._claimants: dict[str, _Claimant] = {}
         self._schedule: Schedule | None = None
@@ -89,18 +111,26 @@ class _Engine:
         self._counts = collections.Counter()
         self._moves: collections.deque[Move] = collections.deque(maxlen=_MOVES_KEPT)
         self._seq = 0
-
+        self._next_order = 0
+        self._closed = False
 
     def _order(self) -> int:
-        return len(self._sets) + len(self._claimants)
+        self._next_order += 1
+        return self._next_order - 1
 
     def _check_new_name(self, name: str) -> None:
+        if self._closed:
+            raise RuntimeError("torchferry.Dock: this dock is closed; make a new Dock")
         if not isinstance(name, str) or not name:
             raise ValueError(f"torchferry.Dock: a name must be a non-empty str, got {name!r}")
         if name in self._sets or name in self._claimants:
             raise ValueError(f"torchferry.Dock: the name {name!r} is already registered")
 
     def _check_names(self, names: tuple[str, ...], what: str) -> tuple[str, ...]:
+        odd = [n for n in names if not isinstance(n, str)]
+        if odd:  # dock.use(["a", "b"]) gave "unhashable type: 'list'"
+            raise TypeError(f"torchferry: Dock.{what}() takes names as separate str arguments "
+                            f"(dock.{what}('a', 'b')), got {shown(odd[0])}")
         if not names:
             raise ValueError(f"torchferry.Dock.{what}: give at least one name")
         unknown = [n for n in names if n not in self._sets and n not in self._claimants]
@@ -117,7 +147,52 @@ class _Engine:
 
     def _nbytes(self, name: str) -> int:
         s = self._sets.get(name)
-        return s.ferry.state_bytes if s is not None else self._claimants[name].nbytes
+        return s.nbytes if s is not None else self._claimants[name].nbytes
+
+    def _measure(self, s: _Set) -> int:
+        """Measures ``s`` now (see [Note: a set counts its bytes now]); returns its bytes."""
+        s.nbytes = counted_bytes(s.ferry)
+        return s.nbytes
+
+    def _refresh(self) -> None:
+        """Measures every set, at the start of a decision (see [Note: dock accounting])."""
+        for s in self._sets.values():
+            self._measure(s)
+
+    def _grown(self, name: str) -> str:
+        """`` (grew while resident ...)`` for a set counted above its last plan, else ``""``."""
+        s = self._sets.get(name)
+        if s is None or s.nbytes <= s.ferry.state_bytes:
+            return ""
+        return f" (grew while resident: its last plan had {s.ferry.state_bytes} bytes)"
+
+    # one dock per ferry -------------------------------------------------------------
+    @staticmethod
+    def _holder(ferry: Ferry) -> _Engine | None:
+        """The live dock that holds ``ferry``, if any (see [Note: one dock per ferry])."""
+        ref = _HOLDERS.get(ferry)
+        dock = ref() if ref is not None else None
+        if dock is None or not any(s.ferry is ferry for s in dock._sets.values()):
+            return None
+        return dock
+
+    def _label(self) -> str:
+        return f"Dock at {id(self):#x} with budget_bytes={self._budget} and sets {list(self._sets)}"
+
+    def _drop(self, name: str) -> None:
+        """Forgets ``name`` (idle; its moves waited for): the set stays where it is, its ferry is let go."""
+        s = self._sets.pop(name, None)
+        if s is not None:
+            if s.handle is not None:
+                s.handle.wait()
+            self._hand_off(s)
+            ref = _HOLDERS.get(s.ferry)
+            if ref is not None and ref() is self:
+                del _HOLDERS[s.ferry]
+        else:
+            del self._claimants[name]
+        self._pending = [n for n in self._pending if n != name]
+        self._leaving = [n for n in self._leaving if n != name]
 
     def _resident(self, name: str) -> bool:
         s = self._sets.get(name)
@@ -211,6 +286,7 @@ class _Engine:
         self._hand_off(s)
         h = s.ferry.offload()
         s.handle, s.prefetched = h, False
+        self._measure(s)  # the offload planned what it moved
         self._leaving.append(s.name)
         self._counts.update(evictions=1, bytes_evicted=h.nbytes, prefetch_evictions=int(background))
         self._log("evict", s.name, h.nbytes, h, background=background)
@@ -223,6 +299,7 @@ class _Engine:
         else:
             h = s.ferry.reload()
         s.handle, s.prefetched = h, background
+        self._measure(s)
         self._counts.update(loads=1, bytes_loaded=h.nbytes, prefetch_loads=int(background))
         self._log("load", s.name, h.nbytes, h, background=background)
 
@@ -262,12 +339,12 @@ class _Engine:
         for v in victims:
             if v in self._claimants:
                 self._sleep(self._claimants[v], background=background)
-        if len(out_sets) == 1 and loads and not background and not self._fits_now(loads[0].ferry.state_bytes):
+        if len(out_sets) == 1 and loads and not background and not self._fits_now(loads[0].nbytes):
             self._swap(out_sets.pop(), loads.pop(0))
         for s in out_sets:
             self._evict_set(s, background=background)
         for s in loads:
-            self._wait_room(s.ferry.state_bytes)
+            self._wait_room(s.nbytes)
             self._load_set(s, background=background)
         for c in wakes:
             self._wake(c)
@@ -277,7 +354,7 @@ class _Engine:
 
     def _swap(self, out: _Set, into: _Set) -> None:
         """One set out and one in on both copy engines; ``into`` waits only for the bytes it needs."""
-        out_bytes, in_bytes = out.ferry.state_bytes, into.ferry.state_bytes
+        out_bytes, in_bytes = out.nbytes, into.nbytes
         self._wait_room(in_bytes - out_bytes)  # other outgoing sets first
         self._hand_off(out)
         budget = None
@@ -296,6 +373,8 @@ class _Engine:
             return
         out.handle, out.prefetched = h_out, False
         into.handle, into.prefetched = h_in, False
+        self._measure(out)
+        self._measure(into)
         self._leaving.append(out.name)
         self._counts.update(evictions=1, loads=1, swaps=1, bytes_evicted=h_out.nbytes, bytes_loaded=h_in.nbytes)
         self._log("evict", out.name, h_out.nbytes, h_out, background=False, swapped=True)
@@ -316,7 +395,7 @@ class _Engine:
             else:
                 self._evict_set(self._sets[v], background=True)
         if s is not None:
-            if self._fits_now(s.ferry.state_bytes):
+            if self._fits_now(s.nbytes):
                 self._load_set(s, background=True)
             else:
                 self._pending.append(name)  # loads when its room is free (see _poll)
@@ -332,10 +411,32 @@ class _Engine:
             s = self._sets[n]
             if self._resident(n):
                 continue
-            if self._held() + s.ferry.state_bytes > self._budget:
+            if self._held() + s.nbytes > self._budget:
                 continue  # the room went elsewhere: use() will bring it in
-            if self._fits_now(s.ferry.state_bytes):
+            if self._fits_now(s.nbytes):
                 self._load_set(s, background=True)
             else:
                 still.append(n)
         self._pending = still
+
+    def _restore(self) -> None:
+        """Brings the dock back within the budget after state grew in a use (see [Note: dock accounting]).
+
+        The idle sets leave and the idle claimants sleep as far as the budget
+        needs, chosen as for a ``use()``; all idle ones if even that is not
+        enough (what is in use then holds the rest).
+        """
+        need = self._held() - self._budget
+        if need <= 0:
+            return
+        victims = self._victims((), base=self._pos, ahead=False)
+        if victims is None:  # what is in use holds more than the budget: free what is idle
+            victims = [n for n, item in (*self._sets.items(), *self._claimants.items())
+                       if self._resident(n) and not item.in_use
+                       and not (isinstance(item, _Claimant) and item.transient)]
+        logger.debug("dock: %d bytes over the budget after a use (state grew); evicting %s", need, victims)
+        for v in victims:
+            if v in self._claimants:
+                self._sleep(self._claimants[v], background=False)
+            else:
+                self._evict_set(self._sets[v], background=False)

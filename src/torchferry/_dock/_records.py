@@ -72,6 +72,7 @@ class _Set:
     name: str
     ferry: Ferry
     order: int  # registration order (ties of the LRU)
+    nbytes: int = 0  # bytes counted now, measured at each decision (see [Note: a set counts its bytes now])
     last_used: int = -1  # tick of the last use
     in_use: int = 0
     handle: TransferHandle | None = None  # the last move's

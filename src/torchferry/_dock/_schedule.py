@@ -95,7 +95,8 @@ class Schedule:
 
 def held(sets: Iterable[_Set], claimants: Iterable[_Claimant], *, physical: bool = False,
          after_release: bool = False) -> int:
-    """Bytes counted against the budget (see [Note: dock accounting] in ``_engine``).
+    """Bytes counted against the budget (see [Note: dock accounting] in ``_engine``): each set's
+    ``nbytes`` as last measured.
 
     Args:
         physical: also count sets whose offload is still copying.
@@ -106,7 +107,7 @@ def held(sets: Iterable[_Set], claimants: Iterable[_Claimant], *, physical: bool
     for s in sets:
         r = s.ferry.residency
         if not r.on_host or (physical and r is Residency.D2H_IN_FLIGHT):
-            total += s.ferry.state_bytes
+            total += s.nbytes
     for c in claimants:
         if c.awake or (c.transient and c.in_use > 0 and not after_release):
             total += c.nbytes

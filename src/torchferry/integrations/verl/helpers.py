@@ -16,6 +16,26 @@ and every parameter, gradient and optimizer-state object keeps its identity.
 As with the seed, the offloaded tensors are CPU tensors in pinned memory; with
 ``empty_cache=True`` the offload has completed when the helper returns.
 
+[Note: the verl helpers order the caller's stream]
+The seed's ``.to("cpu", non_blocking=True)`` copies run on the caller's stream, so verl's
+code may read the host copies after a synchronisation of that stream (``.item()``, a blocking
+``.cpu()``, ``torch.cuda.current_stream().synchronize()``). torchferry's copies run on its
+own D2H stream, which those do not order: on one H200 (12 x 8192^2 AdamW, 6.4 GB of state)
+the last state tensor read on the host right after ``offload_fsdp_optimizer`` differed from
+the state in 3 of 3 trials. So each offload helper makes the caller's current stream wait for
+the offload's D2H event (``handle.wait_stream``; no host sync): what a later synchronisation of
+that stream guaranteed after the seed's copy, it guarantees after torchferry's. The cost, as
+with the seed: kernels and copies queued on that stream afterwards start only once the D2H is
+done. Where verl queues
+work within the D2H's time (6.4 GB: 0.12 s at the 53.8 GB/s offloads reach on an H200, README)
+that work loses its overlap with it: a ``save_checkpoint`` right after ``update_actor`` first
+reloads the model (``load_fsdp_model_to_gpu``, whose H2D stream waits for the caller's
+stream), which now starts after the optimizer's D2H; the next step's reload for the rollout
+comes after a Ray round trip and the driver's work, usually later than that. Checkpoints do
+not depend on this ordering: ``state_dict()`` waits for the copies by itself, whatever the
+stream ([Note: state_dict() waits for the offload] in ``torchferry._guards``); other host
+reads of the tensors need this ordering plus a synchronisation, or ``handle.wait()``.
+
 One :class:`~torchferry.Ferry` is kept per model and per optimizer, weakly
 keyed, so it goes away with the object; :func:`ferry_for` returns it.
 """
@@ -28,6 +48,7 @@ import torch
 from torch import nn
 
 from ..._ferry import Ferry
+from ..._handle import TransferHandle
 from ..._targets import inner_optimizers
 
 __all__ = [
@@ -62,7 +83,10 @@ def _get_or_make(obj: nn.Module | torch.optim.Optimizer) -> Ferry:
     return ferry
 
 
-def _finish_offload(ferry: Ferry, handle, empty_cache: bool) -> None:
+def _finish_offload(ferry: Ferry, handle: TransferHandle, empty_cache: bool) -> None:
+    # See [Note: the verl helpers order the caller's stream].
+    if handle.event is not None:
+        handle.wait_stream(torch.cuda.current_stream(ferry.device))
     if empty_cache:
         handle.wait()  # the handle offload() returned (also for a no-op offload: the last one)
         if ferry.device.type == "cuda":
@@ -72,6 +96,11 @@ def _finish_offload(ferry: Ferry, handle, empty_cache: bool) -> None:
 @torch.no_grad()
 def offload_fsdp2_model_to_cpu(model: nn.Module, empty_cache: bool = True) -> None:
     """Offloads ``model``'s parameters, buffers and gradients to pinned host memory.
+
+    The current stream waits for the D2H copies (no host sync), so a later
+    synchronisation of it orders them, as after the seed's same-stream copy;
+    kernels queued on it afterwards start once the copies are done ([Note: the
+    verl helpers order the caller's stream]).
 
     Args:
         model: an FSDP2 (``fully_shard``-ed) or plain module on one GPU.
@@ -110,12 +139,19 @@ def _has_state(optimizer: torch.optim.Optimizer) -> bool:
 def offload_fsdp_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Offloads every device tensor in ``optimizer.state`` to pinned host memory.
 
-    A no-op for an optimizer without state (before its first step), as in verl.
+    Returns with the D2H copies in flight (as the seed's ``non_blocking`` copies),
+    the current stream waiting for them (no host sync): a later ``.item()``,
+    blocking ``.cpu()``, ``torch.cuda.current_stream().synchronize()`` or
+    ``torch.cuda.synchronize()`` orders them, as after the seed's same-stream
+    copy, and ``optimizer.state_dict()`` waits for them by itself. Kernels
+    queued on the current stream afterwards start once the copies are done
+    ([Note: the verl helpers order the caller's stream]). A no-op for an
+    optimizer without state (before its first step), as in verl.
     """
     if not _has_state(optimizer):
         return
     ferry = _get_or_make(optimizer)
-    ferry.offload()
+    _finish_offload(ferry, ferry.offload(), empty_cache=False)
 
 
 @torch.no_grad()

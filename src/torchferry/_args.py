@@ -1,0 +1,88 @@
+"""Checks of the public entries' arguments: a wrong value is refused in one torchferry line.
+
+Without them a wrong type reached torch or Python deep inside and came back in
+their words (``'str' object has no attribute 'device'``, torch's list of
+device types; found by trying the API as a new user would). Each check raises
+before anything is touched, so the caller's state is intact. Lowest layer:
+imports torch only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["check_bool", "check_bytes", "check_callable", "check_device", "check_stream", "shown"]
+
+
+def shown(value: object) -> str:
+    """``value`` for a one-line message: its type, and its repr when short and simple."""
+    kind = type(value).__name__
+    if isinstance(value, (str, bytes, int, float, complex, type(None))):
+        text = repr(value)
+        return f"{kind} {text}" if len(text) <= 60 else kind
+    return kind
+
+
+def check_device(device: object, what: str) -> torch.device | None:
+    """``device`` as a ``torch.device`` (``None`` kept).
+
+    Args:
+        device: a ``torch.device``, a device string or index as ``torch.device`` takes it, or ``None``.
+        what: where it was given, for the message (``"Ferry(device=...)"``).
+
+    Raises:
+        TypeError: not a ``torch.device``, str, int or ``None``.
+        ValueError: a string or index ``torch.device`` does not accept (``"gpu"``).
+    """
+    if device is None or isinstance(device, torch.device):
+        return device
+    accepted = "'cpu', 'cuda', 'cuda:N', a torch.device, or None (inferred from the tensors)"
+    if not isinstance(device, (str, int)) or isinstance(device, bool):
+        raise TypeError(f"torchferry: {what} takes {accepted}; got {shown(device)}")
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        if isinstance(device, int):  # torch.device(0) is the accelerator's device 0
+            raise ValueError(f"torchferry: {what}: device index {device} needs an accelerator, and none is "
+                             f"available (or the index is negative); accepted: {accepted}") from None
+        raise ValueError(f"torchferry: {what}: {device!r} is not a device; accepted: {accepted}") from None
+
+
+def check_bytes(value: object, what: str) -> None:
+    """Refuses a byte count that is not an int >= 0 or ``None``.
+
+    Raises:
+        ValueError: a negative number, a float, a bool, a string.
+    """
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ValueError(f"torchferry: {what} must be an int >= 0 (bytes) or None, got {shown(value)}")
+
+
+def check_bool(value: object, what: str) -> None:
+    """Refuses a flag that is not ``True`` or ``False`` (``"no"`` is truthy: refuse rather than guess).
+
+    Raises:
+        TypeError: anything but a bool.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"torchferry: {what} must be True or False, got {shown(value)}")
+
+
+def check_callable(value: object, what: str) -> None:
+    """Refuses a callback that cannot be called (it would fail later, far from the mistake).
+
+    Raises:
+        TypeError: ``value`` is not callable.
+    """
+    if not callable(value):
+        raise TypeError(f"torchferry: {what} must be callable, got {shown(value)}")
+
+
+def check_stream(value: object, what: str) -> None:
+    """Refuses what is not a stream (``torch.cuda.Stream`` and ``torch.Stream`` are).
+
+    Raises:
+        TypeError: ``value`` is not a stream.
+    """
+    if not isinstance(value, (torch.Stream, torch.cuda.Stream)):  # a CPU build's cuda.Stream is no torch.Stream
+        raise TypeError(f"torchferry: {what} must be a torch.cuda.Stream, got {shown(value)}")

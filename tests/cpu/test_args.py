@@ -1,0 +1,111 @@
+"""Bad arguments at the public entries (``_args.py`` and the checks that use it): each is refused
+in one line that starts with "torchferry: " and names the problem, before anything moves.
+
+Reproduces issue item 6: tried as a new user would, ``Ferry(m, device="gpu")`` answered with
+torch's list of device types, ``swap(f, "x")`` with ``'str' object has no attribute 'device'``,
+and ``Ferry(nn.Linear(64, 64)).offload()`` with a "garbage collected" that did not say the
+ferry holds its targets weakly.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import torchferry
+from torchferry import Dock, Ferry, Prefetch, Residency, TransferHandle
+
+
+@pytest.fixture
+def setup():
+    torch.manual_seed(0)
+    m, other, docked = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+    f, g = Ferry(m, device="cpu"), Ferry(other, device="cpu")
+    f.offload()
+    f.reload()
+    dock = Dock(1 << 20)
+    dock.add("a", Ferry(docked, device="cpu"))
+    yield m, f, g, dock
+    del other, docked  # held until the test ends: a ferry holds its modules weakly
+
+
+CASES = [
+    # (what is called, the exception, the message)
+    ("Ferry(device='gpu')", lambda m, f, g, d: Ferry(nn.Linear(2, 2), device="gpu"), ValueError,
+     r"Ferry\(device=\.\.\.\): 'gpu' is not a device; accepted: 'cpu', 'cuda', 'cuda:N', a torch.device, or None"),
+    ("Ferry(device='cuda:x')", lambda m, f, g, d: Ferry(nn.Linear(2, 2), device="cuda:x"), ValueError,
+     r"'cuda:x' is not a device"),
+    ("Ferry(device=1.5)", lambda m, f, g, d: Ferry(nn.Linear(2, 2), device=1.5), TypeError,
+     r"Ferry\(device=\.\.\.\) takes 'cpu', 'cuda', .*; got float 1\.5"),
+    ("swap(f, 'x')", lambda m, f, g, d: torchferry.swap(f, "x"), TypeError,
+     r"swap\(into=\.\.\.\) must be a torchferry\.Ferry, got str 'x'"),
+    ("swap(module, f)", lambda m, f, g, d: torchferry.swap(m, f), TypeError,
+     r"swap\(out=\.\.\.\) must be a torchferry\.Ferry, got Linear"),
+    ("swap(gpu_budget_bytes='1GB')", lambda m, f, g, d: torchferry.swap(f, g, gpu_budget_bytes="1GB"), ValueError,
+     r"swap\(gpu_budget_bytes=\.\.\.\) must be an int >= 0 \(bytes\) or None, got str '1GB'"),
+    ("swap(gpu_budget_bytes=1.5)", lambda m, f, g, d: torchferry.swap(f, g, gpu_budget_bytes=1.5), ValueError,
+     r"got float 1\.5"),
+    ("swap(f, f)", lambda m, f, g, d: torchferry.swap(f, f), ValueError, r"swap: out and into are the same ferry"),
+    ("reserve_host(background='yes')", lambda m, f, g, d: f.reserve_host(background="yes"), TypeError,
+     r"reserve_host\(background=\.\.\.\) must be True or False, got str 'yes'"),
+    ("Prefetch(lookahead_bytes='1GB')", lambda m, f, g, d: Prefetch(lookahead_bytes="1GB"), ValueError,
+     r"Prefetch: lookahead_bytes must be an int >= 0 \(bytes\) or None, got '1GB'"),
+    ("wait_stream('s')", lambda m, f, g, d: f.last_handle.wait_stream("s"), TypeError,
+     r"wait_stream\(stream\) must be a torch\.cuda\.Stream, got str 's'"),
+    ("add_done_callback(1)", lambda m, f, g, d: TransferHandle("d2h", 0, None).add_done_callback(1), TypeError,
+     r"add_done_callback\(fn\) must be callable, got int 1"),
+    ("Dock(device='gpu')", lambda m, f, g, d: Dock(1 << 20, device="gpu"), ValueError,
+     r"Dock\(device=\.\.\.\): 'gpu' is not a device"),
+    ("Dock.use(['a'])", lambda m, f, g, d: d.use(["a"]).__enter__(), TypeError,
+     r"Dock\.use\(\) takes names as separate str arguments \(dock\.use\('a', 'b'\)\), got list"),
+    ("Dock.require(1)", lambda m, f, g, d: d.require(1), TypeError, r"Dock\.require\(\) takes names as separate str"),
+    ("Dock.plan(5)", lambda m, f, g, d: d.plan(5), TypeError,
+     r"Dock\.plan\(\) takes a Schedule, a list of phases .* or None, got int 5"),
+    ("Dock.add_claimant(sleep=1)", lambda m, f, g, d: d.add_claimant("kv", 8, sleep=1, wake=lambda: None), TypeError,
+     r"Dock\.add_claimant\(sleep=\.\.\.\) must be callable, got int 1"),
+]
+
+
+@pytest.mark.parametrize("call, exc, match", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_a_bad_argument_is_refused_in_one_torchferry_line_and_changes_nothing(setup, call, exc, match):
+    m, f, g, dock = setup
+    want = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(exc, match="^torchferry: .*" + match) as info:
+        call(m, f, g, dock)
+    assert "\n" not in str(info.value)
+    assert f.residency is Residency.DEVICE and g.residency is Residency.DEVICE
+    assert all(torch.equal(v, want[k]) for k, v in m.state_dict().items())
+    assert dock.in_use == frozenset() and dock.is_resident("a")
+    g.offload()  # both ferries, and the dock, still work
+    torchferry.swap(f, g)
+    torchferry.swap(g, f)
+    g.reload()
+    assert f.residency is Residency.DEVICE and all(torch.equal(v, want[k]) for k, v in m.state_dict().items())
+    with dock.use("a"):
+        pass
+
+
+def test_dock_add_of_a_non_ferry_is_refused_by_type(setup):
+    m, _, _, dock = setup
+    with pytest.raises(TypeError, match=r"'b' must be a torchferry\.Ferry, got Linear"):
+        dock.add("b", m)
+
+
+@pytest.mark.parametrize("make, kind", [
+    (lambda: nn.Linear(64, 64), "a Linear module"),
+    (lambda: torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1), "a SGD optimizer"),
+])
+def test_a_collected_target_is_named_with_how_to_keep_it(make, kind):
+    """``Ferry(nn.Linear(64, 64)).offload()``: the ferry holds its modules and optimizers weakly."""
+    keep = nn.Linear(2, 2)
+    ferry = Ferry(keep, make(), device="cpu")
+    gc.collect()
+    with pytest.raises(RuntimeError, match=rf"^torchferry: targets\[1\] \({kind}\) of this ferry was garbage "
+                                           r"collected: a ferry holds its modules and optimizers by weak "
+                                           r"reference, so keep a reference to it") as info:
+        ferry.offload()
+    assert "\n" not in str(info.value)
+    assert ferry.residency is Residency.DEVICE and keep.weight.device.type == "cpu"

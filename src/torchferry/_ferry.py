@@ -37,6 +37,12 @@ __all__ = ["Ferry"]
 logger = logging.getLogger("torchferry")
 
 
+def _check_schedule(schedule: object, what: str) -> None:
+    if schedule is not None and not isinstance(schedule, ReleaseSchedule):
+        raise TypeError(f"torchferry: {what}(schedule=...) is for torchferry.swap() and takes None; "
+                        f"got {type(schedule).__name__} {schedule!r}")
+
+
 class Ferry:
     """Moves a set of training state between its GPU and a pinned host pool.
 
@@ -305,6 +311,7 @@ class Ferry:
                 cannot be re-pointed, or the ferry is closed (state unchanged).
             ValueError, TypeError, NotImplementedError: as for the constructor.
         """
+        _check_schedule(schedule, "offload")
         self._check_open()
         self._complete_prefetch()
         if self.residency.on_host:
@@ -418,6 +425,7 @@ class Ferry:
                 bytes needed; the state stays on the host, nothing is lost), or
                 a tensor cannot be re-pointed, or the ferry is closed.
         """
+        _check_schedule(schedule, "reload")
         if not isinstance(prefetch, (bool, Prefetch)):
             raise TypeError(f"torchferry: reload(prefetch=...) takes True, False or a Prefetch, "
                             f"got {type(prefetch).__name__} {prefetch!r}")

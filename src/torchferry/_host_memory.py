@@ -61,7 +61,8 @@ class _Mapping(mmap.mmap):
     on_unmap = None  # called once the memory is unmapped (the node ledger's give-back)
 
     def __del__(self) -> None:
-        _live.pop(id(self), None)
+        if _live is not None:  # None at interpreter shutdown
+            _live.pop(id(self), None)
         if self.on_unmap is not None:
             try:
                 self.on_unmap()

@@ -196,6 +196,8 @@ def resolve_device(found: list[tuple[str, torch.Tensor, torch.Tensor]], device: 
                 "make one Ferry per device"
             )
         device = next(iter(accel), torch.device("cpu"))
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())  # "cuda" is the current device: cuda:N
     for d, name in accel.items():
         if d != device:
             raise ValueError(f"torchferry: {name} is on {d}, but the ferry's device is {device}")

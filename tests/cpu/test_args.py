@@ -109,3 +109,20 @@ def test_a_collected_target_is_named_with_how_to_keep_it(make, kind):
         ferry.offload()
     assert "\n" not in str(info.value)
     assert ferry.residency is Residency.DEVICE and keep.weight.device.type == "cpu"
+
+
+def test_a_schedule_that_is_not_swaps_is_refused_and_nothing_moves():
+    """``offload(schedule=...)`` / ``reload(schedule=...)`` take only what ``swap()`` passes (found by a
+    breaker helper: a raw ``AttributeError: 'str' object has no attribute 'tracks'``)."""
+    m = torch.nn.Linear(8, 8)
+    ferry = torchferry.Ferry(m, device="cpu")
+    with pytest.raises(TypeError, match=r"^torchferry: offload\(schedule=\.\.\.\) .* got str 'now'$"):
+        ferry.offload(schedule="now")
+    assert ferry.residency is torchferry.Residency.DEVICE
+    m(torch.randn(2, 8))
+    ferry.offload()
+    with pytest.raises(TypeError, match=r"^torchferry: reload\(schedule=\.\.\.\) .* got int 3$"):
+        ferry.reload(schedule=3)
+    assert ferry.residency is torchferry.Residency.HOST
+    ferry.reload()
+    assert ferry.residency is torchferry.Residency.DEVICE

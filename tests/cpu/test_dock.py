@@ -557,7 +557,7 @@ def test_a_ferry_held_by_another_live_dock_is_refused_and_neither_dock_changes()
     with first.use("a"):
         pass
     before = (repr(first), first.stats, repr(second), second.stats)
-    with pytest.raises(RuntimeError, match=r"^torchferry.Dock.add: cannot add 'again': its ferry is held by another "
+    with pytest.raises(RuntimeError, match=r"^torchferry: Dock.add: cannot add 'again': its ferry is held by another "
                                            r"dock \(Dock at 0x[0-9a-f]+ with budget_bytes=40960 and sets \['a'\]\) as "
                                            r"'a'; a ferry belongs to one dock: .*dock.remove\('a'\)[^\n]*$"):
         second.add("again", s["a"].ferry)

@@ -47,6 +47,32 @@ def test_round_trip_pinned_bit_exact_identity():
     opt.step()
 
 
+def test_device_cuda_without_an_index_is_the_current_device():
+    """``Ferry(..., device="cuda")`` means ``cuda:<current>``, as in torch (it was refused at the
+    first offload: "... is on cuda:0, but the ferry's device is cuda"), also for an optimizer
+    without state yet."""
+    m = torch.nn.Linear(256, 256).cuda()
+    opt = torch.optim.AdamW(m.parameters())
+    want = m.weight.detach().clone()
+    ferry = Ferry(m, device="cuda")
+    opt_ferry = Ferry(opt, device="cuda")
+    assert ferry.device == opt_ferry.device == torch.device("cuda", torch.cuda.current_device())
+    m(torch.randn(4, 256, device="cuda")).sum().backward()
+    opt.step()
+    ferry.offload()
+    opt_ferry.offload()
+    ferry.reload()
+    opt_ferry.reload()
+    torch.cuda.synchronize()
+    assert m.weight.is_cuda and all(v.is_cuda for v in opt.state[m.weight].values() if v.dim())
+    stepped = m.weight.detach().clone()
+    assert not torch.equal(stepped, want)  # the step moved it
+    ferry.offload()
+    ferry.reload()
+    torch.cuda.synchronize()
+    assert torch.equal(m.weight.detach(), stepped)
+
+
 def test_pool_exact_size_and_memory_released():
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

@@ -65,25 +65,25 @@ class Dock(_Engine):
         """
         self._check_new_name(name)
         if not isinstance(ferry, Ferry):
-            raise TypeError(f"torchferry.Dock.add: {name!r} must be a torchferry.Ferry, got {type(ferry).__name__}")
+            raise TypeError(f"torchferry: Dock.add: {name!r} must be a torchferry.Ferry, got {type(ferry).__name__}")
         for s in self._sets.values():
             if s.ferry is ferry:
-                raise ValueError(f"torchferry.Dock.add: this ferry is already added as {s.name!r}")
+                raise ValueError(f"torchferry: Dock.add: this ferry is already added as {s.name!r}")
         other = self._holder(ferry)
         if other is not None:
             held_as = next(s.name for s in other._sets.values() if s.ferry is ferry)
             raise RuntimeError(
-                f"torchferry.Dock.add: cannot add {name!r}: its ferry is held by another dock ({other._label()}) "
+                f"torchferry: Dock.add: cannot add {name!r}: its ferry is held by another dock ({other._label()}) "
                 f"as {held_as!r}; a ferry belongs to one dock: remove it there first "
                 f"(dock.remove({held_as!r}) or dock.close())"
             )
         dev = self._device
         if dev is not None and (ferry.device.type != dev.type or (dev.index is not None and ferry.device.index != dev.index)):
-            raise ValueError(f"torchferry.Dock.add: {name!r} is on {ferry.device} but the dock on {dev}")
+            raise ValueError(f"torchferry: Dock.add: {name!r} is on {ferry.device} but the dock on {dev}")
         nbytes = counted_bytes(ferry)
         if nbytes > self._budget:
             raise ValueError(
-                f"torchferry.Dock.add: state set {name!r} is {_fmt(nbytes)} but the budget is "
+                f"torchferry: Dock.add: state set {name!r} is {_fmt(nbytes)} but the budget is "
                 f"{_fmt(self._budget)}; it could never be resident: raise budget_bytes or split the set "
                 "(e.g. parameters and optimizer state as two ferries)"
             )
@@ -107,7 +107,7 @@ class Dock(_Engine):
         """
         self._check_names((name,), "remove")
         if (self._sets.get(name) or self._claimants[name]).in_use:
-            raise RuntimeError(f"torchferry.Dock.remove: {name!r} is in use; leave its use() block first")
+            raise RuntimeError(f"torchferry: Dock.remove: {name!r} is in use; leave its use() block first")
         self._drop(name)
 
     def close(self) -> None:
@@ -121,7 +121,7 @@ class Dock(_Engine):
         """
         busy = sorted(self.in_use)
         if busy:
-            raise RuntimeError(f"torchferry.Dock.close: {busy} in use; leave their use() blocks first")
+            raise RuntimeError(f"torchferry: Dock.close: {busy} in use; leave their use() blocks first")
         for name in [*self._sets, *self._claimants]:
             self._drop(name)
         self._schedule, self._pos, self._closed = None, -1, True
@@ -158,14 +158,14 @@ class Dock(_Engine):
                 check_callable(fn, f"Dock.add_claimant({what}=...)")
         self._check_new_name(name)
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
-            raise ValueError(f"torchferry.Dock.add_claimant: nbytes of {name!r} must be an int >= 0, got {nbytes!r}")
+            raise ValueError(f"torchferry: Dock.add_claimant: nbytes of {name!r} must be an int >= 0, got {nbytes!r}")
         if nbytes > self._budget:
             raise ValueError(
-                f"torchferry.Dock.add_claimant: claimant {name!r} needs {_fmt(nbytes)} but the budget is "
+                f"torchferry: Dock.add_claimant: claimant {name!r} needs {_fmt(nbytes)} but the budget is "
                 f"{_fmt(self._budget)}; it could never fit: raise budget_bytes or shrink it (e.g. the KV cache)"
             )
         if (sleep is None) != (wake is None):
-            raise ValueError(f"torchferry.Dock.add_claimant: give {name!r} both sleep and wake, or neither")
+            raise ValueError(f"torchferry: Dock.add_claimant: give {name!r} both sleep and wake, or neither")
         self._claimants[name] = _Claimant(name, nbytes, self._order(), sleep, wake, empty_cache)
 
     def plan(self, schedule: Sequence[str | Iterable[str]] | Schedule | None) -> None:
@@ -189,7 +189,7 @@ class Dock(_Engine):
         sched = schedule if isinstance(schedule, Schedule) else Schedule.of(schedule)
         unknown = sorted(sched.names - self._sets.keys() - self._claimants.keys())
         if unknown:
-            raise ValueError(f"torchferry.Dock.plan: unknown names {unknown}; add() or add_claimant() them first")
+            raise ValueError(f"torchferry: Dock.plan: unknown names {unknown}; add() or add_claimant() them first")
         self._schedule = sched
         self._pos = -1
 
@@ -234,7 +234,7 @@ class Dock(_Engine):
         if total > self._budget:
             each = ", ".join(f"{n!r} {self._nbytes(n)} bytes{self._grown(n)}" for n in names)
             raise ValueError(
-                f"torchferry.Dock.use: {list(names)} need {_fmt(total)} together but the budget is "
+                f"torchferry: Dock.use: {list(names)} need {_fmt(total)} together but the budget is "
                 f"{_fmt(self._budget)} ({each}): use them in separate phases or raise budget_bytes; nothing was moved"
             )
         self._poll()
@@ -279,7 +279,7 @@ class Dock(_Engine):
         for n in names:
             item = self._sets.get(n) or self._claimants[n]
             if item.in_use <= 0:
-                raise RuntimeError(f"torchferry.Dock.release: {n!r} is not in use (release() without acquire())")
+                raise RuntimeError(f"torchferry: Dock.release: {n!r} is not in use (release() without acquire())")
         for n in names:
             (self._sets.get(n) or self._claimants[n]).in_use -= 1
         self._refresh()
@@ -321,7 +321,7 @@ class Dock(_Engine):
             RuntimeError: no schedule was declared (:meth:`plan`).
         """
         if self._schedule is None:
-            raise RuntimeError("torchferry.Dock.prefetch_next: no schedule; declare one with dock.plan([...])")
+            raise RuntimeError("torchferry: Dock.prefetch_next: no schedule; declare one with dock.plan([...])")
         phase = self._schedule.phases[(self._pos + 1) % len(self._schedule.phases)]
         ordered = [n for n in (*self._sets, *self._claimants) if n in phase]
         return self.prefetch(*ordered) if ordered else ()  # the phase names only removed sets
@@ -340,7 +340,7 @@ class Dock(_Engine):
             names = self._check_names(names, "evict")
             busy = [n for n in names if (self._sets.get(n) or self._claimants[n]).in_use]
             if busy:
-                raise RuntimeError(f"torchferry.Dock.evict: {busy} in use; leave their use() blocks first")
+                raise RuntimeError(f"torchferry: Dock.evict: {busy} in use; leave their use() blocks first")
         else:
             names = tuple(n for n, item in (*self._sets.items(), *self._claimants.items()) if not item.in_use)
         self._pending = [n for n in self._pending if n not in names]
@@ -375,7 +375,7 @@ class Dock(_Engine):
                 kind = "state set" if n in self._sets else "claimant"
                 where = "evicted to the host" if n in self._sets else "asleep"
                 raise RuntimeError(
-                    f"torchferry.Dock: {kind} {n!r} ({_fmt(self._nbytes(n))}) is {where}; "
+                    f"torchferry: Dock: {kind} {n!r} ({_fmt(self._nbytes(n))}) is {where}; "
                     f"enter `with dock.use({n!r}):` (or dock.acquire) before touching it"
                 )
             if n in self._sets:
@@ -404,7 +404,7 @@ class Dock(_Engine):
             ValueError: not a registered state set.
         """
         if name not in self._sets:
-            raise ValueError(f"torchferry.Dock: no state set named {name!r}; sets: {sorted(self._sets)}")
+            raise ValueError(f"torchferry: Dock: no state set named {name!r}; sets: {sorted(self._sets)}")
         return self._sets[name].ferry
 
     def nbytes(self, name: str) -> int:

@@ -97,7 +97,7 @@ class _Engine:
 
     def __init__(self, budget_bytes: int, *, device: torch.device | str | None = None) -> None:
         if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
-            raise ValueError(f"torchferry.Dock: budget_bytes must be an int > 0 (bytes), got {budget_bytes!r}")
+            raise ValueError(f"torchferry: Dock: budget_bytes must be an int > 0 (bytes), got {budget_bytes!r}")
         self._budget = budget_bytes
         self._device: torch.device | None = check_device(device, "Dock(device=...)")
         self._sets: dict[str, _Set] = {}
@@ -120,11 +120,11 @@ class _Engine:
 
     def _check_new_name(self, name: str) -> None:
         if self._closed:
-            raise RuntimeError("torchferry.Dock: this dock is closed; make a new Dock")
+            raise RuntimeError("torchferry: Dock: this dock is closed; make a new Dock")
         if not isinstance(name, str) or not name:
-            raise ValueError(f"torchferry.Dock: a name must be a non-empty str, got {name!r}")
+            raise ValueError(f"torchferry: Dock: a name must be a non-empty str, got {name!r}")
         if name in self._sets or name in self._claimants:
-            raise ValueError(f"torchferry.Dock: the name {name!r} is already registered")
+            raise ValueError(f"torchferry: Dock: the name {name!r} is already registered")
 
     def _check_names(self, names: tuple[str, ...], what: str) -> tuple[str, ...]:
         odd = [n for n in names if not isinstance(n, str)]
@@ -132,13 +132,13 @@ class _Engine:
             raise TypeError(f"torchferry: Dock.{what}() takes names as separate str arguments "
                             f"(dock.{what}('a', 'b')), got {shown(odd[0])}")
         if not names:
-            raise ValueError(f"torchferry.Dock.{what}: give at least one name")
+            raise ValueError(f"torchferry: Dock.{what}: give at least one name")
         unknown = [n for n in names if n not in self._sets and n not in self._claimants]
         if unknown:
-            raise ValueError(f"torchferry.Dock.{what}: unknown names {unknown}; registered: "
+            raise ValueError(f"torchferry: Dock.{what}: unknown names {unknown}; registered: "
                              f"{sorted((*self._sets, *self._claimants))}")
         if len(set(names)) != len(names):
-            raise ValueError(f"torchferry.Dock.{what}: a name is repeated in {list(names)}")
+            raise ValueError(f"torchferry: Dock.{what}: a name is repeated in {list(names)}")
         return names
 
     @property
@@ -235,7 +235,7 @@ class _Engine:
         held_ = [(n, self._nbytes(n)) for n in in_use if self._resident(n) and n not in names]
         holders = ", ".join(f"{n!r} {_fmt(b)}" for n, b in held_) or "nothing"
         return (
-            f"torchferry.Dock.use: cannot make room for {want} within the budget of {_fmt(self._budget)}: "
+            f"torchferry: Dock.use: cannot make room for {want} within the budget of {_fmt(self._budget)}: "
             f"{_fmt(self._held())} is held, and what is in use cannot be evicted ({holders}); "
             "leave those use() blocks first, or raise budget_bytes. Nothing was moved"
         )

@@ -179,7 +179,7 @@ def three_units(mesh, grouped=False, explicit_prefetch=False, opt="sgd"):
 
 def fsdp_params(m):
     """Every FSDPParam of the fully_shard units under ``m``."""
-    from torchferry._fsdp import fsdp_modules
+    from torchferry._core._state.fsdp import fsdp_modules
 
     out = []
     for unit in fsdp_modules(m):

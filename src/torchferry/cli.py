@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import NoReturn
 
 import typer
 
@@ -19,7 +19,7 @@ def _fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
-def _check_paths(*checks: tuple[str, Optional[Path], bool, str]) -> None:
+def _check_paths(*checks: tuple[str, Path | None, bool, str]) -> None:
     """Refuses, before any work, an output path the command could not write (exit 2, one line)."""
     from .bench._paths import check_output_path
 
@@ -52,10 +52,11 @@ def _root(
 
 @app.command()
 def bench(
-    preset: Optional[str] = typer.Option(None, help="qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b or tiny.",
+    preset: str | None = typer.Option(None, help="qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b or tiny.",
                                          show_default="qwen2.5-1.5b on a GPU, tiny on the CPU"),
-    model: Optional[Path] = typer.Option(None, "--model", help="A local Hugging Face checkpoint folder instead of a preset."),
-    layers: Optional[int] = typer.Option(None, help="Override the number of decoder layers."),
+    model: Path | None = typer.Option(None, "--model",
+                                      help="A local Hugging Face checkpoint folder instead of a preset."),
+    layers: int | None = typer.Option(None, help="Override the number of decoder layers."),
     strategies: str = typer.Option("blocking,seed,torchferry,torchferry+prefetch",
                                    help="Comma-separated, set up in this order; a resident baseline (state "
                                         "left on the device) always runs too."),
@@ -66,18 +67,18 @@ def bench(
     order: str = typer.Option("interleaved", help="interleaved: rounds of one step per strategy, the order "
                                                   "rotated each round; sequential: all steps of one strategy, "
                                                   "then the next."),
-    seq_len: Optional[int] = typer.Option(None, help="Tokens per sequence.",
+    seq_len: int | None = typer.Option(None, help="Tokens per sequence.",
                                           show_default="512; 32 for tiny; 4096 for compute-rich"),
-    batch_size: Optional[int] = typer.Option(None, help="Sequences per batch.", show_default="1; 2 for compute-rich"),
-    micro_batches: Optional[int] = typer.Option(None, help="Forward(/backward) passes per phase, gradients "
+    batch_size: int | None = typer.Option(None, help="Sequences per batch.", show_default="1; 2 for compute-rich"),
+    micro_batches: int | None = typer.Option(None, help="Forward(/backward) passes per phase, gradients "
                                                 "accumulated.", show_default="1; 4 for compute-rich"),
     rollout_s: float = typer.Option(0.0, help="Seconds the simulated rollout holds its KV cache."),
     swap: bool = typer.Option(True, help="Also measure a swap: actor out while a critic of the same size comes in."),
     phase_gap_s: float = typer.Option(1.0, help="Untimed host seconds between phases (verl: rewards, advantages)."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results JSON here (checked before "
+    json_path: Path | None = typer.Option(None, "--json", help="Write the results JSON here (checked before "
                                              "the run; missing folders are made)."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG timeline of one step per strategy here."),
-    trace: Optional[Path] = typer.Option(None, "--trace", help="Path prefix: profile one extra step of each "
+    plot: Path | None = typer.Option(None, "--plot", help="Write a PNG timeline of one step per strategy here."),
+    trace: Path | None = typer.Option(None, "--trace", help="Path prefix: profile one extra step of each "
                                          "torchferry strategy and of the resident baseline (rank 0); writes "
                                          "PREFIX.<strategy>.json.gz (Chrome/Perfetto trace), .summary.json "
                                          "(with per-phase kernel time) and .png."),
@@ -160,14 +161,14 @@ def bench(
 
 @app.command("bench-lora")
 def bench_lora(
-    preset: Optional[str] = typer.Option(None, help="qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b or tiny.",
+    preset: str | None = typer.Option(None, help="qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b or tiny.",
                                          show_default="qwen2.5-7b on a GPU, tiny on the CPU"),
-    layers: Optional[int] = typer.Option(None, help="Override the number of decoder layers."),
+    layers: int | None = typer.Option(None, help="Override the number of decoder layers."),
     rank: int = typer.Option(64, help="LoRA rank of every adapter (q/k/v/o, gate/up/down projections)."),
     strategies: str = typer.Option("seed,torchferry", help="Comma-separated, from seed and torchferry."),
     steps: int = typer.Option(4, help="Steps per strategy (>= 2; the first is the first cycle)."),
-    seq_len: Optional[int] = typer.Option(None, help="Tokens per sequence.", show_default="512; 32 for tiny"),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results JSON here."),
+    seq_len: int | None = typer.Option(None, help="Tokens per sequence.", show_default="512; 32 for tiny"),
+    json_path: Path | None = typer.Option(None, "--json", help="Write the results JSON here."),
 ) -> None:
     """LoRA training (frozen bf16 base, fp32 adapters, AdamW on the adapters; FSDP2): the seed's
     offload against torchferry's with skip_unchanged, steady seconds and bytes copied.
@@ -247,7 +248,7 @@ def bench_lora(
 
 @app.command("bench-pin")
 def bench_pin(
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results JSON here (checked before "
+    json_path: Path | None = typer.Option(None, "--json", help="Write the results JSON here (checked before "
                                              "the run; missing folders are made)."),
     pin_gib: float = typer.Option(4.0, help="GiB to pin, torchferry's pool against torch.empty(pin_memory=True)."),
     first_gib: float = typer.Option(8.0, help="GiB of state for the first-offload measurement."),
@@ -274,7 +275,8 @@ def bench_pin(
                                on_progress=lambda msg: console.print(f"[dim]{msg}[/]"))
     except ValueError as e:
         _fail(str(e))
-    pin, small, first, peak = result["pinning"], result["small_tensors"], result["first_offload"], result["link_peak_GBps"]
+    pin, small = result["pinning"], result["small_tensors"]
+    first, peak = result["first_offload"], result["link_peak_GBps"]
     table = Table(title=f"torchferry bench-pin on {result['env']['gpu']}; link peak H2D {peak['h2d']:.1f} / "
                         f"D2H {peak['d2h']:.1f} GB/s")
     table.add_column("measurement")
@@ -287,7 +289,8 @@ def bench_pin(
                   f"{small['per_tensor_offload_frac_of_peak']:.1%} (per-tensor copy_)", "")
     table.add_row("4096 x 256 KiB reload (of peak)", f"{small['reload_frac_of_peak']:.1%}",
                   f"{small['per_tensor_reload_frac_of_peak']:.1%} (per-tensor copy_)", "")
-    table.add_row(f"first offload of Ferry() after training, {first['state_bytes'] / 2**30:.1f} GiB (s)", f"{first['first_offload_s']:.3f}",
+    table.add_row(f"first offload of Ferry() after training, {first['state_bytes'] / 2**30:.1f} GiB (s)",
+                  f"{first['first_offload_s']:.3f}",
                   f"{first['steady_offload_s']:.3f} (steady)", f"{first['first_over_steady']:.2f}x")
     table.add_row("first offload, Ferry(pin_ahead=False) (s)", f"{first['lazy_first_offload_s']:.3f}",
                   f"{first['steady_offload_s']:.3f} (steady)", f"{first['lazy_first_over_steady']:.2f}x")

@@ -1,4 +1,4 @@
-"""Bad arguments at the public entries (``_args.py`` and the checks that use it): each is refused
+"""Bad arguments at the public entries (``_api/args.py`` and the checks that use it): each is refused
 in one line that starts with "torchferry: " and names the problem, before anything moves.
 
 Reproduces issue item 6: tried as a new user would, ``Ferry(m, device="gpu")`` answered with

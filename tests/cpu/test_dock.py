@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from torchferry import Dock, Ferry, Residency
-from torchferry._dock import Schedule
+from torchferry._core._dock import Schedule
 from tests.helpers import Mixed, assert_same, snapshot
 
 U = 4096  # bytes per unit of the sizes below (float32: 1024 elements)

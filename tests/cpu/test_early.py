@@ -1,4 +1,4 @@
-"""Offload during forward (``_early.py``): offload in pieces gives the same bytes as a plain
+"""Offload during forward (``_schedules/early.py``): offload in pieces gives the same bytes as a plain
 offload, on FSDP2 over gloo (2 CPU processes).
 """
 
@@ -25,7 +25,7 @@ def _offload_during_forward_checks(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    import torchferry._early as early_mod
+    import torchferry._core._schedules.early as early_mod
     from tests.helpers import assert_same, snapshot
     from tests.helpers import train_step as _train
 
@@ -55,7 +55,7 @@ def _offload_during_forward_checks(rank: int, world: int) -> None:
     trained = snapshot(m, None)
 
     copies = []  # storage indices copied by offload() itself
-    from torchferry._early import EarlyOffload
+    from torchferry._core._schedules.early import EarlyOffload
 
     real_take = EarlyOffload.take
 

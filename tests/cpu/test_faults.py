@@ -1,5 +1,5 @@
 """Every transfer is all or nothing under any exception ([Note: all or nothing] in
-``torchferry._interrupts``).
+``torchferry._core._ferry.interrupts``).
 
 Each case brings a ferry to a state, then runs one transfer call once per torchferry function
 call it makes, raising at that call (``KeyboardInterrupt``, ``SystemExit``, an out-of-memory or a
@@ -24,7 +24,7 @@ from torch import nn
 
 import torchferry
 from torchferry import Ferry
-from torchferry._host_memory import in_host_pool
+from torchferry._core._state.host_blocks import in_host_pool
 from tests.helpers import assert_same, snapshot
 from tests.spawn import run_spawned
 
@@ -208,7 +208,7 @@ def test_transfer_is_all_or_nothing_under_a_fault_at_every_call(name, skip):
 
 def test_reload_fault_in_the_baseline_hash_keeps_hooks():
     """Issue 24's smallest case: ``KeyboardInterrupt`` in the reload's baseline hash, then a retry."""
-    import torchferry._unchanged as unchanged
+    import torchferry._core._schedules.unchanged as unchanged
 
     m = nn.Linear(64, 64)
     fires = []
@@ -241,7 +241,7 @@ def test_sigint_during_a_transfer_is_raised_after_it_completes():
     """A real Ctrl-C (SIGINT) arriving while a call re-points tensors is held until the call is done."""
     import signal
 
-    import torchferry._repoint as repoint
+    import torchferry._core._state.parking as repoint
 
     m = nn.Linear(16, 16)
     ferry = Ferry(m, device="cpu")

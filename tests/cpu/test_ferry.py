@@ -1,4 +1,4 @@
-"""The Ferry on the CPU (``_ferry.py``): round trips bit-exact with identity kept, the residency
+"""The Ferry on the CPU (``_ferry/ferry.py``): round trips bit-exact with identity kept, the residency
 state machine, idempotent calls, guards while offloaded, atomic failures (pool, out of memory,
 an interrupt between copies), close() and what a closed or dropped ferry holds (issue 15
 items 2-4, commit df8fb81), stats and logging.
@@ -15,10 +15,10 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import torchferry
-import torchferry._plan
+import torchferry._core._state.plan
 from tests.helpers import IDS, assert_same, identities, snapshot, trained
 from torchferry import Ferry, Residency
-from torchferry._host_memory import in_host_pool
+from torchferry._core._state.host_blocks import in_host_pool
 
 
 def test_round_trip_is_bit_exact_and_keeps_identity():
@@ -26,7 +26,7 @@ def test_round_trip_is_bit_exact_and_keeps_identity():
     m(IDS).backward()  # grads present
     before, ids = snapshot(m, opt), identities(m, opt)
     user_view = m.proj.weight[1:3]  # an alias the ferry does not know
-    storages = {r.name: r.tensor.untyped_storage() for r in torchferry._plan.build_plan([m, opt]).tensors}
+    storages = {r.name: r.tensor.untyped_storage() for r in torchferry._core._state.plan.build_plan([m, opt]).tensors}
     ferry = Ferry(m, opt)
     assert ferry.residency is Residency.DEVICE
     handle = ferry.offload()
@@ -47,7 +47,7 @@ def test_round_trip_is_bit_exact_and_keeps_identity():
 
 def test_state_bytes_and_pool_size():
     m, opt = trained()
-    plan = torchferry._plan.build_plan([m, opt])
+    plan = torchferry._core._state.plan.build_plan([m, opt])
     want = sum(s.nbytes() for s in plan.storages)
     ferry = Ferry(m, opt)
     ferry.offload()
@@ -165,7 +165,7 @@ def test_context_manager_does_not_mask_the_exception_and_reloads():
 def test_host_pool_failure_leaves_state_on_device(monkeypatch):
     m, opt = trained()
     before, ids = snapshot(m, opt), identities(m, opt)
-    import torchferry._host_memory as hm
+    import torchferry._core._host.memory as hm
 
     def no_memory(*a, **k):
         raise OSError(12, "Cannot allocate memory")

@@ -20,10 +20,10 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
 )
 
-import torchferry._ferry
+import torchferry._core._ferry.ferry
 from tests.helpers import trained
 from torchferry import Ferry
-from torchferry._handle import TransferHandle
+from torchferry._core._api.handle import TransferHandle
 
 
 class CopiesInFlight:
@@ -67,7 +67,7 @@ def in_flight(monkeypatch):
             events.append(event)
         return TransferHandle(direction, nbytes, event, *args, **kwargs)
 
-    monkeypatch.setattr(torchferry._ferry, "TransferHandle", handle)
+    monkeypatch.setattr(torchferry._core._ferry.ferry, "TransferHandle", handle)
     return events
 
 

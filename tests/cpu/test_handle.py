@@ -1,4 +1,4 @@
-"""TransferHandle (``_handle.py``): completion, callbacks.
+"""TransferHandle (``_api/handle.py``): completion, callbacks.
 """
 
 from __future__ import annotations

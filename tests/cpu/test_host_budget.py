@@ -1,4 +1,4 @@
-"""Host memory (``_host_budget.py``, ``_host_memory.py``): the node budget (refusal leaves
+"""Host memory (``_host/budget.py``, ``_host/memory.py``): the node budget (refusal leaves
 everything intact, ranks counted together), background pinning and release_host().
 """
 
@@ -14,7 +14,7 @@ import torch
 from tests.helpers import assert_same, snapshot, trained
 from tests.spawn import run_spawned
 from torchferry import Ferry, HostBudgetError, Residency
-from torchferry._host_budget import NodeLedger
+from torchferry._core._host.budget import NodeLedger
 
 
 pytestmark = pytest.mark.usefixtures("own_ledger")  # each test its own node ledger (tests/conftest.py)
@@ -55,7 +55,7 @@ def test_budget_from_the_environment(monkeypatch):
 
 
 def test_refusal_when_the_node_has_too_little_free_memory(monkeypatch):
-    import torchferry._host_budget as hb
+    import torchferry._core._host.budget as hb
 
     monkeypatch.setattr(hb, "meminfo", lambda: {"MemTotal": 10 << 20, "MemAvailable": 1 << 20})
     t = torch.ones(1 << 20)  # 4 MiB
@@ -138,7 +138,7 @@ def test_background_reserve_then_offload_is_bit_exact():
 
 
 def test_background_reserve_failure_surfaces_at_offload(monkeypatch):
-    import torchferry._pool as pool_mod
+    import torchferry._core._host.pool as pool_mod
 
     def boom(*a, **k):
         raise RuntimeError("torchferry: could not allocate a host pool (simulated)")

@@ -1,4 +1,4 @@
-"""The pool's layout and its host views (``_host_views.py``, ``_packing.py``): slots aligned or
+"""The pool's layout and its host views (``_host/layout.py``, ``_transfer/packing.py``): slots aligned or
 packed, pin boundaries, one storage per slot (an offloaded tensor pickles only its own bytes,
 issue 15 items 2-4, commit df8fb81), views that outlive the pool or the ferry.
 """
@@ -15,9 +15,9 @@ from torch import nn
 
 from tests.helpers import trained
 from torchferry import Ferry, Residency
-from torchferry._host_memory import in_host_pool
-from torchferry._host_views import pin_boundary as _pin_boundary
-from torchferry._packing import PACK_BELOW, layout
+from torchferry._core._state.host_blocks import in_host_pool
+from torchferry._core._host.layout import pin_boundary as _pin_boundary
+from torchferry._core._host.slots import PACK_BELOW, layout
 
 
 def test_layout_large_slots_aligned_small_ones_packed_in_chunks():
@@ -139,7 +139,7 @@ def test_offloaded_tensor_pickles_saves_and_shares_only_its_own_bytes():
 
 
 def test_thousands_of_small_tensors_round_trip_through_packing():
-    from torchferry import _packing
+    from torchferry._core._host import slots
 
     g = torch.Generator().manual_seed(3)
     ts = [torch.randn(int(n), generator=g) for n in torch.randint(1, 70_000, (3000,), generator=g)]
@@ -149,7 +149,7 @@ def test_thousands_of_small_tensors_round_trip_through_packing():
     ferry.offload()
     chunks = ferry._set.host.layout(ferry._offloaded.plan).chunks
     assert len(chunks) >= 3 and sum(len(c.storages) for c in chunks) == 3001  # packed, chunked
-    assert all(c.nbytes <= _packing.PACK_CHUNK for c in chunks)
+    assert all(c.nbytes <= slots.PACK_CHUNK for c in chunks)
     assert all(torch.equal(a, b) for a, b in zip(ts, want))
     ferry.reload()
     assert all(torch.equal(a, b) for a, b in zip(ts, want))
@@ -157,7 +157,7 @@ def test_thousands_of_small_tensors_round_trip_through_packing():
 
 
 def test_packed_copy_failure_rolls_back_and_retry_works(monkeypatch):
-    from torchferry._packing import PACK_BELOW
+    from torchferry._core._host.slots import PACK_BELOW
 
     torch.manual_seed(0)
     dts = [torch.float32, torch.bfloat16, torch.int8, torch.bool, torch.complex64, torch.float64,

@@ -17,7 +17,7 @@ from torch import nn
 from tests.helpers import assert_same, snapshot, train_steps
 from tests.spawn import run_spawned
 from torchferry import Ferry
-from torchferry._host_memory import in_host_pool
+from torchferry._core._state.host_blocks import in_host_pool
 
 
 def check_ddp_trains_as_without_offload(rank: int, world: int, device: str = "cpu") -> None:

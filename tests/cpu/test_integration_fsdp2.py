@@ -26,7 +26,7 @@ from tests.helpers import (
 )
 from tests.spawn import run_spawned
 from torchferry import Ferry, Residency
-from torchferry._host_memory import in_host_pool
+from torchferry._core._state.host_blocks import in_host_pool
 
 
 def check_fsdp2_cycles(rank: int, world: int, device: str = "cpu", expect_pinned: bool = False) -> None:

@@ -136,8 +136,8 @@ def test_offload_helpers_make_the_current_stream_wait_for_the_copies(patched, mo
     empty_cache=True waits on the host as before). Reproduces item 2 of the "no host read
     earlier than the bytes" issue (a stale host read after offload_fsdp_optimizer, 3 of 3
     trials on one H200)."""
-    import torchferry._ferry
-    from torchferry._handle import TransferHandle
+    import torchferry._core._ferry.ferry
+    from torchferry._core._api.handle import TransferHandle
 
     events: list[_Event] = []
 
@@ -148,7 +148,7 @@ def test_offload_helpers_make_the_current_stream_wait_for_the_copies(patched, mo
         return TransferHandle(direction, nbytes, event, *args, **kwargs)
 
     stream, asked, waited = object(), [], []  # stream: the caller's current stream
-    monkeypatch.setattr(torchferry._ferry, "TransferHandle", handle)
+    monkeypatch.setattr(torchferry._core._ferry.ferry, "TransferHandle", handle)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: asked.append(device) or stream)
     monkeypatch.setattr(TransferHandle, "wait_stream", lambda self, s: waited.append((self.event, s)))
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Pinning ahead (``_pin_ahead.py``, [Note: pin ahead]) and the quiet background pool it uses:
+"""Pinning ahead (``_ferry/pin_ahead.py``, [Note: pin ahead]) and the quiet background pool it uses:
 started at once or after the optimizer's first step, once, never raising into training."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from torchferry._host_budget import HostBudgetError
-from torchferry._pin_ahead import PinAhead
-from torchferry._plan import build_plan
-from torchferry._pool import HostPool
+from torchferry._core._host.budget import HostBudgetError
+from torchferry._core._ferry.pin_ahead import PinAhead
+from torchferry._core._state.plan import build_plan
+from torchferry._core._host.pool import HostPool
 
 
 class _FakeHost:
@@ -87,7 +87,7 @@ def test_not_armed_on_the_cpu():
 def test_a_failure_is_logged_not_raised(error, caplog):
     m, _ = _model_and_opt()
     st = _FakeState((m,), error=error)
-    with caplog.at_level(logging.INFO, logger="torchferry._pin_ahead"):
+    with caplog.at_level(logging.INFO, logger="torchferry._core._ferry.pin_ahead"):
         ahead = PinAhead.arm(st, st.plan())
     assert ahead.future is None and "first offload pins instead" in caplog.text
 
@@ -111,7 +111,7 @@ def test_cancel_removes_the_step_hook():
 
 
 def test_quiet_background_failure_leaves_an_empty_pool_and_the_next_reserve_allocates(monkeypatch):
-    import torchferry._pool as pool_mod
+    import torchferry._core._host.pool as pool_mod
 
     real = pool_mod.HostBuffer
     fail = {"n": 1}
@@ -132,7 +132,7 @@ def test_quiet_background_failure_leaves_an_empty_pool_and_the_next_reserve_allo
 
 
 def test_loud_background_failure_raises_at_the_next_use(monkeypatch):
-    import torchferry._pool as pool_mod
+    import torchferry._core._host.pool as pool_mod
 
     def broken(nbytes, **kw):
         raise RuntimeError("cudaHostRegister failed")
@@ -152,7 +152,7 @@ def test_a_second_background_reserve_gets_the_pending_future():
 
 
 def test_skip_grads_sizes_the_pool_for_the_state_after_zero_grad():
-    from torchferry._host_views import HostLayout
+    from torchferry._core._host.layout import HostLayout
 
     m, opt = _model_and_opt()
     m(torch.ones(2, 8)).sum().backward()
@@ -207,7 +207,7 @@ def test_not_started_once_the_pool_holds_a_block():
 
 def test_optimizer_only_ferry_before_its_first_step_is_armed_from_its_parameters_device(monkeypatch):
     """No tensor yet, no device given: the parameters' device says where the state will be."""
-    import torchferry._pin_ahead as pa
+    import torchferry._core._ferry.pin_ahead as pa
 
     m, opt = _model_and_opt()
     st = _FakeState((opt,), device="cpu")
@@ -225,6 +225,6 @@ def test_any_error_in_the_hook_is_logged_not_raised_into_step(caplog):
     m, opt = _model_and_opt()
     st = _FakeState((m, opt), error=MemoryError("no memory"))
     ahead = PinAhead.arm(st, st.plan())  # noqa: F841  (kept: the hook holds it weakly)
-    with caplog.at_level(logging.INFO, logger="torchferry._pin_ahead"):
+    with caplog.at_level(logging.INFO, logger="torchferry._core._ferry.pin_ahead"):
         _step(m, opt)  # does not raise
     assert "first offload pins instead" in caplog.text

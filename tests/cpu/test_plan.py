@@ -1,4 +1,4 @@
-"""Planning (``_plan.py``): collection, deduplication, the ferry's device, and the cached plan
+"""Planning (``_state/plan.py``): collection, deduplication, the ferry's device, and the cached plan
 that follows state replaced between cycles.
 """
 
@@ -15,9 +15,9 @@ from torch import nn
 
 from tests.helpers import IDS, Mixed, assert_same, snapshot, trained
 from torchferry import Ferry, Residency
-from torchferry._host_memory import in_host_pool
-from torchferry._plan import build_plan
-from torchferry._plan import resolve_device as _resolve_device
+from torchferry._core._state.host_blocks import in_host_pool
+from torchferry._core._state.plan import build_plan
+from torchferry._core._state.plan import resolve_device as _resolve_device
 
 
 def test_tied_weights_and_views_move_once():

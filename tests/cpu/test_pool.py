@@ -1,4 +1,4 @@
-"""The host pool (``_pool.py``) and the reload arena (``_device_alloc.py``): exact size,
+"""The host pool (``_host/pool.py``) and the reload arena (``_transfer/arena.py``): exact size,
 persistence, growth, and failures while growing.
 """
 
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from torchferry import Ferry
-from torchferry._host_budget import NodeLedger
-from torchferry._pool import HostPool
+from torchferry._core._host.budget import NodeLedger
+from torchferry._core._host.pool import HostPool
 
 
 def test_pool_is_exact_size_persistent_and_grows():
@@ -48,7 +48,7 @@ def test_pool_growth_through_offload_frees_the_old_block_first():
 
 
 def test_failed_pool_growth_does_not_break_later_offloads(monkeypatch):
-    import torchferry._host_memory as hm
+    import torchferry._core._host.memory as hm
 
     m = nn.Linear(16, 16)
     opt = torch.optim.Adam(m.parameters())
@@ -75,7 +75,7 @@ def test_failed_pool_growth_does_not_break_later_offloads(monkeypatch):
     "conf", ["expandable_segments:True", "max_split_size_mb:128", "roundup_power2_divisions:4"]
 )
 def test_reload_arena_off_for_allocator_settings_it_cannot_rely_on(monkeypatch, conf):
-    from torchferry import _device_alloc
+    from torchferry._core._transfer import arena as _device_alloc
 
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
     _device_alloc.arena_supported.cache_clear()

@@ -1,4 +1,4 @@
-"""Layer-wise reload with prefetch (``_prefetch.py``, [Note: prefetch reload]): ordering,
+"""Layer-wise reload with prefetch (``_schedules/prefetch.py``, [Note: prefetch reload]): ordering,
 look-ahead, step guard, writes made right after reload(prefetch=True) kept, bit-identical
 training, on FSDP2 over gloo (2 CPU processes). The tests named after a report of an
 adversarial review of prefetch reproduce it (each failed before its fix).
@@ -20,7 +20,7 @@ needs_dist = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 
 
 def _in_pool(t: torch.Tensor) -> bool:
-    from torchferry._host_memory import in_host_pool
+    from torchferry._core._state.host_blocks import in_host_pool
 
     local = t._local_tensor if hasattr(t, "_local_tensor") else t
     return local.numel() > 0 and in_host_pool(local.untyped_storage().data_ptr())
@@ -150,7 +150,7 @@ def _explicit_prefetch_checks(rank: int, world: int) -> None:
 
     from tests.helpers import build_uneven
     from tests.helpers import train_step as _train
-    from torchferry._fsdp import forward_prefetch_units
+    from torchferry._core._state.fsdp import forward_prefetch_units
 
     def train_step(model, o, x):
         return _train(model, o, x, set_to_none=True)
@@ -298,7 +298,7 @@ def test_optimizer_update_of_a_unit_not_run_in_forward_is_kept():
 
 
 def _forward_prefetch_units_body(rank, world):
-    from torchferry._fsdp import forward_prefetch_units
+    from torchferry._core._state.fsdp import forward_prefetch_units
 
     m, _ = three_units(cpu_mesh(world), explicit_prefetch=True)
     got = forward_prefetch_units(m[0])

@@ -1,4 +1,4 @@
-"""State replaced while offloaded (``_reconcile.py``): the next offload() moves what is there now,
+"""State replaced while offloaded (``_ferry/reconcile.py``): the next offload() moves what is there now,
 reload() leaves every tensor on the device, dead tensors are neither kept nor re-allocated.
 
 Reproduces issue 15 items 2-4 (commit df8fb81): an ``optimizer.load_state_dict`` while
@@ -18,7 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from tests.helpers import assert_same, identities, snapshot, trained
 from torchferry import Ferry, Residency
-from torchferry._host_memory import in_host_pool
+from torchferry._core._state.host_blocks import in_host_pool
 
 IDS = torch.tensor([[1, 2, 3]])
 

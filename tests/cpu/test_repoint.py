@@ -1,4 +1,4 @@
-"""Parked TensorImpls (``_repoint.py``): everything autograd attaches to a parameter survives an
+"""Parked TensorImpls (``_state/parking.py``): everything autograd attaches to a parameter survives an
 offload/reload cycle, and a failed re-point is rolled back.
 
 Reproduces the reports of issue 15 items 1, 6 and 7 (2 x H200 and CPU, commit df8fb81) for
@@ -57,7 +57,7 @@ def test_failure_while_repointing_is_rolled_back(monkeypatch):
     m, opt = trained()
     before = snapshot(m, opt)
     storages = [p.untyped_storage() for p in m.parameters()]
-    import torchferry._repoint as repoint
+    import torchferry._core._state.parking as repoint
 
     calls = {"n": 0}
     real = repoint._exchange

@@ -8,7 +8,7 @@ from torch import nn
 
 from tests.helpers import rss_bytes
 from torchferry import Ferry
-from torchferry import _host_memory
+from torchferry._core._state import host_blocks
 
 CYCLES = int(os.environ.get("TORCHFERRY_SOAK_CYCLES", "1000"))
 # Stated tolerances for CYCLES cycles after a warm-up of 50: resident set size
@@ -45,7 +45,7 @@ def test_cycles_hold_memory_and_objects_flat():
 def test_close_and_gc_return_the_pool():
     def live() -> int:
         gc.collect()
-        return len(_host_memory._live)
+        return len(host_blocks.live_blocks)
 
     before = live()
     m = nn.Linear(512, 512)

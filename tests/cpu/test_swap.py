@@ -1,4 +1,4 @@
-"""torchferry.swap (``_swap.py``): one state set out, another in, both bit-exact; bad arguments
+"""torchferry.swap (``_ferry/swap.py``): one state set out, another in, both bit-exact; bad arguments
 (a closed ferry, a negative budget: from an adversarial review) are refused before anything moves.
 """
 

@@ -1,4 +1,4 @@
-"""The walk over modules, optimizers and tensors (``_targets.py``) and its checks: what is
+"""The walk over modules, optimizers and tensors (``_state/targets.py``) and its checks: what is
 collected (wrapped and listed optimizer state, inference-mode buffers), and what is refused up
 front, by name (unsupported, nested, released or foreign tensors, bad targets).
 
@@ -15,7 +15,7 @@ from torch import nn
 
 from tests.helpers import Mixed, WithRotary
 from torchferry import Ferry, Residency
-from torchferry._plan import build_plan
+from torchferry._core._state.plan import build_plan
 
 
 @pytest.mark.parametrize(
@@ -130,7 +130,7 @@ def test_module_tree_walks_like_named_modules_parameters_and_buffers():
     """``module_tree`` (the stack walk behind ``walk`` and the guards) yields what PyTorch's own
     walks yield, in the same order: shared submodules and tied weights once, ``None`` entries
     skipped; a class overriding ``named_modules`` gets PyTorch's walk."""
-    from torchferry._tree import members, module_tree
+    from torchferry._core._state.tree import members, module_tree
 
     shared = nn.Linear(3, 3)
     m = nn.Sequential(shared, nn.Sequential(shared, nn.Linear(3, 3, bias=False)), nn.BatchNorm1d(3),
@@ -195,7 +195,7 @@ def test_a_root_overriding_named_parameters_and_buffers_is_asked_for_them():
 def test_ids_of_mixed_targets_follow_the_walk():
     """``Targets.ids`` (tensor targets without a generator each) lists the same tensors in the same
     order as :func:`walk`, grads and optimizer state included, and sees a tensor replaced."""
-    from torchferry._targets import Targets, walk
+    from torchferry._core._state.targets import Targets, walk
 
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
     opt = torch.optim.Adam(model.parameters())
@@ -211,7 +211,7 @@ def test_ids_of_mixed_targets_follow_the_walk():
 
 
 def test_ids_names_the_bad_target_by_its_position():
-    from torchferry._targets import Targets
+    from torchferry._core._state.targets import Targets
 
     with pytest.raises(TypeError, match=r"targets\[1\] is list"):
         Targets([torch.randn(2), [torch.randn(1)]]).ids()

@@ -1,4 +1,4 @@
-"""Skipping unchanged storages at offload (``_unchanged.py``, issue 16 part 1): the hash; every kind
+"""Skipping unchanged storages at offload (``_schedules/unchanged.py``, issue 16 part 1): the hash; every kind
 of write seen; frozen, never-trained and LoRA-like state; bit-exact cycles; verify mode; swap; FSDP2."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import torch
 from torch import nn
 
 import torchferry
-import torchferry._hash as hash_mod
-import torchferry._unchanged as unchanged_mod
+import torchferry._core._schedules.hash as hash_mod
+import torchferry._core._schedules.unchanged as unchanged_mod
 from tests.helpers import snapshot, train_step
 from tests.spawn import run_spawned
 from torchferry import Ferry, Residency
-from torchferry._packing import layout
-from torchferry._release import ReleaseSchedule
-from torchferry._hash import LANES, hash_bytes, hash_packed
+from torchferry._core._host.slots import layout
+from torchferry._core._schedules.release import ReleaseSchedule
+from torchferry._core._schedules.hash import LANES, hash_bytes, hash_packed
 
 pytestmark = pytest.mark.usefixtures("own_ledger")  # each test its own node ledger (tests/conftest.py)
 
@@ -130,8 +130,8 @@ def test_hash_packed_is_per_storage_and_sees_flips():
 
 
 def test_copy_runs_copies_exactly_the_storages_not_skipped():
-    from torchferry._copies import copy_runs
-    from torchferry._packing import pack_to_host
+    from torchferry._core._transfer.copies import copy_runs
+    from torchferry._core._transfer.packing import pack_to_host
 
     sizes = [24, 3, 40, 17, 64, 5, 8, 100]  # odd sizes: padding between them
     offsets, total, chunks = layout(sizes)
@@ -405,9 +405,9 @@ def test_swap_releases_skipped_storages_at_once(verify):
 
 
 def test_release_schedule_frees_unchanged_storages_at_once_and_counts_them():
-    from torchferry._copies import D2HIssued
-    from torchferry._plan import build_plan, storage_bytes
-    from torchferry._streams import streams_for
+    from torchferry._core._transfer.copies import D2HIssued
+    from torchferry._core._state.plan import build_plan, storage_bytes
+    from torchferry._core._transfer.streams import streams_for
 
     ts = [torch.ones(1024), torch.ones(1024), torch.ones(1024)]  # 4 KiB each
     plan = build_plan(ts)
@@ -646,7 +646,7 @@ def test_the_fused_hash_row_table_cuts_every_range_into_pieces():
     """``_hash.row_table`` (the Triton kernel's work table, now built on the device): every range is
     covered once, in pieces of at most ``piece_words`` words, positions counted from the range's
     start, the tail bytes on its last row, one empty row for an empty range."""
-    from torchferry._hash import row_table
+    from torchferry._core._schedules.hash_rows import row_table
 
     g = torch.Generator().manual_seed(0)
     nbytes = [0, 3, 8, 16, 5 * 64, 5 * 64 + 7, 1000] + [int(x) for x in torch.randint(0, 4000, (40,), generator=g)]

@@ -164,7 +164,7 @@ def test_compat_helpers_on_gpu():
 _ARENA_CHECK = r"""
 import torch
 from torchferry import Ferry
-from torchferry._device_alloc import arena_supported
+from torchferry._core._transfer.arena import arena_supported
 assert arena_supported()
 torch.manual_seed(0)
 ts = [torch.randn(n, device="cuda") for n in (40 << 20, 3 << 20, 7 << 20 | 5, 1000, 25 << 20)]
@@ -198,7 +198,7 @@ def test_reload_arena_one_segment_and_full_release():
     import subprocess
     import sys
 
-    from torchferry._device_alloc import arena_supported
+    from torchferry._core._transfer.arena import arena_supported
 
     if not arena_supported():
         pytest.skip("allocator settings disable the reload arena")
@@ -243,7 +243,7 @@ def test_reload_arena_seeded_beside_cached_free_blocks():
     import subprocess
     import sys
 
-    from torchferry._device_alloc import arena_supported
+    from torchferry._core._transfer.arena import arena_supported
 
     if not arena_supported():
         pytest.skip("allocator settings disable the reload arena")
@@ -356,8 +356,8 @@ def test_cpu_tensors_stay_put_when_the_ferry_is_on_a_gpu():
     """AdamW's ``step`` counters are CPU tensors of a GPU model's optimizer: a GPU ferry leaves
     them alone. Through offload and reload each stays the same object, on the CPU, over the same
     memory (not the host pool), with its value; everything on the GPU goes and comes back."""
-    from torchferry._host_memory import in_host_pool
-    from torchferry._plan import build_plan
+    from torchferry._core._state.host_blocks import in_host_pool
+    from torchferry._core._state.plan import build_plan
 
     m, opt = _trained()
     steps = [st["step"] for st in opt.state.values()]

@@ -1,4 +1,4 @@
-"""GPU tier: the fused Triton hash of [Note: unchanged storages] (``_hash_triton``). Skipped without CUDA
+"""GPU tier: the fused Triton hash of [Note: unchanged storages] (``_schedules/hash_triton``). Skipped without CUDA
 or Triton."""
 
 import time
@@ -11,8 +11,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-from torchferry._hash import hash_bytes  # noqa: E402
-from torchferry._hash_triton import hash_segments  # noqa: E402
+from torchferry._core._schedules.hash import hash_bytes  # noqa: E402
+from torchferry._core._schedules.hash_triton import hash_segments  # noqa: E402
 
 DEV = torch.device("cuda")
 SIZES = [1, 7, 8, 9, 4099, (1 << 20) + 3, (8 << 20) + 5, 3 << 24]  # tails; pieces of several rows

@@ -43,7 +43,7 @@ def test_real_out_of_memory_while_reconciling_replaced_state_keeps_it_offloaded_
     the parameters the host twins' impls (their hooks never fired again)."""
     import copy
 
-    from torchferry._host_memory import in_host_pool
+    from torchferry._core._state.host_blocks import in_host_pool
 
     torch.cuda.empty_cache()
     torch.manual_seed(0)

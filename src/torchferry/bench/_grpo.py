@@ -119,20 +119,21 @@ def run_grpo(config: GrpoConfig, *, on_progress: Callable[[str, float], None] | 
     vals = torch.tensor([sizes["actor_params"], sizes["actor_optimizer"], sizes["ref"], w_upd, w_fwd],
                         dtype=torch.int64, device=device)
     dist.all_reduce(vals, op=dist.ReduceOp.MAX)
-    P, O, R, w_upd, w_fwd = (int(v) for v in vals.tolist())
+    P, O_, R, w_upd, w_fwd = (int(v) for v in vals.tolist())
     if w_upd < 0:
         w_upd, w_fwd = 2 * P, P // 4
-    kv_bytes = config.kv_bytes if config.kv_bytes is not None else P + O
-    everything = P + O + R + max(kv_bytes, w_upd, w_fwd)
+    kv_bytes = config.kv_bytes if config.kv_bytes is not None else P + O_
+    everything = P + O_ + R + max(kv_bytes, w_upd, w_fwd)
     budget = config.budget_bytes
     if budget is None:
-        budget = max(P + O + max(kv_bytes, w_upd) + R // 2, P + O + R + w_fwd)
-    largest = max(kv_bytes, P + O + w_upd, R + w_fwd, P + w_fwd)
+        budget = max(P + O_ + max(kv_bytes, w_upd) + R // 2, P + O_ + R + w_fwd)
+    largest = max(kv_bytes, P + O_ + w_upd, R + w_fwd, P + w_fwd)
     if budget < largest:
         raise ValueError(f"budget_bytes={budget} cannot hold the largest phase ({largest} bytes: KV cache "
-                         f"{kv_bytes}, actor + update workspace {P + O + w_upd}, reference + forward {R + w_fwd})")
+                         f"{kv_bytes}, actor + update workspace {P + O_ + w_upd}, reference + forward {R + w_fwd})")
     if budget >= everything:
-        notes.append(f"the budget ({budget} bytes) holds everything at once ({everything} bytes): nothing needs to move")
+        notes.append(f"the budget ({budget} bytes) holds everything at once ({everything} bytes): "
+                     "nothing needs to move")
     base.kv.nbytes = kv_bytes
     sides = {"torchferry": base} if "torchferry" in config.strategies else {}
     if "torchferry+dock" in config.strategies:
@@ -168,7 +169,7 @@ def run_grpo(config: GrpoConfig, *, on_progress: Callable[[str, float], None] | 
             say(f"step {r + 1}/{rounds}: {name}", 0.15 + 0.8 * (r + 0.5) / rounds)
             if use_cuda and side.dock is None and "torchferry+dock" in sides:
                 _check_room(device, sides["torchferry+dock"].resident_bytes(),
-                            max(kv_bytes, P + O + w_upd, R + w_fwd))
+                            max(kv_bytes, P + O_ + w_upd, R + w_fwd))
             dist.barrier()
             if use_cuda:
                 _settle(device)  # memory_allocated() without blocks whose copies are done
@@ -225,7 +226,7 @@ def run_grpo(config: GrpoConfig, *, on_progress: Callable[[str, float], None] | 
         "link_peak_GBps": peak,
         "model": {"preset": preset, "layers": base.actor.config.num_hidden_layers, "seq_len": seq_len,
                   "batch_size": config.batch_size, "micro_batches": config.micro_batches,
-                  "state_bytes": {"actor_params": P, "actor_optimizer": O, "ref_params": R}},
+                  "state_bytes": {"actor_params": P, "actor_optimizer": O_, "ref_params": R}},
         "budget": {
             "gpu_budget_bytes": budget,
             "kv_bytes": kv_bytes,

@@ -14,7 +14,7 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def _summarise(records: list[dict], calib: dict[str, float], budget: int, timeline: dict | None) -> dict:
+def _summarise(records: list[dict], calib: dict[str, float | None], budget: int, timeline: dict | None) -> dict:
     def exposed(r: dict) -> dict[str, float]:
         return {p: r["phase_wall_s"][p] - calib[p] for p in PHASES}
 

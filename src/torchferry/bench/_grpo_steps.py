@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from .. import Dock, Ferry
-from .._handle import TransferHandle
+from .._core._api.handle import TransferHandle
 from ._grpo_config import _SCHEDULE, PHASES, GrpoConfig
 from ._model import build_model
 from ._setup import shard_fsdp2
@@ -22,9 +23,9 @@ from ._setup import shard_fsdp2
 def _eager_attention(model: nn.Module) -> None:
     """Eager attention: matmuls and a softmax, deterministic (SDPA's fused backward may use atomics)."""
     if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation("eager")
+        model.set_attn_implementation("eager")  # pyright: ignore[reportCallIssue]  # nn.Module attributes (FSDP2 methods, Hugging Face submodules/config) type as Tensor | Module in torch's stubs
     else:  # older transformers read the config at every forward
-        model.config._attn_implementation = "eager"
+        model.config._attn_implementation = "eager"  # pyright: ignore[reportArgumentType]  # nn.Module attributes (FSDP2 methods, Hugging Face submodules/config) type as Tensor | Module in torch's stubs
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -216,7 +217,7 @@ def _step_torchferry(side: _Side, batch: torch.Tensor, config: GrpoConfig, clock
     dev, f, micro = clock.device, side.ferries, config.micro_batches
     out: dict[str, float] = {}
 
-    def phase(name: str, sets: tuple[str, ...], compute: Callable[[], object], held: int) -> object:
+    def phase(name: str, sets: tuple[str, ...], compute: Callable[[], object], held: int) -> Any:
         start = clock.now()
         for n in sets:
             clock.copy(n, f[n].reload())
@@ -269,7 +270,7 @@ def _step_dock(side: _Side, batch: torch.Tensor, config: GrpoConfig, clock: _Ste
                     clock.copy(m.name, m.handle, m.background)
                 seen[0] = m.seq
 
-    def phase(name: str, names: tuple[str, ...], compute: Callable[[], object], last: bool = False) -> object:
+    def phase(name: str, names: tuple[str, ...], compute: Callable[[], object], last: bool = False) -> Any:
         start = clock.now()
         with dock.use(*names):
             record()
@@ -352,12 +353,12 @@ def _compare(a: _Side, b: _Side, device: torch.device) -> dict:
                 side.ferries[n].reload().wait()
     params_equal, opt_equal, max_diff = True, True, 0.0
     with torch.no_grad():
-        for pa, pb in zip(a.actor.parameters(), b.actor.parameters()):
+        for pa, pb in zip(a.actor.parameters(), b.actor.parameters(), strict=False):
             x, y = _local(pa), _local(pb)
             params_equal &= bool(torch.equal(x, y))
             if x.numel():
                 max_diff = max(max_diff, float((x.float() - y.float()).abs().max()))
-        for (pa, sa), (pb, sb) in zip(a.opt.state.items(), b.opt.state.items()):
+        for (_pa, sa), (_pb, sb) in zip(a.opt.state.items(), b.opt.state.items(), strict=False):
             for k in sa:
                 if torch.is_tensor(sa[k]):
                     opt_equal &= bool(torch.equal(_local(sa[k]), _local(sb[k])))

@@ -19,15 +19,15 @@ class LinkPeak:
     one host the two ranks' copies share the host side: one 1 GiB copy per
     timed rep let the ranks run mostly apart, and the strategies, whose
     transfers always overlap across ranks, then reached only 0.84-0.88 of that
-    peak (``benchmarks/results/bench_qwen2.5-7b_h200x2_compute-rich_before_2026-11-30.json``),
+    peak (``git show 75cc57c:benchmarks/results/bench_qwen2.5-7b_h200x2_compute-rich_before_2026-11-30.json``),
     while one rank alone reached 1.00 of it on one GPU
-    (``probe_pool_rate_h200_2026-11-30.rank0.json``).
+    (``git show 75cc57c:benchmarks/results/probe_pool_rate_h200_2026-11-30.rank0.json``).
 
     Attributes:
         h2d: host -> device, one stream, all ranks at once.
         d2h: device -> host, one stream, all ranks at once.
         bidir: both directions at once on two streams (total of the two), all ranks at once.
-        nbytes: bytes per copy (1 GiB: the plateau of the H200's curve in ``shared/anchors/bw.json``).
+        nbytes: bytes per copy (1 GiB: past the size where an H200's pinned copies reach their plateau).
         solo: ``{"h2d", "d2h", "bidir"}`` with the ranks taking turns (one at a
             time); ``None`` with one rank (then the same as above).
     """

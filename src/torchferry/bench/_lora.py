@@ -20,6 +20,7 @@ training; deterministic algorithms on, so a difference is worth a look, not proo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import statistics
@@ -29,7 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .._fsdp import reshard
+from .._core._state.fsdp import reshard
 from ._link import measure_link_peak
 from ._model import PRESETS, build_model
 from ._rounds import bit_sums, checksum, state_bytes, unique_storage_bytes
@@ -93,7 +94,7 @@ def build_lora(preset: str, device: torch.device, world: int, *, rank: int, laye
     cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
                      init_lora_weights=False)
     model = get_peft_model(base, cfg)  # freezes the base; adapters in fp32 (autocast_adapter_dtype)
-    shard_fsdp2(model.base_model.model, device, world)
+    shard_fsdp2(model.base_model.model, device, world)  # pyright: ignore[reportArgumentType]  # nn.Module attributes (FSDP2 methods, Hugging Face submodules/config) type as Tensor | Module in torch's stubs
     trainable = [p for p in model.parameters() if p.requires_grad]
     return model, torch.optim.AdamW(trainable, lr=1e-4)
 
@@ -138,26 +139,26 @@ def _run_strategy(name: str, preset: str, config: LoraBenchConfig, device: torch
     strategy.offload(optimizer=True)  # the state starts offloaded, as in an RL step
     for _ in range(config.steps):
         rec: dict = {}
-        rec["reload_params_s"] = _timed(device, lambda: strategy.reload(optimizer=False))
+        rec["reload_params_s"] = _timed(device, functools.partial(strategy.reload, optimizer=False))
         with torch.no_grad():
             model(input_ids=batch).logits.float().logsumexp(-1).mean().item()
         # FSDP2 keeps the root unit unsharded after a forward; every strategy moves the sharded state
         # (the ferry reshards by itself), and the checksums compare the same shards.
         reshard([model])
         before = checksum(model, device)
-        rec["offload_params_s"] = _timed(device, lambda: strategy.offload(optimizer=False))
+        rec["offload_params_s"] = _timed(device, functools.partial(strategy.offload, optimizer=False))
         exact = checksum(model, device) == before  # the host copies
         rec["offload_params_bytes_copied"] = _copied(strategy, optimizer=False, default=sizes["params"])
-        rec["reload_all_s"] = _timed(device, lambda: strategy.reload(optimizer=True))
+        rec["reload_all_s"] = _timed(device, functools.partial(strategy.reload, optimizer=True))
         model(input_ids=batch, labels=batch).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         before = (checksum(model, device), _optimizer_checksum(opt, device))
         # verl's order after update_actor: the weights (offload_fsdp_model_to_cpu), then the optimizer.
-        rec["offload_params_after_update_s"] = _timed(device, lambda: strategy.offload(optimizer=False))
+        rec["offload_params_after_update_s"] = _timed(device, functools.partial(strategy.offload, optimizer=False))
         rec["offload_params_after_update_bytes_copied"] = _copied(strategy, optimizer=False,
                                                                  default=sizes["params"])
-        rec["offload_optimizer_s"] = _timed(device, lambda: strategy.offload(optimizer=True))
+        rec["offload_optimizer_s"] = _timed(device, functools.partial(strategy.offload, optimizer=True))
         rec["offload_optimizer_bytes_copied"] = _copied(strategy, optimizer=True, default=total,
                                                         only_optimizer=True) if ferries else sizes["optimizer"]
         rec["offload_all_s"] = rec["offload_params_after_update_s"] + rec["offload_optimizer_s"]
@@ -240,7 +241,7 @@ def run_lora(config: LoraBenchConfig, *, on_progress: Callable[[str, float], Non
         say(f"{name}: building and running {config.steps} steps", i / len(config.strategies))
         results[name] = _run_strategy(name, preset, config, device, world, batch)
     first = config.strategies[0]
-    for name, r in results.items():
+    for r in results.values():
         r["round_trip_bit_exact"] = all(x["round_trip_bit_exact"] for x in r["steps"])
         r["same_state_as_" + first] = r["_sums"] == results[first]["_sums"]
     for r in results.values():

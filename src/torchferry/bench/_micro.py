@@ -27,8 +27,8 @@ from collections.abc import Callable
 import torch
 
 from .. import Ferry
-from .._pool import HostPool
-from .._host_budget import NodeLedger
+from .._core._host.pool import HostPool
+from .._core._host.budget import NodeLedger
 from ._link import measure_link_peak, release_host_cache
 from ._setup import source_commit
 
@@ -125,17 +125,22 @@ def measure_small_tensors(device: torch.device, peak: dict, count: int = 4096, e
         h2.wait()
         r = time.perf_counter() - t
         if i >= 2:
-            off.append(o), on.append(r), gpu_off.append(h.seconds), gpu_on.append(h2.seconds)
+            off.append(o)
+            on.append(r)
+            gpu_off.append(h.seconds)
+            gpu_on.append(h2.seconds)
     bit_exact = torch.equal(torch.cat(ts).cpu(), want)
     ferry.close()
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     views = [v.view(torch.int32) for v in host.split(each)]
     pd, ph = [], []
     for i in range(cycles + 1):
-        d = _wall(lambda: [v.copy_(t, non_blocking=True) for v, t in zip(views, ts)], device)
-        h = _wall(lambda: [t.copy_(v, non_blocking=True) for v, t in zip(views, ts)], device)
+        # F821 below is a false positive: `views` is deleted after the loop, and _wall calls each lambda at once
+        d = _wall(lambda: [v.copy_(t, non_blocking=True) for v, t in zip(views, ts, strict=False)], device)  # noqa: F821
+        h = _wall(lambda: [t.copy_(v, non_blocking=True) for v, t in zip(views, ts, strict=False)], device)  # noqa: F821
         if i:
-            pd.append(d), ph.append(h)
+            pd.append(d)
+            ph.append(h)
     del host, views
     release_host_cache()
     out = summarise_small(nbytes, off, on, pd, ph, peak)

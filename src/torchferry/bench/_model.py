@@ -62,7 +62,7 @@ def build_model(preset: str | None, device: torch.device, *, path: str | None = 
             model = transformers.AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)
         except TypeError:  # transformers < 4.56 names it torch_dtype
             model = transformers.AutoModelForCausalLM.from_pretrained(p, torch_dtype=torch.float32)
-        return model.to(device)
+        return model.to(device)  # pyright: ignore[reportArgumentType]  # transformers' from_pretrained return type is mis-inferred; it is an nn.Module
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     sizes = dataclasses.asdict(PRESETS[preset])

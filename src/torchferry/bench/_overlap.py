@@ -122,7 +122,7 @@ def phase_floor(unit_bytes: Sequence[int], unit_compute_s: Sequence[float], copy
         raise ValueError(f"copy rate must be > 0 GB/s, got {copy_GBps}")
     rate = copy_GBps * 1e9
     floor, copy, compute_before = 0.0, 0.0, 0.0
-    for nbytes, compute in zip(unit_bytes, unit_compute_s):
+    for nbytes, compute in zip(unit_bytes, unit_compute_s, strict=False):
         copy += nbytes / rate
         floor = max(floor, copy - compute_before)
         compute_before += compute

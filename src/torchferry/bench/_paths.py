@@ -16,7 +16,7 @@ from pathlib import Path
 
 __all__ = ["check_output_path", "write_json_or_fallback"]
 
-_REASONS = {
+_REASONS: dict[int | None, str] = {
     errno.ENOENT: "its file system takes no new files",  # /proc and the like
     errno.EACCES: "permission denied",
     errno.EPERM: "permission denied",

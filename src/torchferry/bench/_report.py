@@ -159,7 +159,7 @@ def plot_timeline(result: dict, path: str | Path) -> None:
     sw = result.get("swap")
     if sw:
         row = len(names)
-        for span, y in zip(sw["timeline"], (row - 0.35, row + 0.02)):
+        for span, y in zip(sw["timeline"], (row - 0.35, row + 0.02), strict=False):
             ax.broken_barh([(span["start"], span["end"] - span["start"])], (y, 0.33), color=_COLORS[span["kind"]])
         rate = f", {sw['GBps']:.1f} GB/s both ways" if on_gpu(result) else ""
         ax.text(max(x["end"] for x in sw["timeline"]), row,

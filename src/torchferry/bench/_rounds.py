@@ -100,7 +100,8 @@ class Rounds:
     def __init__(self, config, model: nn.Module, opt: torch.optim.Optimizer, device: torch.device,
                  batch: torch.Tensor, micro_batches: int, sizes: dict[str, int],
                  say: Callable[[str, float], None]) -> None:
-        self.config, self.model, self.opt, self.device, self.batch, self.sizes = config, model, opt, device, batch, sizes
+        self.config, self.model, self.opt, self.device = config, model, opt, device
+        self.batch, self.sizes = batch, sizes
         self.micro_batches, self.say = micro_batches, say
         self.units = fsdp_units(model)
         self.timer = UnitTimer(model, self.units, device)

@@ -151,7 +151,8 @@ def _swap_scenario(config: BenchConfig, preset: str, actor: nn.Module, actor_opt
         t = time.perf_counter() - t0
         times.append((t, h_out.nbytes, h_in.nbytes))
         if i == 0:
-            timeline = [{"phase": "swap", "kind": "d2h", "start": 0.0, "end": h_out.seconds or t_out, "nbytes": h_out.nbytes},
+            timeline = [{"phase": "swap", "kind": "d2h", "start": 0.0, "end": h_out.seconds or t_out,
+                         "nbytes": h_out.nbytes},
                         {"phase": "swap", "kind": "h2d", "start": 0.0, "end": h_in.seconds or t, "nbytes": h_in.nbytes}]
     if a.residency.on_host:
         a.reload().wait()
@@ -173,7 +174,7 @@ def _swap_scenario(config: BenchConfig, preset: str, actor: nn.Module, actor_opt
 
 def _host_pages() -> dict | None:
     try:
-        from .._host_memory import host_page_report
+        from .._core._host.memory import host_page_report
     except ImportError:  # an engine without it
         return None
     return host_page_report()
@@ -219,7 +220,7 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     gen = torch.Generator().manual_seed(rank)
     vocab = model.config.vocab_size
-    batch = torch.randint(0, vocab, (shape["batch_size"], shape["seq_len"]), generator=gen).to(device)
+    batch = torch.randint(0, vocab, (shape["batch_size"], shape["seq_len"]), generator=gen).to(device)  # pyright: ignore[reportArgumentType, reportCallIssue]  # nn.Module attributes (FSDP2 methods, Hugging Face submodules/config) type as Tensor | Module in torch's stubs
     model(input_ids=batch, labels=batch).loss.backward()  # warm-up: optimizer state exists
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -302,7 +303,8 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
             "fsdp_units": len(bench.units),
         },
         # What ran: the defaults resolved (preset, seq_len, batch_size, micro_batches), not the options as given.
-        "config": dataclasses.asdict(dataclasses.replace(config, preset=None if config.model_path else preset, **shape)),
+        "config": dataclasses.asdict(
+            dataclasses.replace(config, preset=None if config.model_path else preset, **shape)),
         "order": config.order,
         "order_per_round": order_per_round,
         "strategies": results,

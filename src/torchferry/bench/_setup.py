@@ -56,7 +56,7 @@ def init_distributed(use_cuda: bool) -> tuple[int, int, torch.device]:
         if world > 1 or "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)  # pyright: ignore[reportPrivateImportUsage]  # HashStore is real; the stubs do not re-export it
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -70,11 +70,11 @@ def shard_fsdp2(model: nn.Module, device: torch.device, world: int) -> None:
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     untied = not getattr(model.config, "tie_word_embeddings", True)
     if untied:
-        fully_shard(model.model.embed_tokens, mesh=mesh, mp_policy=mp)
-    for layer in model.model.layers:
+        fully_shard(model.model.embed_tokens, mesh=mesh, mp_policy=mp)  # pyright: ignore[reportArgumentType, reportCallIssue]  # nn.Module attributes (FSDP2 methods, Hugging Face submodules/config) type as Tensor | Module in torch's stubs
+    for layer in model.model.layers:  # pyright: ignore[reportGeneralTypeIssues]  # nn.Module attributes (FSDP2 methods, Hugging Face submodules/config) type as Tensor | Module in torch's stubs
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     if untied:
-        fully_shard(model.lm_head, mesh=mesh, mp_policy=mp)
+        fully_shard(model.lm_head, mesh=mesh, mp_policy=mp)  # pyright: ignore[reportArgumentType, reportCallIssue]  # nn.Module attributes (FSDP2 methods, Hugging Face submodules/config) type as Tensor | Module in torch's stubs
     fully_shard(model, mesh=mesh, mp_policy=mp)
 
 

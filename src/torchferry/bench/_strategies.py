@@ -2,7 +2,7 @@
 
 * ``blocking``: before verl PR #7347: ``model.cpu()`` / ``model.to(dev)`` and
   ``state[k] = v.cpu()`` / ``v.to(dev)`` per optimizer tensor.
-* ``seed``: verl PR #7347 (``shared/seed/``): ``model.to("cpu", non_blocking=True)``
+* ``seed``: verl PR #7347: ``model.to("cpu", non_blocking=True)``
   and verl's optimizer helpers, which do ``v.to(..., non_blocking=True)``.
 * ``torchferry``: one :class:`~torchferry.Ferry` for the model, one for the
   optimizer, pools reserved at setup.
@@ -23,6 +23,8 @@ keeps the state where ``prev`` put it).
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 from torch import nn
@@ -170,7 +172,8 @@ class SharedFerries:
     def reserve(self) -> float:
         """Reserves both pools once; returns the seconds the first reservation spent."""
         if self.pin_s is None:
-            self.pin_s = self.model.reserve_host() + self.optimizer.reserve_host()
+            # reserve_host() without background=True returns the seconds (a float), never a Future
+            self.pin_s = cast(float, self.model.reserve_host()) + cast(float, self.optimizer.reserve_host())
         return self.pin_s
 
     def close(self) -> None:

@@ -38,7 +38,7 @@ def _spans(records: list[StepRecord], phase: str, kind: str) -> list[float]:
 
 
 def _gpu(records: list[StepRecord], direction: str) -> float | None:
-    return _median([r.transfer_gpu_s[direction] for r in records
+    return _median([r.transfer_gpu_s[direction] for r in records  # pyright: ignore[reportArgumentType]  # the comprehension keeps only non-None values
                     if r.transfer_gpu_s and r.transfer_gpu_s.get(direction) is not None])
 
 
@@ -150,7 +150,8 @@ def account_overlap(results: dict[str, dict], records: dict[str, list[StepRecord
             "exposed_reload_s_per_step": e["reload"], "exposed_reload_s_all": e["reload_all"],
             "exposed_offload_s_per_step": e["offload"], "exposed_offload_s_all": e["offload_all"],
             "exposed_s_per_phase": e["per_phase"], "compute_overhead_s_per_step": e["compute_overhead"],
-            "exposed_transfer_s_per_step": _median([a + b for a, b in zip(e["reload_all"], e["offload_all"])]),
+            "exposed_transfer_s_per_step": _median(
+                [a + b for a, b in zip(e["reload_all"], e["offload_all"], strict=False)]),
             "overlap_baseline": "resident",
             "overlap_note": "exposed reload = reload spans + compute over the resident baseline's compute in "
                             "the same round; exposed offload = offload + empty_cache spans (medians over rounds)",

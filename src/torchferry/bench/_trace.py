@@ -133,7 +133,8 @@ def phase_breakdown(events: list[dict], t0: float, kernels: list[tuple], memcpy:
     runtime = [((float(e["ts"]) - t0) / 1e6, float(e.get("dur", 0)) / 1e6, e.get("name", ""))
                for e in events if e.get("cat") == "cuda_runtime" and e.get("name", "") in _RUNTIME]
     ops = [((float(e["ts"]) - t0) / 1e6, float(e.get("dur", 0)) / 1e6, e.get("name", ""))
-           for e in events if e.get("cat") in ("cpu_op", "user_annotation") and not e.get("name", "").startswith("bench::")]
+           for e in events
+           if e.get("cat") in ("cpu_op", "user_annotation") and not e.get("name", "").startswith("bench::")]
     out = []
     for name, start, end in sorted(spans, key=lambda x: x[1]):
         inside = [k for k in kernels if start <= k[0] < end]
@@ -210,7 +211,7 @@ def plot_trace(summary: dict, path: str) -> None:
         [(m["start_s"], m["dur_s"]) for m in summary["memcpy"] if m["kind"] == "DtoH"],
         [(k["start_s"], k["dur_s"]) for k in summary["kernel_busy"]],
     ]
-    for y, ((label, color), spans) in enumerate(zip(lanes, rows)):
+    for y, ((_label, color), spans) in enumerate(zip(lanes, rows, strict=False)):
         ax.broken_barh(spans, (len(lanes) - 1 - y - 0.35, 0.7), facecolors=color)
     most = max((r["bytes"] or 0 for r in summary["ranges"]), default=0)
     big = [r for r in summary["ranges"] if (r["bytes"] or 0) >= 0.2 * most > 0]  # per-unit ranges: unlabelled

@@ -14,7 +14,7 @@ import time
 import torch
 from torch import nn
 
-from .._fsdp import fsdp_modules, local_of, unit_key
+from .._core._state.fsdp import fsdp_modules, local_of, unit_key
 
 __all__ = ["UnitTimer", "fsdp_units", "unit_bytes"]
 
@@ -126,4 +126,5 @@ class UnitTimer:
 
     def medians(self) -> dict[str, list[float]]:
         """Per phase, per unit: the median of its seconds over the collected steps."""
-        return {phase: [statistics.median(col) for col in zip(*rows)] for phase, rows in self.samples.items() if rows}
+        return {phase: [statistics.median(col) for col in zip(*rows, strict=False)]
+                for phase, rows in self.samples.items() if rows}

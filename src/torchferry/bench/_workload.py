@@ -105,7 +105,7 @@ def run_step(strategy: Strategy, batch: torch.Tensor, *, param_bytes: int, state
     reward scoring and advantage estimation run there. It also lets the CUDA
     driver finish releasing the memory that ``empty_cache()`` returned: a copy
     issued right after ``empty_cache()`` runs ~8% slower for every strategy
-    (``benchmarks/results/probe_reload_h200_qwen2.5-7b-unsharded.json``).
+    (``git show 75cc57c:benchmarks/results/probe_reload_h200_qwen2.5-7b-unsharded_2026-11-30.json``).
     """
     model: nn.Module = strategy.model
     opt = strategy.optimizer

@@ -9,9 +9,14 @@ keeps working::
         offload_fsdp2_model_to_cpu, load_fsdp2_model_to_gpu,
         offload_fsdp_optimizer, load_fsdp_optimizer, ferry_for,
     )
+
+Deprecated: importing it warns (``DeprecationWarning``); import from
+``torchferry.integrations.verl`` instead.
 """
 
 from __future__ import annotations
+
+import warnings
 
 from ..integrations.verl.helpers import (  # noqa: F401  (_ferries: the registry, for tests and introspection)
     _ferries,
@@ -21,6 +26,9 @@ from ..integrations.verl.helpers import (  # noqa: F401  (_ferries: the registry
     offload_fsdp2_model_to_cpu,
     offload_fsdp_optimizer,
 )
+
+warnings.warn("torchferry.compat.verl is deprecated: import the same names from torchferry.integrations.verl",
+              DeprecationWarning, stacklevel=2)
 
 __all__ = [
     "ferry_for",

@@ -11,7 +11,7 @@ the FSDP engine): ``offload_fsdp_model_to_cpu``, ``load_fsdp_model_to_gpu``
 (FSDP2 and plain modules go to torchferry; FSDP1 models still to verl's own
 code), ``offload_fsdp2_model_to_cpu``, ``load_fsdp2_model_to_gpu``,
 ``offload_fsdp_optimizer``, ``load_fsdp_optimizer``. Written against verl
-0.9.1 (the helpers of PR #7347, ``shared/seed/``).
+0.9.1 (the helpers of verl PR #7347).
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ from collections.abc import Callable, Iterator
 
 from ._patch import _FSDP_UTILS, is_patched, patch
 
-__all__ = ["HOOK_PATH", "ENV_FLAG", "ray_worker_setup", "patch_when_imported", "with_worker_setup", "ray_init_with_hook"]
+__all__ = ["HOOK_PATH", "ENV_FLAG", "ray_worker_setup", "patch_when_imported", "with_worker_setup",
+           "ray_init_with_hook"]
 
 logger = logging.getLogger("torchferry")
 
@@ -46,7 +47,7 @@ _NEXT_HOOK = "TORCHFERRY_VERL_NEXT_HOOK"  # a hook of the user's own, run after 
 class _PatchAfterExec(importlib.abc.Loader):
     """Wraps the loader of ``verl.utils.fsdp_utils``: runs it, then ``patch()`` (once)."""
 
-    def __init__(self, inner: importlib.abc.Loader, finder: "_PatchOnImport") -> None:
+    def __init__(self, inner: importlib.abc.Loader, finder: _PatchOnImport) -> None:
         self._inner, self._finder = inner, finder
 
     def create_module(self, spec):

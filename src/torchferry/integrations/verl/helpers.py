@@ -1,8 +1,7 @@
 """verl's FSDP offload helpers, backed by torchferry.
 
-Same names and signatures as ``verl.utils.fsdp_utils`` (verl PR #7347, see
-``shared/seed/``), so a verl user can swap them in (``torchferry.compat.verl``
-is the same module's older import path)::
+Same names and signatures as ``verl.utils.fsdp_utils`` (verl PR #7347), so a verl user can swap them in
+(``torchferry.compat.verl`` is the same module's older import path)::
 
     from torchferry.integrations.verl import (
         offload_fsdp2_model_to_cpu, load_fsdp2_model_to_gpu,
@@ -33,7 +32,7 @@ reloads the model (``load_fsdp_model_to_gpu``, whose H2D stream waits for the ca
 stream), which now starts after the optimizer's D2H; the next step's reload for the rollout
 comes after a Ray round trip and the driver's work, usually later than that. Checkpoints do
 not depend on this ordering: ``state_dict()`` waits for the copies by itself, whatever the
-stream ([Note: state_dict() waits for the offload] in ``torchferry._guards``); other host
+stream ([Note: state_dict() waits for the offload] in ``torchferry._core._ferry.guards``); other host
 reads of the tensors need this ordering plus a synchronisation, or ``handle.wait()``.
 
 One :class:`~torchferry.Ferry` is kept per model and per optimizer, weakly
@@ -47,9 +46,9 @@ import weakref
 import torch
 from torch import nn
 
-from ..._ferry import Ferry
-from ..._handle import TransferHandle
-from ..._targets import inner_optimizers
+from ..._core._ferry.ferry import Ferry
+from ..._core._api.handle import TransferHandle
+from ..._core._state.targets import inner_optimizers
 
 __all__ = [
     "ferry_for",

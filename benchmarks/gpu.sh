@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The GPU test tier and the rows of benchmarks/README.md, on the GPUs this machine has.
+#
+#   bash benchmarks/gpu.sh [STAGE] [OUT]
+#
+# STAGE: tests | bench | pin | lora | engine | grpo | verl | all (default: all).
+# OUT: folder for the logs and results (default: ./gpu-results). Results are named
+# <claim>_<gpu>x<n>_<date>.json, as in benchmarks/results/. Rows measured on one GPU run on the
+# first visible GPU; rows measured on several run under torchrun on all of them, and only when
+# there are at least 2. A failed command is reported and the rest still runs; the exit status
+# is 1 if any failed.
+set -uo pipefail
+stage=${1:-all}
+out=${2:-gpu-results}
+mkdir -p "$out" && out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+
+ngpu=$("$py" -c 'import torch; print(torch.cuda.device_count())') || exit 2
+if [ "$ngpu" -lt 1 ]; then echo "no CUDA GPU: nothing to run (the CPU tier is python -m pytest -q tests)" >&2; exit 2; fi
+gpu=$("$py" -c 'import torch; print(torch.cuda.get_device_name(0).split()[-1].lower())')
+day=$(date -u +%F)
+one=${gpu}x1      # hardware of the one-GPU rows
+all=${gpu}x$ngpu  # hardware of the multi-GPU rows and the test tier
+first=${CUDA_VISIBLE_DEVICES:-0}
+on1=(env CUDA_VISIBLE_DEVICES="${first%%,*}" "$py")
+onall=("$py" -m torch.distributed.run --standalone --nproc_per_node "$ngpu")
+git rev-parse HEAD > "$out/commit.txt" 2>/dev/null || echo "not a git checkout" > "$out/commit.txt"
+nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
+
+failed=0
+run() {  # NAME CMD...: CMD's output to the terminal and to OUT/NAME.log
+  echo "== $1: ${*:2}"
+  if ! "${@:2}" 2>&1 | tee "$out/$1.log"; then echo "!! $1 failed (see $out/$1.log)"; failed=1; fi
+}
+multi() {  # as run, when there are at least 2 GPUs
+  if [ "$ngpu" -ge 2 ]; then run "$@"; else echo "-- $1: skipped (needs >= 2 GPUs, found $ngpu)"; fi
+}
+
+tests() {  # the GPU tier; its soak test writes soak_gpu_1000_cycles.json under TORCHFERRY_RESULTS_DIR
+  run "pytest_gpu_${all}_$day" env TORCHFERRY_RESULTS_DIR="$out" "$py" -m pytest -q -p no:cacheprovider -rfE tests/gpu
+  if [ -f "$out/soak_gpu_1000_cycles.json" ]; then mv "$out/soak_gpu_1000_cycles.json" "$out/soak_gpu_${all}_$day.json"; fi
+}
+bench() {
+  local n="bench_qwen2.5-1.5b_${one}_$day"
+  run "$n" "${on1[@]}" -m torchferry bench --preset qwen2.5-1.5b --steps 2 --json "$out/$n.json" --plot "$out/$n.png"
+  n="bench_qwen2.5-7b_${all}_$day"
+  multi "$n" "${onall[@]}" -m torchferry bench --preset qwen2.5-7b --strategies seed,torchferry \
+      --json "$out/$n.json" --plot "$out/$n.png"
+  n="bench_qwen2.5-7b-swap_${all}_$day"
+  multi "$n" "${onall[@]}" -m torchferry bench --preset qwen2.5-7b --strategies torchferry,torchferry+prefetch \
+      --seq-len 2048 --batch-size 2 --micro-batches 4 --steps 3 --json "$out/$n.json" --trace "$out/trace_qwen2.5-7b_${all}_$day"
+  n="bench_qwen2.5-7b-compute-rich_${all}_$day"
+  multi "$n" "${onall[@]}" -m torchferry bench --preset qwen2.5-7b --workload compute-rich \
+      --strategies torchferry,torchferry+prefetch --steps 3 --no-swap --json "$out/$n.json" --plot "$out/$n.png"
+}
+pin() {  # one run gives the pinning, first-offload and small-tensors rows
+  run "bench-pin_${one}_$day" "${on1[@]}" -m torchferry bench-pin --json "$out/bench-pin_${one}_$day.json"
+}
+lora() {
+  local n="bench-lora_qwen2.5-7b-8layers_${one}_$day"
+  run "$n" "${on1[@]}" -m torchferry bench-lora --preset qwen2.5-7b --layers 8 --steps 3 --json "$out/$n.json"
+  n="bench-lora_qwen2.5-7b_${all}_$day"
+  multi "$n" "${onall[@]}" -m torchferry bench-lora --preset qwen2.5-7b --steps 4 --json "$out/$n.json"
+}
+engine() {
+  local n="engine_fsdp2_qwen2.5-7b_${all}_$day"
+  multi "$n" "${onall[@]}" benchmarks/engine_fsdp2.py --preset qwen2.5-7b --seed-cycles 0 --json "$out/$n.json"
+}
+grpo() {
+  local n="grpo_dock_qwen2.5-7b_${all}_$day"
+  multi "$n" "${onall[@]}" benchmarks/grpo_dock.py --preset qwen2.5-7b --steps 2 --warmup-steps 1 \
+      --json "$out/$n.json" --plot "$out/$n.png"
+}
+verl() {  # writes verl_qwen2.5-0.5b_<gpu>x<n>_<date>.json and both runs under OUT/verl
+  multi "verl_qwen2.5-0.5b_${all}_$day" bash benchmarks/verl_actor.sh "$out/verl" "$ngpu" qwen2.5-0.5b 4
+}
+
+case $stage in
+  tests | bench | pin | lora | engine | grpo | verl) "$stage" ;;
+  all) tests; bench; pin; lora; engine; grpo; verl ;;
+  *) echo "usage: bash benchmarks/gpu.sh [tests|bench|pin|lora|engine|grpo|verl|all] [OUT]" >&2; exit 2 ;;
+esac
+echo "results in $out (commit $(cat "$out/commit.txt"))"
+exit "$failed"

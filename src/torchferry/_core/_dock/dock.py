@@ -1,0 +1,456 @@
+"""The public :class:`Dock`: registration, phases (``use``/``acquire``/``release``), prefetch, eviction,
+introspection. The accounting and moves are its base class's (``_engine``)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from .._api.args import check_callable, shown
+from .._ferry.ferry import Ferry
+from .engine import _HOLDERS, _Engine
+from .measure import counted_bytes, ensure_plan
+from .records import DockStats, Move, _Claimant, _fmt, _Set
+from .schedule import Schedule
+
+__all__ = ["Dock"]
+
+
+class Dock(_Engine):
+    """State sets and claimants of GPU memory under one GPU budget (see the module docstring).
+
+    Args:
+        budget_bytes: bytes that the resident state sets (their storages as
+            they are now, grown state included), the awake claimants and the
+            byte-count claimants in use may hold together on the device (see
+            [Note: dock accounting]).
+        device: the device of the state sets; default the first added ferry's.
+
+    Raises:
+        ValueError: ``budget_bytes`` not a positive int.
+
+    A ferry belongs to one dock at a time ([Note: one dock per ferry]).
+    Not thread-safe: drive a dock from one thread.
+    """
+    # ---------------------------------------------------------------- registration
+    def add(self, name: str, ferry: Ferry) -> None:
+        """Registers a state set: the ferry's state, counted in bytes as it is at each decision.
+
+        The set stays where it is (resident or offloaded). A resident set
+        counts the storages it holds on the device now, state grown since the
+        ferry's last plan included (``.grad``s kept, a resized embedding, an
+        optimizer's first step: [Note: a set counts its bytes now]); an evicted
+        one its ``ferry.state_bytes``. The ferry of an optimizer may be made
+        before its first step (give it ``device=`` on a GPU): its state counts
+        from the ``release()`` after that step. A resident ferry that has no
+        plan yet is planned here (``ferry.reserve_host(background=True)``), so
+        that FSDP2's sharded storages of a unit left unsharded count too.
+
+        Raises:
+            ValueError: a name already registered, a ferry already added, a
+                ferry on another device than the dock's, or a set larger than
+                the budget (it could never be resident).
+            TypeError: ``ferry`` is not a :class:`~torchferry.Ferry`.
+            HostBudgetError: a resident ferry that had no plan yet is planned
+                here (``ferry.reserve_host(background=True)``, which starts
+                allocating the host pool its first eviction needs) and the
+                node cannot hold that pool.
+            RuntimeError: another dock that is still alive holds the ferry
+                (:meth:`remove` it there or :meth:`close` that dock first), or
+                this dock is closed. Nothing changes in either dock.
+        """
+        self._check_new_name(name)
+        if not isinstance(ferry, Ferry):
+            raise TypeError(f"torchferry: Dock.add: {name!r} must be a torchferry.Ferry, got {type(ferry).__name__}")
+        for s in self._sets.values():
+            if s.ferry is ferry:
+                raise ValueError(f"torchferry: Dock.add: this ferry is already added as {s.name!r}")
+        other = self._holder(ferry)
+        if other is not None:
+            held_as = next(s.name for s in other._sets.values() if s.ferry is ferry)
+            raise RuntimeError(
+                f"torchferry: Dock.add: cannot add {name!r}: its ferry is held by another dock ({other._label()}) "
+                f"as {held_as!r}; a ferry belongs to one dock: remove it there first "
+                f"(dock.remove({held_as!r}) or dock.close())"
+            )
+        dev = self._device
+        if dev is not None and (ferry.device.type != dev.type
+                                or (dev.index is not None and ferry.device.index != dev.index)):
+            raise ValueError(f"torchferry: Dock.add: {name!r} is on {ferry.device} but the dock on {dev}")
+        nbytes = counted_bytes(ferry)
+        if nbytes > self._budget:
+            raise ValueError(
+                f"torchferry: Dock.add: state set {name!r} is {_fmt(nbytes)} but the budget is "
+                f"{_fmt(self._budget)}; it could never be resident: raise budget_bytes or split the set "
+                "(e.g. parameters and optimizer state as two ferries)"
+            )
+        ensure_plan(ferry)  # after the checks: a refused ferry is left as it was
+        nbytes = counted_bytes(ferry)
+        self._device = ferry.device
+        self._sets[name] = _Set(name, ferry, self._order(), nbytes)
+        _HOLDERS[ferry] = weakref.ref(self)
+
+    def remove(self, name: str) -> None:
+        """Forgets a state set or claimant; its ferry may then join another dock.
+
+        The set stays where it is (resident or offloaded: its moves are waited
+        for first), a claimant as it is (awake or asleep: its bytes no longer
+        count). A schedule that names it keeps it (declare a new one with
+        :meth:`plan`).
+
+        Raises:
+            ValueError: an unknown name.
+            RuntimeError: the name is in use.
+        """
+        self._check_names((name,), "remove")
+        if (self._sets.get(name) or self._claimants[name]).in_use:
+            raise RuntimeError(f"torchferry: Dock.remove: {name!r} is in use; leave its use() block first")
+        self._drop(name)
+
+    def close(self) -> None:
+        """Forgets every set and claimant (as :meth:`remove`) and refuses new ones; idempotent.
+
+        The sets stay where they are; their ferries may join another dock.
+        Dropping a dock (garbage collection) lets its ferries go as well.
+
+        Raises:
+            RuntimeError: a name is in use (nothing is forgotten then).
+        """
+        busy = sorted(self.in_use)
+        if busy:
+            raise RuntimeError(f"torchferry: Dock.close: {busy} in use; leave their use() blocks first")
+        for name in [*self._sets, *self._claimants]:
+            self._drop(name)
+        self._schedule, self._pos, self._closed = None, -1, True
+
+    def add_claimant(self, name: str, nbytes: int, *, sleep: Callable[[], object] | None = None,
+                     wake: Callable[[], object] | None = None, empty_cache: bool = False) -> None:
+        """Registers a claimant of GPU memory that is not a state set.
+
+        With ``sleep`` and ``wake`` (a rollout engine): ``use(name)`` makes
+        room for ``nbytes`` and calls ``wake()`` if it sleeps; after the use
+        it stays awake, holding its bytes, until the dock needs the room and
+        calls ``sleep()`` (or :meth:`evict`). It starts asleep. Without them
+        (a byte count: a KV cache the caller allocates, a phase's workspace):
+        ``use(name)`` makes room for ``nbytes`` and they count while the use
+        lasts; the caller frees the memory by the end of the use.
+
+        Args:
+            name: a new name.
+            nbytes: bytes the claimant holds while awake or in use.
+            sleep: releases the claimant's device memory (synchronously).
+            wake: allocates it again.
+            empty_cache: call ``torch.cuda.empty_cache()`` before ``wake()``:
+                set it when the claimant allocates outside PyTorch's caching
+                allocator (vLLM's sleep mode does), which cannot use blocks
+                PyTorch keeps cached.
+
+        Raises:
+            ValueError: a name already registered, ``nbytes`` negative, not an
+                int or larger than the budget, or only one of ``sleep``/``wake``.
+            TypeError: ``sleep`` or ``wake`` given but not callable.
+        """
+        for what, fn in (("sleep", sleep), ("wake", wake)):
+            if fn is not None:
+                check_callable(fn, f"Dock.add_claimant({what}=...)")
+        self._check_new_name(name)
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise ValueError(f"torchferry: Dock.add_claimant: nbytes of {name!r} must be an int >= 0, got {nbytes!r}")
+        if nbytes > self._budget:
+            raise ValueError(
+                f"torchferry: Dock.add_claimant: claimant {name!r} needs {_fmt(nbytes)} but the budget is "
+                f"{_fmt(self._budget)}; it could never fit: raise budget_bytes or shrink it (e.g. the KV cache)"
+            )
+        if (sleep is None) != (wake is None):
+            raise ValueError(f"torchferry: Dock.add_claimant: give {name!r} both sleep and wake, or neither")
+        self._claimants[name] = _Claimant(name, nbytes, self._order(), sleep, wake, empty_cache)
+
+    def plan(self, schedule: Sequence[str | Iterable[str]] | Schedule | None) -> None:
+        """Declares the step's phases, so that eviction looks ahead (see [Note: choosing victims]).
+
+        Args:
+            schedule: a :class:`Schedule`, or its phases (each a name or names);
+                ``None``: back to least recently used.
+
+        Raises:
+            ValueError: a name not registered, or a malformed schedule.
+            TypeError: ``schedule`` is not a :class:`Schedule`, an iterable of phases or ``None``.
+        """
+        if not (schedule is None or isinstance(schedule, (Schedule, Iterable))):
+            raise TypeError(f"torchferry: Dock.plan() takes a Schedule, a list of phases (each a name or "
+                            f"names) or None, got {shown(schedule)}")
+        if schedule is None:
+            self._schedule = None
+            self._pos = -1
+            return
+        sched = schedule if isinstance(schedule, Schedule) else Schedule.of(schedule)
+        unknown = sorted(sched.names - self._sets.keys() - self._claimants.keys())
+        if unknown:
+            raise ValueError(f"torchferry: Dock.plan: unknown names {unknown}; add() or add_claimant() them first")
+        self._schedule = sched
+        self._pos = -1
+
+    # ------------------------------------------------------------------ phases
+    @contextlib.contextmanager
+    def use(self, *names: str) -> Iterator[None]:
+        """Makes the named state sets resident and the named claimants awake for the block.
+
+        Idle sets and claimants leave only as far as the budget needs (see
+        [Note: choosing victims]); with one set out and one in, both move at
+        once on the two copy engines (:func:`torchferry.swap`). A set loaded
+        here is ready for the current stream (no host sync); one a
+        ``prefetch()`` loaded is waited for only for what is left. After the
+        block everything stays where it is until the room is needed.
+
+        The sets are counted as they are now (see [Note: a set counts its
+        bytes now]); state that grows in the block is seen at its end: if the
+        dock then holds more than the budget, idle sets leave and idle
+        claimants sleep until it is within the budget again.
+
+        Raises:
+            ValueError: an unknown or repeated name, or names that together
+                need more than the budget now (the message names each one's
+                bytes and which grew while resident; nothing is moved).
+            RuntimeError: the room cannot be made because the sets holding it
+                are in use (nothing is moved then).
+        """
+        self.acquire(*names)
+        try:
+            yield
+        finally:
+            self.release(*names)
+
+    def acquire(self, *names: str) -> None:
+        """``use()``'s entry, for frameworks whose load and offload calls are apart (see ``docs/dock.md``).
+
+        Pair every call with :meth:`release` of the same names.
+        """
+        names = self._check_names(names, "use")
+        self._refresh()
+        total = sum(self._nbytes(n) for n in names)
+        if total > self._budget:
+            each = ", ".join(f"{n!r} {self._nbytes(n)} bytes{self._grown(n)}" for n in names)
+            raise ValueError(
+                f"torchferry: Dock.use: {list(names)} need {_fmt(total)} together but the budget is "
+                f"{_fmt(self._budget)} ({each}): use them in separate phases or raise budget_bytes; nothing was moved"
+            )
+        self._poll()
+        pos = self._schedule.match(frozenset(names), self._pos) if self._schedule is not None else None
+        base = self._pos if pos is None else pos
+        victims = self._victims(names, base=base, ahead=False)
+        if victims is None:
+            raise RuntimeError(self._no_room(names))
+        with torch.profiler.record_function("torchferry::dock.use"):
+            hits = [n for n in names if self._resident(n)]
+            prefetched = [n for n in names if n in self._sets and self._sets[n].prefetched]
+            self._pending = [n for n in self._pending if n not in names]
+            self._bring_in(names, victims, background=False)
+            for n in names:
+                if n in self._sets:
+                    s = self._sets[n]
+                    self._hand_off(s)
+                    s.prefetched = False
+        self._tick += 1
+        for n in names:
+            item = self._sets.get(n) or self._claimants[n]
+            item.in_use += 1
+            item.last_used = self._tick
+        if pos is not None:
+            self._pos = pos
+        self._counts.update(uses=1, hits=len(hits), prefetch_hits=len(prefetched))
+
+    def release(self, *names: str) -> None:
+        """``use()``'s exit: the names are idle again (and stay resident: eviction is lazy).
+
+        The sets are measured again: if state grew while in use (gradients
+        kept, an optimizer's first step, a parameter replaced by a larger one)
+        and the dock now holds more than the budget, idle sets leave and idle
+        claimants sleep as far as the budget needs (chosen as for a ``use()``;
+        see [Note: dock accounting]).
+
+        Raises:
+            ValueError: an unknown or repeated name.
+            RuntimeError: a name that is not in use.
+        """
+        names = self._check_names(names, "release")
+        for n in names:
+            item = self._sets.get(n) or self._claimants[n]
+            if item.in_use <= 0:
+                raise RuntimeError(f"torchferry: Dock.release: {n!r} is not in use (release() without acquire())")
+        for n in names:
+            (self._sets.get(n) or self._claimants[n]).in_use -= 1
+        self._refresh()
+        self._restore()
+        self._poll()
+
+    def prefetch(self, *names: str) -> tuple[str, ...]:
+        """Starts bringing the named sets in while the current phase computes, as far as the budget allows.
+
+        For each name (in order), the victims ``use(name)`` would need once
+        the sets now in use are released are evicted at once if none of them
+        is in use; a state set then starts loading in the background as soon
+        as its room is free (on a GPU, on the dock's stream, so the current
+        phase's kernels do not wait for it, see [Note: prefetch hand-off]);
+        a claimant only gets its room (``wake()`` runs in ``use()``). Names
+        whose victims are in use are left to ``use()``. On the CPU the moves
+        are synchronous.
+
+        Returns:
+            The names for which something was started (or already resident).
+
+        Raises:
+            ValueError: an unknown or repeated name.
+        """
+        names = self._check_names(names, "prefetch")
+        self._refresh()
+        self._poll()
+        started = []
+        with torch.profiler.record_function("torchferry::dock.prefetch"):
+            for n in names:
+                if self._prefetch_one(n):
+                    started.append(n)
+        return tuple(started)
+
+    def prefetch_next(self) -> tuple[str, ...]:
+        """``prefetch()`` of the schedule's next phase (after the one last used).
+
+        Raises:
+            RuntimeError: no schedule was declared (:meth:`plan`).
+        """
+        if self._schedule is None:
+            raise RuntimeError("torchferry: Dock.prefetch_next: no schedule; declare one with dock.plan([...])")
+        phase = self._schedule.phases[(self._pos + 1) % len(self._schedule.phases)]
+        ordered = [n for n in (*self._sets, *self._claimants) if n in phase]
+        return self.prefetch(*ordered) if ordered else ()  # the phase names only removed sets
+
+    def evict(self, *names: str) -> None:
+        """Evicts the named sets (offload) and puts the named claimants to sleep now; no names: all idle ones.
+
+        Offloads are asynchronous (see :meth:`wait`); already evicted names
+        and byte-count claimants are no-ops.
+
+        Raises:
+            ValueError: an unknown or repeated name.
+            RuntimeError: a name in use.
+        """
+        if names:
+            names = self._check_names(names, "evict")
+            busy = [n for n in names if (self._sets.get(n) or self._claimants[n]).in_use]
+            if busy:
+                raise RuntimeError(f"torchferry: Dock.evict: {busy} in use; leave their use() blocks first")
+        else:
+            names = tuple(n for n, item in (*self._sets.items(), *self._claimants.items()) if not item.in_use)
+        self._pending = [n for n in self._pending if n not in names]
+        for n in names:
+            if n in self._sets and self._resident(n):
+                self._evict_set(self._sets[n], background=False)
+            elif n in self._claimants and self._claimants[n].awake:
+                self._sleep(self._claimants[n], background=False)
+
+    def wait(self) -> None:
+        """Blocks until every move issued so far has finished, and hands prefetched sets to the current stream."""
+        for s in self._sets.values():
+            if s.handle is not None:
+                s.handle.wait()
+            self._hand_off(s)
+        self._prune_leaving()
+
+    def require(self, *names: str) -> None:
+        """Checks that the named sets are resident (claimants: awake or in use) before touching them.
+
+        A prefetched set is handed to the current stream (it waits for the copies).
+
+        Raises:
+            ValueError: an unknown or repeated name.
+            RuntimeError: a name that is evicted (or asleep), naming what to do.
+        """
+        names = self._check_names(names, "require")
+        for n in names:
+            if not self._resident(n):
+                if n in self._sets:
+                    self._measure(self._sets[n])
+                kind = "state set" if n in self._sets else "claimant"
+                where = "evicted to the host" if n in self._sets else "asleep"
+                raise RuntimeError(
+                    f"torchferry: Dock: {kind} {n!r} ({_fmt(self._nbytes(n))}) is {where}; "
+                    f"enter `with dock.use({n!r}):` (or dock.acquire) before touching it"
+                )
+            if n in self._sets:
+                self._hand_off(self._sets[n])
+
+    # ------------------------------------------------------------- introspection
+    @property
+    def budget_bytes(self) -> int:
+        """The budget, bytes."""
+        return self._budget
+
+    @property
+    def device(self) -> torch.device | None:
+        """The state sets' device (``None`` before the first set)."""
+        return self._device
+
+    @property
+    def schedule(self) -> Schedule | None:
+        """The declared schedule, or ``None`` (least recently used)."""
+        return self._schedule
+
+    def ferry(self, name: str) -> Ferry:
+        """The ferry of state set ``name``.
+
+        Raises:
+            ValueError: not a registered state set.
+        """
+        if name not in self._sets:
+            raise ValueError(f"torchferry: Dock: no state set named {name!r}; sets: {sorted(self._sets)}")
+        return self._sets[name].ferry
+
+    def nbytes(self, name: str) -> int:
+        """Bytes the dock counts for ``name`` now: a resident set's storages on the device as they are
+        now, an evicted set's ``state_bytes``, a claimant's bytes (see [Note: a set counts its bytes now])."""
+        self._check_names((name,), "nbytes")
+        if name in self._sets:
+            self._measure(self._sets[name])
+        return self._nbytes(name)
+
+    def is_resident(self, name: str) -> bool:
+        """Whether a set is on the device (loading counts), or a claimant awake or in use."""
+        self._check_names((name,), "is_resident")
+        return self._resident(name)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes counted against the budget now, sets measured as they are now (outgoing sets not
+        counted, see [Note: dock accounting])."""
+        self._refresh()
+        return self._held()
+
+    @property
+    def free_bytes(self) -> int:
+        """``budget_bytes - resident_bytes``, bytes (negative if sets were resident beyond it when added,
+        or grew beyond it in a use that is still open)."""
+        return self._budget - self.resident_bytes
+
+    @property
+    def in_use(self) -> frozenset[str]:
+        """Names held by a ``use()`` now."""
+        return frozenset(n for n, item in (*self._sets.items(), *self._claimants.items()) if item.in_use)
+
+    @property
+    def stats(self) -> DockStats:
+        """Counts of what the dock has done (see :class:`DockStats`)."""
+        return DockStats(**{f.name: self._counts[f.name] for f in dataclasses.fields(DockStats)})
+
+    @property
+    def moves(self) -> tuple[Move, ...]:
+        """The last moves (up to 4096), oldest first."""
+        return tuple(self._moves)
+
+    def __repr__(self) -> str:
+        self._refresh()
+        return (f"Dock(budget_bytes={self._budget}, resident_bytes={self._held()}, sets={list(self._sets)}, "
+                f"claimants={list(self._claimants)}, in_use={sorted(self.in_use)})")
+

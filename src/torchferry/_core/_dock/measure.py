@@ -1,0 +1,117 @@
+"""What a docked state set holds on its device now: the one place the dock reads a ferry's internals.
+
+[Note: a set counts its bytes now]
+``Ferry.state_bytes`` is the size of the ferry's last plan, made at its last
+offload (or at its construction). State that grows while resident is not in
+it until the next offload plans again: ``.grad``s kept by
+``optimizer.zero_grad(set_to_none=False)`` (moved with the set from then on),
+a parameter replaced by a larger one (an embedding resized, HF's
+``resize_token_embeddings``), an optimizer's first step (its state created).
+A dock that counted ``state_bytes`` counted 768 MiB while 1024 MiB were
+allocated after ``use("rollout")`` on one H200, against an 896 MiB budget: the
+room it made for the KV cache was not there. So a resident set counts the
+unique storages on its device that its targets hold now, and those of the
+ferry's last plan, at their sizes now (the plan keeps its storages until the
+next offload: a replaced weight's old storage is still allocated), measured
+by :func:`device_bytes` at every decision of the dock ([Note: dock
+accounting] in ``_engine``). A set on the host counts ``state_bytes``: the
+offload planned it, so it is what the reload brings back (and what an offload
+in flight still holds on the device). Not counted: a reload arena's filler
+([Note: reload arena]), device memory the ferry holds beside the state when
+cached blocks took the storages before the arena did. The walk costs what the fingerprint of
+[Note: cached plan] costs (which every offload takes): 20-35 ms for 8192
+tensors (2048 Linears with grads) on a 2-core CI host; Qwen2.5-7B's 339
+parameters with grads and AdamW state are about 1,400 tensors, 3-6 ms at that
+rate. A ``use()`` walks each resident set about three times (at its start, at
+its ``release()``, at a ``prefetch()`` in it).
+
+A public ``Ferry`` property would be the better home for :func:`device_bytes`;
+until there is one, this module is the only one of the dock that reads a
+ferry's internals (``Ferry._targets``, ``Ferry._set.cache``). The plan is
+what tells where FSDP2 keeps the sharded storages of a unit left unsharded
+(the root after a forward), so ``Dock.add`` gives a resident ferry without one
+a plan (:func:`ensure_plan`). Without it, a tiny GRPO run counted the actor
+128 bytes below the reference (its root norm's sharded storage unseen), and
+the schedule, the two costs no longer equal, chose to evict the actor (in
+use, so no prefetch) instead of the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._ferry.ferry import Ferry
+from .._state.fsdp import local_of
+from .._api.residency import Residency
+from .._state.targets import walk
+
+__all__ = ["counted_bytes", "device_bytes", "ensure_plan"]
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def device_bytes(ferry: Ferry) -> int:
+    """Bytes of the unique storages on the ferry's device that its targets and its last plan hold now.
+
+    Storages are told apart by identity (``StorageImpl``), as the planner does,
+    so tied weights and views count once; a storage released by an offload
+    counts 0. Tensors of the targets elsewhere (AdamW's ``step`` on the host
+    for a GPU ferry) are not counted. On a CPU ferry an offloaded set's host
+    views are CPU tensors too: call it for resident sets only (as
+    :func:`counted_bytes` does).
+    """
+    dev = ferry.device
+    seen: set[int] = set()
+    total = 0
+    try:
+        targets = ferry._targets.live()
+    except RuntimeError:  # a module or optimizer target was collected: only the plan's storages are left
+        targets = []
+    storages = [local_of(t).untyped_storage() for _, t in walk(targets)]
+    cache = ferry._set.cache
+    if cache is not None:
+        storages.extend(cache.plan.storages)
+    for st in storages:
+        key = st._cdata
+        if key in seen or not _same_device(st.device, dev):
+            continue
+        seen.add(key)
+        total += st.nbytes()
+    return total
+
+
+def ensure_plan(ferry: Ferry) -> None:
+    """Gives a resident ferry that has no plan yet one, so that :func:`device_bytes` sees all it holds.
+
+    An FSDP2 unit left unsharded (the root after a forward; every unit with
+    ``reshard_after_forward=False``) registers its unsharded parameters: its
+    sharded storages are reachable through the plan only. Planned by the
+    public ``reserve_host(background=True)``, which also starts allocating
+    the host pool that the set's first eviction needs (what ``pin_ahead``
+    does by default anyway).
+
+    Raises:
+        HostBudgetError, RuntimeError: as ``Ferry.reserve_host``.
+    """
+    if ferry._set.cache is None and not ferry.residency.on_host:
+        ferry.reserve_host(background=True)
+
+
+def counted_bytes(ferry: Ferry) -> int:
+    """Bytes a dock counts for the ferry's set now (see [Note: a set counts its bytes now]).
+
+    Resident: :func:`device_bytes`, at least ``state_bytes`` when the ferry
+    has no plan (after ``forget_plan()`` or a replacement while offloaded, FSDP2's
+    sharded storages of a unit left unsharded are not seen then: see
+    :func:`ensure_plan`) or a layer-wise reload is under way (``PREFETCHING``:
+    the units not yet arrived hold 0 bytes now). On the host: ``state_bytes``.
+    """
+    r = ferry.residency
+    if r.on_host:
+        return ferry.state_bytes
+    now = device_bytes(ferry)
+    if r is Residency.PREFETCHING or ferry._set.cache is None:
+        return max(now, ferry.state_bytes)
+    return now

@@ -1,0 +1,113 @@
+"""Hooks installed while offloaded: use of the state fails loudly instead of running on the
+host, and ``state_dict()`` waits for the offload's copies ([Note: state_dict() waits for the
+offload]).
+
+[Note: state_dict() waits for the offload]
+``offload()`` returns with its D2H copies in flight on the D2H stream, the targets' tensors
+already host tensors viewing the pool; a host read before the copies finish reads the pool's
+old bytes. Synchronising the caller's stream does not order it (verl's seed copied on the
+caller's stream, so its ``.item()``, ``.cpu()`` or ``current_stream().synchronize()`` did).
+The bug this prevents: a corrupt checkpoint from verl's ``FSDPCheckpointManager``
+(``optimizer.state_dict()``, then ``torch.save``) right after the optimizer's offload; on one
+H200 (12 x 8192^2 AdamW, 6.4 GB of state) the last state tensor read on the host right after
+the offload differed from the state in 3 of 3 trials. While offloaded, every module and
+optimizer target therefore has a state-dict pre-hook that waits (on the
+host) for the offload's handle, so ``state_dict()``, and DCP's ``get_model_state_dict`` /
+``get_optimizer_state_dict`` which call it, return tensors whose bytes are in the pool. A
+module's ``load_state_dict()`` waits too: it writes the pool in place, and a copy still in
+flight would overwrite what it wrote. The hooks go on the targets themselves (one each, not
+one per submodule: a few microseconds per offload), so a submodule's own ``state_dict()``
+does not wait. They hold the handle, not the ferry, so they still wait after the ferry is
+dropped; once the copies are seen complete a hook is an attribute check, and nothing is
+installed while the state is resident. Host reads by other means (``p.sum().item()``,
+``p.numpy()``, ``torch.save`` of tensors taken from ``parameters()``) need ``handle.wait()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .._api.handle import TransferHandle
+from .._state.tree import module_tree
+
+__all__ = ["OffloadGuards"]
+
+
+def _owns_state(m: nn.Module) -> bool:
+    """Whether ``m`` directly holds a parameter or buffer (``None`` entries do not count)."""
+    params, buffers = m._parameters, m._buffers  # most modules of a large model hold neither
+    return bool(params) and any(v is not None for v in params.values()) or (
+        bool(buffers) and any(v is not None for v in buffers.values()))
+
+
+class OffloadGuards:
+    """Forward, step and state-dict pre-hooks, installed while offloaded.
+
+    Every module in a target's tree that directly owns parameters or buffers
+    gets a forward pre-hook (prepended, so it runs before FSDP2's all-gather),
+    and every optimizer target a step pre-hook. Both raise ``RuntimeError``
+    naming what to call. Each module target (its ``state_dict()`` and
+    ``load_state_dict()``) and each optimizer target (its ``state_dict()``)
+    gets a pre-hook that waits for :attr:`pending` ([Note: state_dict() waits
+    for the offload]). Nothing is installed while the state is resident, so
+    resident forwards and checkpoints pay nothing.
+
+    Attributes:
+        pending: the transfer a ``state_dict()`` waits for (the ferry's last,
+            set as it is issued), or ``None``.
+    """
+
+    def __init__(self, describe: Callable[[], str]) -> None:
+        self._describe = describe  # e.g. "Ferry(..., residency=HOST)"
+        self._handles: list[RemovableHandle] = []
+        self.pending: TransferHandle | None = None
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._handles)
+
+    def install(self, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
+        if self._handles:
+            return
+        for root in modules:
+            for name, m in module_tree(root):
+                if m is root or _owns_state(m):
+                    self._handles.append(m.register_forward_pre_hook(self._forward_hook(name), prepend=True))
+            # The root's hooks run before any submodule's state is read or written.
+            self._handles.append(root.register_state_dict_pre_hook(self._wait_hook))
+            self._handles.append(root.register_load_state_dict_pre_hook(self._wait_hook))
+        for opt in optimizers:
+            self._handles.append(opt.register_step_pre_hook(self._step_hook))
+            self._handles.append(opt.register_state_dict_pre_hook(self._wait_hook))
+
+    def remove(self) -> None:
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.remove()
+
+    def _forward_hook(self, name: str):
+        def hook(module: nn.Module, args: object) -> None:
+            where = f"{type(module).__name__} '{name}'" if name else f"the {type(module).__name__} target"
+            raise RuntimeError(
+                f"torchferry: forward of {where} while its state is offloaded to host "
+                f"memory ({self._describe()}); call ferry.reload() (with the verl helpers: "
+                "load_fsdp2_model_to_gpu(model)) before running it"
+            )
+
+        return hook
+
+    def _wait_hook(self, *args: object) -> None:
+        # See [Note: state_dict() waits for the offload].
+        pending = self.pending
+        if pending is not None:
+            pending.wait()  # returns at once once seen complete
+
+    def _step_hook(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        raise RuntimeError(
+            f"torchferry: {type(optimizer).__name__}.step() while its state is "
+            f"offloaded to host memory ({self._describe()}); call ferry.reload() first"
+        )

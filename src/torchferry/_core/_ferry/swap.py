@@ -1,0 +1,78 @@
+"""Swap: one state set out while another comes in, on the two copy engines at once.
+
+Colocated PPO keeps several models on the same GPUs (actor, critic,
+reference). Moving one out while the next comes in uses both copy engines:
+97.6 GB/s both ways against 55.5 / 55.3 GB/s one way on one H200
+(``link_peak_GBps`` in ``benchmarks/results/bench-pin-pinning_h200x1_2026-11-30.json``).
+
+The outgoing state keeps its device memory until its copies land, so the
+incoming state stays within ``gpu_budget_bytes`` (see [Note: swap budget] in
+``_schedules/release``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._api.args import check_bytes, shown
+from .ferry import Ferry
+from .._api.handle import TransferHandle
+from .interrupts import interrupts_deferred
+from .._schedules.release import ReleaseSchedule
+
+__all__ = ["swap"]
+
+
+@interrupts_deferred
+def swap(out: Ferry, into: Ferry, *, gpu_budget_bytes: int | None = None) -> tuple[TransferHandle, TransferHandle]:
+    """Offloads ``out`` and reloads ``into`` at the same time (D2H and H2D streams).
+
+    Args:
+        out: a ferry whose state is on the device (a no-op for it otherwise).
+        into: a ferry whose state is offloaded (a no-op for it otherwise).
+        gpu_budget_bytes: device bytes that everything allocated on the device
+            may reach during the swap (see [Note: swap budget]); ``None``: no
+            limit beyond the device's own.
+
+    Returns:
+        ``(offload_handle, reload_handle)``.
+
+    Raises:
+        TypeError: ``out`` or ``into`` is not a :class:`~torchferry.Ferry`.
+        ValueError: the two ferries are one, or on different devices, or the
+            budget is not an int >= 0 or cannot hold what is allocated besides
+            ``out`` plus ``into``'s state.
+        RuntimeError: a ferry is closed, or ``into``'s reload failed (``out``
+            is then reloaded too, so neither moved).
+    """
+    for name, ferry in (("out", out), ("into", into)):
+        if not isinstance(ferry, Ferry):
+            raise TypeError(f"torchferry: swap({name}=...) must be a torchferry.Ferry, got {shown(ferry)}")
+    check_bytes(gpu_budget_bytes, "swap(gpu_budget_bytes=...)")
+    if out is into:
+        raise ValueError("torchferry: swap: out and into are the same ferry")
+    if out.device != into.device:
+        raise ValueError(f"torchferry: swap: out is on {out.device} but into on {into.device}")
+    out._check_open()
+    into._check_open()
+    cuda = out.device.type == "cuda"
+    base = torch.cuda.memory_allocated(out.device) if cuda else 0
+    out_bytes = out.state_bytes if not out.residency.on_host else 0
+    if gpu_budget_bytes is not None and cuda:
+        need = base - out_bytes + into.state_bytes
+        if need > gpu_budget_bytes:
+            raise ValueError(
+                f"torchferry: swap: gpu_budget_bytes={gpu_budget_bytes} but the incoming state "
+                f"({into.state_bytes} bytes) plus what stays allocated ({base - out_bytes} bytes) needs {need}"
+            )
+    schedule = ReleaseSchedule(gpu_budget_bytes if cuda else None, base)
+    h_out = out.offload(schedule=schedule)
+    try:
+        h_in = into.reload(schedule=schedule)
+    except BaseException:
+        schedule.release_rest()
+        out.reload()  # all or nothing: bring the outgoing state back before raising
+        raise
+    finally:
+        schedule.release_rest()
+    return h_out, h_in

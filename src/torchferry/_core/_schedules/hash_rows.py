@@ -1,0 +1,46 @@
+"""The fused hash kernel's work table and the int64 upload both hashes use; apart from ``hash`` so
+that ``hash_triton`` (imported lazily by ``hash``) and ``hash`` do not import each other."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["int64_on", "row_table"]
+
+
+def int64_on(values: list, device: torch.device) -> torch.Tensor:
+    """An int64 tensor of ``values`` on ``device``, without a host sync (pinned, non-blocking)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def row_table(ptrs: list[int], nbytes: list[int], piece_words: int, device: torch.device
+              ) -> tuple[torch.Tensor, int]:
+    """The fused hash kernel's work table, built on ``device`` (``_schedules/hash_triton``).
+
+    Each byte range is cut into pieces of at most ``piece_words`` 8-byte words, one row each:
+    ``(address, words, first word's position, tail bytes)``, the tail (< 8 bytes) on a range's
+    last row only; an empty range gets one row of 0 words.
+
+    Returns:
+        ``(both, rows)``: ``both`` is 1D int64 on ``device``, the ``[rows, 4]`` table flattened,
+        then ``rows`` range indices (which range each row belongs to).
+
+    Only ``3 * len(ptrs)`` int64 go up (pinned, non-blocking), the rest is computed there: built
+    with CPU ops, a 15.9 GB state's 15k-row table cost some 10 ms of host time per offload
+    (``git show 75cc57c:benchmarks/results/profile_lora_offload_h200_2026-12-01.txt``).
+    """
+    rows_per = [max(1, -(-(n // 8) // piece_words)) for n in nbytes]
+    rows = sum(rows_per)
+    meta = int64_on([ptrs, nbytes, rows_per], device)
+    p, n, per = meta[0], meta[1], meta[2]
+    seg = torch.repeat_interleave(torch.arange(len(ptrs), device=device), per, output_size=rows)
+    k = torch.arange(rows, device=device) - (torch.cumsum(per, 0) - per)[seg]  # piece index in its range
+    first = k * piece_words
+    table = torch.stack([
+        p[seg] + first * 8,
+        torch.clamp((n // 8)[seg] - first, max=piece_words),
+        first,
+        torch.where(k == per[seg] - 1, (n % 8)[seg], 0),
+    ], 1)
+    return torch.cat([table.view(-1), seg]), rows

@@ -1,0 +1,398 @@
+"""Layer-wise reload: FSDP units come back in forward order, each forward waits only for its own.
+
+[Note: prefetch reload]
+``ferry.reload(prefetch=...)`` splits the state into groups, one per FSDP unit
+(a ``fully_shard``-ed module: its parameters, their grads, its buffers) in
+forward order (module pre-order, so the root unit comes first: FSDP2's root
+pre-forward all-gathers it before any layer runs), plus a tail group for the
+rest (optimizer state, plain tensors). Copies for the groups are issued on the
+H2D stream in that order, all at once or, with ``lookahead_bytes``, keeping at
+most that many bytes issued ahead of the unit being computed.
+
+A unit is an FSDP2 state: ``fully_shard([a, b])`` makes one unit of both.
+Every unit gets a forward pre-hook, prepended so that it runs before FSDP2's
+own (which all-gathers the unit's ``_sharded_param_data``). The hook makes the
+current stream wait for the unit's copy event (and for the units FSDP2 will
+prefetch from there, ``_states_to_forward_prefetch``), gives the unit's
+tensors their device impls back, and issues further groups to keep the
+look-ahead. The tail group is completed by a step pre-hook of each optimizer
+target, so ``optimizer.step()`` cannot run on state still in flight; a
+``state_dict()`` of a target (module or optimizer) completes everything first.
+When the last group is resident the hooks are removed. Until its unit runs, a
+group's tensors stay CPU tensors viewing the pool (still correct, just not
+moved yet); ``ferry.reload()`` without prefetch completes everything at once.
+
+Between ``reload(prefetch=...)`` and a unit's forward its tensors are host
+tensors. In-place writes to them there (``p.mul_(2)``) are not lost: version
+counters are recorded when the copies are issued and a group written since is
+copied again when made resident. Writes the counters do not see are: the
+``_foreach_`` ops on DTensors, writes through ``p.data`` or through views
+taken before the offload. So: state holding gradients is reloaded plainly
+(``zero_grad(set_to_none=False)`` before the forward uses ``_foreach_zero_``),
+every optimizer step first completes every prefetch under way (a global step
+pre-hook while one is), and you should not write parameters between the
+reload and the forward otherwise. FSDP2's ``unshard()`` called by hand there,
+or ``full_tensor()`` of a parameter not yet resident, would read a host
+tensor: call ``ferry.reload()`` first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .._transfer.copies import transfer_range
+from .._transfer.arena import ReloadArena
+from .._state.fsdp import comm_streams, forward_prefetch_units, fsdp_modules, lazy_init_done, unit_key, versions
+from .._api.handle import TransferHandle
+from .._host.layout import HostViews
+from .._state.plan import Plan
+from .._state.parking import Parking
+from .step_hooks import GlobalStepHook
+from .._transfer.streams import TransferStreams
+
+__all__ = ["Group", "Prefetch", "PrefetchRun", "group_plan", "prefetch_groups"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Prefetch:
+    """How a layer-wise reload runs.
+
+    Attributes:
+        lookahead_bytes: bytes of copies kept issued ahead of the unit being
+            computed (at least one group is always issued). ``None`` (the
+            default) issues every group at the ``reload()`` call: the copy
+            engine then streams them back to back in forward order, and the
+            device memory is allocated at once, as for a plain reload.
+    """
+
+    lookahead_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.lookahead_bytes is not None and (
+                not isinstance(self.lookahead_bytes, int) or isinstance(self.lookahead_bytes, bool)
+                or self.lookahead_bytes < 0):
+            raise ValueError(f"torchferry: Prefetch: lookahead_bytes must be an int >= 0 (bytes) or None, "
+                             f"got {self.lookahead_bytes!r}")
+
+
+@dataclasses.dataclass
+class Group:
+    """The storages and tensors one FSDP unit needs (``unit is None``: the tail group).
+
+    Attributes:
+        unit: the unit's first module (``None`` for the tail group).
+        storages: indices into ``plan.storages``.
+        tensors: indices into ``plan.tensors``.
+        nbytes: bytes of the group's storages.
+    """
+
+    unit: nn.Module | None
+    storages: list[int] = dataclasses.field(default_factory=list)
+    tensors: list[int] = dataclasses.field(default_factory=list)
+    nbytes: int = 0
+
+
+def group_plan(plan: Plan) -> list[Group]:
+    """Groups a plan's storages by FSDP unit, in forward order, tail group last.
+
+    A parameter belongs to the innermost unit that holds it (as in FSDP2); its
+    ``.grad`` goes with it; buffers likewise. A storage goes to the first
+    group (in forward order) of any tensor viewing it. Returns only non-empty
+    groups; without FSDP units, one tail group if there are optimizer targets
+    (else an empty list: a plain reload).
+    """
+    units: list[nn.Module] = []
+    seen_states: dict[int, int] = {}  # unit_key -> index in units
+    alias: dict[int, int] = {}  # id(module) -> unit index, for grouped fully_shard([a, b])
+    for m in plan.modules:
+        for u in fsdp_modules(m):
+            key = unit_key(u)
+            if key not in seen_states:
+                seen_states[key] = len(units)
+                units.append(u)
+            alias[id(u)] = seen_states[key]
+    if not units:
+        # Optimizer state alone: one tail group, completed by the step pre-hook,
+        # so the forward before the step does not wait for it. With a module target
+        # too (no FSDP units), a plain reload: its parameters must be back before
+        # the forward, not at the step (a backward in between would drop their grads).
+        if plan.optimizers and plan.storages and not plan.modules:
+            return [Group(None, list(range(len(plan.storages))), list(range(len(plan.tensors))), plan.state_bytes)]
+        return []
+    owner: dict[int, int] = {}  # id(tensor) -> group index
+    members = [m for root in plan.modules for m in fsdp_modules(root)]
+    for u in reversed(members):  # innermost first claims
+        gi = alias[id(u)]
+        for p in u.parameters():
+            owner.setdefault(id(p), gi)
+            if p.grad is not None:
+                owner.setdefault(id(p.grad), gi)
+        for b in u.buffers():
+            owner.setdefault(id(b), gi)
+    tail = len(units)
+    groups = [Group(u) for u in units] + [Group(None)]
+    storage_group: dict[int, int] = {}
+    for ref in plan.tensors:
+        gi = owner.get(id(ref.tensor), tail)
+        si = ref.storage_index
+        storage_group[si] = min(storage_group.get(si, gi), gi)
+    # A parameter and its grad must move together (the host impl links the host
+    # grad, see [Note: parked TensorImpls]): unify their groups.
+    tensor_of = {id(r.tensor): r for r in plan.tensors}
+    for _ in range(2):
+        for ref in plan.tensors:
+            g = ref.tensor.grad if isinstance(ref.tensor, nn.Parameter) or ref.tensor.requires_grad else None
+            if g is not None and id(g) in tensor_of:
+                a, b = ref.storage_index, tensor_of[id(g)].storage_index
+                low = min(storage_group[a], storage_group[b])
+                storage_group[a] = storage_group[b] = low
+    for ti, ref in enumerate(plan.tensors):
+        groups[storage_group[ref.storage_index]].tensors.append(ti)
+    for si, gi in sorted(storage_group.items()):
+        groups[gi].storages.append(si)
+        groups[gi].nbytes += plan.nbytes[si]
+    return [g for g in groups if g.storages or g.tensors]
+
+
+def prefetch_groups(plan: Plan) -> list[Group] | None:
+    """The groups of a layer-wise reload of ``plan``, or ``None`` for a plain reload.
+
+    Plain: state holding gradients (a ``zero_grad(set_to_none=False)`` before
+    the forward would write their host copies with ``_foreach_zero_``, which
+    DTensors do not count in their version counters), FSDP2 before its lazy
+    init, or nothing to defer (no units and no optimizer state).
+    """
+    if plan.has_grads:
+        return None
+    groups = group_plan(plan) if lazy_init_done(plan.modules) else []
+    return groups if len(groups) > 1 or (groups and plan.optimizers) else None
+
+
+# Every optimizer step first completes every layer-wise reload under way.
+_RUNS = GlobalStepHook()
+
+
+class PrefetchRun:
+    """One layer-wise reload under way (see [Note: prefetch reload]).
+
+    Args:
+        plan, views: what comes back, and its pool views.
+        parking: the plan's tensor objects (on the host when this starts).
+        device_views: the plan's cached 1D uint8 device views, or ``None``.
+        groups: from :func:`group_plan`, at least one.
+        policy: the :class:`Prefetch` settings.
+        streams: the device's streams.
+        after: an event the H2D stream waits for first (the ferry's last
+            offload: its slots may still be filling), or ``None``.
+        on_copied: called with ``(plan, views, group)`` right after a group's copies
+            were queued, inside the H2D stream (``StateSet.group_copied``: the baseline hash of
+            [Note: unchanged storages]), or ``None``.
+        on_resident: called with ``(plan, views, group)`` once a group is
+            resident (``StateSet.group_resident``), or ``None``.
+
+    Attributes:
+        finished: every group resident and every hook removed.
+        events: per issued group, its H2D event (``None`` on the CPU).
+        start: H2D event before the first copy (timing), ``None`` on the CPU.
+        issued_at: ``time.perf_counter()`` at the start.
+        arena: the device segment seeded for the whole reload, if any.
+    """
+
+    def __init__(self, plan: Plan, views: HostViews, parking: Parking, device_views: list[torch.Tensor] | None,
+                 groups: list[Group], policy: Prefetch, streams: TransferStreams,
+                 after: torch.cuda.Event | None, on_copied: Callable[..., None] | None = None,
+                 on_resident: Callable[..., None] | None = None) -> None:
+        self.plan, self.views, self.parking, self.device_views = plan, views, parking, device_views
+        self.groups, self.policy, self.streams, self._after = groups, policy, streams, after
+        self._on_copied, self._on_resident = on_copied, on_resident
+        self.issued = 0  # groups issued, in order
+        self.events: list[torch.cuda.Event | None] = []
+        self._versions: list[list[int]] = []  # per issued group: its host tensors' versions at issue
+        self.resident: set[int] = set()
+        self._allocated: list[int] = []  # storage indices re-allocated so far
+        self._hooks: list = []
+        self._comm: list[torch.cuda.Stream] = []
+        self.start: torch.cuda.Event | None = None
+        self.arena: ReloadArena | None = None
+        self.issued_at = time.perf_counter()
+        self.finished = False
+
+    # ------------------------------------------------------------ lifecycle
+    def begin(self) -> None:
+        """Issues the first groups and installs the hooks.
+
+        Raises:
+            BaseException: whatever the first copies (or a hook's registration) raised, after
+                :meth:`abort`: nothing is left allocated or hooked, the tensors are still on the host.
+        """
+        cuda = self.streams.is_cuda
+        try:
+            if cuda:
+                h2d = self.streams.h2d
+                h2d.wait_stream(self.streams.current())
+                if self._after is not None:
+                    h2d.wait_event(self._after)
+                self.start = self.streams.event(h2d, timing=True)
+                self._comm = comm_streams(self.plan.modules)
+                if self.policy.lookahead_bytes is None:
+                    self.arena = ReloadArena.seed(self.plan.device, self.plan.nbytes)
+            self._issue_ahead(0)
+            if self.arena is not None:
+                self.arena.seal(self.plan.storages)
+            for gi, g in enumerate(self.groups):
+                if g.unit is not None:
+                    self._hooks.append(g.unit.register_forward_pre_hook(self._unit_hook(gi), prepend=True))
+            for m in self.plan.modules:
+                self._hooks.append(m.register_state_dict_pre_hook(self._complete_hook))
+            for opt in self.plan.optimizers:
+                self._hooks.append(opt.register_step_pre_hook(self._complete_hook))
+                self._hooks.append(opt.register_state_dict_pre_hook(self._complete_hook))
+            _RUNS.add(id(self), self.finish)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Undoes :meth:`begin` before any group was made resident: hooks removed, storages
+        released again after the copies into them, the arena given back (idempotent)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        _RUNS.discard(id(self))
+        if self.resident:
+            self.parking.revert_to_device([i for gi in sorted(self.resident) for i in self.groups[gi].tensors])
+            self.resident = set()
+        if self.streams.is_cuda:
+            self.streams.h2d.synchronize()
+        for si in self._allocated:
+            self.plan.storages[si].resize_(0)
+        self._allocated = []
+        if self.arena is not None:
+            self.arena.release()
+            self.arena = None
+
+    def finish(self) -> None:
+        """Issues what is left and makes every group resident (idempotent)."""
+        if self.finished:
+            return
+        self._issue_ahead(len(self.groups) - 1)
+        for gi in range(len(self.groups)):
+            self._make_resident(gi)
+        self._close()
+
+    def _close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        _RUNS.discard(id(self))
+        self.finished = True
+
+    @property
+    def issued_bytes(self) -> int:
+        return sum(self.groups[i].nbytes for i in range(self.issued))
+
+    def handle(self) -> TransferHandle:
+        """A handle for the copies issued so far (all of them once finished)."""
+        nbytes = self.plan.state_bytes if self.finished else self.issued_bytes
+        return TransferHandle("h2d", nbytes, self.events[self.issued - 1], self.issued_at, start_event=self.start)
+
+    # ---------------------------------------------------------------- hooks
+    def _unit_hook(self, gi: int):
+        def hook(module: nn.Module, args: object) -> None:
+            if self.finished:
+                return
+            # This unit, and the ones FSDP2 all-gathers ahead from its pre-forward
+            # (which may already be resident themselves, their targets not).
+            targets = forward_prefetch_units(module)
+            wanted = [j for j, g in enumerate(self.groups)
+                      if j == gi or (g.unit is not None and any(g.unit is u for u in targets))]
+            wanted = [j for j in wanted if j not in self.resident]
+            if not wanted:
+                return
+            self._issue_ahead(max(wanted))
+            for j in wanted:
+                self._make_resident(j)
+            if all(j in self.resident for j, g in enumerate(self.groups) if g.unit is not None):
+                self._issue_ahead(len(self.groups) - 1)  # the tail follows on the copy stream
+                if not self.plan.optimizers:
+                    self.finish()
+                # else: the optimizers' step pre-hook completes the tail group
+
+        return hook
+
+    def _complete_hook(self, *args: object, **kwargs: object) -> None:
+        self.finish()  # optimizer state (and anything not yet used) resident first
+
+    # --------------------------------------------------------------- copies
+    def _issue_ahead(self, upto: int) -> None:
+        """Issues groups until group ``upto`` is issued and the look-ahead budget is used."""
+        limit = self.policy.lookahead_bytes
+        while self.issued < len(self.groups):
+            ahead = sum(self.groups[i].nbytes for i in range(upto, self.issued))
+            if self.issued > upto and limit is not None and ahead >= limit:
+                break
+            with transfer_range("h2d", self.groups[self.issued].nbytes):
+                self._issue_group(self.issued)
+
+    def _issue_group(self, gi: int) -> None:
+        plan, cuda = self.plan, self.streams.is_cuda
+        if cuda and self.issued > 0 and self.policy.lookahead_bytes is not None:
+            # Issued from a forward hook: the blocks allocated now may have been
+            # freed by kernels still queued (see [Note: reload allocates on the caller's stream]).
+            self.streams.h2d.wait_stream(self.streams.current())
+        for si in self.groups[gi].storages:
+            plan.storages[si].resize_(plan.nbytes[si])
+            self._allocated.append(si)
+        self._versions.append(self._group_versions(gi))
+        self._copy_group(gi)
+        self.events.append(self.streams.event(self.streams.h2d, timing=True) if cuda else None)
+        self.issued += 1
+
+    def _copy_group(self, gi: int) -> None:
+        plan, slots, cuda = self.plan, self.views.slots, self.streams.is_cuda
+        for si in self.groups[gi].storages:
+            if not plan.nbytes[si]:
+                continue
+            dst = (self.device_views[si] if self.device_views is not None
+                   else torch.empty(0, dtype=torch.uint8, device=plan.device).set_(plan.storages[si]))
+            if cuda:
+                with torch.cuda.stream(self.streams.h2d):
+                    dst.copy_(slots[si], non_blocking=True)
+            else:
+                dst.copy_(slots[si])
+        if self._on_copied is not None:  # the bytes just copied, before anything can write them
+            if cuda:
+                with torch.cuda.stream(self.streams.h2d):
+                    self._on_copied(self.plan, self.views, self.groups[gi])
+            else:
+                self._on_copied(self.plan, self.views, self.groups[gi])
+
+    def _group_versions(self, gi: int) -> list[int]:
+        tensors = self.parking.tensors
+        return versions([tensors[i] for i in self.groups[gi].tensors])
+
+    def _make_resident(self, gi: int) -> None:
+        if gi in self.resident:
+            return
+        cuda = self.streams.is_cuda
+        if self._group_versions(gi) != self._versions[gi]:
+            # Written on the host after its copy was issued: copy it again.
+            if cuda:
+                self.streams.h2d.wait_stream(self.streams.current())
+            self._copy_group(gi)
+            if cuda:
+                self.events[gi] = self.streams.event(self.streams.h2d)
+        ev = self.events[gi]
+        if ev is not None:
+            self.streams.current().wait_event(ev)
+            for stream in self._comm:  # FSDP2's all-gather copy-in reads the shard there
+                stream.wait_event(ev)
+        self.parking.to_device(self.groups[gi].tensors)
+        self.resident.add(gi)
+        if self._on_resident is not None:
+            self._on_resident(self.plan, self.views, self.groups[gi])

@@ -1,0 +1,46 @@
+"""A process-wide optimizer step pre-hook that exists only while something needs it.
+
+Layer-wise reload must complete before *any* optimizer steps (an optimizer
+outside the ferry could update a parameter still on the host) and offload
+during forward must forget its early copies after any step (a DTensor's
+``_foreach_`` updates bump no version counter). Both use a
+:class:`GlobalStepHook`: torch's global step pre-hook is registered when the
+first entry is added and removed with the last, so training pays nothing when
+neither is under way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+__all__ = ["GlobalStepHook"]
+
+
+class GlobalStepHook:
+    """Calls every registered function before any optimizer's ``step()``."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, Callable[[], object]] = {}
+        self._handle = None
+
+    def add(self, key: int, fn: Callable[[], object]) -> None:
+        """Registers ``fn`` under ``key`` (replacing an earlier one)."""
+        self._entries[key] = fn
+        if self._handle is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self._handle = register_optimizer_step_pre_hook(self._run)
+
+    def discard(self, key: int) -> None:
+        """Removes ``key``'s function; the torch hook goes with the last one."""
+        self._entries.pop(key, None)
+        if not self._entries and self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _run(self, optimizer: object, args: object, kwargs: object) -> None:
+        for fn in list(self._entries.values()):
+            fn()

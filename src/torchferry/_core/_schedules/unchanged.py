@@ -1,0 +1,262 @@
+"""Unchanged storages: an offload skips the D2H copy of a storage whose host copy is still exact.
+
+[Note: unchanged storages]
+After a reload the host pool still holds every storage's bytes. With
+``Ferry(skip_unchanged=True)`` the next offload copies only the storages
+written on the device since and releases the others without a copy (a frozen
+base model, a reference model that is never trained). A write missed here
+would be lost at the next reload, so the decision rests on a content hash of
+each storage's bytes; cheaper host checks only send storages straight to the
+copy, never past it:
+
+1. Baseline: the hash of each eligible storage (some bytes, viewed by no
+   ``.grad`` and no optimizer state: those are written every step) is taken
+   where its device bytes are known to equal its slot's: on the current
+   stream right after a plain reload's copies (before any later kernel), or,
+   in a layer-wise reload, on the H2D stream right after the group's own
+   copies (a write through an old view before the unit's forward is then a
+   change, not part of the baseline). The version counters of the tensors
+   viewing it, and of their parked host twins, are recorded when they become
+   resident.
+2. Pre-filter at the offload, on the host: a storage is copied without
+   hashing when a tensor viewing it has a new version counter (in-place ops,
+   ``copy_`` under ``no_grad``, ``load_state_dict``, BatchNorm statistics,
+   optimizer steps on plain tensors, writes through views), when any
+   optimizer stepped since the baseline and a tensor viewing it requires
+   grad (a conservative rule for DTensors, whose ``_foreach_`` updates bump
+   no counter), when its host twin's counter moved (an in-place write to a
+   host tensor kept from an earlier offload, e.g. a ``state_dict()`` taken
+   while offloaded: it wrote the slot), when it was copied early
+   (``offload_during_forward``), and for all storages when the plan, the pool
+   block or its views changed (``p.data = t``, a re-plan, ``release_host()``,
+   ``share_memory_()`` on a slot: ``HostViews.intact``).
+3. The hash again, for the survivors, after the current stream's pending
+   work; one ``.tolist()`` brings the comparison back (the offload's only
+   host sync). Equal: skipped. This is what sees the writes no counter does:
+   through ``p.data``, ``_foreach_`` ops on DTensors, inference tensors,
+   FSDP2's padded ``_sharded_param_data``, compiled graphs.
+
+A baseline serves one offload: taken at a reload, consumed by the next
+offload whatever it decides (an offload that fails copies everything next
+time). Any failure to hash at a reload (no device memory) drops the baseline;
+at an offload it copies everything.
+
+The hash (``_schedules/hash``): the storage's 8-byte words (the tail, < 8 bytes, as
+single values after them); two lanes each map word ``w`` at position ``p`` to
+``mix(w + (p + 1) * G)``, where ``mix`` multiplies by an odd constant,
+xor-shifts right, multiplies, xor-shifts right (the finalisers of SplitMix64
+and of Murmur3, less their first xor-shift), and sum the results with wrapping
+64-bit additions: 128 bits per storage. The right shifts fold high bits into
+low ones (a flip of the sign bit of two float64s must not cancel in the
+sums). Each step is a bijection of the word for a fixed position, so a change
+confined to one word or tail byte always changes both sums: it is caught with
+certainty. A change to several words goes unseen only if the per-word
+differences sum to 0 modulo 2**64 in both lanes; modelling the mixed words as
+independent uniform values, 2**-128 per storage and offload. It is not
+cryptographic: a write crafted with knowledge of the constants can keep both
+sums. On GPUs one Triton kernel hashes every storage of a call in one launch
+(each byte read once: ~4 ms for 15 GB at 3.5 TB/s, against ~270 ms for the
+copy it saves at 55 GB/s); elsewhere plain torch ops (some 50 bytes of memory
+traffic per hashed byte, at most ``4 * HASH_PIECE`` of temporaries). A
+baseline is compared only with a hash of its own kind.
+
+Not seen: a write to the *host pool* between the reload and the offload that
+bumps no counter (through ``.data`` of a kept host tensor; or through
+``.data`` or a DTensor ``_foreach_`` op to a unit's host tensor during a
+layer-wise reload, which that reload does not copy again either): a skipped
+storage keeps those bytes where a full offload would overwrite them with the
+device's. ``TORCHFERRY_VERIFY_SKIPS=1`` (tests) copies every storage judged
+unchanged to a scratch buffer and compares it with its slot, raising on a
+difference.
+
+Swap: the outgoing ferry's skipped storages are released at once (no copy
+reads them; ``ReleaseSchedule.hold``). The incoming ferry of a swap with
+``gpu_budget_bytes`` takes no baseline (its hash temporaries would be
+allocated beyond the budget, while the outgoing state is still held): its
+next offload copies everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import torch
+
+from .._state.fsdp import versions
+from .hash import hash_kind, hash_storages
+from .hash_rows import int64_on
+from .._host.layout import HostViews
+from .._state.plan import Plan
+from .step_hooks import GlobalStepHook
+
+__all__ = ["VERIFY_ENV", "UnchangedStorages"]
+
+logger = logging.getLogger("torchferry")
+
+VERIFY_ENV = "TORCHFERRY_VERIFY_SKIPS"
+
+# Any optimizer step marks the trainable storages of every baseline as written.
+_STEPS = GlobalStepHook()
+
+
+class _Rules(NamedTuple):
+    """Per plan and host views: which storages may be skipped, who views them, where packed ones sit."""
+
+    plan: Plan
+    views: HostViews
+    members: list[list[int]]  # per storage: indices into plan.tensors
+    eligible: list[bool]  # some bytes, no .grad, no optimizer state
+    packed_at: dict[int, tuple[int, int]]  # storage -> (chunk index, position in the chunk)
+
+
+def _rules(plan: Plan, views: HostViews) -> _Rules:
+    members: list[list[int]] = [[] for _ in plan.storages]
+    eligible = [n > 0 for n in plan.nbytes]
+    for ti, r in enumerate(plan.tensors):
+        members[r.storage_index].append(ti)
+        if r.name.endswith(".grad") or (r.name.startswith("optimizer") and ".state[" in r.name):
+            eligible[r.storage_index] = False
+    packed_at = {si: (k, j) for k, ch in enumerate(views.chunks) for j, si in enumerate(ch.storages)}
+    return _Rules(plan, views, members, eligible, packed_at)
+
+
+class UnchangedStorages:
+    """One ferry's baseline for [Note: unchanged storages]: hashes taken where the device bytes
+    equal the pool's, and version counters, used by the next offload.
+
+    Attributes:
+        baseline: storage indices holding a baseline hash now (a live set, cleared in place:
+            ``EarlyOffload`` leaves them to the offload's hash instead of copying them early).
+    """
+
+    def __init__(self) -> None:
+        self._rules: _Rules | None = None
+        self.baseline: set[int] = set()
+        ref = weakref.ref(self)
+        self._step_key = id(self)
+        self._on_step = lambda: (me := ref()) is not None and me._stepped()
+        weakref.finalize(self, _STEPS.discard, self._step_key)
+        self.forget()
+
+    def forget(self) -> None:
+        """Drops the baseline (a re-plan, a reconcile, the host views dropped, an offload)."""
+        self._plan: Plan | None = None
+        self._views: HostViews | None = None
+        self._kind: str | None = None  # the hash that took the baseline: compared with itself only
+        self._hashes: torch.Tensor | None = None  # [storages, 2] int64 on the device
+        self._versions: dict[int, int] = {}  # tensor index -> version at the baseline
+        self._host_versions: dict[int, int] = {}  # tensor index -> its host twin's version then
+        self._step_seen = False  # an optimizer stepped since the baseline
+        self.baseline.clear()
+        _STEPS.discard(self._step_key)
+
+    def drop_rules(self) -> None:
+        """Also drops the per-plan tables (they hold the plan and the host views)."""
+        self.forget()
+        self._rules = None
+
+    def _stepped(self) -> None:
+        self._step_seen = True
+
+    def _rules_for(self, plan: Plan, views: HostViews) -> _Rules:
+        if self._rules is None or self._rules.plan is not plan or self._rules.views is not views:
+            self._rules = _rules(plan, views)
+        return self._rules
+
+    def _begin(self, plan: Plan, views: HostViews, fresh: bool) -> None:
+        if fresh or plan is not self._plan or views is not self._views:
+            self.forget()
+            self._plan, self._views = plan, views
+            self._kind = hash_kind(plan.device)
+            self._hashes = torch.empty(len(plan.storages), 2, dtype=torch.int64, device=plan.device)
+            _STEPS.add(self._step_key, self._on_step)
+
+    @torch.inference_mode(False)  # the hooks of a layer-wise reload may run in inference mode
+    def copied_in(self, plan: Plan, views: HostViews, sources: list[torch.Tensor],
+                  storages: Iterable[int] | None = None) -> None:
+        """Hashes storages whose device bytes equal their slots now (all of ``plan`` if
+        ``storages`` is ``None``: a new baseline), on the current stream: right after their H2D
+        copies on the same stream, or after the current stream waited for them.
+
+        Never raises: on any error (the hash's temporaries out of device memory) the baseline is
+        dropped and the next offload copies everything; the reload itself is complete.
+        """
+        try:
+            self._begin(plan, views, storages is None)
+            rules = self._rules_for(plan, views)
+            todo = [si for si in (range(len(plan.storages)) if storages is None else storages)
+                    if rules.eligible[si]]
+            hash_storages(self._kind, self._hashes, todo, sources, views.chunks, rules.packed_at)  # pyright: ignore[reportArgumentType]  # _kind, _hashes and the base are set by _begin() before any hash
+            self.baseline.update(todo)
+        except Exception:
+            self.forget()
+            logger.warning("torchferry: could not hash the reloaded state; the next offload copies all of it",
+                           exc_info=True)
+
+    def resident(self, plan: Plan, views: HostViews, host_versions: list[int],
+                 tensors: Iterable[int] | None = None) -> None:
+        """Records the version counters of ``tensors`` (all of ``plan``'s if ``None``), now resident,
+        and ``host_versions``, their host twins' (same order)."""
+        if plan is not self._plan or views is not self._views:
+            return  # no baseline to go with them
+        ts = list(range(len(plan.tensors)) if tensors is None else tensors)
+        self._versions.update(zip(ts, versions([plan.tensors[i].tensor for i in ts]), strict=False))
+        self._host_versions.update(zip(ts, host_versions, strict=False))
+
+    @torch.inference_mode(False)
+    def take(self, plan: Plan, views: HostViews, sources: list[torch.Tensor], host_versions: list[int],
+             rewritten: Iterable[int] = ()) -> set[int]:
+        """Storage indices whose pool slots still hold their exact bytes (consumes the baseline).
+
+        Args:
+            plan, views, sources: what the offload moves, its host views, its device views.
+            host_versions: per ``plan.tensors`` entry, its host twin's version counter now.
+            rewritten: storages whose slots were written since the baseline (early copies).
+
+        Raises:
+            RuntimeError: in verify mode, a storage judged unchanged differs from its slot.
+        """
+        hashed, base, kind = set(self.baseline), self._hashes, self._kind
+        recorded, host_recorded, stepped = self._versions, self._host_versions, self._step_seen
+        valid = plan is self._plan and views is self._views and views.intact()
+        self.forget()
+        if not valid or not hashed:
+            return set()
+        rules = self._rules_for(plan, views)
+        now = versions([r.tensor for r in plan.tensors])
+        rewritten = set(rewritten)
+        trained = {r.storage_index for r in plan.tensors if r.tensor.requires_grad} if stepped else set()
+        cand = [si for si in sorted(hashed) if si not in rewritten and si not in trained
+                and all(recorded.get(ti) == now[ti] and host_recorded.get(ti) == host_versions[ti]
+                        for ti in rules.members[si])]
+        if not cand:
+            return set()
+        try:
+            cur = torch.empty_like(base)  # pyright: ignore[reportArgumentType]  # _kind, _hashes and the base are set by _begin() before any hash
+            hash_storages(kind, cur, cand, sources, views.chunks, rules.packed_at)  # pyright: ignore[reportArgumentType]  # _kind, _hashes and the base are set by _begin() before any hash
+            idx = int64_on(cand, base.device)
+            equal = (cur.index_select(0, idx) == base.index_select(0, idx)).all(1).tolist()
+        except Exception:  # memory short at an offload, or a hash that failed: copy instead
+            logger.warning("torchferry: could not hash the state at offload; it is copied in full", exc_info=True)
+            return set()
+        same = {si for si, e in zip(cand, equal, strict=False) if e}
+        if os.environ.get(VERIFY_ENV, "0") not in ("", "0"):
+            _verify(plan, views, sources, same, rules)
+        return same
+
+
+def _verify(plan: Plan, views: HostViews, sources: list[torch.Tensor], same: set[int], rules: _Rules) -> None:
+    """Compares every storage judged unchanged with its pool slot (``TORCHFERRY_VERIFY_SKIPS=1``)."""
+    for si in sorted(same):
+        scratch = torch.empty(plan.nbytes[si], dtype=torch.uint8)
+        scratch.copy_(sources[si])
+        if not torch.equal(scratch, views.slots[si]):
+            names = ", ".join(plan.tensors[ti].name for ti in rules.members[si])
+            raise RuntimeError(
+                f"torchferry: {VERIFY_ENV}: the storage of {names} was judged unchanged since the "
+                "reload but differs from its host copy; a write was missed (please report it)"
+            )

@@ -1,0 +1,302 @@
+"""The copy primitives: D2H into the pool, release, H2D back with re-allocation, undo.
+
+They know storages, pool views and streams; nothing of residency, hooks or
+schedules (those live above, in ``_ferry/ferry``, ``_schedules/prefetch``, ``_schedules/early`` and
+``_schedules/release``).
+
+[Note: release is safe against the in-flight copy]
+The D2H copies read a storage on the D2H stream while the caller's stream
+carries on. Before ``resize_(0)`` frees the block we ``record_stream`` it on the
+D2H stream, so the caching allocator does not hand it to the caller's stream
+until the copy has finished (otherwise a new allocation could overwrite bytes
+not yet copied: silent corruption of the offloaded state).
+
+[Note: small storages released without an event each]
+A packed storage is read by one gather kernel on the pack stream, not by the
+DMA. ``record_stream`` on each would leave one caching-allocator event per
+storage, and the next allocation (the reload's first) processes them all
+while the copy engine idles: with 4096 storages of 256 KiB, about 10 ms
+before the first H2D copy, the reload at 35.8 against 52.8 GB/s without
+those events (``git show 75cc57c:benchmarks/results/probe_unpack_h200_2026-12-01_events.json``),
+and 1.75 against 0.45 us of host time per free
+(``git show 75cc57c:benchmarks/results/probe_small_host_h200_2026-12-01_run2.json``).
+So where every chunk has a staging buffer of its own (no gather waits for a
+DMA, see [Note: packing pipeline]) and the gathers run on the ``gather``
+stream, which holds nothing that waits for a copy (another ferry's reload
+scatters and buffer-reusing gathers run on ``pack``), the caller's stream
+waits for the last gather, a device-to-device copy queued right after the
+caller's own work, and each packed storage is freed with ``record_stream``
+on the caller's stream, which the allocator ignores for blocks of that very
+stream (the usual case) and turns into an event for blocks of another one. Where the
+staging buffers are reused, the gathers wait for DMAs and the storages are
+freed with an event each, as the large ones are.
+
+[Note: reload allocates on the caller's stream]
+Reload re-allocates each storage on the caller's (current) stream, the stream
+that will use it, and the H2D stream first waits for everything already queued
+there: the block may have been freed by pending current-stream work, and
+writing it before that work ran would corrupt it. The current stream then
+waits for the H2D event, so the next kernel sees complete data without a host
+sync. Allocation and copies are interleaved per storage so the copy engine
+starts while the host is still allocating.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
+
+import torch
+
+from .._host.layout import HostViews
+from .packing import PackChunk, pack_to_host, unpack_from_host
+from .._state.plan import Plan
+from .streams import TransferStreams
+
+__all__ = ["D2HIssued", "H2DIssued", "copy_runs", "issue_d2h", "issue_h2d", "release", "transfer_range",
+           "undo_allocations"]
+
+
+@contextlib.contextmanager
+def transfer_range(direction: str, nbytes: int):
+    """Profiler ranges ``torchferry::d2h`` / ``torchferry::h2d``, and inside, one naming the bytes.
+
+    ``record_function``'s ``args`` string does not reach Chrome/Perfetto
+    traces (checked with torch 2.13), so the bytes go into a nested range's
+    name: ``torchferry::d2h bytes=123``.
+    """
+    with torch.profiler.record_function(f"torchferry::{direction}"), \
+            torch.profiler.record_function(f"torchferry::{direction} bytes={nbytes}"):
+        yield
+
+
+class D2HIssued(NamedTuple):
+    """What :func:`issue_d2h` queued (events are ``None`` on the CPU, where the copies are done).
+
+    Attributes:
+        event: recorded on the D2H stream after the last copy.
+        start: recorded on the D2H stream before the first copy (timing).
+        progress: ``(bytes copied, event)`` every ``progress_every`` bytes, last one final.
+        copied_after: per storage, the bytes copied once its copy is done (with ``progress_every``).
+        gathered: the packed storages' indices and the event after their last gather on the
+            ``gather`` stream ([Note: small storages released without an event each]); ``None``
+            where the gathers reused staging buffers (then they waited for DMAs) or there were none.
+    """
+
+    event: torch.cuda.Event | None
+    start: torch.cuda.Event | None
+    progress: list[tuple[int, torch.cuda.Event]]
+    copied_after: list[int] | None
+    gathered: tuple[frozenset[int], torch.cuda.Event] | None = None
+
+
+class H2DIssued(NamedTuple):
+    """What :func:`issue_h2d` queued: events on the H2D stream (``None`` on the CPU)."""
+
+    event: torch.cuda.Event | None
+    start: torch.cuda.Event | None
+
+
+def issue_d2h(plan: Plan, sources: list[torch.Tensor], views: HostViews, skip: set[int],
+              streams: TransferStreams, *, progress_every: int | None = None) -> D2HIssued:
+    """Queues the D2H copies of ``plan``'s storages into their pool slots.
+
+    Args:
+        plan: what moves.
+        sources: 1D uint8 device views of ``plan.storages`` (allocated).
+        views: the plan's host views.
+        skip: storage indices whose slots already hold their bytes (packed ones
+            too: their chunks are copied in runs, see :func:`copy_runs`).
+        streams: the device's streams (the D2H stream first waits for the current one).
+        progress_every: record a progress event every this many bytes (swap's budget).
+    """
+    slots, packed = views.slots, views.packed
+    large = [si for si, src in enumerate(sources) if src.numel() and si not in packed and si not in skip]
+    chunks, pool_chunks = copy_runs(views.chunks, views.pool_chunks, skip) if skip & packed else (
+        views.chunks, views.pool_chunks)
+    if not streams.is_cuda:
+        for si in large:
+            slots[si].copy_(sources[si])
+        pack_to_host(chunks, sources, pool_chunks, plan.device)
+        return D2HIssued(None, None, [], None)
+    d2h = streams.d2h
+    caller = streams.event()  # on the caller's stream: the packed storages' gathers wait for it
+    d2h.wait_event(caller)  # copy what pending kernels write
+    start = streams.event(d2h, timing=True)
+    progress: list[tuple[int, torch.cuda.Event]] = []
+    copied, mark = 0, 0
+    copied_after = [0] * len(sources) if progress_every else None
+    with torch.cuda.stream(d2h):
+        for si in large:
+            slots[si].copy_(sources[si], non_blocking=True)
+            if copied_after is not None:
+                copied += plan.nbytes[si]
+                copied_after[si] = copied
+                if copied - mark >= progress_every:  # pyright: ignore[reportOperatorIssue]  # set on this path (progress_every with copied_after; d2h stream when cuda; packed storages are non-empty)
+                    progress.append((copied, streams.event(d2h)))
+                    mark = copied
+        last_gather = pack_to_host(chunks, sources, pool_chunks, plan.device, streams, after=caller,
+                                   own_buffers=progress_every is None)  # a swap's budget counts no staging
+    event = streams.event(d2h, timing=True)
+    gathered = None
+    if last_gather is not None:
+        gathered = (frozenset(si for ch in chunks for si in ch.storages), last_gather)
+    if copied_after is not None:
+        copied += sum(ch.nbytes for ch in chunks)
+        for ch in chunks:  # the packed ones are complete at the final event only
+            for si in ch.storages:
+                copied_after[si] = copied
+        progress.append((copied, event))
+    return D2HIssued(event, start, progress, copied_after, gathered)
+
+
+def copy_runs(chunks: list[PackChunk], pool_chunks: list[torch.Tensor],
+              skip: set[int]) -> tuple[list[PackChunk], list[torch.Tensor]]:
+    """The packed chunks cut into runs of consecutive storages not in ``skip``, one DMA per run
+    (and their pool views); a chunk without skipped storages stays whole."""
+    out: list[PackChunk] = []
+    out_pool: list[torch.Tensor] = []
+    for ch, pool in zip(chunks, pool_chunks, strict=False):
+        keep = [k for k, si in enumerate(ch.storages) if si not in skip]
+        if len(keep) == len(ch.storages):
+            out.append(ch)
+            out_pool.append(pool)
+            continue
+        runs: list[list[int]] = []
+        for k in keep:
+            if runs and runs[-1][-1] == k - 1:
+                runs[-1].append(k)
+            else:
+                runs.append([k])
+        for run in runs:
+            a, last = ch.offsets[run[0]], run[-1]
+            b = ch.offsets[last] + ch.split_sizes[2 * last]
+            split = [n for k in run for n in ch.split_sizes[2 * k:2 * k + 2]]
+            split[-1] = 0
+            out.append(PackChunk([ch.storages[k] for k in run], [ch.offsets[k] - a for k in run],
+                                 ch.pool_offset + a, b - a, split))
+            out_pool.append(pool[a:b])
+    return out, out_pool
+
+
+def release(plan: Plan, sources: list[torch.Tensor], streams: TransferStreams,
+            gathered: tuple[frozenset[int], torch.cuda.Event] | None = None) -> None:
+    """Frees the device memory of ``plan``'s storages after their D2H copies (see
+    [Note: release is safe against the in-flight copy]). ``gathered`` (from :class:`D2HIssued`):
+    packed storages read only by the ``gather`` stream's kernels, freed after the caller's stream
+    waits for them ([Note: small storages released without an event each]).
+
+    Everything that can fail runs before the first storage is freed; the loop that frees them
+    calls only ``record_stream`` and ``resize_`` ([Note: all or nothing]: an offload that fails
+    before its release is undone, one that reached it completes).
+    """
+    cuda = streams.is_cuda
+    d2h = streams.d2h if cuda else None
+    packed: frozenset[int] = frozenset()
+    current = None
+    if cuda and gathered is not None:
+        packed, last_gather = gathered
+        current = streams.current()
+        current.wait_event(last_gather)
+    for si, (src, storage) in enumerate(zip(sources, plan.storages, strict=False)):
+        if cuda and src.numel():
+            src.record_stream(current if si in packed else d2h)  # pyright: ignore[reportArgumentType]  # set on this path (progress_every with copied_after; d2h stream when cuda; packed storages are non-empty)
+        storage.resize_(0)
+
+
+def undo_allocations(plan: Plan, indices: Iterable[int], streams: TransferStreams) -> None:
+    """Frees the re-allocated storages ``indices`` again, after the copies into them."""
+    if streams.is_cuda:
+        streams.h2d.synchronize()
+        streams.pack.synchronize()
+    for si in indices:
+        plan.storages[si].resize_(0)
+
+
+def _device_view(plan: Plan, si: int, device_views: list[torch.Tensor] | None) -> torch.Tensor:
+    if device_views is not None:
+        return device_views[si]
+    return torch.empty(0, dtype=torch.uint8, device=plan.device).set_(plan.storages[si])
+
+
+def issue_h2d(plan: Plan, views: HostViews, streams: TransferStreams, *, storages: list[int] | None = None,
+              device_views: list[torch.Tensor] | None = None,
+              before_alloc: Callable[[int], None] | None = None) -> H2DIssued:
+    """Re-allocates storages on the current stream and queues their H2D copies from the pool.
+
+    Large storages first, each copied as soon as it is allocated; then the
+    packed chunks, each chunk's storages allocated while its DMA is in flight
+    (see [Note: packing pipeline]). The current stream is *not* made to wait:
+    the caller decides which streams wait for the returned event.
+
+    Args:
+        plan, views: what moves and where it is in the pool.
+        streams: the device's streams.
+        storages: indices to bring back (default: all); the others stay released.
+        device_views: the plan's cached 1D uint8 device views (they follow
+            ``resize_``), or ``None`` to make them.
+        before_alloc: called with the bytes allocated so far, including the
+            next storage, before each allocation (swap's budget).
+
+    Raises:
+        torch.OutOfMemoryError: the device ran out of memory; everything this
+            call allocated was freed again.
+        BaseException: anything else raised midway, after the same undo.
+    """
+    cuda = streams.is_cuda
+    wanted = range(len(plan.storages)) if storages is None else storages
+    wanted_set = None if storages is None else set(storages)
+    allocated_idx: list[int] = []
+    start = None
+    try:
+        if cuda:
+            h2d = streams.h2d
+            h2d.wait_stream(streams.current())  # see [Note: reload allocates on the caller's stream]
+            start = streams.event(h2d, timing=True)
+        allocated = 0
+        packed = views.packed
+        nbytes, sts = plan.nbytes, plan.storages
+
+        def alloc(si: int) -> torch.Tensor | None:
+            nonlocal allocated
+            n = nbytes[si]
+            allocated += n
+            if before_alloc is not None:
+                before_alloc(allocated)
+            sts[si].resize_(n)
+            allocated_idx.append(si)
+            return _device_view(plan, si, device_views) if n else None
+
+        for si in wanted:
+            if si in packed:
+                continue
+            dst = alloc(si)
+            if dst is None:
+                continue
+            if cuda:
+                with torch.cuda.stream(h2d):
+                    dst.copy_(views.slots[si], non_blocking=True)
+            else:
+                dst.copy_(views.slots[si])
+        chunks, pool_chunks = views.chunks, views.pool_chunks
+        if wanted_set is not None:
+            keep = [k for k, ch in enumerate(chunks) if any(si in wanted_set for si in ch.storages)]
+            chunks, pool_chunks = [chunks[k] for k in keep], [pool_chunks[k] for k in keep]
+        if before_alloc is None and device_views is not None:
+            def alloc_chunk(ch: PackChunk) -> list[torch.Tensor]:
+                # Thousands of small storages: one tight loop (see [Note: packing pipeline]).
+                allocated_idx.extend(ch.storages)  # freeing one not yet allocated is harmless
+                for si in ch.storages:
+                    sts[si].resize_(nbytes[si])
+                return [device_views[si] for si in ch.storages]
+        else:
+            def alloc_chunk(ch: PackChunk) -> list[torch.Tensor]:
+                return [alloc(si) for si in ch.storages]  # pyright: ignore[reportReturnType]  # set on this path (progress_every with copied_after; d2h stream when cuda; packed storages are non-empty)
+
+        unpack_from_host(chunks, pool_chunks, alloc_chunk, plan.device, streams)
+    except BaseException:
+        undo_allocations(plan, allocated_idx, streams)
+        raise
+    event = streams.event(streams.h2d, timing=True) if cuda else None
+    return H2DIssued(event, start)

@@ -1,0 +1,96 @@
+"""The only place that creates CUDA streams and events.
+
+[Note: torchferry streams]
+Each device gets two copy streams (and a ``pack`` stream for the kernels that
+gather and scatter packed small storages, see [Note: packing pipeline], and a
+``gather`` stream for an offload's gathers that wait for no copy, see [Note:
+small storages released without an event each]), created lazily on first use:
+
+* ``d2h`` carries offload copies (device -> pinned host), so that they run on
+  a copy engine beside compute instead of behind it on the current stream.
+* ``h2d`` carries reload copies (pinned host -> device). It is separate from
+  ``d2h`` because the GPU has one copy engine per direction: one state set can
+  go out while another comes in (97.6 GB/s both ways against 55.5 / 55.3 GB/s one way,
+  measured on one H200: ``link_peak_GBps`` in
+  ``benchmarks/results/bench-pin-pinning_h200x1_2026-11-30.json``).
+
+Hand-offs between streams always go through an event (FSDP2's
+``_stream_utils`` does the same): a copy stream waits for the current stream
+before it reads or writes tensors the current stream produced (prevents
+copying stale values, or writing into a block the allocator just recycled from
+pending current-stream work), and the current stream waits for the reload's
+event before the next kernel (prevents reading a half-copied parameter).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["TransferStreams", "streams_for"]
+
+
+class TransferStreams:
+    """The D2H and H2D streams of one device; ``None`` everywhere for the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._d2h: torch.cuda.Stream | None = None
+        self._h2d: torch.cuda.Stream | None = None
+        self._pack: torch.cuda.Stream | None = None
+        self._gather: torch.cuda.Stream | None = None
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def d2h(self) -> torch.cuda.Stream:
+        """Offload copies: device -> host, beside compute (see [Note: torchferry streams])."""
+        if self._d2h is None:
+            self._d2h = torch.cuda.Stream(self.device)
+        return self._d2h
+
+    @property
+    def h2d(self) -> torch.cuda.Stream:
+        """Reload copies: host -> device, on the other copy engine."""
+        if self._h2d is None:
+            self._h2d = torch.cuda.Stream(self.device)
+        return self._h2d
+
+    @property
+    def pack(self) -> torch.cuda.Stream:
+        """Gather/scatter kernels of packed small storages, beside the copies ([Note: packing pipeline])."""
+        if self._pack is None:
+            self._pack = torch.cuda.Stream(self.device)
+        return self._pack
+
+    @property
+    def gather(self) -> torch.cuda.Stream:
+        """An offload's gathers when every chunk has its own staging buffer: nothing on it ever
+        waits for a copy, so the caller's stream can wait for it ([Note: small storages released
+        without an event each])."""
+        if self._gather is None:
+            self._gather = torch.cuda.Stream(self.device)
+        return self._gather
+
+    def current(self) -> torch.cuda.Stream:
+        """The caller's current stream on this device."""
+        return torch.cuda.current_stream(self.device)
+
+    def event(self, stream: torch.cuda.Stream | None = None, *, timing: bool = False) -> torch.cuda.Event:
+        """A new event recorded on ``stream`` (the current stream if ``None``)."""
+        ev = torch.cuda.Event(enable_timing=timing)
+        ev.record(stream if stream is not None else self.current())
+        return ev
+
+
+_per_device: dict[torch.device, TransferStreams] = {}
+
+
+def streams_for(device: torch.device) -> TransferStreams:
+    """The process-wide :class:`TransferStreams` of ``device``: every ferry on a
+    device shares its two copy streams, so their transfers queue on the copy
+    engine instead of competing from several streams."""
+    if device not in _per_device:
+        _per_device[device] = TransferStreams(device)
+    return _per_device[device]

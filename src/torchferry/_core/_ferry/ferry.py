@@ -37,12 +37,6 @@ __all__ = ["Ferry"]
 logger = logging.getLogger("torchferry")
 
 
-def _check_schedule(schedule: object, what: str) -> None:
-    if schedule is not None and not isinstance(schedule, ReleaseSchedule):
-        raise TypeError(f"torchferry: {what}(schedule=...) is for torchferry.swap() and takes None; "
-                        f"got {type(schedule).__name__} {schedule!r}")
-
-
 class Ferry:
     """Moves a set of training state between its GPU and a pinned host pool.
 
@@ -272,11 +266,7 @@ class Ferry:
         self._pool.release()
 
     # ---------------------------------------------------------------- offload
-    @interrupts_deferred
-    @torch.no_grad()
-    @gc_paused()
-    @tree_memo()
-    def offload(self, *, schedule: ReleaseSchedule | None = None) -> TransferHandle:
+    def offload(self) -> TransferHandle:
         """Copies the state to the host pool and releases its device memory.
 
         The copies run on the D2H stream after the current stream's pending work. On return the
@@ -299,10 +289,6 @@ class Ferry:
         offloaded, unless the targets' tensors were replaced meanwhile ([Note: state replaced
         while offloaded]). Runs with the cyclic GC paused ([Note: GC pause]).
 
-        Args:
-            schedule: used by :func:`torchferry.swap`: the storages are handed
-                to this release schedule instead of being released at once.
-
         Returns:
             A :class:`TransferHandle` for the D2H copies.
 
@@ -311,7 +297,15 @@ class Ferry:
                 cannot be re-pointed, or the ferry is closed (state unchanged).
             ValueError, TypeError, NotImplementedError: as for the constructor.
         """
-        _check_schedule(schedule, "offload")
+        return self._offload(None)
+
+    @interrupts_deferred
+    @torch.no_grad()
+    @gc_paused()
+    @tree_memo()
+    def _offload(self, schedule: ReleaseSchedule | None) -> TransferHandle:
+        """``offload()``; :func:`torchferry.swap` hands its release schedule here (the storages go
+        to it instead of being released at once: [Note: swap budget])."""
         self._check_open()
         self._complete_prefetch()
         if self.residency.on_host:
@@ -395,12 +389,7 @@ class Ferry:
         return early
 
     # ----------------------------------------------------------------- reload
-    @interrupts_deferred
-    @torch.no_grad()
-    @gc_paused()
-    @tree_memo()
-    def reload(self, prefetch: bool | Prefetch = False, *, schedule: ReleaseSchedule | None = None
-               ) -> TransferHandle:
+    def reload(self, prefetch: bool | Prefetch = False) -> TransferHandle:
         """Re-allocates the device storages and copies the state back.
 
         With ``prefetch``, FSDP2 units come back in forward order, each forward waiting only
@@ -413,8 +402,6 @@ class Ferry:
 
         Args:
             prefetch: ``False``, ``True`` or a :class:`Prefetch` policy.
-            schedule: used by :func:`torchferry.swap`: asked before each
-                allocation, so the outgoing state leaves first.
 
         Returns:
             A :class:`TransferHandle` for the H2D copies.
@@ -425,7 +412,15 @@ class Ferry:
                 bytes needed; the state stays on the host, nothing is lost), or
                 a tensor cannot be re-pointed, or the ferry is closed.
         """
-        _check_schedule(schedule, "reload")
+        return self._reload(prefetch, None)
+
+    @interrupts_deferred
+    @torch.no_grad()
+    @gc_paused()
+    @tree_memo()
+    def _reload(self, prefetch: bool | Prefetch, schedule: ReleaseSchedule | None) -> TransferHandle:
+        """``reload()``; :func:`torchferry.swap` hands its release schedule here (asked before each
+        allocation, so the outgoing state leaves first)."""
         if not isinstance(prefetch, (bool, Prefetch)):
             raise TypeError(f"torchferry: reload(prefetch=...) takes True, False or a Prefetch, "
                             f"got {type(prefetch).__name__} {prefetch!r}")

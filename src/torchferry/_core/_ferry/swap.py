@@ -66,9 +66,9 @@ def swap(out: Ferry, into: Ferry, *, gpu_budget_bytes: int | None = None) -> tup
                 f"({into.state_bytes} bytes) plus what stays allocated ({base - out_bytes} bytes) needs {need}"
             )
     schedule = ReleaseSchedule(gpu_budget_bytes if cuda else None, base)
-    h_out = out.offload(schedule=schedule)
+    h_out = out._offload(schedule)
     try:
-        h_in = into.reload(schedule=schedule)
+        h_in = into._reload(False, schedule)
     except BaseException:
         schedule.release_rest()
         out.reload()  # all or nothing: bring the outgoing state back before raising

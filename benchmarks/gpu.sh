@@ -26,7 +26,9 @@ all=${gpu}x$ngpu  # hardware of the multi-GPU rows and the test tier
 first=${CUDA_VISIBLE_DEVICES:-0}
 on1=(env CUDA_VISIBLE_DEVICES="${first%%,*}" "$py")
 onall=("$py" -m torch.distributed.run --standalone --nproc_per_node "$ngpu")
-git rev-parse HEAD > "$out/commit.txt" 2>/dev/null || echo "not a git checkout" > "$out/commit.txt"
+# The commit measured: TORCHFERRY_COMMIT if set (a copy of the tree whose .git is not its own), else git's.
+export TORCHFERRY_COMMIT=${TORCHFERRY_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+echo "$TORCHFERRY_COMMIT" > "$out/commit.txt"
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 
 failed=0

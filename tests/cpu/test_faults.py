@@ -206,7 +206,7 @@ def test_transfer_is_all_or_nothing_under_a_fault_at_every_call(name, skip):
     _sweep(lambda: _plain_case(skip), prepare, op, name)
 
 
-def test_reload_fault_in_the_baseline_hash_keeps_hooks():
+def test_reload_fault_in_the_baseline_hash_keeps_hooks(monkeypatch):
     """Issue 24's smallest case: ``KeyboardInterrupt`` in the reload's baseline hash, then a retry."""
     import torchferry._core._schedules.unchanged as unchanged
 
@@ -218,17 +218,10 @@ def test_reload_fault_in_the_baseline_hash_keeps_hooks():
     ferry.offload()
     ferry.reload()
     ferry.offload()
-    real = unchanged.hash_storages
-
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    unchanged.hash_storages = interrupted
-    try:
+    with monkeypatch.context() as mp:
+        mp.setattr(unchanged, "hash_storages", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
         with pytest.raises(KeyboardInterrupt):
             ferry.reload()
-    finally:
-        unchanged.hash_storages = real
     assert ferry.residency is torchferry.Residency.HOST
     assert in_host_pool(m.weight.data_ptr())
     ferry.reload()
@@ -237,7 +230,7 @@ def test_reload_fault_in_the_baseline_hash_keeps_hooks():
     assert len(fires) == 2
 
 
-def test_sigint_during_a_transfer_is_raised_after_it_completes():
+def test_sigint_during_a_transfer_is_raised_after_it_completes(monkeypatch):
     """A real Ctrl-C (SIGINT) arriving while a call re-points tensors is held until the call is done."""
     import signal
 
@@ -255,12 +248,10 @@ def test_sigint_during_a_transfer_is_raised_after_it_completes():
             sent.append(True)
             signal.raise_signal(signal.SIGINT)  # delivered between two exchanges
 
-    repoint._exchange = exchange
-    try:
+    with monkeypatch.context() as mp:
+        mp.setattr(repoint, "_exchange", exchange)
         with pytest.raises(KeyboardInterrupt):
             ferry.offload()
-    finally:
-        repoint._exchange = real
     assert ferry.residency.on_host  # the offload completed, then Ctrl-C was raised
     assert all(in_host_pool(p.data_ptr()) for p in m.parameters())
     ferry.reload()

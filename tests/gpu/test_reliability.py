@@ -106,9 +106,9 @@ def test_thousand_cycles_hold_memory_flat():
     want = [p.detach().clone() for p in m.parameters()]
     ferry = Ferry(m, opt)
     # Back to back, a reload allocates while the blocks its offload freed still wait for their
-    # D2H events, so the allocator maps new segments until enough are cached: on one H200, 360 MiB
-    # reserved grew to 4076 MiB within 250 cycles and stayed there to cycle 2000 (321 MiB
-    # allocated throughout; flat at 360 MiB with a sync between offload and reload). Warm past it.
+    # D2H events, so the allocator maps new segments until enough are cached, then levels off
+    # (on the H200s of this pool, within the first few hundred cycles; flat with a sync between
+    # offload and reload). Measured after it: benchmarks/results/soak_gpu_h200x1_2026-12-01.json.
     for _ in range(400):
         ferry.offload()
         ferry.reload()
@@ -127,7 +127,13 @@ def test_thousand_cycles_hold_memory_flat():
     print("growth over 1000 cycles:", growth)
     if os.environ.get("TORCHFERRY_RESULTS_DIR"):  # the GPU batch keeps the figures seen
         with open(os.path.join(os.environ["TORCHFERRY_RESULTS_DIR"], "soak_gpu_1000_cycles.json"), "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cycles": 1000,
+            import datetime
+
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       "commit": os.environ.get("TORCHFERRY_COMMIT", "unknown"),
+                       "command": "pytest tests/gpu/test_reliability.py -k thousand_cycles",
+                       "cycles": 1000, "warmup_cycles": 400,
                        "state_bytes": ferry.state_bytes, "host_bytes": ferry.host_bytes,
                        "growth_bytes_or_objects": growth}, f, indent=1)
     # Host and pinned bytes exactly flat. Device: the packing pipeline's staging chunks are

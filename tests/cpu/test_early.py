@@ -80,12 +80,12 @@ def _offload_during_forward_checks(rank: int, world: int) -> None:
         ferry.offload()
         ferry.reload(prefetch=True)
         ferry.offload_during_forward()
-        assert ferry._early is not None and len(ferry._early.groups) == 3  # the 3 layers (the root holds none)
+        assert ferry._set.early is not None and len(ferry._set.early.groups) == 3  # the 3 layers (the root holds none)
         with torch.no_grad():
             got = m(x)
         assert torch.equal(want, got)
         assert_same(trained, snapshot(m, None))
-        assert set(ferry._early._versions) == {0, 1, 2}  # every unit's copy issued in its forward
+        assert set(ferry._set.early._versions) == {0, 1, 2}  # every unit's copy issued in its forward
         before = snapshot(m, None)
         ferry.offload()
         packed = ferry._set.host.cached.packed
@@ -94,7 +94,7 @@ def _offload_during_forward_checks(rank: int, world: int) -> None:
         assert copies[-1] <= packed
         ferry.reload()
         assert_same(before, snapshot(m, None))
-        assert ferry._early is None and not len(early_mod._ARMED)
+        assert ferry._set.early is None and not len(early_mod._ARMED)
 
         # 2. A unit written after its copy is copied again; an optimizer step invalidates all.
         ferry.offload_during_forward()

@@ -67,7 +67,7 @@ def in_flight(monkeypatch):
             events.append(event)
         return TransferHandle(direction, nbytes, event, *args, **kwargs)
 
-    monkeypatch.setattr(torchferry._core._ferry.ferry, "TransferHandle", handle)
+    monkeypatch.setattr(torchferry._core._ferry.moves, "TransferHandle", handle)  # where offloads make theirs
     return events
 
 

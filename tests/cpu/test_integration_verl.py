@@ -148,7 +148,7 @@ def test_offload_helpers_make_the_current_stream_wait_for_the_copies(patched, mo
         return TransferHandle(direction, nbytes, event, *args, **kwargs)
 
     stream, asked, waited = object(), [], []  # stream: the caller's current stream
-    monkeypatch.setattr(torchferry._core._ferry.ferry, "TransferHandle", handle)
+    monkeypatch.setattr(torchferry._core._ferry.moves, "TransferHandle", handle)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: asked.append(device) or stream)
     monkeypatch.setattr(TransferHandle, "wait_stream", lambda self, s: waited.append((self.event, s)))
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 """The package's layout holds its rules: each module imports only from its own layer or the ones
-below it, no import cycle, at most 8 entries at the top of the package.
+below it, no import cycle, at most 8 entries at the top of the package, no module over 500 lines.
 
 Layers, low to high, as ``src/torchferry/_core/__init__.py`` and ``docs/how-it-works.md`` say.
 Every ``import`` counts, also one inside a function (a lazy import is still a dependency).
@@ -96,6 +96,17 @@ def test_imports_form_no_cycle():
 def test_the_top_level_of_the_package_is_small():
     top = [e for e in os.listdir(PKG) if e != "__pycache__"]
     assert len(top) <= 8, sorted(top)
+
+
+MAX_LINES = 500
+
+
+def test_no_module_is_over_500_lines():
+    """A module that grows past this is doing two jobs: split it along its layer."""
+    sizes = {name: sum(1 for _ in open(path, encoding="utf-8")) for name, path in _modules().items()}
+    assert sizes, "no modules found"
+    over = {name: n for name, n in sizes.items() if n > MAX_LINES}
+    assert not over, over
 
 
 def test_the_checker_sees_an_upward_import(tmp_path):

@@ -11,26 +11,23 @@ from concurrent.futures import Future
 
 import torch
 
-from .._api.args import check_bool, check_device
-from .._transfer.copies import release, transfer_range, undo_allocations
-from .._transfer.arena import ReloadArena
-from .._schedules.early import EarlyOffload
-from .._state.fsdp import comm_streams
-from .gc import gc_paused
-from .guards import OffloadGuards
+from .._api.args import check_bool, check_bytes, check_device
 from .._api.handle import TransferHandle, done_future
-from .._host.budget import budget_from_env
-from .interrupts import interrupts_deferred
-from .pin_ahead import PinAhead
-from .._state.plan import build_plan
-from .._schedules.prefetch import Prefetch, PrefetchRun, prefetch_groups
-from .reconcile import moved_away, reconcile
-from .._schedules.release import PROGRESS_EVERY, ReleaseSchedule
 from .._api.residency import Residency
 from .._api.stats import StatsRecorder, TransferStats
+from .._host.budget import budget_from_env
+from .._schedules.prefetch import Group, Prefetch, PrefetchRun, prefetch_groups
+from .._schedules.release import ReleaseSchedule
+from .._state.plan import build_plan
 from .._state.targets import Targets
 from .._state.tree import tree_memo
-from .state_set import Offloaded, StateSet
+from .._transfer.copies import transfer_range
+from .gc import gc_paused
+from .guards import OffloadGuards
+from .interrupts import interrupts_deferred
+from .moves import Offloaded
+from .pin_ahead import PinAhead
+from .state_set import StateSet
 
 __all__ = ["Ferry"]
 
@@ -41,37 +38,32 @@ class Ferry:
     """Moves a set of training state between its GPU and a pinned host pool.
 
     Args:
-        *targets: ``nn.Module``s (parameters, buffers, ``.grad``s), optimizers
-            (``optimizer.state`` on the device, wrapped optimizers such as
-            ``ZeroRedundancyOptimizer.optim`` too) and tensors; FSDP2 modules
-            are resharded before each offload. Modules and optimizers are held
-            by weak reference.
-        device: inferred if ``None``. With ``"cpu"`` the same moves run
-            synchronously into an unpinned pool (CPU tests).
-        max_pinned_bytes: pin at most this many bytes of the pool (at a copy
-            boundary); the rest stays pageable (slower, ``is_pinned()`` False).
-        host_budget_bytes: bytes all pools of this node may hold together
-            ([Note: host budget]); default ``TORCHFERRY_HOST_BUDGET_BYTES``.
-        pin_ahead: on a GPU, allocate and pin the host pool in a background
-            thread from now on (after an optimizer target's first step if it
-            has no state yet), so that the first offload does not pin
-            ([Note: pin ahead]). Default on.
+        *targets: ``nn.Module``s (parameters, buffers, ``.grad``s), optimizers (``optimizer.state``
+            on the device, wrapped optimizers such as ``ZeroRedundancyOptimizer.optim`` too) and
+            tensors; FSDP2 modules are resharded before each offload. Modules and optimizers are
+            held by weak reference.
+        device: inferred if ``None``. With ``"cpu"`` the same moves run synchronously into an
+            unpinned pool (CPU tests).
+        max_pinned_bytes: pin at most this many bytes of the pool (at a copy boundary); the rest
+            stays pageable (slower, ``is_pinned()`` False).
+        host_budget_bytes: bytes all pools of this node may hold together ([Note: host budget]);
+            default ``TORCHFERRY_HOST_BUDGET_BYTES``.
+        pin_ahead: on a GPU, allocate and pin the host pool in a background thread from now on
+            (after an optimizer target's first step if it has no state yet), so that the first
+            offload does not pin ([Note: pin ahead]). Default on.
         skip_unchanged: offloads copy only the storages written since the last reload and
             release the rest uncopied (a frozen base, a reference model); a 128-bit hash of each
             such storage on the device at each reload and offload decides ([Note: unchanged
             storages] in ``torchferry._core._schedules.unchanged``). Default off.
 
     Raises:
-        ValueError: no targets, tensors on several devices, a ``device``
-            string torch does not know (``"gpu"``), or a negative or
-            non-integer byte count.
-        TypeError: a target that is not a module, optimizer or tensor;
-            ``device`` not a str, int or ``torch.device``; ``pin_ahead`` or
-            ``skip_unchanged`` not a bool.
-        NotImplementedError: meta, nested, non-strided, quantized tensors,
-            tensor subclasses other than DTensor (also as a DTensor's local
-            shard), storages that cannot be resized, an optimizer holding
-            device state outside ``optimizer.state``.
+        ValueError: no targets, tensors on several devices, a ``device`` string torch does not
+            know (``"gpu"``), or a negative or non-integer byte count.
+        TypeError: a target that is not a module, optimizer or tensor; ``device`` not a str, int
+            or ``torch.device``; ``pin_ahead`` or ``skip_unchanged`` not a bool.
+        NotImplementedError: meta, nested, non-strided, quantized tensors, tensor subclasses other
+            than DTensor (also as a DTensor's local shard), storages that cannot be resized, an
+            optimizer holding device state outside ``optimizer.state``.
 
     Example::
 
@@ -88,12 +80,10 @@ class Ferry:
     def __init__(self, *targets: object, device: torch.device | str | None = None,
                  max_pinned_bytes: int | None = None, host_budget_bytes: int | None = None,
                  pin_ahead: bool = True, skip_unchanged: bool = False) -> None:
-        for name, value in (("max_pinned_bytes", max_pinned_bytes), ("host_budget_bytes", host_budget_bytes)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-                raise ValueError(f"torchferry: {name} must be an int >= 0 (bytes) or None, got {value!r}")
-        for name, flag in (("pin_ahead", pin_ahead), ("skip_unchanged", skip_unchanged)):
-            if not isinstance(flag, bool):  # "no" is truthy: refuse rather than guess
-                raise TypeError(f"torchferry: {name} must be True or False, got {flag!r}")
+        check_bytes(max_pinned_bytes, "Ferry(max_pinned_bytes=...)")
+        check_bytes(host_budget_bytes, "Ferry(host_budget_bytes=...)")
+        check_bool(pin_ahead, "Ferry(pin_ahead=...)")
+        check_bool(skip_unchanged, "Ferry(skip_unchanged=...)")
         device = check_device(device, "Ferry(device=...)")
         plan = build_plan(targets, device)  # validates every target now
         self._targets = Targets(targets)
@@ -107,9 +97,7 @@ class Ferry:
         self._offloaded: Offloaded | None = None
         self._residency = Residency.DEVICE
         self._last: TransferHandle | None = None
-        self._arena: ReloadArena | None = None  # see [Note: reload arena]
         self._prefetch: PrefetchRun | None = None  # see [Note: prefetch reload]
-        self._early: EarlyOffload | None = None  # see [Note: offload during forward]
         self._state_bytes = plan.state_bytes
         self._recorder = StatsRecorder()
         self._closed = False
@@ -118,24 +106,30 @@ class Ferry:
     # ------------------------------------------------------------------ state
     @property
     def residency(self) -> Residency:
-        """Where the state is now; in-flight states turn final once their copies are done."""
-        if self._prefetch is not None and self._prefetch.finished:
-            self._end_prefetch()
-        if self._residency in (Residency.D2H_IN_FLIGHT, Residency.H2D_IN_FLIGHT):
-            assert self._last is not None
-            if self._last.done():
-                self._residency = Residency.HOST if self._residency is Residency.D2H_IN_FLIGHT else Residency.DEVICE
-        return self._residency
+        """Where the state is now (a plain read: nothing is moved or waited for); an in-flight
+        state reads as final once its copies are done (``TransferHandle.done()``)."""
+        r, last = self._residency, self._last
+        run = self._prefetch
+        if run is not None and run.finished:  # handed over at the next call that moves state
+            r, last = (Residency.H2D_IN_FLIGHT if self._streams.is_cuda else Residency.DEVICE), run.handle()
+        if r is Residency.D2H_IN_FLIGHT and last is not None and last.done():
+            return Residency.HOST
+        if r is Residency.H2D_IN_FLIGHT and last is not None and last.done():
+            return Residency.DEVICE
+        return r
 
     @property
     def last_handle(self) -> TransferHandle | None:
-        """The handle of the last transfer issued (offload or reload), or ``None`` before the first."""
-        self.residency  # noqa: B018  (a finished layer-wise reload hands over its full handle)
-        return self._last
+        """The handle of the last transfer issued (offload or reload), or ``None`` before the first;
+        for a layer-wise reload, of the copies issued so far (all of them once it finished)."""
+        run = self._prefetch
+        return run.handle() if run is not None and run.finished else self._last
 
     @property
     def stats(self) -> TransferStats:
-        """Last and cumulative transfer figures."""
+        """Last and cumulative transfer figures (a finished layer-wise reload counted in)."""
+        if self._prefetch is not None and self._prefetch.finished:
+            self._complete_prefetch()
         return self._recorder.stats
 
     @property
@@ -189,21 +183,20 @@ class Ferry:
     def reserve_host(self, *, background: bool = False) -> float | Future:
         """Plans the state now and allocates (and pins) the host pool for it.
 
-        Optional (``offload()`` does it on first use, and ``pin_ahead`` starts it in the
-        background): keeps pinning out of the first offload. ``background=True`` pins in a
-        thread while training goes on; an ``offload()`` that comes first waits for it. The
-        node's host budget is checked first ([Note: host budget]).
+        Optional (``offload()`` does it on first use, and ``pin_ahead`` starts it in the background):
+        keeps pinning out of the first offload. ``background=True`` pins in a thread while training
+        goes on; an ``offload()`` that comes first waits for it. The node's host budget is checked
+        first ([Note: host budget]).
 
         Returns:
-            Host seconds spent allocating, touching and pinning (0.0 when the
-            pool already fits, unless pinned ahead and not yet reported); with
-            ``background``, a ``Future`` of them.
+            Host seconds spent allocating, touching and pinning (0.0 when the pool already fits,
+            unless pinned ahead and not yet reported); with ``background``, a ``Future`` of them.
 
         Raises:
-            HostBudgetError: (a ``RuntimeError``) the node's budget or free
-                memory cannot hold the pool; nothing was allocated.
-            RuntimeError: host memory could not be allocated or pinned (with
-                ``background``, raised by the future and by the next offload).
+            HostBudgetError: (a ``RuntimeError``) the node's budget or free memory cannot hold the
+                pool; nothing was allocated.
+            RuntimeError: host memory could not be allocated or pinned (with ``background``, raised
+                by the future and by the next offload).
             TypeError: ``background`` is not a bool.
         """
         check_bool(background, "reserve_host(background=...)")
@@ -211,16 +204,11 @@ class Ferry:
         self._complete_prefetch()
         if self.residency.on_host:
             return done_future(0.0) if background else 0.0
-        before = self._pool.nbytes
-        plan = self._set.plan()
-        fut = self._set.host.reserve(plan, background=background)
-        self._state_bytes = plan.state_bytes
+        self._state_bytes, fut, grew = self._set.reserve(background)
         ahead = self._pin_ahead.claim() if self._pin_ahead is not None else None  # the pool came from it
         if background:
             return fut or ahead or done_future(0.0)
-        if self._pool.nbytes != before:
-            return self._pool.pin_seconds
-        return self._pool.pin_seconds if ahead is not None and self._pool.pinned_bytes else 0.0
+        return self._pool.pin_seconds if grew or (ahead is not None and self._pool.pinned_bytes) else 0.0
 
     def release_host(self) -> None:
         """Returns the host pool to the OS now, keeping the ferry usable.
@@ -248,10 +236,8 @@ class Ferry:
         self._complete_prefetch()
         if self.residency.on_host:
             raise RuntimeError("torchferry: forget_plan() while the state is offloaded would lose it; reload() first")
-        if self._arena is not None:
-            self._arena.release()
-            self._arena = None
-        self._disarm_early()
+        self._set.drop_arena()
+        self._set.disarm_early()
         self._set.forget()
 
     def _drop_pool(self, what: str) -> None:
@@ -261,7 +247,7 @@ class Ferry:
             raise RuntimeError(f"torchferry: {what} while the state is offloaded would lose it; call reload() first")
         if self._last is not None:
             self._last.wait()  # the pool may still be read by an H2D copy
-        self._disarm_early()
+        self._set.disarm_early()
         self._set.forget_host()  # its views would keep the block mapped
         self._pool.release()
 
@@ -275,26 +261,22 @@ class Ferry:
         finish; small packed ones once their gathers, device-to-device, are done, the current
         stream waiting for those: [Note: small storages released without an event each]).
 
-        Returns before the copies complete, and they are not on the caller's stream: a
-        synchronisation of that stream alone (``.item()``, a blocking ``.cpu()``,
-        ``torch.cuda.current_stream().synchronize()``) does not order them. A host read of the
-        offloaded tensors needs one of: ``handle.wait()``; ``state_dict()`` of a module or
-        optimizer target (and DCP's ``get_model_state_dict`` / ``get_optimizer_state_dict``,
-        which call it), which waits by itself ([Note: state_dict() waits for the offload]); or
-        ``handle.wait_stream(torch.cuda.current_stream())`` followed by a synchronisation of
-        that stream (what the verl helpers do for you, as verl's same-stream copies gave).
-        ``torch.cuda.synchronize()`` (the whole device) orders them too.
+        Returns before the copies complete, off the caller's stream: a synchronisation of that
+        stream alone (``.item()``, ``torch.cuda.current_stream().synchronize()``) does not order
+        them. A host read of the offloaded tensors needs ``handle.wait()``, a target's
+        ``state_dict()`` (DCP's getters too; it waits: [Note: state_dict() waits for the
+        offload]), ``handle.wait_stream(s)`` and then a synchronisation of ``s`` (what the verl
+        helpers do), or ``torch.cuda.synchronize()`` (``docs/ferry.md``).
 
-        A no-op when already
-        offloaded, unless the targets' tensors were replaced meanwhile ([Note: state replaced
-        while offloaded]). Runs with the cyclic GC paused ([Note: GC pause]).
+        A no-op when already offloaded, unless the targets' tensors were replaced meanwhile
+        ([Note: state replaced while offloaded]). Runs with the cyclic GC paused ([Note: GC pause]).
 
         Returns:
             A :class:`TransferHandle` for the D2H copies.
 
         Raises:
-            RuntimeError: the pool could not be allocated or pinned, a tensor
-                cannot be re-pointed, or the ferry is closed (state unchanged).
+            RuntimeError: the pool could not be allocated or pinned, a tensor cannot be re-pointed,
+                or the ferry is closed (state unchanged).
             ValueError, TypeError, NotImplementedError: as for the constructor.
         """
         return self._offload(None)
@@ -308,38 +290,24 @@ class Ferry:
         to it instead of being released at once: [Note: swap budget])."""
         self._check_open()
         self._complete_prefetch()
-        if self.residency.on_host:
-            if not self._replaced_while_offloaded(self._offloaded):  # pyright: ignore[reportArgumentType]  # set while offloaded or in flight; the residency/prefetch check above guards it
+        off = self._offloaded
+        if off is not None:  # on the host (or on its way)
+            if not self._set.replaced(off):
                 return self._handle_or_noop("d2h")
-            self._reconcile()
-        cuda = self._streams.is_cuda
+            self._reconcile(off)
         issued_at = time.perf_counter()
         with transfer_range("d2h", self._state_bytes):
-            tracks = schedule is not None and schedule.tracks and cuda
-            issued = self._set.issue_offload(self._disarm_early(), PROGRESS_EVERY if tracks else None)
-            plan, views, copies, ids, same = issued  # the copies only wrote the pool: nothing to undo
-            sources = self._set.device_views(plan)
-            parking, everything = self._set.parking, range(len(plan.tensors))
-            last, repointed = self._last, False
+            move = self._set.offload(schedule)
+            plan, last = move.issued.plan, self._last
             try:  # see [Note: all or nothing]
                 self._guards.install(plan.modules, plan.optimizers)
-                parking.to_host(everything, views.host_locals, key=views)
-                repointed = True
-                handle = self._issued(TransferHandle("d2h", plan.state_bytes, copies.event, issued_at,
-                                                     start_event=copies.start, bytes_copied=issued.bytes_copied))
-                self._offloaded = Offloaded(plan, views, ids)
-                self._residency = Residency.D2H_IN_FLIGHT if cuda else Residency.HOST
-                if self._arena is not None:
-                    self._arena.release()
-                    self._arena = None
-                # The last step: nothing that can fail once a storage is freed.
-                if tracks:
-                    schedule.hold(plan, sources, copies, self._streams, same)  # see [Note: swap budget]  # pyright: ignore[reportArgumentType]  # set while offloaded or in flight; the residency/prefetch check above guards it
-                else:
-                    release(plan, sources, self._streams, gathered=copies.gathered)  # pyright: ignore[reportArgumentType]  # set while offloaded or in flight; the residency/prefetch check above guards it
+                handle = self._issued(move.handle(issued_at))
+                self._offloaded = move.offloaded
+                self._residency = Residency.D2H_IN_FLIGHT if self._streams.is_cuda else Residency.HOST
+                self._set.drop_arena()
+                move.finish()  # the last step: nothing that can fail once a storage is freed
             except BaseException:
-                if repointed:
-                    parking.to_device(everything)
+                move.undo()
                 self._guards.remove()
                 self._offloaded, self._residency, self._last = None, Residency.DEVICE, last
                 raise
@@ -359,34 +327,21 @@ class Ferry:
         rest and releases everything.
 
         For forward-only phases (log-probabilities); can be armed right after
-        ``reload(prefetch=...)``. What is and is not seen, and what is not
-        armed (state with gradients, no FSDP2 units): [Note: offload during
-        forward] in ``torchferry._core._schedules.early``.
+        ``reload(prefetch=...)``. What is and is not seen, and what is not armed (state with
+        gradients, no FSDP2 units): [Note: offload during forward] in ``torchferry._core._schedules.early``.
 
         Raises:
-            RuntimeError: the ferry is closed; or the host pool could not be
-                allocated (nothing moved).
+            RuntimeError: the ferry is closed; or the host pool could not be allocated (nothing moved).
             HostBudgetError: the node's host budget cannot hold the pool.
         """
         self._check_open()
-        self._disarm_early()
-        if self._prefetch is not None and not self._prefetch.finished:
-            # Armed during a layer-wise reload: each unit is resident before its
-            # forward, and the plan is the one the reload brings back.
-            plan, views = self._prefetch.plan, self._prefetch.views
-        elif self.residency.on_host:
-            return
-        else:
-            plan = self._set.plan()
-            views = self._set.host.views(plan, cache=True)  # the pool, now: the hooks must not fail
-        self._early = EarlyOffload.arm_for(plan, views, self._set.device_views(plan), self._streams,
-                                           self._set.baseline())
-
-    def _disarm_early(self) -> EarlyOffload | None:
-        early, self._early = self._early, None
-        if early is not None:
-            early.disarm()
-        return early
+        self._set.disarm_early()
+        if self._prefetch is not None and self._prefetch.finished:
+            self._end_prefetch()
+        run = self._prefetch
+        if run is None and self._offloaded is not None:
+            return  # on the host: nothing to copy early
+        self._set.arm_early(run)
 
     # ----------------------------------------------------------------- reload
     def reload(self, prefetch: bool | Prefetch = False) -> TransferHandle:
@@ -408,9 +363,9 @@ class Ferry:
 
         Raises:
             TypeError: ``prefetch`` is not a bool or a :class:`Prefetch`.
-            RuntimeError: the device ran out of memory (the message names the
-                bytes needed; the state stays on the host, nothing is lost), or
-                a tensor cannot be re-pointed, or the ferry is closed.
+            RuntimeError: the device ran out of memory (the message names the bytes needed; the
+                state stays on the host, nothing is lost), a tensor cannot be re-pointed, or the
+                ferry is closed.
         """
         return self._reload(prefetch, None)
 
@@ -425,88 +380,46 @@ class Ferry:
             raise TypeError(f"torchferry: reload(prefetch=...) takes True, False or a Prefetch, "
                             f"got {type(prefetch).__name__} {prefetch!r}")
         self._check_open()
-        if self._prefetch is not None and not self._prefetch.finished:
-            return self._last if prefetch else self._complete_prefetch()  # pyright: ignore[reportReturnType]  # set while offloaded or in flight; the residency/prefetch check above guards it
-        if not self.residency.on_host:
-            return self._handle_or_noop("h2d")
+        run = self._prefetch
+        if run is not None and not run.finished:
+            return self._last if prefetch and self._last is not None else self._complete_prefetch()  # type: ignore[return-value]
+        self._complete_prefetch()
         off = self._offloaded
-        plan = off.plan
-        groups = prefetch_groups(plan) if prefetch else None
+        if off is None:
+            return self._handle_or_noop("h2d")
+        groups = prefetch_groups(off.plan) if prefetch else None
         if groups is not None:
-            if self._replaced_while_offloaded(off):  # pyright: ignore[reportArgumentType]  # set while offloaded or in flight; the residency/prefetch check above guards it
-                return self._reconcile()
-            return self._start_prefetch(off, groups, prefetch if isinstance(prefetch, Prefetch) else Prefetch())  # pyright: ignore[reportArgumentType]  # set while offloaded or in flight; the residency/prefetch check above guards it
-        return self._reload_all(off, schedule)  # pyright: ignore[reportArgumentType]  # set while offloaded or in flight; the residency/prefetch check above guards it
+            if self._set.replaced(off):
+                return self._reconcile(off)
+            return self._start_prefetch(off, groups, prefetch if isinstance(prefetch, Prefetch) else Prefetch())
+        return self._reload_all(off, schedule)
 
     def _reload_all(self, off: Offloaded, schedule: ReleaseSchedule | None) -> TransferHandle:
-        plan, cuda = off.plan, self._streams.is_cuda
-        tracks = schedule is not None and schedule.tracks
-        parking, everything = self._set.parking, range(len(plan.tensors))
         issued_at = time.perf_counter()
-        with transfer_range("h2d", plan.state_bytes):
-            arena = ReloadArena.seed(self.device, plan.nbytes) if cuda and not tracks else None
-            last, copies, repointed = self._last, None, False
+        with transfer_range("h2d", off.plan.state_bytes):
+            move = self._set.reload(off, schedule, self._own_offload_event())
+            if move is None:  # replaced while offloaded: see [Note: state replaced while offloaded]
+                return self._reconcile(off)
+            last = self._last
             try:  # see [Note: all or nothing]
-                copies = self._set.issue_reload(plan, off.views, self._own_offload_event(),
-                                                schedule.before_alloc if tracks else None)
-                # Checked while the copies are in flight; see [Note: state replaced while offloaded].
-                replaced = self._replaced_while_offloaded(off)
-                if replaced:
-                    undo_allocations(plan, range(len(plan.storages)), self._streams)
-                    copies = None
-                    if arena is not None:
-                        arena.release()
-                        arena = None
-                else:
-                    if cuda:
-                        self._streams.current().wait_event(copies.event)
-                        for stream in comm_streams(plan.modules):  # also read by FSDP2's all-gathers
-                            stream.wait_event(copies.event)  # pyright: ignore[reportArgumentType]  # set while offloaded or in flight; the residency/prefetch check above guards it
-                        if arena is not None:
-                            arena.seal(plan.storages)
-                    parking.to_device(everything)
-                    repointed = True
-                    self._set.reloaded(plan, off.views, swapping=tracks)  # see [Note: unchanged storages]
-                    handle = self._issued(TransferHandle("h2d", plan.state_bytes, copies.event, issued_at,
-                                                         start_event=copies.start))
-                    self._guards.remove()
-                    self._offloaded, self._arena = None, arena
-                    self._residency = Residency.H2D_IN_FLIGHT if cuda else Residency.DEVICE
-            except BaseException as e:
-                self._set.forget_baseline()
-                if repointed:
-                    parking.revert_to_device(everything)
-                self._guards.install(plan.modules, plan.optimizers)
-                self._offloaded, self._residency, self._last, self._arena = off, Residency.HOST, last, None
-                if copies is not None:
-                    undo_allocations(plan, range(len(plan.storages)), self._streams)
-                if arena is not None:
-                    arena.release()
-                if isinstance(e, torch.OutOfMemoryError):
-                    raise RuntimeError(
-                        f"torchferry: reload needs {plan.state_bytes} bytes on {self.device} and ran out of "
-                        "device memory (free memory, e.g. the rollout engine's KV cache, and call reload() "
-                        "again); the state is still offloaded, nothing was lost"
-                    ) from e
+                handle = self._issued(move.handle(issued_at))
+                self._guards.remove()
+                self._offloaded, self._set.arena = None, move.arena
+                self._residency = Residency.H2D_IN_FLIGHT if self._streams.is_cuda else Residency.DEVICE
+            except BaseException:
+                move.undo()
+                self._guards.install(off.plan.modules, off.plan.optimizers)
+                self._offloaded, self._residency, self._last, self._set.arena = off, Residency.HOST, last, None
                 raise
-        if replaced:
-            return self._reconcile()
-        logger.debug("reload: %d bytes in %d storages to %s", plan.state_bytes, len(plan.storages), self.device)
+        logger.debug("reload: %d bytes in %d storages to %s", off.plan.state_bytes, len(off.plan.storages), self.device)
         return handle
 
-    def _replaced_while_offloaded(self, off: Offloaded) -> bool:
-        """Whether the targets hold other tensors, or the ferry's tensors other bytes, than at the
-        offload ([Note: state replaced while offloaded], [Note: storage swapped while offloaded])."""
-        return self._targets.ids() != off.ids or bool(moved_away(off.views, self._set.parking))  # pyright: ignore[reportArgumentType]  # set while offloaded or in flight; the residency/prefetch check above guards it
-
-    def _reconcile(self) -> TransferHandle:
+    def _reconcile(self, off: Offloaded) -> TransferHandle:
         """Brings back what the targets still hold after a replacement; the state is then resident.
         All or nothing: ``reconcile`` undoes itself, and nothing after it can tear the state."""
-        off = self._offloaded
         try:
             self._guards.remove()
-            nbytes = reconcile(off.plan, off.views, self._set.parking, self._targets.live(), self._streams,  # pyright: ignore[reportArgumentType]  # set while offloaded or in flight; the residency/prefetch check above guards it
-                               self._set.device_views(off.plan), self._own_offload_event())
+            nbytes = self._set.reconcile(off, self._own_offload_event())
             self._offloaded, self._residency = None, Residency.DEVICE
         except BaseException:
             self._guards.install(off.plan.modules, off.plan.optimizers)
@@ -516,36 +429,33 @@ class Ferry:
         return handle
 
     # --------------------------------------------------------------- prefetch
-    def _start_prefetch(self, off: Offloaded, groups: list, policy: Prefetch) -> TransferHandle:
-        run = PrefetchRun(off.plan, off.views, self._set.parking, self._set.device_views(off.plan), groups, policy,  # pyright: ignore[reportArgumentType]  # set while offloaded or in flight; the residency/prefetch check above guards it
-                          self._streams, self._own_offload_event(), self._set.group_copied,
-                          self._set.group_resident)
+    def _start_prefetch(self, off: Offloaded, groups: list[Group], policy: Prefetch) -> TransferHandle:
+        run = self._set.prefetch_run(off, groups, policy, self._own_offload_event())
         last = self._last
         try:  # see [Note: all or nothing]
             self._guards.remove()
-            self._set.forget_baseline()  # its groups take a new one as they are copied
             self._prefetch = run
             self._residency = Residency.PREFETCHING
             run.begin()
-            self._last = run.handle()
+            self._last = handle = run.handle()
         except BaseException:
             run.abort()
             self._prefetch, self._residency, self._last = None, Residency.HOST, last
             self._guards.install(off.plan.modules, off.plan.optimizers)
             raise
-        return self._last
+        return handle
 
     def _complete_prefetch(self) -> TransferHandle | None:
-        """Completes a layer-wise reload under way (``reload()`` while prefetching)."""
+        """Completes a layer-wise reload under way, or hands over one that finished."""
         if self._prefetch is None:
             return None
-        self._prefetch.finish()
+        self._prefetch.finish()  # idempotent
         return self._end_prefetch()
 
     def _end_prefetch(self) -> TransferHandle:
         run, self._prefetch = self._prefetch, None
-        if run.arena is not None:
-            self._arena = run.arena
+        assert run is not None
+        self._set.arena = run.arena if run.arena is not None else self._set.arena
         self._offloaded = None
         self._residency = Residency.H2D_IN_FLIGHT if self._streams.is_cuda else Residency.DEVICE
         return self._issued(run.handle())
@@ -564,9 +474,7 @@ class Ferry:
             self._pin_ahead.cancel()
         self._guards.remove()
         self._set.forget()
-        if self._arena is not None:
-            self._arena.release()
-            self._arena = None
+        self._set.drop_arena()
         self._closed = True
 
     def __enter__(self) -> Ferry:

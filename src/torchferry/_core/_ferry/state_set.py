@@ -26,46 +26,27 @@ not guard on hooks added after compilation): do not run them while offloaded.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from concurrent.futures import Future
 
 import torch
 
-from .._transfer.copies import D2HIssued, H2DIssued, issue_d2h, issue_h2d
-from .._schedules.early import EarlyOffload
 from .._host.layout import HostLayout, HostViews
-from .._state.plan import Plan, PlanCache, build_plan, fingerprint, refuse_unresizable, storage_bytes
 from .._host.pool import HostPool
-from .._state.parking import Parking
-from .._transfer.streams import TransferStreams, streams_for
-from .._state.targets import Targets
+from .._schedules.early import EarlyOffload
+from .._schedules.prefetch import Group, Prefetch, PrefetchRun
+from .._schedules.release import PROGRESS_EVERY, ReleaseSchedule
 from .._schedules.unchanged import UnchangedStorages
+from .._state.fsdp import comm_streams
+from .._state.parking import Parking
+from .._state.plan import Plan, PlanCache, build_plan, fingerprint, refuse_unresizable, storage_bytes
+from .._state.targets import Targets
+from .._transfer.arena import ReloadArena
+from .._transfer.copies import H2DIssued, issue_d2h, issue_h2d
+from .._transfer.streams import TransferStreams, streams_for
+from .moves import OffloadIssued, OffloadMove, Offloaded, ReloadMove
+from .reconcile import moved_away, reconcile
 
-__all__ = ["OffloadIssued", "Offloaded", "StateSet"]
-
-
-class OffloadIssued(NamedTuple):
-    """What :meth:`StateSet.issue_offload` did: the plan, its pool views, the copies, and the
-    ``id`` of every target tensor at that time (see [Note: state replaced while offloaded])."""
-
-    plan: Plan
-    views: HostViews
-    copies: D2HIssued
-    ids: list[int]
-    unchanged: set[int]  # skipped: their slots already hold their bytes ([Note: unchanged storages])
-
-    @property
-    def bytes_copied(self) -> int:
-        """Bytes this offload copies D2H (early copies included, unchanged storages not)."""
-        return self.plan.state_bytes - sum(self.plan.nbytes[si] for si in self.unchanged)
-
-
-class Offloaded(NamedTuple):
-    """What a ferry holds while its state is on the host: the plan, its pool views, and the ids
-    of the tensors the targets held at the offload (see [Note: state replaced while offloaded])."""
-
-    plan: Plan
-    views: HostViews
-    ids: list[int]
+__all__ = ["StateSet"]
 
 
 class StateSet:
@@ -88,6 +69,8 @@ class StateSet:
         self.cache: PlanCache | None = None
         self.parking: Parking | None = None
         self.unchanged = UnchangedStorages() if skip_unchanged else None
+        self.arena: ReloadArena | None = None  # see [Note: reload arena]
+        self.early: EarlyOffload | None = None  # see [Note: offload during forward]
 
     def _set_device(self, device: torch.device) -> None:
         self.device = device
@@ -120,6 +103,26 @@ class StateSet:
         self.cache, self.parking = cache, parking  # together: see [Note: all or nothing]
         return plan
 
+    def _cache_of(self, plan: Plan) -> PlanCache:
+        """The cache entry of ``plan``, the plan just made or reused by :meth:`plan`."""
+        cache = self.cache
+        if cache is None or cache.plan is not plan:
+            raise AssertionError("torchferry: internal error: the plan is not the cached one")
+        return cache
+
+    def reserve(self, background: bool) -> tuple[int, Future | None, bool]:
+        """Plans the targets and allocates (and pins) the pool for them (``HostLayout.reserve``):
+        the plan's state bytes, the future of a background pin (or ``None``), and whether the pool
+        grew.
+
+        Raises:
+            As :meth:`HostLayout.reserve` (nothing allocated) and :func:`build_plan`.
+        """
+        before = self.pool.nbytes
+        plan = self.plan()
+        fut = self.host.reserve(plan, background=background)
+        return plan.state_bytes, fut, self.pool.nbytes != before
+
     def device_views(self, plan: Plan) -> list[torch.Tensor] | None:
         """The cached plan's 1D uint8 device views (they follow ``resize_``), else ``None``."""
         return self.cache.device_views if self.cache is not None and self.cache.plan is plan else None
@@ -142,42 +145,17 @@ class StateSet:
         if self.unchanged is not None:
             self.unchanged.drop_rules()
 
-    def reloaded(self, plan: Plan, views: HostViews, *, swapping: bool = False) -> None:
-        """Takes the baseline of [Note: unchanged storages] after a plain reload (the current stream
-        waited for its copies, no kernel queued since). Nothing under a swap with a budget (the
-        hash's temporaries would exceed it) or with ``skip_unchanged`` off."""
-        if self.unchanged is None:
-            return
-        if swapping:
-            self.unchanged.forget()
-            return
-        self.unchanged.copied_in(plan, views, self.device_views(plan))  # pyright: ignore[reportArgumentType]  # device_views(plan) is a list once the plan exists
-        self.unchanged.resident(plan, views, self.parking.host_versions())
-
-    def group_copied(self, plan: Plan, views: HostViews, group) -> None:
-        """A layer-wise reload's group (``prefetch.Group``) was just copied in on the current stream."""
-        if self.unchanged is not None:
-            self.unchanged.copied_in(plan, views, self.device_views(plan), group.storages)  # pyright: ignore[reportArgumentType]  # device_views(plan) is a list once the plan exists
-
-    def group_resident(self, plan: Plan, views: HostViews, group) -> None:
-        """A layer-wise reload's group was made resident: its version counters are the baseline's."""
-        if self.unchanged is not None:
-            self.unchanged.resident(plan, views, self.parking.host_versions(group.tensors), group.tensors)
-
     def forget_baseline(self) -> None:
         """Drops the baseline of [Note: unchanged storages] (a layer-wise reload starts a new one)."""
         if self.unchanged is not None:
             self.unchanged.forget()
 
-    def baseline(self) -> set[int] | frozenset[int]:
-        """Storages holding a baseline hash now (live; empty with ``skip_unchanged`` off)."""
-        return self.unchanged.baseline if self.unchanged is not None else frozenset()
-
     def _unchanged_now(self, plan: Plan, views: HostViews, early: EarlyOffload | None) -> set[int]:
         """Storages the offload may skip: their slots still hold their bytes (consumes the baseline)."""
-        if self.unchanged is None:
+        sources, parking = self.device_views(plan), self.parking
+        if self.unchanged is None or sources is None or parking is None:
             return set()
-        return self.unchanged.take(plan, views, self.device_views(plan), self.parking.host_versions(),  # pyright: ignore[reportArgumentType]  # device_views(plan) is a list once the plan exists
+        return self.unchanged.take(plan, views, sources, parking.host_versions(),
                                    early.copied if early is not None else ())
 
     # ----------------------------------------------------------------- copies
@@ -205,11 +183,11 @@ class StateSet:
         if (hv is not None and early is None and progress_every is None
                 and all(st.nbytes() == n for st, n in zip(cache.plan.storages, cache.plan.nbytes, strict=False))):
             targets = self.targets.resharded()
-            same = self._unchanged_now(cache.plan, hv, None)
-            copies = issue_d2h(cache.plan, cache.device_views, hv, same, self.streams)
+            unchanged = self._unchanged_now(cache.plan, hv, None)
+            copies = issue_d2h(cache.plan, cache.device_views, hv, unchanged, self.streams)
             fp = fingerprint(targets)
             if fp == cache.fingerprint:
-                return OffloadIssued(cache.plan, hv, copies, [f[0] for f in fp], same)
+                return OffloadIssued(cache.plan, hv, copies, [f[0] for f in fp], unchanged)
             if copies.event is not None:
                 copies.event.synchronize()  # the copies only wrote the pool; redo with a new plan
             # Hold nothing of the old plan's views: a growing pool must be able to
@@ -218,13 +196,13 @@ class StateSet:
             plan = self.plan(targets, fp)
         else:
             plan = self.plan()
-        fp = self.cache.fingerprint
+        cache = self._cache_of(plan)
         views = self.host.views(plan, cache=True)  # may raise (pool allocation): nothing moved yet
-        skip = early.take(plan, views) if early is not None else set()  # copied during the forward
-        same = self._unchanged_now(plan, views, early)
-        copies = issue_d2h(plan, self.device_views(plan), views, skip | same, self.streams,  # pyright: ignore[reportArgumentType]  # device_views(plan) is a list once the plan exists
+        early_copied = early.take(plan, views) if early is not None else set()  # during the forward
+        unchanged = self._unchanged_now(plan, views, early)
+        copies = issue_d2h(plan, cache.device_views, views, early_copied | unchanged, self.streams,
                            progress_every=progress_every)
-        return OffloadIssued(plan, views, copies, [f[0] for f in fp], same)
+        return OffloadIssued(plan, views, copies, [f[0] for f in cache.fingerprint], unchanged)
 
     def issue_reload(self, plan: Plan, views: HostViews, after: torch.cuda.Event | None,
                      before_alloc=None) -> H2DIssued:
@@ -244,3 +222,138 @@ class StateSet:
         if self.streams.is_cuda and after is not None:
             self.streams.h2d.wait_event(after)  # the slots may still be filling
         return issue_h2d(plan, views, self.streams, device_views=self.device_views(plan), before_alloc=before_alloc)
+
+    # ------------------------------------------------------------------ moves
+    def _parking_of(self) -> Parking:
+        if self.parking is None:
+            raise AssertionError("torchferry: internal error: no parked tensors without a plan")
+        return self.parking
+
+    def drop_arena(self) -> None:
+        """Gives the reload arena's fillers back (see [Note: reload arena])."""
+        if self.arena is not None:
+            self.arena.release()
+            self.arena = None
+
+    def disarm_early(self) -> EarlyOffload | None:
+        """Disarms the offload during forward, if armed; returns it (its early copies count once)."""
+        early, self.early = self.early, None
+        if early is not None:
+            early.disarm()
+        return early
+
+    def offload(self, schedule: ReleaseSchedule | None) -> OffloadMove:
+        """Issues the D2H copies and points every tensor at its pool slot; the device storages are
+        still allocated (:meth:`OffloadMove.finish` frees them, :meth:`OffloadMove.undo` reverts).
+
+        The offload during forward, if armed, is disarmed and its early copies count.
+
+        Args:
+            schedule: a swap's release schedule (the storages go to it), or ``None``.
+
+        Raises:
+            As :meth:`issue_offload`; RuntimeError naming a tensor that could not be re-pointed
+            (every tensor is back on the device; the copies only wrote the pool).
+        """
+        tracks = schedule is not None and schedule.tracks and self.streams.is_cuda
+        issued = self.issue_offload(self.disarm_early(), PROGRESS_EVERY if tracks else None)
+        parking = self._parking_of()
+        move = OffloadMove(issued, self._cache_of(issued.plan).device_views, parking, self.streams,
+                           schedule if tracks else None)
+        parking.to_host(range(len(issued.plan.tensors)), issued.views.host_locals, key=issued.views)
+        return move  # nothing after the re-pointing: the caller's try undoes it ([Note: all or nothing])
+
+    def replaced(self, off: Offloaded) -> bool:
+        """Whether the targets hold other tensors, or the set's tensors other bytes, than at the
+        offload ([Note: state replaced while offloaded], [Note: storage swapped while offloaded])."""
+        return self.targets.ids() != off.ids or bool(moved_away(off.views, self._parking_of()))
+
+    def reload(self, off: Offloaded, schedule: ReleaseSchedule | None,
+               after: torch.cuda.Event | None) -> ReloadMove | None:
+        """Re-allocates every storage, issues the H2D copies (after the event ``after``, the ferry's
+        own last offload), makes the current stream and FSDP2's comm streams wait for them, points
+        the tensors back at their device impls and takes the baseline of [Note: unchanged
+        storages]. ``None`` (nothing allocated) when :meth:`replaced`: reconcile instead.
+
+        Args:
+            off: what is offloaded.
+            schedule: a swap's release schedule, asked before each allocation, or ``None``.
+            after: see :meth:`issue_reload`.
+
+        Raises:
+            RuntimeError: out of device memory (naming the bytes; nothing allocated, the state is
+                still offloaded), or a tensor could not be re-pointed (every step undone).
+        """
+        plan, cuda = off.plan, self.streams.is_cuda
+        tracks = schedule is not None and schedule.tracks
+        parking = self._parking_of()
+        move = ReloadMove(plan, parking, self.streams,
+                          ReloadArena.seed(self.device, plan.nbytes) if cuda and not tracks else None, self.unchanged)
+        try:  # see [Note: all or nothing]
+            move.copies = copies = self.issue_reload(plan, off.views, after,
+                                                     schedule.before_alloc if schedule is not None and tracks else None)
+            if self.replaced(off):  # checked while the copies are in flight
+                move.undo()
+                return None
+            if cuda:
+                self.streams.current().wait_event(copies.event)  # pyright: ignore[reportArgumentType]  # an event on a GPU
+                for stream in comm_streams(plan.modules):  # also read by FSDP2's all-gathers
+                    stream.wait_event(copies.event)  # pyright: ignore[reportArgumentType]  # an event on a GPU
+                if move.arena is not None:
+                    move.arena.seal(plan.storages)
+            parking.to_device(range(len(plan.tensors)))
+            move.repointed = True
+            self._take_baseline(plan, off.views, swapping=tracks)
+        except BaseException as e:
+            move.undo()
+            if isinstance(e, torch.OutOfMemoryError):
+                raise RuntimeError(
+                    f"torchferry: reload needs {plan.state_bytes} bytes on {self.device} and ran out of "
+                    "device memory (free memory, e.g. the rollout engine's KV cache, and call reload() "
+                    "again); the state is still offloaded, nothing was lost"
+                ) from e
+            raise
+        return move
+
+    def _take_baseline(self, plan: Plan, views: HostViews, *, swapping: bool) -> None:
+        """The baseline of [Note: unchanged storages] after a plain reload; none under a swap with a
+        budget (the hash's temporaries would exceed it)."""
+        if self.unchanged is None:
+            return
+        if swapping:
+            self.unchanged.forget()
+            return
+        sources = self.device_views(plan)
+        if sources is not None:
+            self.unchanged.reloaded(plan, views, sources, self._parking_of().host_versions())
+
+    def reconcile(self, off: Offloaded, after: torch.cuda.Event | None) -> int:
+        """Brings back what the targets still hold after a replacement (synchronously, all or
+        nothing: :func:`reconcile`); returns the bytes moved. The caller then drops the plan
+        (:meth:`forget`): the targets are planned again at the next offload."""
+        return reconcile(off.plan, off.views, self._parking_of(), self.targets.live(), self.streams,
+                         self.device_views(off.plan), after)
+
+    def arm_early(self, run: PrefetchRun | None) -> None:
+        """Arms an offload during forward (:meth:`EarlyOffload.arm_for`) over the resident plan, or
+        over ``run``'s, a layer-wise reload under way (each unit is resident before its forward);
+        nothing where it does not apply.
+
+        Raises:
+            RuntimeError, HostBudgetError: the pool could not be allocated (the hooks must not
+                fail, so it is allocated now); nothing armed.
+        """
+        if run is not None:
+            plan, views = run.plan, run.views
+        else:
+            plan = self.plan()
+            views = self.host.views(plan, cache=True)
+        self.early = EarlyOffload.arm_for(plan, views, self.device_views(plan), self.streams, self.unchanged)
+
+    def prefetch_run(self, off: Offloaded, groups: list[Group], policy: Prefetch,
+                     after: torch.cuda.Event | None) -> PrefetchRun:
+        """A layer-wise reload of ``off`` (not begun); the baseline of [Note: unchanged storages]
+        is dropped, its groups take a new one as they are copied."""
+        self.forget_baseline()
+        return PrefetchRun(off.plan, off.views, self._parking_of(), self.device_views(off.plan), groups, policy,
+                           self.streams, after, self.unchanged)

@@ -20,8 +20,6 @@ copy of a frozen unit would move bytes the pool already holds).
 
 from __future__ import annotations
 
-from collections.abc import Container
-
 import torch
 from torch import nn
 
@@ -31,6 +29,7 @@ from .._host.layout import HostViews
 from .._state.plan import Plan, storage_bytes
 from .prefetch import Group, group_plan
 from .step_hooks import GlobalStepHook
+from .unchanged import UnchangedStorages
 from .._transfer.streams import TransferStreams
 
 __all__ = ["EarlyOffload"]
@@ -47,16 +46,17 @@ class EarlyOffload:
         sources: 1D uint8 device views of the plan's storages.
         groups: the plan's FSDP-unit groups (``unit`` not ``None``).
         streams: the device's streams.
-        leave: storages never copied early (a live container, read at each unit's hook).
+        unchanged: the ferry's ``skip_unchanged``, or ``None``: storages holding its baseline
+            at a unit's hook are not copied early.
     """
 
     def __init__(self, plan: Plan, views: HostViews, sources: list[torch.Tensor], groups: list[Group],
-                 streams: TransferStreams, leave: Container[int] = frozenset()) -> None:
+                 streams: TransferStreams, unchanged: UnchangedStorages | None = None) -> None:
         self.plan, self.views, self.sources, self.groups, self.streams = plan, views, sources, groups, streams
         inference = {r.storage_index for r in plan.tensors if r.tensor.is_inference() or r.local.is_inference()}
         # Left to the final offload: packed storages (one DMA per chunk) and inference tensors.
         self._skip = views.packed | inference
-        self._leave = leave
+        self._unchanged = unchanged
         self._versions: dict[int, list[int]] = {}  # group index -> its tensors' versions at copy time
         self._copied: dict[int, list[int]] = {}  # group index -> the storages it copied early
         self._hooks: list = []
@@ -64,7 +64,7 @@ class EarlyOffload:
 
     @classmethod
     def arm_for(cls, plan: Plan, views: HostViews, device_views: list[torch.Tensor] | None,
-                streams: TransferStreams, leave: Container[int] = frozenset()) -> EarlyOffload | None:
+                streams: TransferStreams, unchanged: UnchangedStorages | None = None) -> EarlyOffload | None:
         """Arms an offload in pieces over ``plan``'s FSDP units; ``None`` where it does not apply:
         state holding gradients (written by ``_foreach_`` ops, e.g. clipping, that no version
         counter sees), or no FSDP2 units (or before FSDP2's lazy init)."""
@@ -75,7 +75,7 @@ class EarlyOffload:
             return None
         if device_views is None:
             device_views = [storage_bytes(s, plan.device) for s in plan.storages]
-        early = cls(plan, views, device_views, groups, streams, leave)
+        early = cls(plan, views, device_views, groups, streams, unchanged)
         early.arm()
         return early
 
@@ -102,7 +102,9 @@ class EarlyOffload:
                 return
             g, plan, slots, sources = self.groups[gi], self.plan, self.views.slots, self.sources
             self._versions[gi] = versions(self._tensors(gi))
-            todo = [si for si in g.storages if plan.nbytes[si] and si not in self._skip and si not in self._leave]
+            held = self._unchanged
+            todo = [si for si in g.storages if plan.nbytes[si] and si not in self._skip
+                    and not (held is not None and held.holds(si))]
             self._copied[gi] = todo
             with transfer_range("d2h", g.nbytes):
                 if self.streams.is_cuda:

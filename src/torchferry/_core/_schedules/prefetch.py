@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -53,6 +52,7 @@ from .._host.layout import HostViews
 from .._state.plan import Plan
 from .._state.parking import Parking
 from .step_hooks import GlobalStepHook
+from .unchanged import UnchangedStorages
 from .._transfer.streams import TransferStreams
 
 __all__ = ["Group", "Prefetch", "PrefetchRun", "group_plan", "prefetch_groups"]
@@ -189,11 +189,9 @@ class PrefetchRun:
         streams: the device's streams.
         after: an event the H2D stream waits for first (the ferry's last
             offload: its slots may still be filling), or ``None``.
-        on_copied: called with ``(plan, views, group)`` right after a group's copies
-            were queued, inside the H2D stream (``StateSet.group_copied``: the baseline hash of
-            [Note: unchanged storages]), or ``None``.
-        on_resident: called with ``(plan, views, group)`` once a group is
-            resident (``StateSet.group_resident``), or ``None``.
+        unchanged: the ferry's ``skip_unchanged`` ([Note: unchanged storages]), or ``None``:
+            each group's baseline hash is taken on the H2D stream right after its copies, its
+            version counters once it is resident.
 
     Attributes:
         finished: every group resident and every hook removed.
@@ -205,11 +203,10 @@ class PrefetchRun:
 
     def __init__(self, plan: Plan, views: HostViews, parking: Parking, device_views: list[torch.Tensor] | None,
                  groups: list[Group], policy: Prefetch, streams: TransferStreams,
-                 after: torch.cuda.Event | None, on_copied: Callable[..., None] | None = None,
-                 on_resident: Callable[..., None] | None = None) -> None:
+                 after: torch.cuda.Event | None, unchanged: UnchangedStorages | None = None) -> None:
         self.plan, self.views, self.parking, self.device_views = plan, views, parking, device_views
         self.groups, self.policy, self.streams, self._after = groups, policy, streams, after
-        self._on_copied, self._on_resident = on_copied, on_resident
+        self._unchanged = unchanged
         self.issued = 0  # groups issued, in order
         self.events: list[torch.cuda.Event | None] = []
         self._versions: list[list[int]] = []  # per issued group: its host tensors' versions at issue
@@ -365,12 +362,14 @@ class PrefetchRun:
                     dst.copy_(slots[si], non_blocking=True)
             else:
                 dst.copy_(slots[si])
-        if self._on_copied is not None:  # the bytes just copied, before anything can write them
+        held = self._unchanged
+        if held is not None and self.device_views is not None:  # the bytes just copied, before any write
+            storages = self.groups[gi].storages
             if cuda:
                 with torch.cuda.stream(self.streams.h2d):
-                    self._on_copied(self.plan, self.views, self.groups[gi])
+                    held.copied_in(plan, self.views, self.device_views, storages)
             else:
-                self._on_copied(self.plan, self.views, self.groups[gi])
+                held.copied_in(plan, self.views, self.device_views, storages)
 
     def _group_versions(self, gi: int) -> list[int]:
         tensors = self.parking.tensors
@@ -394,5 +393,6 @@ class PrefetchRun:
                 stream.wait_event(ev)
         self.parking.to_device(self.groups[gi].tensors)
         self.resident.add(gi)
-        if self._on_resident is not None:
-            self._on_resident(self.plan, self.views, self.groups[gi])
+        if self._unchanged is not None:
+            ts = self.groups[gi].tensors
+            self._unchanged.resident(self.plan, self.views, self.parking.host_versions(ts), ts)

@@ -125,17 +125,18 @@ def _rules(plan: Plan, views: HostViews) -> _Rules:
 
 
 class UnchangedStorages:
-    """One ferry's baseline for [Note: unchanged storages]: hashes taken where the device bytes
-    equal the pool's, and version counters, used by the next offload.
+    """One ferry's ``skip_unchanged`` (see [Note: unchanged storages]): hashes taken where the
+    device bytes equal the pool's, and version counters, used by the next offload.
 
-    Attributes:
-        baseline: storage indices holding a baseline hash now (a live set, cleared in place:
-            ``EarlyOffload`` leaves them to the offload's hash instead of copying them early).
+    The one object handed to whoever copies (the whole-set reload and offload, a layer-wise
+    reload's groups, an offload during forward); ``None`` where ``skip_unchanged`` is off. What it
+    decides is one set of storage indices, ``unchanged``: their pool slots already hold their
+    bytes, so the offload copies them not at all.
     """
 
     def __init__(self) -> None:
         self._rules: _Rules | None = None
-        self.baseline: set[int] = set()
+        self._baseline: set[int] = set()  # storage indices holding a baseline hash now
         ref = weakref.ref(self)
         self._step_key = id(self)
         self._on_step = lambda: (me := ref()) is not None and me._stepped()
@@ -151,13 +152,25 @@ class UnchangedStorages:
         self._versions: dict[int, int] = {}  # tensor index -> version at the baseline
         self._host_versions: dict[int, int] = {}  # tensor index -> its host twin's version then
         self._step_seen = False  # an optimizer stepped since the baseline
-        self.baseline.clear()
+        self._baseline.clear()
         _STEPS.discard(self._step_key)
 
     def drop_rules(self) -> None:
         """Also drops the per-plan tables (they hold the plan and the host views)."""
         self.forget()
         self._rules = None
+
+    def holds(self, si: int) -> bool:
+        """Whether storage ``si`` holds a baseline hash now (an offload during forward leaves it to
+        the offload's hash instead of copying it early)."""
+        return si in self._baseline
+
+    def reloaded(self, plan: Plan, views: HostViews, sources: list[torch.Tensor], host_versions: list[int]) -> None:
+        """Takes a new baseline after a whole-set reload: the current stream waited for its copies
+        and no kernel was queued since. ``host_versions``: per ``plan.tensors`` entry, its host
+        twin's version counter. Never raises (as :meth:`copied_in`)."""
+        self.copied_in(plan, views, sources)
+        self.resident(plan, views, host_versions)
 
     def _stepped(self) -> None:
         self._step_seen = True
@@ -191,7 +204,7 @@ class UnchangedStorages:
             todo = [si for si in (range(len(plan.storages)) if storages is None else storages)
                     if rules.eligible[si]]
             hash_storages(self._kind, self._hashes, todo, sources, views.chunks, rules.packed_at)  # pyright: ignore[reportArgumentType]  # _kind, _hashes and the base are set by _begin() before any hash
-            self.baseline.update(todo)
+            self._baseline.update(todo)
         except Exception:
             self.forget()
             logger.warning("torchferry: could not hash the reloaded state; the next offload copies all of it",
@@ -220,7 +233,7 @@ class UnchangedStorages:
         Raises:
             RuntimeError: in verify mode, a storage judged unchanged differs from its slot.
         """
-        hashed, base, kind = set(self.baseline), self._hashes, self._kind
+        hashed, base, kind = set(self._baseline), self._hashes, self._kind
         recorded, host_recorded, stepped = self._versions, self._host_versions, self._step_seen
         valid = plan is self._plan and views is self._views and views.intact()
         self.forget()

@@ -18,17 +18,20 @@ under one GPU budget in bytes, and moves state only when the budget needs it:
         ref_log_prob = ref(batch)
 
 It is a layer above ``Ferry`` (it calls ``offload()``, ``reload()``,
-``residency``, ``state_bytes`` and :func:`torchferry.swap`, and ``_measure``
+``residency``, ``state_bytes`` and :func:`torchferry.swap`, and ``measure``
 reads the storages a ferry holds now, [Note: a set counts its bytes now]).
 A ferry belongs to one dock at a time ([Note: one dock per ferry]).
 
 The package is a stack, each module calling only those above it in this list:
 ``measure`` (a set's bytes as they are now), ``records`` (the stats, moves
 and per-name records), ``schedule`` (the schedule, budget arithmetic and the
-choice of victims, [Note: choosing victims]), ``engine`` (accounting and
-execution of moves, [Note: dock accounting], [Note: one dock per ferry],
-[Note: prefetch], [Note: prefetch hand-off], [Note: released without a
-copy]) and ``dock`` (the public :class:`Dock`).
+choice of victims, [Note: choosing victims]), ``mover`` (the :class:`Mover`
+that carries out the moves and keeps their record, [Note: prefetch hand-off]),
+``engine`` (the :class:`DockEngine`: the dock's state, accounting and
+decisions, [Note: dock accounting], [Note: one dock per ferry], [Note:
+prefetch], [Note: released without a copy]) and ``dock`` (the public
+:class:`Dock`, which checks the arguments and holds its engine as
+``_engine``).
 """
 
 from .dock import Dock

@@ -1,41 +1,76 @@
 """The public :class:`Dock`: registration, phases (``use``/``acquire``/``release``), prefetch, eviction,
-introspection. The accounting and moves are its base class's (``_engine``)."""
+introspection. It checks the arguments and words the errors; its :class:`~.engine.DockEngine` (``_engine``) keeps
+the state, does the accounting, decides the victims and moves the sets."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from .._api.args import check_callable, shown
+from .._api.args import check_callable, check_device, shown
 from .._ferry.ferry import Ferry
-from .engine import _HOLDERS, _Engine
-from .measure import counted_bytes, ensure_plan
-from .records import DockStats, Move, _Claimant, _fmt, _Set
+from .engine import DockEngine
+from .measure import counted_bytes
+from .records import DockStats, Move, _fmt
 from .schedule import Schedule
 
 __all__ = ["Dock"]
 
 
-class Dock(_Engine):
+class Dock:
     """State sets and claimants of GPU memory under one GPU budget (see the module docstring).
-
-    Args:
-        budget_bytes: bytes that the resident state sets (their storages as
-            they are now, grown state included), the awake claimants and the
-            byte-count claimants in use may hold together on the device (see
-            [Note: dock accounting]).
-        device: the device of the state sets; default the first added ferry's.
-
-    Raises:
-        ValueError: ``budget_bytes`` not a positive int.
 
     A ferry belongs to one dock at a time ([Note: one dock per ferry]).
     Not thread-safe: drive a dock from one thread.
     """
+
+    def __init__(self, budget_bytes: int, *, device: torch.device | str | None = None) -> None:
+        """A dock with nothing in it yet.
+
+        Args:
+            budget_bytes: bytes that the resident state sets (their storages as
+                they are now, grown state included), the awake claimants and the
+                byte-count claimants in use may hold together on the device (see
+                [Note: dock accounting]).
+            device: the device of the state sets; default the first added ferry's.
+
+        Raises:
+            ValueError: ``budget_bytes`` not a positive int, or ``device`` a string
+                or index ``torch.device`` does not accept.
+            TypeError: ``device`` not a ``torch.device``, str, int or ``None``.
+        """
+        if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
+            raise ValueError(f"torchferry: Dock: budget_bytes must be an int > 0 (bytes), got {budget_bytes!r}")
+        self._engine = DockEngine(budget_bytes, check_device(device, "Dock(device=...)"), owner=self)
+
+    def _check_new_name(self, name: str) -> None:
+        e = self._engine
+        if e.closed:
+            raise RuntimeError("torchferry: Dock: this dock is closed; make a new Dock")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"torchferry: Dock: a name must be a non-empty str, got {name!r}")
+        if name in e.sets or name in e.claimants:
+            raise ValueError(f"torchferry: Dock: the name {name!r} is already registered")
+
+    def _check_names(self, names: tuple[str, ...], what: str) -> tuple[str, ...]:
+        odd = [n for n in names if not isinstance(n, str)]
+        if odd:  # dock.use(["a", "b"]) gave "unhashable type: 'list'"
+            raise TypeError(f"torchferry: Dock.{what}() takes names as separate str arguments "
+                            f"(dock.{what}('a', 'b')), got {shown(odd[0])}")
+        if not names:
+            raise ValueError(f"torchferry: Dock.{what}: give at least one name")
+        e = self._engine
+        unknown = [n for n in names if n not in e.sets and n not in e.claimants]
+        if unknown:
+            raise ValueError(f"torchferry: Dock.{what}: unknown names {unknown}; registered: "
+                             f"{sorted((*e.sets, *e.claimants))}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"torchferry: Dock.{what}: a name is repeated in {list(names)}")
+        return names
+
     # ---------------------------------------------------------------- registration
     def add(self, name: str, ferry: Ferry) -> None:
         """Registers a state set: the ferry's state, counted in bytes as it is at each decision.
@@ -66,33 +101,30 @@ class Dock(_Engine):
         self._check_new_name(name)
         if not isinstance(ferry, Ferry):
             raise TypeError(f"torchferry: Dock.add: {name!r} must be a torchferry.Ferry, got {type(ferry).__name__}")
-        for s in self._sets.values():
+        e = self._engine
+        for s in e.sets.values():
             if s.ferry is ferry:
                 raise ValueError(f"torchferry: Dock.add: this ferry is already added as {s.name!r}")
-        other = self._holder(ferry)
+        other = DockEngine.holder(ferry)
         if other is not None:
-            held_as = next(s.name for s in other._sets.values() if s.ferry is ferry)
+            held_as = next(s.name for s in other.sets.values() if s.ferry is ferry)
             raise RuntimeError(
-                f"torchferry: Dock.add: cannot add {name!r}: its ferry is held by another dock ({other._label()}) "
+                f"torchferry: Dock.add: cannot add {name!r}: its ferry is held by another dock ({other.label()}) "
                 f"as {held_as!r}; a ferry belongs to one dock: remove it there first "
                 f"(dock.remove({held_as!r}) or dock.close())"
             )
-        dev = self._device
+        dev = e.device
         if dev is not None and (ferry.device.type != dev.type
                                 or (dev.index is not None and ferry.device.index != dev.index)):
             raise ValueError(f"torchferry: Dock.add: {name!r} is on {ferry.device} but the dock on {dev}")
         nbytes = counted_bytes(ferry)
-        if nbytes > self._budget:
+        if nbytes > e.budget:
             raise ValueError(
                 f"torchferry: Dock.add: state set {name!r} is {_fmt(nbytes)} but the budget is "
-                f"{_fmt(self._budget)}; it could never be resident: raise budget_bytes or split the set "
+                f"{_fmt(e.budget)}; it could never be resident: raise budget_bytes or split the set "
                 "(e.g. parameters and optimizer state as two ferries)"
             )
-        ensure_plan(ferry)  # after the checks: a refused ferry is left as it was
-        nbytes = counted_bytes(ferry)
-        self._device = ferry.device
-        self._sets[name] = _Set(name, ferry, self._order(), nbytes)
-        _HOLDERS[ferry] = weakref.ref(self)
+        e.add_set(name, ferry)  # after the checks: a refused ferry is left as it was
 
     def remove(self, name: str) -> None:
         """Forgets a state set or claimant; its ferry may then join another dock.
@@ -107,9 +139,9 @@ class Dock(_Engine):
             RuntimeError: the name is in use.
         """
         self._check_names((name,), "remove")
-        if (self._sets.get(name) or self._claimants[name]).in_use:
+        if self._engine.item(name).in_use:
             raise RuntimeError(f"torchferry: Dock.remove: {name!r} is in use; leave its use() block first")
-        self._drop(name)
+        self._engine.drop(name)
 
     def close(self) -> None:
         """Forgets every set and claimant (as :meth:`remove`) and refuses new ones; idempotent.
@@ -123,9 +155,7 @@ class Dock(_Engine):
         busy = sorted(self.in_use)
         if busy:
             raise RuntimeError(f"torchferry: Dock.close: {busy} in use; leave their use() blocks first")
-        for name in [*self._sets, *self._claimants]:
-            self._drop(name)
-        self._schedule, self._pos, self._closed = None, -1, True
+        self._engine.close()
 
     def add_claimant(self, name: str, nbytes: int, *, sleep: Callable[[], object] | None = None,
                      wake: Callable[[], object] | None = None, empty_cache: bool = False) -> None:
@@ -160,14 +190,15 @@ class Dock(_Engine):
         self._check_new_name(name)
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
             raise ValueError(f"torchferry: Dock.add_claimant: nbytes of {name!r} must be an int >= 0, got {nbytes!r}")
-        if nbytes > self._budget:
+        budget = self._engine.budget
+        if nbytes > budget:
             raise ValueError(
                 f"torchferry: Dock.add_claimant: claimant {name!r} needs {_fmt(nbytes)} but the budget is "
-                f"{_fmt(self._budget)}; it could never fit: raise budget_bytes or shrink it (e.g. the KV cache)"
+                f"{_fmt(budget)}; it could never fit: raise budget_bytes or shrink it (e.g. the KV cache)"
             )
         if (sleep is None) != (wake is None):
             raise ValueError(f"torchferry: Dock.add_claimant: give {name!r} both sleep and wake, or neither")
-        self._claimants[name] = _Claimant(name, nbytes, self._order(), sleep, wake, empty_cache)
+        self._engine.add_claimant(name, nbytes, sleep, wake, empty_cache)
 
     def plan(self, schedule: Sequence[str | Iterable[str]] | Schedule | None) -> None:
         """Declares the step's phases, so that eviction looks ahead (see [Note: choosing victims]).
@@ -184,15 +215,13 @@ class Dock(_Engine):
             raise TypeError(f"torchferry: Dock.plan() takes a Schedule, a list of phases (each a name or "
                             f"names) or None, got {shown(schedule)}")
         if schedule is None:
-            self._schedule = None
-            self._pos = -1
+            self._engine.plan(None)
             return
         sched = schedule if isinstance(schedule, Schedule) else Schedule.of(schedule)
-        unknown = sorted(sched.names - self._sets.keys() - self._claimants.keys())
+        unknown = sorted(sched.names - self._engine.sets.keys() - self._engine.claimants.keys())
         if unknown:
             raise ValueError(f"torchferry: Dock.plan: unknown names {unknown}; add() or add_claimant() them first")
-        self._schedule = sched
-        self._pos = -1
+        self._engine.plan(sched)
 
     # ------------------------------------------------------------------ phases
     @contextlib.contextmanager
@@ -229,39 +258,7 @@ class Dock(_Engine):
 
         Pair every call with :meth:`release` of the same names.
         """
-        names = self._check_names(names, "use")
-        self._refresh()
-        total = sum(self._nbytes(n) for n in names)
-        if total > self._budget:
-            each = ", ".join(f"{n!r} {self._nbytes(n)} bytes{self._grown(n)}" for n in names)
-            raise ValueError(
-                f"torchferry: Dock.use: {list(names)} need {_fmt(total)} together but the budget is "
-                f"{_fmt(self._budget)} ({each}): use them in separate phases or raise budget_bytes; nothing was moved"
-            )
-        self._poll()
-        pos = self._schedule.match(frozenset(names), self._pos) if self._schedule is not None else None
-        base = self._pos if pos is None else pos
-        victims = self._victims(names, base=base, ahead=False)
-        if victims is None:
-            raise RuntimeError(self._no_room(names))
-        with torch.profiler.record_function("torchferry::dock.use"):
-            hits = [n for n in names if self._resident(n)]
-            prefetched = [n for n in names if n in self._sets and self._sets[n].prefetched]
-            self._pending = [n for n in self._pending if n not in names]
-            self._bring_in(names, victims, background=False)
-            for n in names:
-                if n in self._sets:
-                    s = self._sets[n]
-                    self._hand_off(s)
-                    s.prefetched = False
-        self._tick += 1
-        for n in names:
-            item = self._sets.get(n) or self._claimants[n]
-            item.in_use += 1
-            item.last_used = self._tick
-        if pos is not None:
-            self._pos = pos
-        self._counts.update(uses=1, hits=len(hits), prefetch_hits=len(prefetched))
+        self._engine.acquire(self._check_names(names, "use"))
 
     def release(self, *names: str) -> None:
         """``use()``'s exit: the names are idle again (and stay resident: eviction is lazy).
@@ -278,14 +275,9 @@ class Dock(_Engine):
         """
         names = self._check_names(names, "release")
         for n in names:
-            item = self._sets.get(n) or self._claimants[n]
-            if item.in_use <= 0:
+            if self._engine.item(n).in_use <= 0:
                 raise RuntimeError(f"torchferry: Dock.release: {n!r} is not in use (release() without acquire())")
-        for n in names:
-            (self._sets.get(n) or self._claimants[n]).in_use -= 1
-        self._refresh()
-        self._restore()
-        self._poll()
+        self._engine.release(names)
 
     def prefetch(self, *names: str) -> tuple[str, ...]:
         """Starts bringing the named sets in while the current phase computes, as far as the budget allows.
@@ -305,15 +297,7 @@ class Dock(_Engine):
         Raises:
             ValueError: an unknown or repeated name.
         """
-        names = self._check_names(names, "prefetch")
-        self._refresh()
-        self._poll()
-        started = []
-        with torch.profiler.record_function("torchferry::dock.prefetch"):
-            for n in names:
-                if self._prefetch_one(n):
-                    started.append(n)
-        return tuple(started)
+        return self._engine.prefetch(self._check_names(names, "prefetch"))
 
     def prefetch_next(self) -> tuple[str, ...]:
         """``prefetch()`` of the schedule's next phase (after the one last used).
@@ -321,10 +305,9 @@ class Dock(_Engine):
         Raises:
             RuntimeError: no schedule was declared (:meth:`plan`).
         """
-        if self._schedule is None:
+        if self._engine.schedule is None:
             raise RuntimeError("torchferry: Dock.prefetch_next: no schedule; declare one with dock.plan([...])")
-        phase = self._schedule.phases[(self._pos + 1) % len(self._schedule.phases)]
-        ordered = [n for n in (*self._sets, *self._claimants) if n in phase]
+        ordered = self._engine.next_phase()
         return self.prefetch(*ordered) if ordered else ()  # the phase names only removed sets
 
     def evict(self, *names: str) -> None:
@@ -337,27 +320,19 @@ class Dock(_Engine):
             ValueError: an unknown or repeated name.
             RuntimeError: a name in use.
         """
+        e = self._engine
         if names:
             names = self._check_names(names, "evict")
-            busy = [n for n in names if (self._sets.get(n) or self._claimants[n]).in_use]
+            busy = [n for n in names if e.item(n).in_use]
             if busy:
                 raise RuntimeError(f"torchferry: Dock.evict: {busy} in use; leave their use() blocks first")
         else:
-            names = tuple(n for n, item in (*self._sets.items(), *self._claimants.items()) if not item.in_use)
-        self._pending = [n for n in self._pending if n not in names]
-        for n in names:
-            if n in self._sets and self._resident(n):
-                self._evict_set(self._sets[n], background=False)
-            elif n in self._claimants and self._claimants[n].awake:
-                self._sleep(self._claimants[n], background=False)
+            names = tuple(n for n, item in (*e.sets.items(), *e.claimants.items()) if not item.in_use)
+        e.evict(names)
 
     def wait(self) -> None:
         """Blocks until every move issued so far has finished, and hands prefetched sets to the current stream."""
-        for s in self._sets.values():
-            if s.handle is not None:
-                s.handle.wait()
-            self._hand_off(s)
-        self._prune_leaving()
+        self._engine.wait()
 
     def require(self, *names: str) -> None:
         """Checks that the named sets are resident (claimants: awake or in use) before touching them.
@@ -368,35 +343,36 @@ class Dock(_Engine):
             ValueError: an unknown or repeated name.
             RuntimeError: a name that is evicted (or asleep), naming what to do.
         """
-        names = self._check_names(names, "require")
-        for n in names:
-            if not self._resident(n):
-                if n in self._sets:
-                    self._measure(self._sets[n])
-                kind = "state set" if n in self._sets else "claimant"
-                where = "evicted to the host" if n in self._sets else "asleep"
+        e = self._engine
+        for n in self._check_names(names, "require"):
+            s = e.sets.get(n)
+            if not e.resident(n):
+                if s is not None:
+                    e.measure(s)
+                kind = "state set" if s is not None else "claimant"
+                where = "evicted to the host" if s is not None else "asleep"
                 raise RuntimeError(
-                    f"torchferry: Dock: {kind} {n!r} ({_fmt(self._nbytes(n))}) is {where}; "
+                    f"torchferry: Dock: {kind} {n!r} ({_fmt(e.nbytes(n))}) is {where}; "
                     f"enter `with dock.use({n!r}):` (or dock.acquire) before touching it"
                 )
-            if n in self._sets:
-                self._hand_off(self._sets[n])
+            if s is not None:
+                e.mover.hand_off(s)
 
     # ------------------------------------------------------------- introspection
     @property
     def budget_bytes(self) -> int:
         """The budget, bytes."""
-        return self._budget
+        return self._engine.budget
 
     @property
     def device(self) -> torch.device | None:
         """The state sets' device (``None`` before the first set)."""
-        return self._device
+        return self._engine.device
 
     @property
     def schedule(self) -> Schedule | None:
         """The declared schedule, or ``None`` (least recently used)."""
-        return self._schedule
+        return self._engine.schedule
 
     def ferry(self, name: str) -> Ferry:
         """The ferry of state set ``name``.
@@ -404,53 +380,57 @@ class Dock(_Engine):
         Raises:
             ValueError: not a registered state set.
         """
-        if name not in self._sets:
-            raise ValueError(f"torchferry: Dock: no state set named {name!r}; sets: {sorted(self._sets)}")
-        return self._sets[name].ferry
+        sets = self._engine.sets
+        if name not in sets:
+            raise ValueError(f"torchferry: Dock: no state set named {name!r}; sets: {sorted(sets)}")
+        return sets[name].ferry
 
     def nbytes(self, name: str) -> int:
         """Bytes the dock counts for ``name`` now: a resident set's storages on the device as they are
         now, an evicted set's ``state_bytes``, a claimant's bytes (see [Note: a set counts its bytes now])."""
         self._check_names((name,), "nbytes")
-        if name in self._sets:
-            self._measure(self._sets[name])
-        return self._nbytes(name)
+        s = self._engine.sets.get(name)
+        if s is not None:
+            self._engine.measure(s)
+        return self._engine.nbytes(name)
 
     def is_resident(self, name: str) -> bool:
         """Whether a set is on the device (loading counts), or a claimant awake or in use."""
         self._check_names((name,), "is_resident")
-        return self._resident(name)
+        return self._engine.resident(name)
 
     @property
     def resident_bytes(self) -> int:
         """Bytes counted against the budget now, sets measured as they are now (outgoing sets not
         counted, see [Note: dock accounting])."""
-        self._refresh()
-        return self._held()
+        self._engine.refresh()
+        return self._engine.held()
 
     @property
     def free_bytes(self) -> int:
         """``budget_bytes - resident_bytes``, bytes (negative if sets were resident beyond it when added,
         or grew beyond it in a use that is still open)."""
-        return self._budget - self.resident_bytes
+        return self._engine.budget - self.resident_bytes
 
     @property
     def in_use(self) -> frozenset[str]:
         """Names held by a ``use()`` now."""
-        return frozenset(n for n, item in (*self._sets.items(), *self._claimants.items()) if item.in_use)
+        return self._engine.in_use
 
     @property
     def stats(self) -> DockStats:
         """Counts of what the dock has done (see :class:`DockStats`)."""
-        return DockStats(**{f.name: self._counts[f.name] for f in dataclasses.fields(DockStats)})
+        counts = self._engine.mover.counts
+        return DockStats(**{f.name: counts[f.name] for f in dataclasses.fields(DockStats)})
 
     @property
     def moves(self) -> tuple[Move, ...]:
         """The last moves (up to 4096), oldest first."""
-        return tuple(self._moves)
+        return tuple(self._engine.mover.moves)
 
     def __repr__(self) -> str:
-        self._refresh()
-        return (f"Dock(budget_bytes={self._budget}, resident_bytes={self._held()}, sets={list(self._sets)}, "
-                f"claimants={list(self._claimants)}, in_use={sorted(self.in_use)})")
+        e = self._engine
+        e.refresh()
+        return (f"Dock(budget_bytes={e.budget}, resident_bytes={e.held()}, sets={list(e.sets)}, "
+                f"claimants={list(e.claimants)}, in_use={sorted(self.in_use)})")
 

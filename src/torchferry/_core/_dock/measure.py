@@ -14,7 +14,7 @@ unique storages on its device that its targets hold now, and those of the
 ferry's last plan, at their sizes now (the plan keeps its storages until the
 next offload: a replaced weight's old storage is still allocated), measured
 by :func:`device_bytes` at every decision of the dock ([Note: dock
-accounting] in ``_engine``). A set on the host counts ``state_bytes``: the
+accounting] in ``engine``). A set on the host counts ``state_bytes``: the
 offload planned it, so it is what the reload brings back (and what an offload
 in flight still holds on the device). Not counted: a reload arena's filler
 ([Note: reload arena]), device memory the ferry holds beside the state when

@@ -50,8 +50,8 @@ def main() -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import torchferry
-    from torchferry.bench._link import measure_link_peak, release_host_cache
-    from torchferry.bench._model import build_model
+    from torchferry.bench._common.link import measure_link_peak, release_host_cache
+    from torchferry.bench._common.model import build_model
 
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -72,7 +72,7 @@ engine() {
 }
 grpo() {
   local n="grpo_dock_qwen2.5-7b_${all}_$day"
-  multi "$n" "${onall[@]}" benchmarks/grpo_dock.py --preset qwen2.5-7b --steps 2 --warmup-steps 1 \
+  multi "$n" "${onall[@]}" -m torchferry bench-grpo --preset qwen2.5-7b --steps 2 --warmup-steps 1 \
       --json "$out/$n.json" --plot "$out/$n.png"
 }
 verl() {  # writes verl_qwen2.5-0.5b_<gpu>x<n>_<date>.json and both runs under OUT/verl

@@ -192,7 +192,7 @@ def cmd_prepare(args) -> None:
     import transformers
 
     sys.path.insert(0, str(ROOT / "src"))
-    from torchferry.bench._model import PRESETS
+    from torchferry.bench._common.presets import PRESETS
 
     p = dataclasses.asdict(PRESETS[args.preset])
     p["tie_word_embeddings"] = True  # as Qwen2.5-0.5B/1.5B: verl then builds the model on every rank

@@ -11,8 +11,9 @@
 # ("determinism_control" in the results). NPROC defaults to the number of GPUs (1 on
 # the CPU), PRESET to qwen2.5-1.5b (random init, no download), STEPS to 4.
 #
-# What verl lacks on the machine (no network there) comes from wheels in .devcarry/wheels
-# (TFDEPS_WHEELS overrides), installed with --no-deps into /tmp/tfdeps; ray is not among them
+# verl and what its actor code imports must be importable (pip install -e '.[test]', then
+# pip install --no-deps verl==0.9.1). On a machine without network, TFDEPS_WHEELS=DIR names a folder of
+# their wheels that you bring, installed with --no-deps into /tmp/tfdeps; ray need not be among them
 # (too large): benchmarks/verl_raystub stands in for it when it is not installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,12 +26,13 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFOR
 export CUBLAS_WORKSPACE_CONFIG=:16:8 NCCL_ALGO=Ring NCCL_PROTO=Simple NCCL_DETERMINISTIC=1 FLASH_ATTENTION_DETERMINISTIC=1
 
 DEPS=${TFDEPS:-/tmp/tfdeps}
-WHEELS=${TFDEPS_WHEELS:-.devcarry/wheels}
+WHEELS=${TFDEPS_WHEELS:-}
 # What verl's actor code imports beyond torch/transformers/peft/pandas/pyarrow (see the wheels' list).
 NEEDED="verl hydra tensordict omegaconf codetiming datasets dill orjson pyvers fastapi starlette uvicorn pydantic"
 if ! "$PY" -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" $NEEDED; then
-  if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-    echo "error: verl is not importable and there are no wheels in $WHEELS (carry .devcarry/wheels)" >&2
+  if [ -z "$WHEELS" ] || ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    echo "error: verl 0.9.1 or what its actor code imports is not importable: pip install -e '.[test]' &&" \
+         "pip install --no-deps verl==0.9.1 (offline: TFDEPS_WHEELS=DIR, a folder of their wheels${WHEELS:+; none in $WHEELS})" >&2
     exit 2
   fi
   if [ ! -d "$DEPS/verl" ]; then

@@ -2,7 +2,7 @@
 
     python examples/dock_grpo.py
 
-The step of ``docs/dock.md`` (and of ``benchmarks/grpo_dock.py``) on a toy
+The step of ``docs/dock.md`` (and of ``torchferry bench-grpo``) on a toy
 policy: rollout (a KV-cache claimant with sleep/wake), reference log-probs,
 the actor's old log-probs, the actor's update. The budget holds everything but
 half the reference, so in steady state the dock moves only the reference, once
@@ -77,7 +77,7 @@ params_ferry = torchferry.Ferry(actor, device=device)
 opt_ferry = torchferry.Ferry(optimizer, device=device)
 ref_ferry = torchferry.Ferry(ref, device=device, skip_unchanged=True)
 P, A, R = params_ferry.state_bytes, opt_ferry.state_bytes, ref_ferry.state_bytes  # actor, AdamW, reference
-kv_bytes = P + A  # a KV cache as large as the actor's state, as in benchmarks/grpo_dock.py
+kv_bytes = P + A  # a KV cache as large as the actor's state, as in torchferry bench-grpo
 fwd_ws, update_ws = P // 8, 2 * P  # what a forward / an update allocate besides the state (estimates)
 budget = P + A + max(kv_bytes, update_ws) + R // 2  # everything but half the reference
 kv: dict[str, torch.Tensor] = {}

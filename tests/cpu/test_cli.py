@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 import torchferry
-from torchferry.bench._paths import check_output_path, write_json_or_fallback
+from torchferry.bench._common.paths import check_output_path, write_json_or_fallback
 from torchferry.cli import app
 
 runner = CliRunner()
@@ -46,8 +46,61 @@ def test_bench_help_shows_every_default_unescaped():
     assert "[default: (512; 32 for tiny; 4096 for compute-rich)]" in text
     assert "[default: (1; 2 for compute-rich)]" in text and "[default: (1; 4 for compute-rich)]" in text
     for default in ("[default: 3]", "[default: 1.0]", "[default: swap]", "[default: interleaved]",
-                    "[default: default]", "[default: blocking,seed,torchferry,torchferry+prefetch]"):
+                    "[default: default]", "[default: (all four, in that order)]"):
         assert default in text, default
+
+
+def test_bench_help_names_every_strategy_in_a_terminal_of_80_columns():
+    """The valid --strategies names are listed, and no default is cut off ("torchfe…") in a narrow help."""
+    from torchferry.bench.rl_step.config import STRATEGY_NAMES
+    from torchferry.bench.rl_step.strategies import STRATEGIES
+
+    assert tuple(STRATEGIES) == STRATEGY_NAMES  # the help's names are the strategies the bench runs
+    r = runner.invoke(app, ["bench", "--help"], env={"COLUMNS": "80", "TERM": "dumb"})
+    assert r.exit_code == 0 and "…" not in r.output, r.output
+    text = " ".join(r.output.replace("│", " ").split())
+    assert "Comma-separated, from blocking, seed, torchferry, torchferry+prefetch;" in text, text
+    for command in ("bench-grpo", "bench-lora", "bench-pin"):
+        r = runner.invoke(app, [command, "--help"], env={"COLUMNS": "80", "TERM": "dumb"})
+        assert r.exit_code == 0 and "…" not in r.output, (command, r.output)
+
+
+def test_top_level_help_gives_each_command_one_sentence():
+    """Each command's line in ``torchferry --help`` is its docstring's first sentence, whole."""
+    r = runner.invoke(app, ["--help"], env=WIDE)
+    assert r.exit_code == 0
+    lines = {ln.split("│")[1].split()[0]: " ".join(ln.split("│")[1].split()[1:])
+             for ln in r.output.splitlines() if ln.startswith("│ bench")}
+    assert set(lines) == {"bench", "bench-lora", "bench-pin", "bench-grpo"}, r.output
+    assert all(text.endswith(".") for text in lines.values()), lines
+    assert lines["bench-lora"] == "LoRA training with a frozen base: the seed's offload against torchferry's skip_unchanged."
+
+
+def test_building_the_parser_and_help_imports_no_bench_machinery():
+    """``torchferry --help`` and ``torchferry bench --help`` import nothing beyond the package itself: no
+    model code, no plotting, no scenario (and torch only where ``import torchferry`` already does)."""
+    code = (
+        "import sys; import torchferry; before = set(sys.modules)\n"
+        "import typer.main; from torchferry.cli import app\n"
+        "cmd = typer.main.get_command(app)\n"
+        "for args in ([\"--help\"], [\"bench\", \"--help\"], [\"bench-grpo\", \"--help\"]):\n"
+        "    try: cmd.main(args, prog_name=\"torchferry\", standalone_mode=False)\n"
+        "    except SystemExit: pass\n"
+        "new = sorted(set(sys.modules) - before)\n"
+        "print('NEW', ' '.join(new))\n"
+        "print('TORCH_BEFORE', 'torch' in before)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "COLUMNS": "80"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    new = next(ln for ln in p.stdout.splitlines() if ln.startswith("NEW")).split()[1:]
+    heavy = [m for m in new if m.split(".")[0] in ("torch", "transformers", "matplotlib", "peft", "numpy")]
+    assert not heavy, heavy
+    scenario = [m for m in new if m.startswith("torchferry.bench.") and not m.endswith((".config", ".presets"))
+                and m not in ("torchferry.bench.rl_step", "torchferry.bench.grpo", "torchferry.bench._common")]
+    assert not scenario, scenario
+    if "TORCH_BEFORE False" in p.stdout:  # once `import torchferry` itself is lazy, help must not need torch
+        assert "torch" not in new
 
 
 def test_bench_pin_help_shows_defaults():

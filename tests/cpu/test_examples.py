@@ -103,6 +103,21 @@ def test_docs_python_snippet_runs_as_written(code, tmp_path):
     assert p.returncode == 0, _failed(p)
 
 
+# ---------------------------------------------------------------- API reference
+
+def test_pdoc_renders_the_api_the_docs_name(tmp_path):
+    """The command ``docs/README.md`` gives renders ``torchferry`` and ``torchferry.integrations.verl``."""
+    pytest.importorskip("pdoc")
+    m = re.search(r"`pdoc (torchferry[^`]*) -o api`", " ".join((ROOT / "docs" / "README.md").read_text().split()))
+    assert m, "docs/README.md gives no pdoc command"
+    p = _run(["-m", "pdoc", *m.group(1).split(), "-o", str(tmp_path / "api")], tmp_path)
+    assert p.returncode == 0, _failed(p)
+    for page in ("torchferry.html", "torchferry/integrations.html", "torchferry/integrations/verl.html"):
+        assert (tmp_path / "api" / page).is_file(), page
+    verl = (tmp_path / "api" / "torchferry/integrations/verl.html").read_text()
+    assert "ray_worker_setup" in verl and "offload_fsdp_optimizer" in verl
+
+
 # ---------------------------------------------------------------- citations
 
 # Path-like tokens the docs cite: repository folders, and the package's own folders

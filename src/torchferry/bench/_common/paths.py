@@ -14,7 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["check_output_path", "write_json_or_fallback"]
+__all__ = ["check_output_path", "write_json", "write_json_or_fallback"]
 
 _REASONS: dict[int | None, str] = {
     errno.ENOENT: "its file system takes no new files",  # /proc and the like
@@ -78,6 +78,17 @@ def check_output_path(option: str, path: str | Path, *, prefix: bool = False, ex
     os.unlink(tmp)
 
 
+def write_json(result: dict, path: str | Path) -> None:
+    """Writes ``result`` to ``path`` as indented JSON, creating missing folders.
+
+    Raises:
+        OSError: the file could not be written.
+    """
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
 def write_json_or_fallback(result: dict, path: str | Path) -> tuple[Path, str | None]:
     """Writes ``result`` as JSON to ``path``; if that fails, to a temporary file instead.
 
@@ -90,8 +101,6 @@ def write_json_or_fallback(result: dict, path: str | Path) -> tuple[Path, str | 
         could not be written, the temporary file holding the results and the
         reason ``path`` failed.
     """
-    from ._report import write_json
-
     try:
         write_json(result, path)
         return Path(path), None

@@ -5,111 +5,36 @@ timed steps run in rounds (``order="interleaved"``): round ``k`` runs every
 strategy and the resident baseline once, the order rotated by ``k``, so that
 each takes each position and drift falls on all of them alike. The exposures
 are taken against the resident baseline of the same round ([Note: exposed time
-against a resident baseline] in ``_overlap``).
+against a resident baseline] in ``overlap``). Without a GPU the run goes end
+to end (bit-exactness, the steps, the bytes) and every transfer figure is
+``None`` (``summary.blank_transfer_figures``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from ._link import measure_link_peak, release_host_cache
-from ._model import PRESETS, build_model
-from ._overlap import apply_peak, observed_rates, raise_peak
-from ._rounds import Rounds, checksum, rotated, state_bytes
-from ._setup import env_record, shard_fsdp2, start_scenario
-from ._strategies import STRATEGIES
-from ._summary import account_overlap, prefetch_floor, resident_summary, summarise
-from ._units import unit_bytes
+from torchferry import Ferry, swap
+
+from .._common.host_pages import host_page_report
+from .._common.link import measure_link_peak, release_host_cache
+from .._common.model import build_model
+from .._common.output import NO_GPU
+from .._common.setup import env_record, shard_fsdp2, start_scenario
+from .._common.state import checksum, state_bytes
+from .._common.units import unit_bytes
+from .config import ORDERS, SCHEMA, WORKLOADS, BenchConfig
+from .overlap import apply_peak, observed_rates, raise_peak
+from .rounds import Rounds, rotated
+from .strategies import STRATEGIES
+from .summary import account_overlap, blank_transfer_figures, prefetch_floor, resident_summary, summarise
 
 __all__ = ["ORDERS", "WORKLOADS", "BenchConfig", "run"]
-
-SCHEMA = "torchferry.bench/1"
-
-WORKLOADS: dict[str, dict[str, int]] = {
-    "default": {},
-    # Enough tokens per phase that compute can hide a reload: 4096 x 2 x 4 = 32768 per rank.
-    "compute-rich": {"seq_len": 4096, "batch_size": 2, "micro_batches": 4},
-}
-"""Per workload, the values of ``seq_len``, ``batch_size``, ``micro_batches`` it supplies when not given."""
-
-ORDERS = ("interleaved", "sequential")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BenchConfig:
-    """What ``torchferry bench`` runs."""
-
-    preset: str | None = None
-    """Model size, a key of ``PRESETS``; default ``qwen2.5-1.5b`` on a GPU, ``tiny`` on the CPU."""
-    model_path: str | None = None
-    """A local Hugging Face checkpoint folder, instead of a preset (default: none)."""
-    layers: int | None = None
-    """Override the number of decoder layers (default: the preset's)."""
-    strategies: tuple[str, ...] = tuple(STRATEGIES)
-    """Strategies, set up in this order (default: all); the resident baseline always runs too."""
-    steps: int = 3
-    """Timed steps per strategy, i.e. rounds (>= 2; ``noise_frac`` needs several to mean much)."""
-    workload: str = "default"
-    """A key of ``WORKLOADS``: ``compute-rich`` supplies seq_len 4096, batch_size 2, micro_batches 4."""
-    order: str = "interleaved"
-    """``interleaved``: round-robin rounds, rotated each round; ``sequential``: all steps of one
-    strategy, then the next, the resident baseline last."""
-    seq_len: int | None = None
-    """Tokens per sequence of the forward/backward batch (default: the workload's, else 512; 32 for ``tiny``)."""
-    batch_size: int | None = None
-    """Sequences per batch (default: the workload's, else 1)."""
-    rollout_s: float = 0.0
-    """Seconds the simulated rollout holds its KV cache (default 0)."""
-    micro_batches: int | None = None
-    """Forward(/backward) passes per phase over the batch, gradients accumulated (default: the workload's, else 1)."""
-    swap: bool = True
-    """Also measure a swap (actor out, a critic of the same size in) with ``torchferry.swap`` (default on)."""
-    phase_gap_s: float = 1.0
-    """Untimed host seconds between phases, as verl's reward and advantage computation (default 1.0)."""
-    trace: str | None = None
-    """Path prefix: profile one extra step of each ``torchferry*`` strategy on rank 0 (see ``_trace``)."""
-
-    def __post_init__(self) -> None:
-        if self.preset is not None and self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
-        if self.model_path is not None and not (Path(self.model_path) / "config.json").is_file():
-            raise ValueError(f"--model {self.model_path}: not a Hugging Face checkpoint folder (no config.json)")
-        for s in self.strategies:
-            if s not in STRATEGIES:
-                raise ValueError(f"unknown strategy {s!r}; choose from {', '.join(STRATEGIES)}")
-        if not self.strategies:
-            raise ValueError("no strategy to run")
-        if len(set(self.strategies)) != len(self.strategies):
-            raise ValueError(f"a strategy is named twice: {', '.join(self.strategies)}")
-        if self.workload not in WORKLOADS:
-            raise ValueError(f"unknown workload {self.workload!r}; choose from {', '.join(WORKLOADS)}")
-        if self.order not in ORDERS:
-            raise ValueError(f"unknown order {self.order!r}; choose from {', '.join(ORDERS)}")
-        if self.steps < 2:
-            raise ValueError(f"steps must be >= 2 (first and steady cycles), got {self.steps}")
-        if self.layers is not None and self.layers < 1:
-            raise ValueError(f"layers must be >= 1, got {self.layers}")
-        for name, value, low in (("seq_len", self.seq_len, 2), ("batch_size", self.batch_size, 1),
-                                 ("micro_batches", self.micro_batches, 1),
-                                 ("rollout_s", self.rollout_s, 0), ("phase_gap_s", self.phase_gap_s, 0)):
-            if value is not None and not (value >= low and math.isfinite(value)):  # NaN fails both
-                raise ValueError(f"{name} must be a finite number >= {low}, got {value}")
-        if self.preset is not None and self.model_path is not None:
-            raise ValueError("give either a preset or --model, not both")
-
-    def resolved(self, preset: str) -> dict[str, int]:
-        """``{"seq_len", "batch_size", "micro_batches"}``: as given, else the workload's, else the defaults."""
-        given = {"seq_len": self.seq_len, "batch_size": self.batch_size, "micro_batches": self.micro_batches}
-        defaults = {"seq_len": 32 if preset == "tiny" else 512, "batch_size": 1, "micro_batches": 1}
-        defaults.update(WORKLOADS[self.workload])
-        return {k: defaults[k] if v is None else v for k, v in given.items()}
 
 
 def _swap_scenario(config: BenchConfig, preset: str, actor: nn.Module, actor_opt: torch.optim.Optimizer,
@@ -121,8 +46,6 @@ def _swap_scenario(config: BenchConfig, preset: str, actor: nn.Module, actor_opt
     transfers are complete; GB/s counts both directions.
     """
     import torch.distributed as dist
-
-    from .. import Ferry, swap
 
     critic = build_model(preset, device, path=config.model_path, layers=config.layers, seed=1)
     shard_fsdp2(critic, device, world)
@@ -170,14 +93,6 @@ def _swap_scenario(config: BenchConfig, preset: str, actor: nn.Module, actor_opt
     return {"GBps": gbps, "out_bytes": out_b, "in_bytes": in_b, "seconds": t,
             "frac_of_bidir_peak": gbps / peak["bidir"] if peak else None, "bit_exact": bit_exact,
             "reps": [{"seconds": x[0], "out_bytes": x[1], "in_bytes": x[2]} for x in times], "timeline": timeline}
-
-
-def _host_pages() -> dict | None:
-    try:
-        from .._core._host.memory import host_page_report
-    except ImportError:  # an engine without it
-        return None
-    return host_page_report()
 
 
 def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None = None) -> dict:
@@ -229,8 +144,8 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
     traces: dict[str, dict] = {}
     trace_files: list[str] = []
     notes: list[str] = [] if use_cuda else [
-        ("no CUDA device: ran on the CPU end to end; transfer figures need a GPU (GB/s are left out: "
-         "CPU copies of a tiny model time Python overhead, not a link)")]
+        (f"no CUDA device: ran on the CPU end to end; {NO_GPU} (their seconds, GB/s, exposures and ratios "
+         "are null: CPU copies of a tiny model time Python overhead, not a link)")]
     names = list(config.strategies)
     # The resident baseline's step too: the same phases' kernels with nothing in flight.
     traced = [*(n for n in names if n.startswith("torchferry")), "resident"] if config.trace else []
@@ -256,7 +171,8 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
             if name in traced:
                 bench.traced_step(name, rank, traces, trace_files, notes)
             bench.bring_back()
-    host_pages = _host_pages()  # the torchferry pools still alive
+    ferries = bench.ferries  # the torchferry pools still alive
+    host_pages = host_page_report(ferries.model.host_bytes + ferries.optimizer.host_bytes if ferries else 0)
     bench.close()
     release_host_cache()
 
@@ -274,11 +190,14 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
     if "torchferry+prefetch" in results:
         floor, detail, why = prefetch_floor(unit_bytes(bench.units), baseline["unit_compute_s"],
                                             bench.records["resident"], bench.records.get("torchferry"),
-                                            peak["h2d"] if peak else None, sizes)
+                                            peak["h2d"] if peak else None, sizes) if use_cuda else (None, None, None)
         results["torchferry+prefetch"]["exposed_reload_floor_s_per_step"] = floor
         results["torchferry+prefetch"]["floor_detail"] = detail
         if why:
             notes.append(why)
+    if not use_cuda:
+        blank_transfer_figures(results, baseline, swap_result)
+        noise = None
     say("done", 1.0)
 
     gathered: list = [None] * world
@@ -288,6 +207,7 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
     env["host_pages"] = host_pages
     return {
         "schema": SCHEMA,
+        "transfer_figures": use_cuda,  # False: no GPU, every transfer figure is null
         "env": env,
         "link_peak_GBps": peak,
         "link_peak_measured_GBps": measured,
@@ -301,6 +221,7 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
             **shape,
             "tokens_per_phase_per_rank": shape["seq_len"] * shape["batch_size"] * shape["micro_batches"],
             "fsdp_units": len(bench.units),
+            "fsdp_unit_bytes": unit_bytes(bench.units),
         },
         # What ran: the defaults resolved (preset, seq_len, batch_size, micro_batches), not the options as given.
         "config": dataclasses.asdict(

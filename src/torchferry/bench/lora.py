@@ -15,6 +15,8 @@ copy only what was written ([Note: unchanged storages]). ``round_trip_bit_exact`
 offload the state read on the host equals its bytes on the device before it (what a skipped copy
 could break); ``same_state_as_<first>``: each step's state equals the first strategy's (the same
 training; deterministic algorithms on, so a difference is worth a look, not proof of a bug).
+Without a GPU the run checks the bytes copied and bit-exactness; its seconds are ``None`` and no
+speed-up is computed (CPU copies of a tiny model time Python, not a link).
 """
 
 from __future__ import annotations
@@ -25,21 +27,27 @@ import math
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from .._core._state.fsdp import reshard
-from ._link import measure_link_peak
-from ._model import PRESETS, build_model
-from ._rounds import bit_sums, checksum, state_bytes, unique_storage_bytes
-from ._setup import env_record, shard_fsdp2, start_scenario
-from ._strategies import SharedFerries, Strategy, make_strategy
+from ._common.link import measure_link_peak
+from ._common.model import build_model
+from ._common.output import NO_GPU, CommandError, check_paths, on_rank0, print_notes, require, run_with_progress
+from ._common.output import stdout_console, write_results
+from ._common.presets import PRESETS
+from ._common.setup import env_record, shard_fsdp2, start_scenario
+from ._common.state import bit_sums, checksum, state_bytes, unique_storage_bytes
+from ._common.units import local_of, reshard
+from .rl_step.strategies import SharedFerries, Strategy, Torchferry, make_strategy
 
-__all__ = ["LORA_STRATEGIES", "LORA_TARGETS", "LoraBenchConfig", "build_lora", "run_lora"]
+__all__ = ["LORA_STRATEGIES", "LORA_TARGETS", "LoraBenchConfig", "build_lora", "lora_command", "run_lora"]
 
 SCHEMA = "torchferry.bench-lora/1"
+_SECONDS = ("offload_params_s", "offload_params_after_update_s", "offload_optimizer_s", "offload_all_s", "reload_all_s")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_STRATEGIES = ("seed", "torchferry")
 
@@ -93,7 +101,9 @@ def build_lora(preset: str, device: torch.device, world: int, *, rank: int, laye
     # init_lora_weights=False: B random too, so that the adapters change the output from the first step.
     cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(LORA_TARGETS), lora_dropout=0.0,
                      init_lora_weights=False)
-    model = get_peft_model(base, cfg)  # freezes the base; adapters in fp32 (autocast_adapter_dtype)
+    with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing (a FutureWarning)
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        model = get_peft_model(base, cfg)  # freezes the base; adapters in fp32 (autocast_adapter_dtype)
     shard_fsdp2(model.base_model.model, device, world)  # pyright: ignore[reportArgumentType]  # nn.Module attributes (FSDP2 methods, Hugging Face submodules/config) type as Tensor | Module in torch's stubs
     trainable = [p for p in model.parameters() if p.requires_grad]
     return model, torch.optim.AdamW(trainable, lr=1e-4)
@@ -101,7 +111,7 @@ def build_lora(preset: str, device: torch.device, world: int, *, rank: int, laye
 
 def _optimizer_checksum(opt: torch.optim.Optimizer, device: torch.device) -> list[int]:
     tensors = [v for st in opt.state.values() for k in sorted(st) if torch.is_tensor(v := st[k])]
-    return bit_sums([getattr(t, "_local_tensor", t) for t in tensors], device)
+    return bit_sums([local_of(t) for t in tensors], device)
 
 
 def _trainable_bytes(model: nn.Module, device: torch.device) -> int:
@@ -144,7 +154,7 @@ def _run_strategy(name: str, preset: str, config: LoraBenchConfig, device: torch
             model(input_ids=batch).logits.float().logsumexp(-1).mean().item()
         # FSDP2 keeps the root unit unsharded after a forward; every strategy moves the sharded state
         # (the ferry reshards by itself), and the checksums compare the same shards.
-        reshard([model])
+        reshard(model)
         before = checksum(model, device)
         rec["offload_params_s"] = _timed(device, functools.partial(strategy.offload, optimizer=False))
         exact = checksum(model, device) == before  # the host copies
@@ -184,8 +194,7 @@ def _run_strategy(name: str, preset: str, config: LoraBenchConfig, device: torch
     return {
         "state_bytes": {"params": sizes["params"], "optimizer": sizes["optimizer"], "total": total,
                         "written_per_step": written},
-        **{key: spread(key) for key in ("offload_params_s", "offload_params_after_update_s",
-                                        "offload_optimizer_s", "offload_all_s", "reload_all_s")},
+        **{key: spread(key) for key in _SECONDS},
         "offload_params_bytes_copied": int(med("offload_params_bytes_copied")),
         "offload_params_after_update_bytes_copied": int(med("offload_params_after_update_bytes_copied")),
         "offload_optimizer_bytes_copied": int(med("offload_optimizer_bytes_copied")),
@@ -201,10 +210,9 @@ def _run_strategy(name: str, preset: str, config: LoraBenchConfig, device: torch
 
 def _copied(strategy: Strategy, *, optimizer: bool, default: int, only_optimizer: bool = False) -> int:
     """Bytes the last offload copied D2H: the ferries' ``offload_bytes_copied``, else all of it."""
-    ferries = getattr(strategy, "_ferries", None)
-    if ferries is None:
+    if not isinstance(strategy, Torchferry):
         return default
-    chosen = [strategy.opt_ferry] if only_optimizer else ferries(optimizer)
+    chosen = [strategy.opt_ferry] if only_optimizer else strategy.ferries_moved(optimizer)
     return sum(f.stats.offload_bytes_copied for f in chosen)
 
 
@@ -246,7 +254,13 @@ def run_lora(config: LoraBenchConfig, *, on_progress: Callable[[str, float], Non
         r["same_state_as_" + first] = r["_sums"] == results[first]["_sums"]
     for r in results.values():
         del r["_sums"]
-    if "seed" in results and "torchferry" in results:
+    if not use_cuda:  # no transfer figures without a GPU: the seconds are null, no speed-up
+        for r in results.values():
+            for key in _SECONDS:
+                r[key] = None
+            for step in r["steps"]:
+                step.update({k: None for k in step if k.endswith("_s")})
+    elif "seed" in results and "torchferry" in results:
         for key in ("offload_params_s", "offload_params_after_update_s", "offload_optimizer_s", "offload_all_s"):
             ours = results["torchferry"][key]["steady"]
             results["torchferry"][f"{key}_speedup_vs_seed"] = (
@@ -261,7 +275,8 @@ def run_lora(config: LoraBenchConfig, *, on_progress: Callable[[str, float], Non
     say("done", 1.0)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, {"rank": rank, "strategies": results})
-    notes = [] if use_cuda else ["no CUDA device: ran on the CPU end to end; the seconds time Python, not a link"]
+    notes = [] if use_cuda else [f"no CUDA device: ran on the CPU end to end; {NO_GPU} (the seconds are null: "
+                                 "CPU copies of a tiny model time Python, not a link)"]
     return {
         "schema": SCHEMA,
         "env": env_record(device, world),
@@ -274,3 +289,94 @@ def run_lora(config: LoraBenchConfig, *, on_progress: Callable[[str, float], Non
         "per_rank": gathered,
         "notes": notes,
     }
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.3f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.3f} MB"
+
+
+_ROWS = (("params after forward", "offload_params_s", "offload_params_bytes_copied", "params"),
+         ("params after update", "offload_params_after_update_s", "offload_params_after_update_bytes_copied",
+          "params"),
+         ("optimizer after update", "offload_optimizer_s", "offload_optimizer_bytes_copied", "optimizer"),
+         ("all after update", "offload_all_s", "offload_all_bytes_copied", "total"))
+
+
+def render_table(result: dict):
+    """The ``rich.table.Table`` ``torchferry bench-lora`` prints: per strategy and offload, its seconds
+    (not without a GPU), the bytes copied and their share of the state, bit-exactness."""
+    from rich.table import Table
+
+    m, gpu, steps = result["model"], result["env"]["gpu"] is not None, result["config"]["steps"]
+    first = result["config"]["strategies"][0]
+    title = (f"torchferry bench-lora: LoRA r={m['lora_rank']} on {m['preset']} ({m['layers']} layers, bf16 base), "
+             f"{result['env']['world_size']} rank(s), rank 0")
+    if gpu:
+        title += f"; steady = median of steps 2..{steps} [min-max]"
+    table = Table(title=title, caption=None if gpu else f"{NO_GPU}: the CPU run checks the bytes copied and "
+                                                        "bit-exactness")
+    seconds = ("seconds first", "seconds steady") if gpu else ()
+    for col in ("strategy", "offload", *seconds, "copied", "x state", "bit-exact"):
+        table.add_column(col)
+    for name, r in result["strategies"].items():
+        sb = r["state_bytes"]
+        same = next(v for k, v in r.items() if k.startswith("same_state"))
+        for label, key, copied, of in _ROWS:
+            t = r[key]
+            secs = ((f"{t['first']:.4f}", f"{t['steady']:.4f} [{t['steady_min']:.4f}-{t['steady_max']:.4f}]")
+                    if gpu else ())
+            table.add_row(name, f"{label} (of {_size(sb[of])})", *secs, _size(r[copied]), f"{r[copied] / sb[of]:.3f}",
+                          f"{'yes' if r['round_trip_bit_exact'] else 'NO'}; same state as "
+                          f"{first}: {'yes' if same else 'NO'}")
+    return table
+
+
+def summary_lines(result: dict) -> list[str]:
+    """The lines under the table: torchferry's speed-ups over the seed and over a full copy at the link
+    peak (on a GPU), and what a step writes against what it copies."""
+    tf = result["strategies"].get("torchferry", {})
+    lines = []
+    if "offload_params_s_speedup_vs_seed" in tf:
+        lines.append(f"steady offload seconds, seed / torchferry (above 1: torchferry faster): params after forward "
+                     f"{tf['offload_params_s_speedup_vs_seed']:.1f}x, params after update "
+                     f"{tf['offload_params_after_update_s_speedup_vs_seed']:.1f}x, optimizer "
+                     f"{tf['offload_optimizer_s_speedup_vs_seed']:.1f}x, "
+                     f"all {tf['offload_all_s_speedup_vs_seed']:.1f}x; "
+                     f"a step writes {tf['written_frac_all']:.3f}x of the state (adapters and AdamW state), "
+                     f"all copied {tf['copied_frac_all']:.3f}x")
+    elif tf:
+        lines.append(f"torchferry: a step writes {tf['written_frac_all']:.3f}x of the state (adapters and AdamW "
+                     f"state), all copied {tf['copied_frac_all']:.3f}x; seconds and speed-ups: {NO_GPU}")
+    if "speedup_vs_full_copy_at_peak" in tf:
+        sp = tf["speedup_vs_full_copy_at_peak"]
+        lines.append(f"steady offload seconds, a full copy at the link peak / torchferry "
+                     f"({result['link_peak_GBps']['d2h']:.1f} GB/s D2H, this run): params after forward "
+                     f"{sp['offload_params_s']:.1f}x, after update {sp['offload_params_after_update_s']:.1f}x, "
+                     f"all {sp['offload_all_s']:.1f}x")
+    return lines
+
+
+def lora_command(*, preset: str | None, layers: int | None, rank: int, strategies: str, steps: int,
+                 seq_len: int | None, json_path: Path | None) -> int:
+    """``torchferry bench-lora`` with the command line's options; returns the exit status.
+
+    Raises:
+        CommandError: an option refused before the run (or by it), a missing package (exit 2).
+    """
+    check_paths(("--json", json_path, False, "bench-lora.json"))
+    require("torchferry bench-lora", "peft", "transformers")
+    names = tuple(x.strip() for x in strategies.split(",") if x.strip())
+    try:
+        config = LoraBenchConfig(preset=preset, layers=layers, rank=rank, strategies=names, steps=steps,
+                                 seq_len=seq_len)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+    result = run_with_progress(run_lora, config)
+    if not on_rank0():
+        return 0
+    out = stdout_console(200)  # logs and pipes: one line per row
+    out.print(render_table(result))
+    for line in summary_lines(result):
+        print(line)
+    print_notes(result["notes"])
+    return 0 if write_results(result, json_path) else 1

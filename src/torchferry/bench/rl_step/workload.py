@@ -15,7 +15,7 @@ import time
 import torch
 from torch import nn
 
-from ._strategies import Strategy
+from .strategies import Strategy
 
 __all__ = ["Span", "StepRecord", "run_step"]
 
@@ -85,7 +85,7 @@ class _Clock:
         if sync_before:
             _sync(self.device)
         start = time.perf_counter() - self.t0
-        with torch.profiler.record_function(f"bench::{phase}::{kind}"):  # a window for ``_trace``'s phases
+        with torch.profiler.record_function(f"bench::{phase}::{kind}"):  # a window for ``trace``'s phases
             out = fn()
             if sync_after:
                 _sync(self.device)

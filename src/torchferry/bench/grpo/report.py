@@ -1,20 +1,25 @@
-"""The GRPO scenario's report: the per-strategy summary of the step records, the terminal lines and the plot."""
+"""The GRPO scenario's report: the per-strategy summary of the step records, the terminal lines and the plot.
+
+Without a GPU the lines and the plot give no exposed seconds ("no transfer figures without a GPU"):
+the CPU run checks the bytes moved, the budget and bit-exactness. The JSON keeps its figures as they are.
+"""
 
 from __future__ import annotations
 
 import statistics
 from pathlib import Path
 
-from ._grpo_config import PHASES
+from .._common.output import NO_GPU
+from .config import PHASES
 
-__all__ = ["plot_grpo", "summary_lines"]
+__all__ = ["median", "plot_grpo", "summarise", "summary_lines"]
 
 
-def _median(xs: list[float]) -> float | None:
+def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def _summarise(records: list[dict], calib: dict[str, float | None], budget: int, timeline: dict | None) -> dict:
+def summarise(records: list[dict], calib: dict[str, float | None], budget: int, timeline: dict | None) -> dict:
     def exposed(r: dict) -> dict[str, float]:
         return {p: r["phase_wall_s"][p] - calib[p] for p in PHASES}
 
@@ -22,16 +27,16 @@ def _summarise(records: list[dict], calib: dict[str, float | None], budget: int,
     peaks = [r["peak_gpu_bytes"] for r in records if r["peak_gpu_bytes"] is not None]
     accounted = max(r["peak_accounted_bytes"] for r in records)
     return {
-        "exposed_transfer_s_per_step": _median(per_step),
-        "exposed_transfer_s_by_phase": {p: _median([exposed(r)[p] for r in records]) for p in PHASES},
-        "phase_wall_s": {p: _median([r["phase_wall_s"][p] for r in records]) for p in PHASES},
-        "step_s": _median([sum(r["phase_wall_s"].values()) for r in records]),
+        "exposed_transfer_s_per_step": median(per_step),
+        "exposed_transfer_s_by_phase": {p: median([exposed(r)[p] for r in records]) for p in PHASES},
+        "phase_wall_s": {p: median([r["phase_wall_s"][p] for r in records]) for p in PHASES},
+        "step_s": median([sum(r["phase_wall_s"].values()) for r in records]),
         "peak_gpu_bytes": max(peaks) if peaks else None,
         "peak_accounted_bytes": accounted,
         "within_budget": (max(peaks) <= budget) if peaks else accounted <= budget,
-        "bytes_moved_per_step": {"h2d": _median([r["bytes"]["h2d"] for r in records]),
-                                 "d2h": _median([r["bytes"]["d2h"] for r in records])},
-        "copies_per_step": _median([r["copies"] for r in records]),
+        "bytes_moved_per_step": {"h2d": median([r["bytes"]["h2d"] for r in records]),
+                                 "d2h": median([r["bytes"]["d2h"] for r in records])},
+        "copies_per_step": median([r["copies"] for r in records]),
         "exposed_transfer_s_steps": per_step,
         "losses": [r["loss"] for r in records],
         "timeline_step": timeline,
@@ -56,10 +61,12 @@ def summary_lines(result: dict) -> list[str]:
     head = (f"{result['model']['preset']} x {result['env']['world_size']} rank(s) on {result['env']['gpu'] or 'CPU'}: "
             f"budget {_size(b['gpu_budget_bytes'])}/rank (everything at once: {_size(b['everything_bytes'])})")
     out = [head]
+    gpu = result["env"]["gpu"] is not None
     for name, s in result["strategies"].items():
         ratio = s.get("exposed_vs_torchferry")
-        out.append(f"  {name:16s} exposed {s['exposed_transfer_s_per_step']:.3f} s/step"
-                   + (f" ({ratio:.2f}x torchferry)" if ratio is not None else "")
+        exposed = (f"exposed {s['exposed_transfer_s_per_step']:.3f} s/step"
+                   + (f" ({ratio:.2f}x torchferry)" if ratio is not None else "")) if gpu else f"exposed: {NO_GPU}"
+        out.append(f"  {name:16s} {exposed}"
                    + f", moved H2D {_size(s['bytes_moved_per_step']['h2d'])} / D2H "
                    f"{_size(s['bytes_moved_per_step']['d2h'])} per step, peak {_size(s['peak_gpu_bytes'])}, "
                    f"within budget {s['within_budget']}, bit-exact {s['bit_exact']}")
@@ -74,6 +81,7 @@ def plot_grpo(result: dict, path: str | Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
+    gpu = result["env"]["gpu"] is not None
     names = [n for n, s in result["strategies"].items() if s.get("timeline_step")]
     lanes = [(n, lane) for n in names for lane in ("step", "h2d", "d2h")]
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.45 * len(lanes)))
@@ -89,7 +97,8 @@ def plot_grpo(result: dict, path: str | Path) -> None:
                 ax.broken_barh([(c["start"], max(c["end"] - c["start"], 1e-4))], (row - 0.3, 0.6),
                                color=_PHASE_COLORS[c["phase"]])
             s = result["strategies"][n]
-            ax.text(xmax, row, f"  exposed {s['exposed_transfer_s_per_step']:.2f} s/step", va="center", fontsize=8)
+            text = f"exposed {s['exposed_transfer_s_per_step']:.2f} s/step" if gpu else NO_GPU
+            ax.text(xmax, row, f"  {text}", va="center", fontsize=8)
         else:
             for c in tl["copies"]:
                 if c["engine"] != lane:

@@ -1,16 +1,17 @@
-"""Presenting bench results: the terminal table, the JSON file, the PNG timeline."""
+"""What ``torchferry bench`` prints: the table of strategies, the lines under it (the resident
+baseline's noise, the prefetch floor, the swap), the notes and the files written.
+
+Without a GPU there is no transfer figure to show (the JSON holds ``null``): the table keeps what
+the CPU run checks (step seconds, the rollout's allocation, bit-exactness) and says so.
+"""
 
 from __future__ import annotations
 
-import itertools
-import json
-from pathlib import Path
+import sys
 
-__all__ = ["on_gpu", "overlap_lines", "plot_timeline", "render_table", "swap_line", "write_json"]
+from .._common.output import NO_GPU
 
-_COLORS = {"rollout": "#c8c8c8", "h2d": "#1f77b4", "compute": "#2ca02c", "d2h": "#ff7f0e", "release": "#9467bd"}
-_LABELS = {"rollout": "rollout (KV cache)", "h2d": "reload (H2D)", "compute": "compute", "d2h": "offload (D2H)",
-           "release": "empty_cache"}
+__all__ = ["on_gpu", "overlap_lines", "print_report", "render_table", "swap_line"]
 
 
 def _gb(n: int | None) -> str:
@@ -36,11 +37,23 @@ def _gbps(gbps: float | None, frac: float | None, gpu: bool) -> str:
     return f"{gbps:.1f} ({_pct(frac)})"
 
 
+def _cpu_table(result: dict, title: str):
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in ("strategy", "steps", "rollout alloc", "bit-exact"):
+        t.add_column(col, justify="right")
+    for name, r in result["strategies"].items():
+        t.add_row(name, str(len(r["losses"])), "ok" if r["rollout_alloc_ok"] else "FAILED",
+                  "yes" if r["round_trip_bit_exact"] else "NO")
+    return t
+
+
 def render_table(result: dict):
     """A ``rich.table.Table`` of the strategies, one row each.
 
-    Without a GPU the GB/s columns hold "-": CPU copies of a tiny model time
-    Python overhead, not a link (the run's notes say so once).
+    Without a GPU only what the CPU run checks: the steps that ran, the
+    rollout's allocation, bit-exactness (the line under it says why).
     """
     from rich.table import Table
 
@@ -48,12 +61,15 @@ def render_table(result: dict):
     m = result["model"]
     state = sum(m["state_bytes"].values())
     peak = result["link_peak_GBps"]
+    size = f"{state / 1e9:.2f} GB" if state >= 1e8 else f"{state / 1e6:.2f} MB"
     title = (
         f"{m['preset'] or m['path']} ({m['layers']} layers), {result['env']['world_size']} rank(s), "
-        f"state {state / 1e9:.2f} GB/rank on {result['env']['gpu'] or 'CPU'}"
+        f"state {size}/rank on {result['env']['gpu'] or 'CPU'}"
     )
     if peak:
         title += f"; link peak H2D {peak['h2d']:.1f} / D2H {peak['d2h']:.1f} / both {peak['bidir']:.1f} GB/s"
+    if not gpu:
+        return _cpu_table(result, title)
     caption = ("exposed reload: reload + compute over the resident baseline's in the same round; exposed "
                "offload: offload + empty_cache (medians over rounds)")
     if any(n.endswith("+prefetch") for n in result["strategies"]):
@@ -82,7 +98,11 @@ def render_table(result: dict):
 
 def overlap_lines(result: dict) -> list[str]:
     """The lines under the table: the resident baseline's noise and, per ``+prefetch`` strategy,
-    its exposed reload against plain torchferry's reload and the floor no overlap can remove."""
+    its exposed reload against plain torchferry's reload and the floor no overlap can remove
+    (without a GPU, one line saying there are none)."""
+    if not on_gpu(result):
+        return [f"{NO_GPU}: CPU copies of a tiny model time Python overhead, not a link (the JSON holds null "
+                "for every seconds, GB/s, exposure, noise_frac and floor figure)"]
     lines = []
     base = result.get("baseline_resident")
     if base:
@@ -109,75 +129,24 @@ def swap_line(sw: dict, gpu: bool) -> str:
     head = "swap (torchferry.swap, actor out + critic in): "
     exact = f"bit-exact: {'yes' if sw['bit_exact'] else 'NO'}"
     if not gpu:
-        return head + f"{sw['seconds']:.3f} s, {exact}"
+        return head + f"{exact}; {NO_GPU}"
     frac = f" ({100 * sw['frac_of_bidir_peak']:.1f}% of the bidirectional peak)" if sw["frac_of_bidir_peak"] else ""
     return head + f"{sw['seconds']:.3f} s, {sw['GBps']:.1f} GB/s both ways{frac}, {exact}"
 
 
-def write_json(result: dict, path: str | Path) -> None:
-    """Writes ``result`` to ``path`` as indented JSON, creating missing folders.
+def print_report(result: dict) -> None:
+    """Prints the table and the lines under it (stdout), then the notes and the trace files (stderr)."""
+    from rich.markup import escape
 
-    Raises:
-        OSError: the file could not be written.
-    """
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    from .._common.output import print_notes, stdout_console
 
-
-def plot_timeline(result: dict, path: str | Path) -> None:
-    """One steady step per strategy as horizontal bars: rollout, reloads, compute, offloads.
-
-    Raises:
-        OSError: the PNG could not be written.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    names = list(result["strategies"])
-    rows = names + (["swap"] if result.get("swap") else [])
-    fig, ax = plt.subplots(figsize=(11, 1.1 + 0.8 * len(rows)))
-    for row, name in enumerate(names):
-        spans = result["strategies"][name]["timeline_step"]
-        for s in spans:
-            ax.broken_barh([(s["start"], s["end"] - s["start"])], (row - 0.35, 0.7), color=_COLORS[s["kind"]])
-        for a, b in itertools.pairwise(spans):  # untimed host work between phases (--phase-gap-s)
-            if b["start"] - a["end"] > 0.02:
-                ax.broken_barh([(a["end"], b["start"] - a["end"])], (row - 0.2, 0.4), facecolor="none",
-                               edgecolor="#bbbbbb", hatch="///", linewidth=0)
-        end = max(s["end"] for s in spans)
-        transfer = result["strategies"][name].get("exposed_transfer_s_per_step")
-        exposed = "" if transfer is None else f" (exposed transfers {transfer:.2f} s)"
-        ax.text(end, row, f"  {end:.2f} s{exposed}", va="center", fontsize=9)
-        for phase in ("old_log_prob", "update_actor"):
-            ph = [s for s in spans if s["phase"] == phase]
-            if ph:
-                ax.text(ph[0]["start"], row + 0.42, phase, fontsize=7, color="#444")
+    out = stdout_console(170)  # logs and pipes: the table on one line per strategy
+    out.print(render_table(result))
+    for line in overlap_lines(result):
+        out.print(escape(line), soft_wrap=True)
     sw = result.get("swap")
     if sw:
-        row = len(names)
-        for span, y in zip(sw["timeline"], (row - 0.35, row + 0.02), strict=False):
-            ax.broken_barh([(span["start"], span["end"] - span["start"])], (y, 0.33), color=_COLORS[span["kind"]])
-        rate = f", {sw['GBps']:.1f} GB/s both ways" if on_gpu(result) else ""
-        ax.text(max(x["end"] for x in sw["timeline"]), row,
-                f"  actor out + critic in: {sw['seconds']:.2f} s{rate}", va="center", fontsize=9)
-    ax.set_yticks(range(len(rows)), [*names, "swap (not a step)"] if sw else names)
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds from the start of one steady step")
-    m = result["model"]
-    ax.set_title(
-        f"One colocated RL step: {m['preset'] or m['path']}, {result['env']['world_size']} rank(s), "
-        f"{result['env']['gpu'] or 'CPU'}, torch {result['env']['torch']}",
-        fontsize=10,
-    )
-    gap = Patch(facecolor="none", edgecolor="#bbbbbb", hatch="///", label="host work between phases (untimed)")
-    ax.legend(handles=[Patch(color=c, label=_LABELS[k]) for k, c in _COLORS.items()] + [gap],
-              loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(names) < 3 else -0.2), ncol=3, fontsize=8)
-    ax.set_xlim(0, max(max(s["end"] for s in r["timeline_step"]) for r in result["strategies"].values()) * 1.35)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        out.print(escape(swap_line(sw, on_gpu(result))), soft_wrap=True)
+    print_notes(result["notes"])
+    for path in result.get("trace_files", []):
+        print(f"wrote {path}", file=sys.stderr)

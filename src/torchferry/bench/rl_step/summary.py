@@ -1,5 +1,5 @@
 """From the steps' records to the bench JSON's figures: per strategy, the resident baseline, the
-overlap accounting and the prefetch floor (the arithmetic itself is in ``_overlap``).
+overlap accounting and the prefetch floor (the arithmetic itself is in ``overlap``).
 
 Seconds are wall clock unless said otherwise, bytes are per rank, GB/s = 1e9 B/s.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from ._overlap import PHASES, exposure, noise_frac, phase_floor
-from ._workload import StepRecord
+from .overlap import PHASES, exposure, noise_frac, phase_floor
+from .workload import StepRecord
 
 __all__ = ["FirstCycle", "account_overlap", "prefetch_floor", "resident_summary", "summarise"]
 
@@ -45,7 +45,7 @@ def _gpu(records: list[StepRecord], direction: str) -> float | None:
 def summarise(first: FirstCycle, records: list[StepRecord], sizes: dict[str, int], *,
               overlaps_reload: bool) -> dict:
     """One strategy's figures over its timed steps (medians over steps; the exposures and the
-    ``*_frac_of_peak`` are set later, by :func:`account_overlap` and ``_overlap.apply_peak``).
+    ``*_frac_of_peak`` are set later, by :func:`account_overlap` and ``overlap.apply_peak``).
 
     ``observed_GBps`` holds every rate the strategy reached, per direction (``d2h``, ``h2d``):
     ``steady``, ``first``, ``model_only``, ``per_step_max``, ``gpu`` (bytes over copy-engine
@@ -133,7 +133,7 @@ def resident_summary(records: list[StepRecord], unit_compute_s: dict[str, list[f
 def account_overlap(results: dict[str, dict], records: dict[str, list[StepRecord]],
                     resident: list[StepRecord]) -> None:
     """Sets each strategy's exposed seconds against the resident baseline, round by round
-    ([Note: exposed time against a resident baseline] in ``_overlap``).
+    ([Note: exposed time against a resident baseline] in ``overlap``).
 
     Per strategy: ``exposed_reload_s_per_step``, ``exposed_offload_s_per_step`` (medians over
     rounds), ``exposed_reload_s_all``, ``exposed_offload_s_all`` (per round),
@@ -170,7 +170,7 @@ def account_overlap(results: dict[str, dict], records: dict[str, list[StepRecord
 def prefetch_floor(unit_bytes: list[int], unit_compute_s: dict[str, list[float]], resident: list[StepRecord],
                    torchferry: list[StepRecord] | None, peak_h2d: float | None,
                    sizes: dict[str, int]) -> tuple[float | None, dict | None, str | None]:
-    """The reload seconds per step no overlap can remove ([Note: prefetch floor] in ``_overlap``).
+    """The reload seconds per step no overlap can remove ([Note: prefetch floor] in ``overlap``).
 
     Args:
         unit_bytes: bytes per FSDP unit, forward pre-order.
@@ -205,3 +205,39 @@ def prefetch_floor(unit_bytes: list[int], unit_compute_s: dict[str, list[float]]
                      "copy_rate_from": source, "floor_s": floor}
         total += floor
     return total, detail, None
+
+
+_TRANSFER_KEYS = ("offload_GBps", "reload_GBps", "offload_frac_of_peak", "reload_frac_of_peak", "offload_gpu_s",
+                  "reload_gpu_s", "observed_GBps", "transfer_spans_s_per_step", "reload_s_per_step", "empty_cache_s",
+                  "exposed_reload_s_per_step", "exposed_reload_s_all", "exposed_offload_s_per_step",
+                  "exposed_offload_s_all", "exposed_s_per_phase", "compute_overhead_s_per_step",
+                  "exposed_transfer_s_per_step", "exposed_reload_vs_torchferry_reload", "step_s",
+                  "exposed_reload_floor_s_per_step", "floor_detail")
+"""Per strategy, the figures that time or rate a transfer (``None`` without a GPU)."""
+
+
+def blank_transfer_figures(strategies: dict[str, dict], baseline: dict, swap: dict | None) -> None:
+    """Without a GPU, sets every transfer figure to ``None``, in place.
+
+    CPU copies of a tiny model time Python overhead, not a link: their seconds,
+    rates, the exposures against the resident baseline (negative as often as
+    not), their ratios, the prefetch floor and the resident baseline's noise
+    (``noise_frac``, of compute lasting milliseconds) would read as results.
+    Per strategy: the ``_TRANSFER_KEYS``, ``offload_s`` / ``reload_s`` (first and
+    steady), ``model_only``'s seconds, ``pinning``; the baseline's ``noise_frac``;
+    the swap's seconds and GB/s; ``step_s`` too (it holds the transfers). What
+    stays: bytes, compute seconds, losses, the timeline's spans, bit-exactness,
+    the rollout's allocation.
+    """
+    for r in strategies.values():
+        for key in _TRANSFER_KEYS:
+            if key in r:
+                r[key] = None
+        r["offload_s"] = {"first": None, "steady": None}
+        r["reload_s"] = {"first": None, "steady": None}
+        r["model_only"].update(offload_s=None, reload_s=None)
+        r["pinning"] = {"seconds": None, "GBps": None}
+    baseline["noise_frac"] = {p: None for p in baseline["noise_frac"]}
+    if swap is not None:
+        swap.update(GBps=None, seconds=None, frac_of_bidir_peak=None)
+        swap["reps"] = [{**x, "seconds": None} for x in swap["reps"]]

@@ -2,7 +2,8 @@
 
 Three measurements, each against its baseline in the same run:
 
-* pinning: the pool's allocation (map, touch from several threads, huge pages,
+* pinning: a ferry's pool (``Ferry(t, pin_ahead=False).reserve_host()`` over one
+  device tensor of ``n`` bytes: map, touch from several threads, huge pages,
   ``cudaHostRegister``) against ``torch.empty(n, pin_memory=True)`` for the
   same bytes (PyTorch's caching host allocator, ``cudaHostAlloc``);
 * small tensors: a ferry over 4096 tensors of 256 KiB (packed, one DMA per
@@ -14,25 +15,30 @@ Three measurements, each against its baseline in the same run:
 Seconds are host wall clock from the call until the copies are complete
 (``handle.wait()`` / ``torch.cuda.synchronize()``), as the user sees them.
 GB/s = 1e9 B/s; fractions are of the link peak measured in the same run.
+Only ``torchferry``'s public API is used: a ferry's ``reserve_host()`` (the
+seconds it pinned, or their future), ``pinned``, ``pinned_bytes``, ``host_bytes``.
 """
 
 from __future__ import annotations
 
 import datetime
 import statistics
-import tempfile
+import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import cast
 
 import torch
 
-from .. import Ferry
-from .._core._host.pool import HostPool
-from .._core._host.budget import NodeLedger
-from ._link import measure_link_peak, release_host_cache
-from ._setup import source_commit
+from torchferry import Ferry
 
-__all__ = ["SCHEMA", "run_pin_bench", "summarise_small"]
+from ._common.link import measure_link_peak, release_host_cache
+from ._common.output import CommandError, check_paths, write_results
+from ._common.setup import source_commit
+
+__all__ = ["SCHEMA", "pin_command", "render_table", "run_pin_bench", "summarise_small"]
 
 SCHEMA = "torchferry.bench-pin/1"
 
@@ -46,13 +52,17 @@ def _wall(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def measure_pinning(nbytes: int, device: torch.device, reps: int = 3) -> dict:
-    """Host seconds to get ``nbytes`` of pinned memory: the pool against ``torch.empty(pin_memory=True)``.
+    """Host seconds to get ``nbytes`` of pinned memory: a ferry's pool against ``torch.empty(pin_memory=True)``.
 
     Alternates the two ``reps`` times (each allocation freed, and PyTorch's
-    host cache emptied, before the next) and takes the median of each.
+    host cache emptied, before the next) and takes the median of each. The
+    ferry holds one device tensor of ``nbytes`` (``pin_ahead=False``: nothing
+    pins before the timed ``reserve_host()``); ``torchferry_s`` is the call's
+    wall time, ``torchferry_reported_s`` the seconds it returns (mapping,
+    touching and registering the block).
     """
-    ledger = NodeLedger(f"{tempfile.mkdtemp(prefix='torchferry-bench-')}/ledger.json")  # apart from the node's
-    ours, theirs = [], []
+    state = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    ours, theirs, reported = [], [], []
     for _ in range(reps):
         release_host_cache()
         t = time.perf_counter()
@@ -61,16 +71,18 @@ def measure_pinning(nbytes: int, device: torch.device, reps: int = 3) -> dict:
         assert x.is_pinned()
         del x
         release_host_cache()
-        pool = HostPool(pin=True, device=device.index, ledger=ledger)
+        ferry = Ferry(state, device=device, pin_ahead=False)
         t = time.perf_counter()
-        pool.reserve(nbytes)
+        seconds = cast(float, ferry.reserve_host())  # without background=True: the seconds, never a Future
         ours.append(time.perf_counter() - t)
-        assert pool.pinned_bytes == nbytes
-        pool.release()
+        reported.append(seconds)
+        assert ferry.pinned and ferry.pinned_bytes >= nbytes, (ferry.pinned_bytes, nbytes)
+        ferry.close()
+    del state
     o, p = statistics.median(ours), statistics.median(theirs)
     return {"bytes": nbytes, "torchferry_s": o, "torch_s": p, "torchferry_GBps": nbytes / o / 1e9,
             "torch_GBps": nbytes / p / 1e9, "speedup_vs_torch": p / o, "reps": reps,
-            "torchferry_all_s": ours, "torch_all_s": theirs}
+            "torchferry_all_s": ours, "torch_all_s": theirs, "torchferry_reported_s": reported}
 
 
 def summarise_small(nbytes: int, offload_s: list[float], reload_s: list[float], per_tensor_d2h_s: list[float],
@@ -166,7 +178,10 @@ def measure_first_offload(device: torch.device, state_bytes: int, train_s: float
 
     Default (``Ferry(*ts)``, pinning ahead, [Note: pin ahead]): the ferry is
     made, ``train_s`` seconds of training run (their step rate against the
-    same training with no pinning under way), then the first offload. Lazy
+    same training with no pinning under way), then the first offload. Right
+    before it, ``reserve_host(background=True)`` hands back the future of the
+    pinning under way without waiting for it: whether it is done is
+    ``pool_ready_before_first_offload``, its result ``background_pin_s``. Lazy
     (``Ferry(*ts, pin_ahead=False)``): the first offload, right after the
     ferry is made, allocates and pins the pool itself.
     """
@@ -177,10 +192,11 @@ def measure_first_offload(device: torch.device, state_bytes: int, train_s: float
     ferry = Ferry(*ts)
     call_s = time.perf_counter() - t
     steps, s = _train_for(train_s, device)
-    ready = ferry._pool.ready()
+    pinning = cast(Future, ferry.reserve_host(background=True))  # pinning ahead's seconds; does not wait
+    ready = pinning.done()
     first = _wall(lambda: ferry.offload().wait(), device)
     ferry.reload().wait()
-    pin_s = ferry._pool.pin_seconds
+    pin_s = pinning.result()
     steady = []
     for _ in range(cycles):
         steady.append(_wall(lambda: ferry.offload().wait(), device))
@@ -235,3 +251,56 @@ def run_pin_bench(*, pin_bytes: int = 4 << 30, first_state_bytes: int = 8 << 30,
         "small_tensors": small,
         "first_offload": first,
     }
+
+
+def render_table(result: dict):
+    """The ``rich.table.Table`` ``torchferry bench-pin`` prints: each measurement against its baseline."""
+    from rich.table import Table
+
+    pin, small = result["pinning"], result["small_tensors"]
+    first, peak = result["first_offload"], result["link_peak_GBps"]
+    table = Table(title=f"torchferry bench-pin on {result['env']['gpu']}; link peak H2D {peak['h2d']:.1f} / "
+                        f"D2H {peak['d2h']:.1f} GB/s")
+    table.add_column("measurement")
+    table.add_column("torchferry", justify="right")
+    table.add_column("baseline", justify="right")
+    table.add_column("ratio", justify="right")
+    table.add_row(f"pin {pin['bytes'] / 2**30:.1f} GiB (GB/s)", f"{pin['torchferry_GBps']:.2f}",
+                  f"{pin['torch_GBps']:.2f} (torch.empty pinned)", f"{pin['speedup_vs_torch']:.1f}x")
+    table.add_row("4096 x 256 KiB offload (of peak)", f"{small['offload_frac_of_peak']:.1%}",
+                  f"{small['per_tensor_offload_frac_of_peak']:.1%} (per-tensor copy_)", "")
+    table.add_row("4096 x 256 KiB reload (of peak)", f"{small['reload_frac_of_peak']:.1%}",
+                  f"{small['per_tensor_reload_frac_of_peak']:.1%} (per-tensor copy_)", "")
+    table.add_row(f"first offload of Ferry() after training, {first['state_bytes'] / 2**30:.1f} GiB (s)",
+                  f"{first['first_offload_s']:.3f}",
+                  f"{first['steady_offload_s']:.3f} (steady)", f"{first['first_over_steady']:.2f}x")
+    table.add_row("first offload, Ferry(pin_ahead=False) (s)", f"{first['lazy_first_offload_s']:.3f}",
+                  f"{first['steady_offload_s']:.3f} (steady)", f"{first['lazy_first_over_steady']:.2f}x")
+    return table
+
+
+def pin_command(*, json_path: Path | None, pin_gib: float, first_gib: float, train_s: float) -> int:
+    """``torchferry bench-pin`` with the command line's options; returns the exit status.
+
+    Raises:
+        CommandError: an option refused, or no CUDA device (exit 2).
+    """
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    check_paths(("--json", json_path, False, "bench-pin.json"))
+    for name, value in (("--pin-gib", pin_gib), ("--first-gib", first_gib)):
+        if value <= 0:
+            raise CommandError(f"{name} must be > 0, got {value}")
+    if train_s < 0:
+        raise CommandError(f"--train-s must be >= 0, got {train_s}")
+    try:
+        result = run_pin_bench(pin_bytes=int(pin_gib * 2**30), first_state_bytes=int(first_gib * 2**30),
+                               train_s=train_s, command="torchferry " + " ".join(sys.argv[1:]),
+                               on_progress=lambda msg: console.print(f"[dim]{msg}[/]"))
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+    Console().print(render_table(result))
+    if not write_results(result, json_path):
+        return 1
+    return 0

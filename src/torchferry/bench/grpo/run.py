@@ -38,34 +38,29 @@ from collections.abc import Callable
 
 import torch
 
-from .. import Dock
-from ._grpo_config import (
-    _BUDGET_RULE,
-    _SCHEDULE,
-    PHASES,
-    SCHEMA,
-    STRATEGIES,
-    GrpoConfig,
-)
-from ._setup import env_record, start_scenario
-from ._grpo_report import _median, _summarise, plot_grpo, summary_lines  # noqa: F401 (re-exported)
-from ._grpo_steps import (
-    _build_side,
-    _calibrate,
-    _check_room,
-    _compare,
-    _log_prob,
-    _settle,
-    _step_dock,
-    _step_torchferry,
-    _StepClock,
-    _train,
-    _workspace,
-)
-from ._link import measure_link_peak
-from ._model import PRESETS
+from torchferry import Dock
 
-__all__ = ["PHASES", "SCHEMA", "STRATEGIES", "GrpoConfig", "plot_grpo", "run_grpo"]
+from .._common.link import measure_link_peak
+from .._common.output import NO_GPU
+from .._common.presets import PRESETS
+from .._common.setup import env_record, start_scenario
+from .config import BUDGET_RULE, PHASES, SCHEDULE, SCHEMA, STRATEGIES, GrpoConfig
+from .report import median, summarise
+from .steps import (
+    StepClock,
+    build_side,
+    calibrate,
+    check_room,
+    compare,
+    log_prob,
+    settle,
+    step_dock,
+    step_torchferry,
+    train,
+    workspace,
+)
+
+__all__ = ["PHASES", "SCHEMA", "STRATEGIES", "GrpoConfig", "run_grpo"]
 
 
 def run_grpo(config: GrpoConfig, *, on_progress: Callable[[str, float], None] | None = None) -> dict:
@@ -101,15 +96,15 @@ def run_grpo(config: GrpoConfig, *, on_progress: Callable[[str, float], None] | 
     # The baseline's models first: their workspaces are measured with everything resident, then
     # their state goes to the host before the dock's models are built.
     say(f"building {preset} (actor, AdamW, reference) for torchferry", 0.02)
-    base = _build_side("torchferry", preset, config, device, world, batch, 0)
+    base = build_side("torchferry", preset, config, device, world, batch, 0)
     if use_cuda:
-        w_upd = _workspace(device, lambda: _train(base.actor, base.opt, batch, config.micro_batches))
-        w_fwd = _workspace(device, lambda: _log_prob(base.actor, batch, config.micro_batches))
+        w_upd = workspace(device, lambda: train(base.actor, base.opt, batch, config.micro_batches))
+        w_fwd = workspace(device, lambda: log_prob(base.actor, batch, config.micro_batches))
         w_upd, w_fwd = int(w_upd * 1.02) + (64 << 20), int(w_fwd * 1.02) + (64 << 20)
     else:
-        _train(base.actor, base.opt, batch, config.micro_batches)
+        train(base.actor, base.opt, batch, config.micro_batches)
         notes.append("no CUDA device: ran on the CPU end to end; workspaces estimated (2x and 0.25x the "
-                     "actor's parameters), transfer figures need a GPU")
+                     f"actor's parameters); {NO_GPU} (the JSON's seconds time Python, not a link)")
         w_upd = w_fwd = -1
     for f in base.ferries.values():
         f.reserve_host()
@@ -138,8 +133,8 @@ def run_grpo(config: GrpoConfig, *, on_progress: Callable[[str, float], None] | 
     sides = {"torchferry": base} if "torchferry" in config.strategies else {}
     if "torchferry+dock" in config.strategies:
         say(f"building {preset} for torchferry+dock", 0.1)
-        d = _build_side("torchferry+dock", preset, config, device, world, batch, kv_bytes)
-        _train(d.actor, d.opt, batch, config.micro_batches)  # the same two warm-up updates as the baseline
+        d = build_side("torchferry+dock", preset, config, device, world, batch, kv_bytes)
+        train(d.actor, d.opt, batch, config.micro_batches)  # the same two warm-up updates as the baseline
         d.ferries["ref"].reserve_host()
         d.ferries["ref"].offload().wait()
         dock = Dock(budget, device=device)
@@ -148,7 +143,7 @@ def run_grpo(config: GrpoConfig, *, on_progress: Callable[[str, float], None] | 
         dock.add_claimant("rollout", kv_bytes, sleep=d.kv.sleep, wake=d.kv.wake)
         dock.add_claimant("fwd_workspace", w_fwd)
         dock.add_claimant("update_workspace", w_upd)
-        dock.plan(_SCHEDULE)
+        dock.plan(SCHEDULE)
         d.dock = dock
         sides["torchferry+dock"] = d
     for side in sides.values():
@@ -168,15 +163,15 @@ def run_grpo(config: GrpoConfig, *, on_progress: Callable[[str, float], None] | 
             side = sides[name]
             say(f"step {r + 1}/{rounds}: {name}", 0.15 + 0.8 * (r + 0.5) / rounds)
             if use_cuda and side.dock is None and "torchferry+dock" in sides:
-                _check_room(device, sides["torchferry+dock"].resident_bytes(),
+                check_room(device, sides["torchferry+dock"].resident_bytes(),
                             max(kv_bytes, P + O_ + w_upd, R + w_fwd))
             dist.barrier()
             if use_cuda:
-                _settle(device)  # memory_allocated() without blocks whose copies are done
+                settle(device)  # memory_allocated() without blocks whose copies are done
                 foreign = torch.cuda.memory_allocated(device) - side.resident_bytes()  # the other side's, the batch
                 torch.cuda.reset_peak_memory_stats(device)
-            clock = _StepClock(device, probes)
-            step = (_step_dock if side.dock is not None else _step_torchferry)(side, batch, config, clock)
+            clock = StepClock(device, probes)
+            step = (step_dock if side.dock is not None else step_torchferry)(side, batch, config, clock)
             if use_cuda:
                 torch.cuda.synchronize(device)
                 step["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device) - foreign
@@ -190,20 +185,20 @@ def run_grpo(config: GrpoConfig, *, on_progress: Callable[[str, float], None] | 
                 records[name].append(step)
                 timelines[name] = tl
         for name in (names if r % 2 else names[::-1]):
-            c = _calibrate(sides[name], batch, config, device)
+            c = calibrate(sides[name], batch, config, device)
             if r >= config.warmup_steps:
                 calib[name].append(c)
 
-    pooled = {p: _median([c[p] for n in names for c in calib[n]]) for p in PHASES}
-    results = {n: _summarise(records[n], pooled, budget, timelines.get(n)) for n in names}
+    pooled = {p: median([c[p] for n in names for c in calib[n]]) for p in PHASES}
+    results = {n: summarise(records[n], pooled, budget, timelines.get(n)) for n in names}
     for n in names:
-        results[n]["calibrated_compute_s"] = {p: _median([c[p] for c in calib[n]]) for p in PHASES}
+        results[n]["calibrated_compute_s"] = {p: median([c[p] for c in calib[n]]) for p in PHASES}
     if "torchferry+dock" in sides:
         results["torchferry+dock"]["dock_stats"] = dataclasses.asdict(sides["torchferry+dock"].dock.stats)
     detail = None
     if len(sides) == 2:
         say("comparing the actors bit for bit", 0.97)
-        detail = _compare(sides["torchferry"], sides["torchferry+dock"], device)
+        detail = compare(sides["torchferry"], sides["torchferry+dock"], device)
         same_losses = results["torchferry"]["losses"] == results["torchferry+dock"]["losses"]
         detail["losses_equal"] = same_losses
         bit_exact = detail["actor_params_equal"] and detail["optimizer_state_equal"]
@@ -233,9 +228,9 @@ def run_grpo(config: GrpoConfig, *, on_progress: Callable[[str, float], None] | 
             "workspace_bytes": {"forward": w_fwd, "update": w_upd},
             "everything_bytes": everything,
             "holds_everything": budget >= everything,
-            "rule": _BUDGET_RULE if config.budget_bytes is None else "given",
+            "rule": BUDGET_RULE if config.budget_bytes is None else "given",
         },
-        "schedule": [list(p) for p in _SCHEDULE],
+        "schedule": [list(p) for p in SCHEDULE],
         "config": dataclasses.asdict(dataclasses.replace(config, preset=preset, seq_len=seq_len)),
         "calibrated_compute_s": pooled,
         "strategies": results,
@@ -244,5 +239,3 @@ def run_grpo(config: GrpoConfig, *, on_progress: Callable[[str, float], None] | 
         "per_rank": gathered,
         "notes": notes,
     }
-
-

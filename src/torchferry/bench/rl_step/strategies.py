@@ -29,7 +29,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from .. import Ferry, Prefetch
+from torchferry import Ferry, Prefetch
 
 __all__ = ["STRATEGIES", "Resident", "SharedFerries", "Strategy", "make_strategy"]
 
@@ -196,11 +196,12 @@ class Torchferry(Strategy):
         """Reserves the shared pools; a second strategy on the same ferries reports the first's seconds."""
         return self.ferries.reserve()
 
-    def _ferries(self, optimizer: bool) -> list[Ferry]:
+    def ferries_moved(self, optimizer: bool) -> list[Ferry]:
+        """The ferries an offload or reload with ``optimizer`` moves: the model's, and the optimizer's if so."""
         return [self.model_ferry, self.opt_ferry] if optimizer else [self.model_ferry]
 
     def offload(self, optimizer: bool) -> None:
-        ferries = self._ferries(optimizer)
+        ferries = self.ferries_moved(optimizer)
         handles = [f.offload() for f in ferries]
         for h in handles:
             h.wait()
@@ -211,7 +212,7 @@ class Torchferry(Strategy):
                            "h2d": total([f.stats.last_reload_s for f in ferries])}
 
     def reload(self, optimizer: bool) -> None:
-        handles = [f.reload() for f in self._ferries(optimizer)]
+        handles = [f.reload() for f in self.ferries_moved(optimizer)]
         for h in handles:
             h.wait()
 
@@ -253,7 +254,7 @@ class TorchferryPrefetch(Torchferry):
     lookahead = Prefetch()
 
     def reload(self, optimizer: bool) -> None:
-        for f in self._ferries(optimizer):
+        for f in self.ferries_moved(optimizer):
             f.reload(prefetch=self.lookahead)
 
     def before_forward_only(self) -> None:
@@ -265,7 +266,7 @@ class Resident(Strategy):
     """The baseline: the state stays on the device; reload, offload and release do nothing.
 
     Its steps time the phases' compute with nothing to wait for ([Note: exposed time against a
-    resident baseline] in ``_overlap``); with a :class:`~torchferry.bench._units.UnitTimer`, it
+    resident baseline] in ``overlap``); with a :class:`~torchferry.bench.rl_step.timer.UnitTimer`, it
     also times each FSDP unit in the first forward of each phase.
     """
 

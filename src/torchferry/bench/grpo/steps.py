@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from .. import Dock, Ferry
-from .._core._api.handle import TransferHandle
-from ._grpo_config import _SCHEDULE, PHASES, GrpoConfig
-from ._model import build_model
-from ._setup import shard_fsdp2
+from torchferry import Dock, Ferry, TransferHandle
+
+from .._common.model import build_model
+from .._common.setup import shard_fsdp2
+from .._common.units import local_of
+from .config import PHASES, SCHEDULE, GrpoConfig
+
+__all__ = ["KVCache", "Side", "StepClock", "build_side", "calibrate", "check_room", "compare", "log_prob", "settle",
+           "step_dock", "step_torchferry", "train", "workspace"]
 
 
 # ------------------------------------------------------------------ set-up
@@ -28,21 +32,17 @@ def _eager_attention(model: nn.Module) -> None:
         model.config._attn_implementation = "eager"  # pyright: ignore[reportArgumentType]  # nn.Module attributes (FSDP2 methods, Hugging Face submodules/config) type as Tensor | Module in torch's stubs
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
 
 
-def _log_prob(model: nn.Module, batch: torch.Tensor, micro: int) -> torch.Tensor:
+def log_prob(model: nn.Module, batch: torch.Tensor, micro: int) -> torch.Tensor:
     with torch.no_grad():
         return torch.stack([model(input_ids=batch).logits.float().logsumexp(-1).mean() for _ in range(micro)]).mean()
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor, micro: int) -> torch.Tensor:
+def train(model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor, micro: int) -> torch.Tensor:
     for _ in range(micro):  # gradient accumulation, as verl's ppo_micro_batch_size
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
@@ -51,7 +51,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor, mi
     return loss.detach()
 
 
-class _KVCache:
+class KVCache:
     """The rollout engine's KV cache: ``wake()`` allocates it, ``sleep()`` frees it (vLLM's sleep mode)."""
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
@@ -72,7 +72,7 @@ class _KVCache:
 
 
 @dataclasses.dataclass(eq=False)
-class _Side:
+class Side:
     """One strategy's models, ferries and (``torchferry+dock``) its dock."""
 
     name: str
@@ -80,7 +80,7 @@ class _Side:
     opt: torch.optim.Optimizer
     ref: nn.Module
     ferries: dict[str, Ferry]  # "actor_params", "actor_optimizer", "ref"
-    kv: _KVCache
+    kv: KVCache
     dock: Dock | None = None
     workspace: dict[str, int] = dataclasses.field(default_factory=dict)  # "forward", "update": bytes
 
@@ -92,8 +92,8 @@ class _Side:
         return kv + sum(f.state_bytes for f in self.ferries.values() if not f.residency.on_host)
 
 
-def _build_side(name: str, preset: str, config: GrpoConfig, device: torch.device, world: int,
-                batch: torch.Tensor, kv_bytes: int) -> _Side:
+def build_side(name: str, preset: str, config: GrpoConfig, device: torch.device, world: int,
+                batch: torch.Tensor, kv_bytes: int) -> Side:
     """Actor (seed 0) + AdamW and reference (seed 1): the same bits for every strategy.
 
     Two warm-up updates (optimizer state exists, FSDP2 lazily initialised)
@@ -106,14 +106,14 @@ def _build_side(name: str, preset: str, config: GrpoConfig, device: torch.device
             _eager_attention(m)
         shard_fsdp2(m, device, world)
     opt = torch.optim.AdamW(actor.parameters(), lr=1e-5)
-    _train(actor, opt, batch, config.micro_batches)
-    _log_prob(ref, batch, config.micro_batches)
+    train(actor, opt, batch, config.micro_batches)
+    log_prob(ref, batch, config.micro_batches)
     ferries = {"actor_params": Ferry(actor, device=device), "actor_optimizer": Ferry(opt, device=device),
                "ref": Ferry(ref, device=device)}
-    return _Side(name, actor, opt, ref, ferries, _KVCache(kv_bytes, device))
+    return Side(name, actor, opt, ref, ferries, KVCache(kv_bytes, device))
 
 
-def _settle(device: torch.device) -> None:
+def settle(device: torch.device) -> None:
     """Synchronises, then lets the caching allocator free blocks whose stream uses are over.
 
     Blocks released with ``record_stream`` (an offload's) stay counted in
@@ -124,7 +124,7 @@ def _settle(device: torch.device) -> None:
     torch.empty(1, dtype=torch.uint8, device=device)
 
 
-def _check_room(device: torch.device, dock_holds: int, step_needs: int) -> None:
+def check_room(device: torch.device, dock_holds: int, step_needs: int) -> None:
     """Both strategies share each GPU: the verl-style step runs beside what the dock keeps resident."""
     total = torch.cuda.get_device_properties(device).total_memory
     if dock_holds + step_needs + (2 << 30) > total:
@@ -134,9 +134,9 @@ def _check_room(device: torch.device, dock_holds: int, step_needs: int) -> None:
             "--budget-gb, or use fewer --layers")
 
 
-def _workspace(device: torch.device, fn: Callable[[], object]) -> int:
+def workspace(device: torch.device, fn: Callable[[], object]) -> int:
     """Peak bytes ``fn`` allocates on the device beyond what was allocated before it."""
-    _settle(device)
+    settle(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     fn()
@@ -145,7 +145,7 @@ def _workspace(device: torch.device, fn: Callable[[], object]) -> int:
 
 
 # ------------------------------------------------------------------ timing
-class _StepClock:
+class StepClock:
     """Host wall times of phases; GPU times of compute and of every copy (both copy engines).
 
     Copies: right after a transfer is issued, a probe stream of its direction
@@ -212,7 +212,7 @@ class _StepClock:
 
 
 # ------------------------------------------------------------------ strategies
-def _step_torchferry(side: _Side, batch: torch.Tensor, config: GrpoConfig, clock: _StepClock) -> dict:
+def step_torchferry(side: Side, batch: torch.Tensor, config: GrpoConfig, clock: StepClock) -> dict:
     """verl: every set reloaded before its phase and offloaded (waited for) after it."""
     dev, f, micro = clock.device, side.ferries, config.micro_batches
     out: dict[str, float] = {}
@@ -249,14 +249,14 @@ def _step_torchferry(side: _Side, batch: torch.Tensor, config: GrpoConfig, clock
 
     w = side.workspace
     phase("rollout", (), rollout, side.kv.nbytes)
-    phase("ref_log_prob", ("ref",), lambda: _log_prob(side.ref, batch, micro), w["forward"])
-    phase("old_log_prob", ("actor_params",), lambda: _log_prob(side.actor, batch, micro), w["forward"])
+    phase("ref_log_prob", ("ref",), lambda: log_prob(side.ref, batch, micro), w["forward"])
+    phase("old_log_prob", ("actor_params",), lambda: log_prob(side.actor, batch, micro), w["forward"])
     loss = phase("update_actor", ("actor_params", "actor_optimizer"),
-                 lambda: _train(side.actor, side.opt, batch, micro), w["update"])
+                 lambda: train(side.actor, side.opt, batch, micro), w["update"])
     return {"phase_wall_s": out, "loss": float(loss)}
 
 
-def _step_dock(side: _Side, batch: torch.Tensor, config: GrpoConfig, clock: _StepClock) -> dict:
+def step_dock(side: Side, batch: torch.Tensor, config: GrpoConfig, clock: StepClock) -> dict:
     """The dock: each phase a ``use()`` of its names that prefetches the next phase."""
     dock, dev, micro = side.dock, clock.device, config.micro_batches
     assert dock is not None
@@ -291,10 +291,10 @@ def _step_dock(side: _Side, batch: torch.Tensor, config: GrpoConfig, clock: _Ste
             time.sleep(config.phase_gap_s)
         return result
 
-    phase("rollout", _SCHEDULE[0], lambda: side.kv.generate(config.rollout_s))
-    phase("ref_log_prob", _SCHEDULE[1], lambda: _log_prob(side.ref, batch, micro))
-    phase("old_log_prob", _SCHEDULE[2], lambda: _log_prob(side.actor, batch, micro))
-    loss = phase("update_actor", _SCHEDULE[3], lambda: _train(side.actor, side.opt, batch, micro), last=True)
+    phase("rollout", SCHEDULE[0], lambda: side.kv.generate(config.rollout_s))
+    phase("ref_log_prob", SCHEDULE[1], lambda: log_prob(side.ref, batch, micro))
+    phase("old_log_prob", SCHEDULE[2], lambda: log_prob(side.actor, batch, micro))
+    loss = phase("update_actor", SCHEDULE[3], lambda: train(side.actor, side.opt, batch, micro), last=True)
     return {"phase_wall_s": out, "loss": float(loss)}
 
 
@@ -302,7 +302,7 @@ _PHASE_SETS = {"rollout": (), "ref_log_prob": ("ref",), "old_log_prob": ("actor_
                "update_actor": ("actor_params", "actor_optimizer")}
 
 
-def _calibrate(side: _Side, batch: torch.Tensor, config: GrpoConfig, device: torch.device) -> dict[str, float]:
+def calibrate(side: Side, batch: torch.Tensor, config: GrpoConfig, device: torch.device) -> dict[str, float]:
     """Each phase's compute with its state resident (moves untimed, residency restored after).
 
     Runs one update of the actor, as every strategy does in every round:
@@ -313,16 +313,16 @@ def _calibrate(side: _Side, batch: torch.Tensor, config: GrpoConfig, device: tor
     micro, f, out = config.micro_batches, side.ferries, {}
     computes = {
         "rollout": None,
-        "ref_log_prob": lambda: _log_prob(side.ref, batch, micro),
-        "old_log_prob": lambda: _log_prob(side.actor, batch, micro),
-        "update_actor": lambda: _train(side.actor, side.opt, batch, micro),
+        "ref_log_prob": lambda: log_prob(side.ref, batch, micro),
+        "old_log_prob": lambda: log_prob(side.actor, batch, micro),
+        "update_actor": lambda: train(side.actor, side.opt, batch, micro),
     }
     for phase in PHASES:
         brought = [n for n in _PHASE_SETS[phase] if f[n].residency.on_host]
         for n in brought:
             f[n].reload().wait()
         if phase == "rollout":
-            kv = _KVCache(side.kv.nbytes, device)
+            kv = KVCache(side.kv.nbytes, device)
             _sync(device)
             t = time.perf_counter()
             kv.wake()
@@ -341,7 +341,7 @@ def _calibrate(side: _Side, batch: torch.Tensor, config: GrpoConfig, device: tor
 
 
 
-def _compare(a: _Side, b: _Side, device: torch.device) -> dict:
+def compare(a: Side, b: Side, device: torch.device) -> dict:
     """Actor parameters and AdamW state of two sides, bit for bit (all ranks)."""
     import torch.distributed as dist
 
@@ -354,16 +354,15 @@ def _compare(a: _Side, b: _Side, device: torch.device) -> dict:
     params_equal, opt_equal, max_diff = True, True, 0.0
     with torch.no_grad():
         for pa, pb in zip(a.actor.parameters(), b.actor.parameters(), strict=False):
-            x, y = _local(pa), _local(pb)
+            x, y = local_of(pa), local_of(pb)
             params_equal &= bool(torch.equal(x, y))
             if x.numel():
                 max_diff = max(max_diff, float((x.float() - y.float()).abs().max()))
         for (_pa, sa), (_pb, sb) in zip(a.opt.state.items(), b.opt.state.items(), strict=False):
             for k in sa:
                 if torch.is_tensor(sa[k]):
-                    opt_equal &= bool(torch.equal(_local(sa[k]), _local(sb[k])))
+                    opt_equal &= bool(torch.equal(local_of(sa[k]), local_of(sb[k])))
     flags = torch.tensor([float(params_equal), float(opt_equal), -max_diff], device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     return {"actor_params_equal": bool(flags[0]), "optimizer_state_equal": bool(flags[1]),
             "max_abs_diff": float(-flags[2])}
-

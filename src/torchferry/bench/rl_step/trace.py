@@ -112,7 +112,7 @@ def _kind(name: str) -> str:
 
 
 def phase_breakdown(events: list[dict], t0: float, kernels: list[tuple], memcpy: list[dict]) -> list[dict]:
-    """Per ``bench::<phase>::<kind>`` range (the bench's clock, ``_workload``): what the GPU did in it.
+    """Per ``bench::<phase>::<kind>`` range (the bench's clock, ``workload``): what the GPU did in it.
 
     A kernel or copy belongs to the range it starts in. Per range: ``wall_s``;
     ``kernel_s`` (summed kernel seconds by kind: ``nccl``, ``gemm``,

@@ -1,20 +1,20 @@
-"""The GRPO scenario's configuration and constants (see ``_grpo`` for what is measured)."""
+"""The GRPO scenario's configuration and constants (see ``run`` for what is measured; no torch import here)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from ._model import PRESETS
+from .._common.presets import PRESETS
 
-__all__ = ["PHASES", "SCHEMA", "STRATEGIES", "GrpoConfig"]
+__all__ = ["BUDGET_RULE", "PHASES", "SCHEDULE", "SCHEMA", "STRATEGIES", "GrpoConfig"]
 
 SCHEMA = "torchferry.bench-grpo/1"
 STRATEGIES = ("torchferry", "torchferry+dock")
 PHASES = ("rollout", "ref_log_prob", "old_log_prob", "update_actor")
-_BUDGET_RULE = ("default: actor params + AdamW + max(KV cache, update workspace) + half the reference "
+BUDGET_RULE = ("default: actor params + AdamW + max(KV cache, update workspace) + half the reference "
                 "(at least reference + actor + forward workspace)")
 # The dock's schedule: the names each phase uses.
-_SCHEDULE = (("rollout",), ("ref", "fwd_workspace"), ("actor_params", "fwd_workspace"),
+SCHEDULE = (("rollout",), ("ref", "fwd_workspace"), ("actor_params", "fwd_workspace"),
              ("actor_params", "actor_optimizer", "update_workspace"))
 
 

@@ -1,8 +1,8 @@
-"""FSDP2 units of the bench's model: their bytes, and their compute seconds in a forward pass.
+"""Compute seconds of each FSDP2 unit in the first forward pass of a phase, with the state resident.
 
-The inputs of the prefetch floor ([Note: prefetch floor] in ``_overlap``):
-per unit, in forward pre-order, the bytes it copies back and the seconds its
-forward takes with the state resident.
+The inputs of the prefetch floor ([Note: prefetch floor] in ``overlap``): per
+unit, in forward pre-order, the seconds its forward takes (the units and their
+bytes: ``_common/units.py``).
 """
 
 from __future__ import annotations
@@ -14,38 +14,7 @@ import time
 import torch
 from torch import nn
 
-from .._core._state.fsdp import fsdp_modules, local_of, unit_key
-
-__all__ = ["UnitTimer", "fsdp_units", "unit_bytes"]
-
-
-def fsdp_units(model: nn.Module) -> list[nn.Module]:
-    """The ``fully_shard``-ed modules under ``model`` in module pre-order (the root first), one per FSDP state."""
-    seen: set[int] = set()
-    out = []
-    for m in fsdp_modules(model):  # model.modules(): pre-order
-        key = unit_key(m)
-        if key not in seen:
-            seen.add(key)
-            out.append(m)
-    return out
-
-
-def unit_bytes(units: list[nn.Module]) -> list[int]:
-    """Bytes of the local-shard storages of the parameters each unit owns (a parameter belongs to the
-    innermost unit holding it, i.e. the last in pre-order; a storage counts once, for its first unit)."""
-    owner: dict[int, tuple[int, torch.Tensor]] = {}
-    for i, u in enumerate(units):
-        for p in u.parameters():
-            owner[id(p)] = (i, p)
-    out = [0] * len(units)
-    seen: set[int] = set()
-    for i, p in sorted(owner.values(), key=lambda x: x[0]):
-        st = local_of(p).untyped_storage()
-        if st.nbytes() and st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
-            out[i] += st.nbytes()
-    return out
+__all__ = ["UnitTimer"]
 
 
 class UnitTimer:

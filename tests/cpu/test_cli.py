@@ -78,7 +78,7 @@ def test_top_level_help_gives_each_command_one_sentence():
 
 def test_building_the_parser_and_help_imports_no_bench_machinery():
     """``torchferry --help`` and ``torchferry bench --help`` import nothing beyond the package itself: no
-    model code, no plotting, no scenario (and torch only where ``import torchferry`` already does)."""
+    model code, no plotting, no scenario, not even torch."""
     code = (
         "import sys; import torchferry; before = set(sys.modules)\n"
         "import typer.main; from torchferry.cli import app\n"
@@ -99,8 +99,8 @@ def test_building_the_parser_and_help_imports_no_bench_machinery():
     scenario = [m for m in new if m.startswith("torchferry.bench.") and not m.endswith((".config", ".presets"))
                 and m not in ("torchferry.bench.rl_step", "torchferry.bench.grpo", "torchferry.bench._common")]
     assert not scenario, scenario
-    if "TORCH_BEFORE False" in p.stdout:  # once `import torchferry` itself is lazy, help must not need torch
-        assert "torch" not in new
+    assert "TORCH_BEFORE False" in p.stdout  # `import torchferry` is lazy: the first public name loads torch
+    assert "torch" not in new
 
 
 def test_bench_pin_help_shows_defaults():

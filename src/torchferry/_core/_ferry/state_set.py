@@ -348,7 +348,7 @@ class StateSet:
         else:
             plan = self.plan()
             views = self.host.views(plan, cache=True)
-        self.early = EarlyOffload.arm_for(plan, views, self.device_views(plan), self.streams, self.unchanged)
+        self.early = EarlyOffload.arm_for(plan, views, self.device_views(plan), self.streams, self.unchanged, run)
 
     def prefetch_run(self, off: Offloaded, groups: list[Group], policy: Prefetch,
                      after: torch.cuda.Event | None) -> PrefetchRun:

@@ -359,7 +359,7 @@ class PrefetchRun:
                    else torch.empty(0, dtype=torch.uint8, device=plan.device).set_(plan.storages[si]))
             if cuda:
                 with torch.cuda.stream(self.streams.h2d):
-                    dst.copy_(slots[si], non_blocking=True)
+                    self.streams.switch("h2d").copy(dst, slots[si])  # see [Note: switch points]
             else:
                 dst.copy_(slots[si])
         held = self._unchanged

@@ -127,9 +127,10 @@ def issue_d2h(plan: Plan, sources: list[torch.Tensor], views: HostViews, skip: s
     progress: list[tuple[int, torch.cuda.Event]] = []
     copied, mark = 0, 0
     copied_after = [0] * len(sources) if progress_every else None
+    switch = streams.switch("d2h")
     with torch.cuda.stream(d2h):
         for si in large:
-            slots[si].copy_(sources[si], non_blocking=True)
+            switch.copy(slots[si], sources[si])  # see [Note: switch points]
             if copied_after is not None:
                 copied += plan.nbytes[si]
                 copied_after[si] = copied
@@ -276,7 +277,7 @@ def issue_h2d(plan: Plan, views: HostViews, streams: TransferStreams, *, storage
                 continue
             if cuda:
                 with torch.cuda.stream(h2d):
-                    dst.copy_(views.slots[si], non_blocking=True)
+                    streams.switch("h2d").copy(dst, views.slots[si])  # see [Note: switch points]
             else:
                 dst.copy_(views.slots[si])
         chunks, pool_chunks = views.chunks, views.pool_chunks

@@ -146,7 +146,8 @@ def pack_to_host(chunks: list[PackChunk], sources: list[torch.Tensor], pool_chun
             _gather(bufs[b], ch, [sources[si] for si in ch.storages])
             packed = streams.event(kernels)
         d2h.wait_event(packed)
-        pool_chunk.copy_(bufs[b][: ch.nbytes], non_blocking=True)
+        with torch.cuda.stream(d2h):
+            streams.switch("d2h").copy(pool_chunk, bufs[b][: ch.nbytes])  # see [Note: switch points]
         sent[b] = streams.event(d2h)
     gathered = streams.event(kernels) if own else None  # no gather waited for a DMA
     d2h.wait_stream(kernels)  # the offload's final D2H event covers every gather
@@ -185,7 +186,7 @@ def unpack_from_host(chunks: list[PackChunk], pool_chunks: list[torch.Tensor],
                 bufs.append(torch.empty(size, dtype=torch.uint8, device=device))
             if unpacked[b] is not None:
                 h2d.wait_event(unpacked[b])
-            bufs[b][: ch.nbytes].copy_(pool_chunk, non_blocking=True)
+            streams.switch("h2d").copy(bufs[b][: ch.nbytes], pool_chunk)  # see [Note: switch points]
             landed = streams.event(h2d)
         dests = allocate(ch)  # host work while the DMA runs
         pack.wait_event(landed)

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from .switch import SwitchPoints
+
 __all__ = ["TransferStreams", "streams_for"]
 
 
@@ -38,6 +40,7 @@ class TransferStreams:
         self._h2d: torch.cuda.Stream | None = None
         self._pack: torch.cuda.Stream | None = None
         self._gather: torch.cuda.Stream | None = None
+        self._switch: dict[str, SwitchPoints] = {}
 
     @property
     def is_cuda(self) -> bool:
@@ -72,6 +75,13 @@ class TransferStreams:
         if self._gather is None:
             self._gather = torch.cuda.Stream(self.device)
         return self._gather
+
+    def switch(self, direction: str) -> SwitchPoints:
+        """The switch points of the ``"h2d"`` or ``"d2h"`` stream: every bulk copy on it goes
+        through ``switch(direction).copy(dst, src)`` ([Note: switch points])."""
+        if direction not in self._switch:
+            self._switch[direction] = SwitchPoints(self.device, direction)
+        return self._switch[direction]
 
     def current(self) -> torch.cuda.Stream:
         """The caller's current stream on this device."""

@@ -12,7 +12,7 @@ class Preset:
     """Qwen2 architecture sizes.
 
     The ``qwen2.5-*`` values are those of the published Hugging Face configs
-    (``Qwen/Qwen2.5-0.5B``, ``-1.5B``, ``-7B``: ``config.json``); ``tiny`` is a
+    (``Qwen/Qwen2.5-0.5B``, ``-1.5B``, ``-3B``, ``-7B``: ``config.json``); ``tiny`` is a
     small stand-in that runs on a CPU.
     """
 
@@ -29,5 +29,6 @@ PRESETS: dict[str, Preset] = {
     "tiny": Preset(64, 176, 2, 4, 2, 1000, False),
     "qwen2.5-0.5b": Preset(896, 4864, 24, 14, 2, 151936, True),
     "qwen2.5-1.5b": Preset(1536, 8960, 28, 12, 2, 151936, True),
+    "qwen2.5-3b": Preset(2048, 11008, 36, 16, 2, 151936, True),
     "qwen2.5-7b": Preset(3584, 18944, 28, 28, 4, 152064, False),
 }

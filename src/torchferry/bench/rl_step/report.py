@@ -121,6 +121,12 @@ def overlap_lines(result: dict) -> list[str]:
         if "exposed_reload_floor_s_per_step" in r:
             line += f"; floor {_s(r['exposed_reload_floor_s_per_step'])} s/step (copies no overlap can hide)"
         lines.append(line)
+        for key, what in (("small_h2d_latency_ms", "a 34 KiB H2D copy on the compute stream during its reload"),
+                          ("small_d2h_latency_ms", "a 34 KiB D2H copy during its offload")):
+            lat = r.get(key)
+            if lat and lat.get("p50") is not None:
+                lines.append(f"{name}: {what} waits p50 {lat['p50']:.3f} ms, p90 {lat['p90']:.3f} ms "
+                             f"(alone {lat['alone_p50']:.3f} ms)")
     return lines
 
 

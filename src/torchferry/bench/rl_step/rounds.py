@@ -17,9 +17,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .._common.latency import SmallCopyProbe, percentiles
 from .._common.state import checksum
 from .._common.units import fsdp_units
-from .strategies import STRATEGIES, Resident, SharedFerries, Strategy, make_strategy
+from .strategies import STRATEGIES, Resident, SharedFerries, Strategy, Torchferry, make_strategy
 from .summary import FirstCycle
 from .timer import UnitTimer
 from .trace import profile_step, trace_paths, write_trace
@@ -152,6 +153,39 @@ class Rounds:
             trace_files.extend(trace_paths(prefix))
         except OSError as e:  # checked before the run; a disk that filled up since must not lose it
             notes.append(f"--trace: could not write {prefix}.* ({e.strerror or e})")
+
+    def small_copy_latency(self, name: str) -> dict[str, dict[str, float | None]]:
+        """One extra update_actor (not in the figures) of a torchferry strategy, for the latency of
+        a small copy beside its transfers (``_common/latency``; [Note: switch points]): a 34 KiB H2D
+        copy on the compute stream at each FSDP unit's forward while the reload streams in, as FSDP2's
+        own copy-out metadata, and 34 KiB D2H copies on a stream of their own while the offload runs.
+        Milliseconds, ``{"h2d": {"p50", "p90", "n", "alone_p50"}, "d2h": {...}}``; the state is left
+        offloaded by ``name``, as after a timed step."""
+        strategy = self.strategies[name]
+        self.hand_to(strategy)
+        self._progress(f"{name}: small copies beside its transfers")
+        h2d, d2h = SmallCopyProbe(self.device, "h2d"), SmallCopyProbe(self.device, "d2h")
+        alone = {"h2d": percentiles(h2d.alone())["p50"], "d2h": percentiles(d2h.alone())["p50"]}
+        hooks = [u.register_forward_pre_hook(lambda *_: h2d.issue(torch.cuda.current_stream(self.device)))
+                 for u in self.units]
+        try:
+            strategy.reload(optimizer=True)
+            for _ in range(self.micro_batches):
+                self.model(input_ids=self.batch, labels=self.batch).loss.backward()
+        finally:
+            for h in hooks:
+                h.remove()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        during_h2d = h2d.collect()
+        ferries = strategy.ferries_moved(True) if isinstance(strategy, Torchferry) else []
+        handles: list = []
+        during_d2h = d2h.during(lambda: handles.extend(f.offload() for f in ferries),
+                                sum(self.sizes.values()) / 50e9)
+        for h in handles:
+            h.wait()
+        strategy.release()
+        return {k: {**percentiles(v), "alone_p50": alone[k]} for k, v in (("h2d", during_h2d), ("d2h", during_d2h))}
 
     def close(self) -> None:
         self.bring_back()

@@ -171,6 +171,9 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
             if name in traced:
                 bench.traced_step(name, rank, traces, trace_files, notes)
             bench.bring_back()
+    latency = None
+    if use_cuda and "torchferry+prefetch" in names:  # see [Note: switch points]
+        latency = bench.small_copy_latency("torchferry+prefetch")
     ferries = bench.ferries  # the torchferry pools still alive
     host_pages = host_page_report(ferries.model.host_bytes + ferries.optimizer.host_bytes if ferries else 0)
     bench.close()
@@ -179,6 +182,9 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
     results = {n: summarise(bench.first[n], bench.records[n], sizes, overlaps_reload=STRATEGIES[n].overlaps_reload)
                for n in names}
     account_overlap(results, bench.records, bench.records["resident"])
+    if latency is not None:
+        results["torchferry+prefetch"]["small_h2d_latency_ms"] = latency["h2d"]
+        results["torchferry+prefetch"]["small_d2h_latency_ms"] = latency["d2h"]
     baseline, noise = resident_summary(bench.records["resident"], bench.timer.medians())
     swap_result = None
     if config.swap:

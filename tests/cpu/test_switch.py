@@ -1,0 +1,64 @@
+"""Switch points on the CPU: the pieces a bulk copy is cut into, where the separators go (counted
+across copies, as the engine sees one queue), the bytes exact; the environment setting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchferry._core._transfer import switch as switch_mod
+from torchferry._core._transfer.switch import SWITCH_BYTES, SwitchPoints, switch_bytes_from_env
+
+
+def _points(every: int, monkeypatch) -> tuple[SwitchPoints, list[int]]:
+    sp = SwitchPoints(torch.device("cpu"), "h2d", every=every)
+    at: list[int] = []  # bytes copied so far at each separator
+    copied = {"n": 0}
+    real_copy = torch.Tensor.copy_
+
+    def counting_copy(dst, src, non_blocking=False):
+        copied["n"] += src.numel()
+        return real_copy(dst, src)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", counting_copy)
+    monkeypatch.setattr(sp, "_separate", lambda: at.append(copied["n"]))
+    return sp, at
+
+
+def test_a_copy_is_cut_at_every_switch_interval_across_calls(monkeypatch):
+    sp, at = _points(10, monkeypatch)
+    srcs = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in (25, 3, 7, 40)]
+    dsts = [torch.zeros_like(s) for s in srcs]
+    for d, s in zip(dsts, srcs, strict=True):
+        sp.copy(d, s)
+    monkeypatch.undo()
+    for d, s in zip(dsts, srcs, strict=True):
+        assert torch.equal(d, s)
+    assert at == [10, 20, 30, 40, 50, 60, 70]  # 75 bytes in all: every 10, whatever the storage
+
+
+def test_switch_points_off_copy_whole(monkeypatch):
+    sp, at = _points(0, monkeypatch)
+    src = torch.arange(100, dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    sp.copy(dst, src)
+    monkeypatch.undo()
+    assert torch.equal(dst, src) and at == []
+
+
+def test_the_environment_sets_the_interval(monkeypatch):
+    monkeypatch.delenv(switch_mod.SWITCH_ENV, raising=False)
+    assert switch_bytes_from_env() == SWITCH_BYTES == 16 << 20
+    monkeypatch.setenv(switch_mod.SWITCH_ENV, "0")
+    assert switch_bytes_from_env() == 0
+    monkeypatch.setenv(switch_mod.SWITCH_ENV, "1048576")
+    assert SwitchPoints(torch.device("cpu"), "d2h").every == 1 << 20
+    for bad in ("-1", "16M", "1.5"):
+        monkeypatch.setenv(switch_mod.SWITCH_ENV, bad)
+        with pytest.raises(ValueError, match="TORCHFERRY_SWITCH_BYTES must be an integer >= 0"):
+            switch_bytes_from_env()
+
+
+def test_a_direction_is_h2d_or_d2h():
+    with pytest.raises(ValueError, match="direction must be 'h2d' or 'd2h'"):
+        SwitchPoints(torch.device("cpu"), "up")

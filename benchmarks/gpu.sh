@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu.sh [STAGE] [OUT]
 #
-# STAGE: tests | bench | pin | lora | engine | grpo | verl | all (default: all).
+# STAGE: tests | bench | switchpoints | pin | lora | engine | grpo | verl | all (default: all).
 # OUT: folder for the logs and results (default: ./gpu-results). Results are named
 # <claim>_<gpu>x<n>_<date>.json, as in benchmarks/results/. Rows measured on one GPU run on the
 # first visible GPU; rows measured on several run under torchrun on all of them, and only when
@@ -47,6 +47,11 @@ tests() {  # the GPU tier; its soak test writes soak_gpu_1000_cycles.json under 
 bench() {
   local n="bench_qwen2.5-1.5b_${one}_$day"
   run "$n" "${on1[@]}" -m torchferry bench --preset qwen2.5-1.5b --steps 2 --json "$out/$n.json" --plot "$out/$n.png"
+  for p in qwen2.5-1.5b qwen2.5-3b; do  # layer-wise reload where a unit computes longer than it copies
+    n="bench_${p}-compute-rich_${one}_$day"
+    run "$n" "${on1[@]}" -m torchferry bench --preset "$p" --workload compute-rich \
+        --strategies torchferry,torchferry+prefetch --steps 3 --no-swap --json "$out/$n.json" --plot "$out/$n.png"
+  done
   n="bench_qwen2.5-7b_${all}_$day"
   multi "$n" "${onall[@]}" -m torchferry bench --preset qwen2.5-7b --strategies seed,torchferry \
       --json "$out/$n.json" --plot "$out/$n.png"
@@ -56,6 +61,9 @@ bench() {
   n="bench_qwen2.5-7b-compute-rich_${all}_$day"
   multi "$n" "${onall[@]}" -m torchferry bench --preset qwen2.5-7b --workload compute-rich \
       --strategies torchferry,torchferry+prefetch --steps 3 --no-swap --json "$out/$n.json" --plot "$out/$n.png"
+}
+switchpoints() {  # piece size x separator: copy rate and a small copy's wait ([Note: switch points])
+  run "switch_points_${one}_$day" "${on1[@]}" benchmarks/switch_points.py --json "$out/switch_points_${one}_$day.json"
 }
 pin() {  # one run gives the pinning, first-offload and small-tensors rows
   run "bench-pin_${one}_$day" "${on1[@]}" -m torchferry bench-pin --json "$out/bench-pin_${one}_$day.json"
@@ -80,9 +88,9 @@ verl() {  # writes verl_qwen2.5-0.5b_<gpu>x<n>_<date>.json and both runs under O
 }
 
 case $stage in
-  tests | bench | pin | lora | engine | grpo | verl) "$stage" ;;
-  all) tests; bench; pin; lora; engine; grpo; verl ;;
-  *) echo "usage: bash benchmarks/gpu.sh [tests|bench|pin|lora|engine|grpo|verl|all] [OUT]" >&2; exit 2 ;;
+  tests | bench | switchpoints | pin | lora | engine | grpo | verl) "$stage" ;;
+  all) tests; bench; switchpoints; pin; lora; engine; grpo; verl ;;
+  *) echo "usage: bash benchmarks/gpu.sh [tests|bench|switchpoints|pin|lora|engine|grpo|verl|all] [OUT]" >&2; exit 2 ;;
 esac
 echo "results in $out (commit $(cat "$out/commit.txt"))"
 exit "$failed"

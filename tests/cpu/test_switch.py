@@ -21,7 +21,7 @@ def _points(every: int, monkeypatch) -> tuple[SwitchPoints, list[int]]:
         return real_copy(dst, src)
 
     monkeypatch.setattr(torch.Tensor, "copy_", counting_copy)
-    monkeypatch.setattr(sp, "_separate", lambda: at.append(copied["n"]))
+    monkeypatch.setattr(sp, "_separate", lambda d, s: at.append(copied["n"]))
     return sp, at
 
 
@@ -35,6 +35,14 @@ def test_a_copy_is_cut_at_every_switch_interval_across_calls(monkeypatch):
     for d, s in zip(dsts, srcs, strict=True):
         assert torch.equal(d, s)
     assert at == [10, 20, 30, 40, 50, 60, 70]  # 75 bytes in all: every 10, whatever the storage
+
+
+def test_the_separator_copies_the_pieces_first_bytes_again():
+    sp = SwitchPoints(torch.device("cpu"), "h2d", every=4096)
+    src = torch.randint(0, 255, (10000,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    sp.copy(dst, src)
+    assert torch.equal(dst, src) and sp.separators == 2  # after 4096 and 8192 bytes; nothing else written
 
 
 def test_switch_points_off_copy_whole(monkeypatch):

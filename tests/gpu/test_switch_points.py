@@ -1,10 +1,12 @@
-"""Switch points ([Note: switch points] in ``torchferry._core._transfer.switch``): a small copy
-issued on another stream while a reload (or an offload) runs waits well under a millisecond, not
-behind the whole queue. The engine behaviour this relies on is the driver's, so the same test
-measures the copy with switch points turned off, interleaved: a driver that no longer needs them
-(or no longer honours them) shows here. Bit-exactness with pieces is checked too."""
+"""Switch points ([Note: switch points] in ``torchferry._core._transfer.switch``): a small copy on
+any other stream waits well under a millisecond while a reload or an offload runs beside it, and
+the pieces keep the copies near the line rate (a whole-set reload from the default stream, which
+that stream waits for in full, copies whole). The engine behaviour is the driver's: this measures
+it on the GPU it runs on, so a driver that stops serving other streams' copies fails here."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -14,8 +16,9 @@ from torchferry.bench._common.latency import SmallCopyProbe, percentiles
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
-STATE_BYTES = 8 << 30  # ~150 ms of copies at 55 GB/s: room for 24 probes inside one transfer
+STATE_BYTES = 8 << 30  # ~150 ms of copies at 55 GB/s: room for the probes inside one transfer
 RATE = 50e9  # B/s, a low estimate of one direction's rate (the probes must land inside the transfer)
+STREAMS = 16  # probe streams: more than the driver's hardware queues (8 by default), so some share one
 
 
 def _ferry() -> tuple[Ferry, list[torch.Tensor]]:
@@ -28,65 +31,80 @@ def _ferry() -> tuple[Ferry, list[torch.Tensor]]:
 
 
 def _switch(ferry: Ferry, direction: str):
-    return ferry._set.streams.switch(direction)  # the streams are the device's: one set of switch points each
+    return ferry._set.streams.switch(direction)  # the device's streams: one set of switch points each
 
 
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
-def test_a_small_copy_waits_under_half_a_millisecond_behind_a_transfer(direction):
+def test_a_small_copy_on_any_stream_waits_under_half_a_millisecond(direction):
     ferry, ts = _ferry()
     want = [t.clone() for t in ts]
-    probe = SmallCopyProbe(DEV, direction)
-    alone = percentiles(probe.alone())
-    switch = _switch(ferry, direction)
-    every = switch.every
-    assert every > 0, "switch points are off (TORCHFERRY_SWITCH_BYTES=0)"
-    with_sp: list[float] = []
-    without: list[float] = []
+    probes = [SmallCopyProbe(DEV, direction) for _ in range(STREAMS)]
+    probes[0].stream = torch.cuda.default_stream(DEV)
+    side = torch.cuda.Stream()  # the ferry's caller: a reload from it runs beside the default stream's work
+    waits: list[float] = []
     try:
-        for rnd in range(4):  # interleaved: with, without, with, without
-            switch.every = every if rnd % 2 == 0 else 0
-            if direction == "h2d":
-                ferry.offload().wait()
-                lat = probe.during(ferry.reload, STATE_BYTES / RATE)
-            else:
-                lat = probe.during(ferry.offload, STATE_BYTES / RATE)
-                ferry.reload()
-            (with_sp if rnd % 2 == 0 else without).extend(lat)
+        for _ in range(2):
+            with torch.cuda.stream(side):
+                if direction == "h2d":
+                    ferry.offload().wait()
+                    start = ferry.reload
+                else:
+                    start = ferry.offload
+                torch.cuda.synchronize()
+                start()
+                t = time.perf_counter()
+                for k in range(24):  # every 5 ms, one copy on each probe stream
+                    while time.perf_counter() < t + k * 0.8 * STATE_BYTES / RATE / 24:
+                        pass
+                    for p in probes:
+                        p.issue()
+                per_stream = [p.collect() for p in probes]
+                waits += [max(at) for at in zip(*per_stream, strict=True)]  # the worst stream at each instant
+                if direction == "d2h":
+                    ferry.reload()
             torch.cuda.synchronize()
-            for t, w in zip(ts, want, strict=True):
-                assert torch.equal(t, w)
+            for got, w in zip(ts, want, strict=True):
+                assert torch.equal(got, w)
     finally:
-        switch.every = every
         if ferry.residency.on_host:
             ferry.reload()
         torch.cuda.synchronize()
         ferry.close()
-    got, off = percentiles(with_sp), percentiles(without)
-    print(f"{direction}: alone {alone}, with switch points {got}, without {off}")
-    assert got["p90"] <= 0.5, (alone, got, off)
-    # Without them the copy waits behind far more of the queue (6.9 ms to the whole transfer,
-    # measured): if this fails, the driver interleaves by itself and the pieces cost for nothing.
-    assert off["p50"] >= 4 * max(got["p50"], 0.05), (alone, got, off)
+    lat = percentiles(waits)
+    print(f"{direction}: worst of {STREAMS} streams {lat}")
+    assert lat["p90"] is not None and lat["p90"] <= 0.5, lat
 
 
 def test_switch_points_keep_the_line_rate():
-    """Pieces and separators cost at most 2% of the one-direction rate (both measured here)."""
+    """D2H in pieces within 2% of whole copies, H2D pieces (a reload from a side stream) within 5%,
+    and a reload from the default stream not cut at all (the same rate either way)."""
     ferry, ts = _ferry()
-    switch_h2d, switch_d2h = _switch(ferry, "h2d"), _switch(ferry, "d2h")
-    every = switch_h2d.every
-    secs: dict[bool, list[float]] = {True: [], False: []}
+    sw_h2d, sw_d2h = _switch(ferry, "h2d"), _switch(ferry, "d2h")
+    every = sw_h2d.every
+    assert every > 0, "switch points are off (TORCHFERRY_SWITCH_BYTES=0)"
+    side = torch.cuda.Stream()
+    secs: dict[str, list[float]] = {k: [] for k in ("d2h_on", "d2h_off", "side_on", "side_off", "main_on", "main_off")}
     try:
         for rnd in range(6):
             on = rnd % 2 == 0
-            switch_h2d.every = switch_d2h.every = every if on else 0
+            sw_h2d.every = sw_d2h.every = every if on else 0
+            tag = "on" if on else "off"
+            h = ferry.offload()
+            h.wait()
+            secs[f"d2h_{tag}"].append(h.seconds)
+            with torch.cuda.stream(side):
+                h = ferry.reload()
+                h.wait()
+            secs[f"side_{tag}"].append(h.seconds)
             ferry.offload().wait()
             h = ferry.reload()
             h.wait()
-            secs[on].append(h.seconds if h.seconds is not None else float("nan"))
+            secs[f"main_{tag}"].append(h.seconds)
     finally:
-        switch_h2d.every = switch_d2h.every = every
+        sw_h2d.every = sw_d2h.every = every
         ferry.close()
-    best_on, best_off = min(secs[True]), min(secs[False])
-    rate_on, rate_off = STATE_BYTES / best_on / 1e9, STATE_BYTES / best_off / 1e9
-    print(f"reload {rate_on:.1f} GB/s with switch points, {rate_off:.1f} without")
-    assert best_on <= best_off * 1.02, secs
+    best = {k: min(v) for k, v in secs.items()}
+    print({k: f"{STATE_BYTES / v / 1e9:.1f} GB/s" for k, v in best.items()})
+    assert best["d2h_on"] <= best["d2h_off"] * 1.02, secs
+    assert best["side_on"] <= best["side_off"] * 1.05, secs
+    assert best["main_on"] <= best["main_off"] * 1.02, secs

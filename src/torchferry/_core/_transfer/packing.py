@@ -157,8 +157,10 @@ def pack_to_host(chunks: list[PackChunk], sources: list[torch.Tensor], pool_chun
 
 def unpack_from_host(chunks: list[PackChunk], pool_chunks: list[torch.Tensor],
                      allocate: Callable[[PackChunk], list[torch.Tensor]], device: torch.device,
-                     streams=None) -> None:
+                     streams=None, *, switched: bool = True) -> None:
     """Scatters each pool view (1D uint8, host) into its chunk's storages, allocated chunk by chunk.
+
+    ``switched``: the chunks' DMAs go through the H2D switch points ([Note: switch points]).
 
     ``allocate(chunk)`` re-allocates the chunk's storages and returns their 1D
     uint8 device views, in ``chunk.storages`` order; it runs on the host while
@@ -186,7 +188,10 @@ def unpack_from_host(chunks: list[PackChunk], pool_chunks: list[torch.Tensor],
                 bufs.append(torch.empty(size, dtype=torch.uint8, device=device))
             if unpacked[b] is not None:
                 h2d.wait_event(unpacked[b])
-            streams.switch("h2d").copy(bufs[b][: ch.nbytes], pool_chunk)  # see [Note: switch points]
+            if switched:
+                streams.switch("h2d").copy(bufs[b][: ch.nbytes], pool_chunk)  # see [Note: switch points]
+            else:
+                bufs[b][: ch.nbytes].copy_(pool_chunk, non_blocking=True)
             landed = streams.event(h2d)
         dests = allocate(ch)  # host work while the DMA runs
         pack.wait_event(landed)

@@ -20,12 +20,25 @@ stream (not after an 8 KiB copy or an event record): 16 MiB pieces with a
 1 KiB copy after each held the small copy to 0.17 ms, 32 MiB pieces to 0.37 ms,
 with the bulk at 53-55 GB/s.
 
-So every bulk copy torchferry issues (whole-set offload and reload, packed
-chunks, a layer-wise reload's groups, an offload during forward) goes through
-:meth:`SwitchPoints.copy`: pieces of at most :data:`SWITCH_BYTES`, and after
+Whether a stream's small copy meets this depends on the stream: on one H200
+(torch 2.11; ``benchmarks/switch_points.py``,
+``benchmarks/results/switch_points_h200x1_2026-12-01.json``) a 34 KiB copy on
+the default stream beside an 8 GB copy on a fresh stream did not wait at all
+(0.005 ms), while in the bench's layer-wise reload a 34 KiB copy on the compute
+stream at each unit's forward waited 0.21 ms (p90 0.32) with 16 MiB switch
+points. The pieces cost copy-engine time: an 8 GB H2D copy ran at 55.3 GB/s
+whole, 53.2 in 16 MiB pieces with a 1 KiB separator, 53.9 in 24 MiB and 54.3
+in 32 MiB ones; D2H at 55.3, 54.7, 54.9 and 55.0.
+
+So every bulk copy that runs beside other work goes through
+:meth:`SwitchPoints.copy` (a layer-wise reload's groups, every D2H copy: whole-set
+offloads, packed chunks, an offload during forward, and a whole-set reload
+issued from another stream than the device's default one, as the Dock's
+prefetch); a whole-set reload from the default stream, which that stream waits
+for in full, copies whole. The pieces are of at most :data:`SWITCH_BYTES`, and after
 every :data:`SWITCH_BYTES` copied on that stream (counted across calls: the
-engine sees one queue) a :data:`SEPARATOR_BYTES` copy between two scratch
-buffers of the same direction. The behaviour is the driver's, not a
+engine sees one queue) a :data:`SEPARATOR_BYTES` copy of the piece's first
+bytes again (same source, same destination: no scratch memory). The behaviour is the driver's, not a
 documented guarantee: ``tests/gpu/test_switch_points.py`` measures a small
 copy's latency with and without switch points on the GPU it runs on, so a
 driver that changes it is caught, and ``torchferry bench`` reports it
@@ -84,17 +97,12 @@ class SwitchPoints:
         self.every = switch_bytes_from_env() if every is None else every
         self.separators = 0
         self._since = 0  # bytes queued on the stream since the last switch point
-        self._host: torch.Tensor | None = None
-        self._dev: torch.Tensor | None = None
 
-    def _separate(self) -> None:
-        if self._host is None or self._dev is None:
-            self._host = torch.zeros(SEPARATOR_BYTES, dtype=torch.uint8, pin_memory=True)
-            self._dev = torch.zeros(SEPARATOR_BYTES, dtype=torch.uint8, device=self.device)
-        if self.direction == "h2d":
-            self._dev.copy_(self._host, non_blocking=True)
-        else:
-            self._host.copy_(self._dev, non_blocking=True)
+    def _separate(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """The separator: the first :data:`SEPARATOR_BYTES` of the piece just copied, copied again
+        (the same bytes to the same place, in stream order: no scratch memory, nothing changes)."""
+        n = min(SEPARATOR_BYTES, src.numel())
+        dst[:n].copy_(src[:n], non_blocking=True)
         self.separators += 1
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -109,12 +117,10 @@ class SwitchPoints:
         off = 0
         while off < n:
             take = min(n - off, every - self._since)
-            if off == 0 and take == n:
-                dst.copy_(src, non_blocking=True)
-            else:
-                dst[off:off + take].copy_(src[off:off + take], non_blocking=True)
+            d, s = (dst, src) if off == 0 and take == n else (dst[off:off + take], src[off:off + take])
+            d.copy_(s, non_blocking=True)
             off += take
             self._since += take
             if self._since >= every:
-                self._separate()
+                self._separate(d, s)
                 self._since = 0

@@ -74,10 +74,12 @@ class SmallCopyProbe:
             self.stream.synchronize()
         return self.collect()
 
-    def during(self, start_bulk: Callable[[], object], bulk_s: float, n: int = 24) -> list[float]:
+    def during(self, start_bulk: Callable[[], object], bulk_s: float, n: int = 24,
+               stream: torch.cuda.Stream | None = None) -> list[float]:
         """Runs ``start_bulk()`` (which queues copies and returns before they finish), then issues
-        ``n`` copies spread over the first ``bulk_s`` seconds (0.8 of it: all while the bulk runs);
-        returns their latencies (ms). The device is synchronised before and after."""
+        ``n`` copies on ``stream`` (default: the probe's own) spread over the first ``bulk_s``
+        seconds (0.8 of it: all while the bulk runs); returns their latencies (ms). The device is
+        synchronised before and after."""
         torch.cuda.synchronize(self.device)
         start_bulk()
         t0 = time.perf_counter()
@@ -85,6 +87,5 @@ class SmallCopyProbe:
         for k in range(n):
             while time.perf_counter() < t0 + k * gap:
                 pass
-            self.issue()
-        torch.cuda.synchronize(self.device)
+            self.issue(stream)
         return self.collect()

@@ -158,7 +158,7 @@ class Rounds:
         """One extra update_actor (not in the figures) of a torchferry strategy, for the latency of
         a small copy beside its transfers (``_common/latency``; [Note: switch points]): a 34 KiB H2D
         copy on the compute stream at each FSDP unit's forward while the reload streams in, as FSDP2's
-        own copy-out metadata, and 34 KiB D2H copies on a stream of their own while the offload runs.
+        own copy-out metadata, and 34 KiB D2H copies on the compute stream while the offload runs.
         Milliseconds, ``{"h2d": {"p50", "p90", "n", "alone_p50"}, "d2h": {...}}``; the state is left
         offloaded by ``name``, as after a timed step."""
         strategy = self.strategies[name]
@@ -181,7 +181,7 @@ class Rounds:
         ferries = strategy.ferries_moved(True) if isinstance(strategy, Torchferry) else []
         handles: list = []
         during_d2h = d2h.during(lambda: handles.extend(f.offload() for f in ferries),
-                                sum(self.sizes.values()) / 50e9)
+                                sum(self.sizes.values()) / 50e9, stream=torch.cuda.current_stream(self.device))
         for h in handles:
             h.wait()
         strategy.release()

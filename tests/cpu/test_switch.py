@@ -56,6 +56,9 @@ def test_switch_points_off_copy_whole(monkeypatch):
 
 def test_the_environment_sets_the_interval(monkeypatch):
     monkeypatch.delenv(switch_mod.SWITCH_ENV, raising=False)
+    assert switch_bytes_from_env() == 0  # off by default (see the Note for why)
+    assert SwitchPoints(torch.device("cpu"), "h2d").every == 0
+    monkeypatch.setenv(switch_mod.SWITCH_ENV, str(SWITCH_BYTES))
     assert switch_bytes_from_env() == SWITCH_BYTES == 16 << 20
     monkeypatch.setenv(switch_mod.SWITCH_ENV, "0")
     assert switch_bytes_from_env() == 0

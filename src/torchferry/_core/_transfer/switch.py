@@ -9,40 +9,50 @@ small copy that the compute stream issues while a reload is queued (FSDP2's
 all-gather copy-out and reduce-scatter copy-in put 34 KiB and 1.8 MiB of
 metadata into pinned memory and copy it to the device on the compute stream,
 ``pack_vecs`` in PyTorch's ``aten/src/ATen/native/cuda/TensorShape.cu``) waits
-behind the whole queue: on one H200 (torch 2.11) a 34 KiB H2D copy waited
-1235 ms behind one large copy, 1188-1194 ms behind back-to-back 64 MiB or
-256 MiB pieces and 6.9 ms (p90 8.1) behind torchferry's per-unit storages,
-against 0.04 ms alone; stream priority does not change copy-engine order
-(meta-pytorch/torchrec PRs #4303, #4315, #4339; NVIDIA/cudf #15620 reports a
-51 KB copy delayed 12 ms behind a ~200 MB one). The engine does take another
-stream's copy after a copy of 1 KiB or a one-element kernel on the copy
-stream (not after an 8 KiB copy or an event record): 16 MiB pieces with a
-1 KiB copy after each held the small copy to 0.17 ms, 32 MiB pieces to 0.37 ms,
-with the bulk at 53-55 GB/s.
+behind the queue, where the engine does not switch: in a layer-wise reload on
+one H200 (compute-rich Qwen2.5-1.5B step, torch 2.11) a 34 KiB copy on the
+compute stream at each unit's forward waited p90 4.56 ms against 0.005 ms
+alone. Stream priority does not change copy-engine order (meta-pytorch/torchrec
+PRs #4303, #4315, #4339; NVIDIA/cudf #15620 reports a 51 KB copy delayed 12 ms
+behind a ~200 MB one). The engine does take another stream's copy after a copy
+of 1 KiB on the copy stream: the switch points below.
 
 Whether a stream's small copy meets this depends on the stream: on one H200
 (torch 2.11; ``benchmarks/switch_points.py``,
 ``benchmarks/results/switch_points_h200x1_2026-12-01.json``) a 34 KiB copy on
 the default stream beside an 8 GB copy on a fresh stream did not wait at all
 (0.005 ms), while in the bench's layer-wise reload a 34 KiB copy on the compute
-stream at each unit's forward waited 0.21 ms (p90 0.32) with 16 MiB switch
-points. The pieces cost copy-engine time: an 8 GB H2D copy ran at 55.3 GB/s
+stream at each unit's forward waited p50 0.23 ms, p90 0.29 with 16 MiB switch
+points (``benchmarks/results/bench_qwen2.5-1.5b_h200x1_2026-12-01.json``).
+The pieces cost copy-engine time: an 8 GB H2D copy ran at 55.3 GB/s
 whole, 53.2 in 16 MiB pieces with a 1 KiB separator, 53.9 in 24 MiB and 54.3
 in 32 MiB ones; D2H at 55.3, 54.7, 54.9 and 55.0.
 
-So every bulk copy that runs beside other work goes through
-:meth:`SwitchPoints.copy` (a layer-wise reload's groups, every D2H copy: whole-set
-offloads, packed chunks, an offload during forward, and a whole-set reload
-issued from another stream than the device's default one, as the Dock's
-prefetch); a whole-set reload from the default stream, which that stream waits
-for in full, copies whole. The pieces are of at most :data:`SWITCH_BYTES`, and after
-every :data:`SWITCH_BYTES` copied on that stream (counted across calls: the
-engine sees one queue) a :data:`SEPARATOR_BYTES` copy of the piece's first
-bytes again (same source, same destination: no scratch memory). The behaviour is the driver's, not a
-documented guarantee: ``tests/gpu/test_switch_points.py`` measures a small
-copy's latency with and without switch points on the GPU it runs on, so a
-driver that changes it is caught, and ``torchferry bench`` reports it
-(``small_h2d_latency_ms``). ``TORCHFERRY_SWITCH_BYTES=0`` turns them off.
+Where switch points apply (``TORCHFERRY_SWITCH_BYTES`` set above 0) every bulk
+copy that runs beside other work goes through :meth:`SwitchPoints.copy` (a
+layer-wise reload's groups, every D2H copy: whole-set offloads, packed chunks,
+an offload during forward, and a whole-set reload issued from another stream
+than the device's default one, as the Dock's prefetch); a whole-set reload from
+the default stream, which that stream waits for in full, copies whole. The
+pieces are of at most the interval, and after every interval copied on that
+stream (counted across calls: the engine sees one queue) a :data:`SEPARATOR_BYTES`
+copy of the piece's first bytes again (same source, same destination: no
+scratch memory).
+
+They are off by default, because in the step they were made for they cost
+more than they gave: on one H200 (compute-rich Qwen2.5-1.5B step, commit
+4d8b770) 16 MiB switch points held the compute stream's 34 KiB copy to p90
+0.21 ms against 4.56 ms without, but issuing the layer-wise reload in pieces
+took 0.246 s of host time against 0.095 s, ahead of the first forward, and the
+exposed reload rose to 0.296 s/step from 0.146
+(``benchmarks/results/bench_qwen2.5-1.5b-compute-rich_h200x1_2026-12-01.json``
+against
+``benchmarks/results/bench_qwen2.5-1.5b-compute-rich-no-switch-points_h200x1_2026-12-01.json``).
+Pieces issued off the critical path
+(from the units' hooks, or a thread) are what would make them pay.
+``tests/gpu/test_switch_points.py`` measures the mechanism (a small copy's wait
+on 16 streams, the pieces' rate) on the GPU it runs on, so a driver that
+changes it is caught.
 """
 
 from __future__ import annotations
@@ -54,19 +64,20 @@ import torch
 __all__ = ["SEPARATOR_BYTES", "SWITCH_BYTES", "SWITCH_ENV", "SwitchPoints"]
 
 SWITCH_ENV = "TORCHFERRY_SWITCH_BYTES"
-SWITCH_BYTES = 16 << 20  # bytes between two switch points: ~0.3 ms at 55 GB/s (see the Note)
+SWITCH_BYTES = 16 << 20  # bytes between two switch points where turned on: ~0.3 ms at 55 GB/s (see the Note)
 SEPARATOR_BYTES = 1 << 10  # the separator copy: 1 KiB (an 8 KiB copy is not a switch point)
 
 
 def switch_bytes_from_env() -> int:
-    """``TORCHFERRY_SWITCH_BYTES`` (bytes; ``0``: no switch points), default :data:`SWITCH_BYTES`.
+    """``TORCHFERRY_SWITCH_BYTES`` (bytes between switch points; ``0``, the default: none; see the
+    Note for why they are off, and :data:`SWITCH_BYTES` for the interval measured).
 
     Raises:
         ValueError: not an integer >= 0.
     """
     raw = os.environ.get(SWITCH_ENV, "").strip()
     if not raw:
-        return SWITCH_BYTES
+        return 0
     try:
         value = int(raw)
     except ValueError:

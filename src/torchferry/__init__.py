@@ -52,4 +52,4 @@ def __getattr__(name: str) -> object:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+    return sorted({*__all__, "__version__", *(n for n in globals() if n.startswith("__") and n.endswith("__"))})

@@ -301,6 +301,35 @@ def test_closed_or_dropped_ferry_holds_no_storage_memory_or_hooks():
         assert not any(in_host_pool(p.data_ptr()) for p in m.parameters())
 
 
+def test_a_ferry_dropped_while_offloaded_leaves_a_usable_state_on_the_host(caplog):
+    """[Note: a ferry dropped while offloaded]: no guard is left naming a reload nobody can call."""
+    import logging
+
+    m, opt = trained(ids=torch.tensor([[1, 2, 3]]))
+    hooks = _hooks(m, opt)
+    ferry = Ferry(m, opt)
+    ferry.offload().wait()
+    want = snapshot(m, opt)
+    with caplog.at_level(logging.WARNING, logger="torchferry"):
+        del ferry  # by reference counting alone
+    assert any("dropped while its state was offloaded" in r.getMessage() for r in caplog.records)
+    assert _hooks(m, opt) == hooks
+    assert_same(want, snapshot(m, opt))  # bit-exact, on the host
+    m(IDS).backward()  # the forward and the step run again
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"if it was dropped while offloaded, move the state off its pool"):
+        Ferry(m, opt)
+    for t in [*m.parameters(), *m.buffers()]:  # ordinary copies (model.to(device) on a GPU) move it off
+        t.data = t.data.clone()
+        if t.grad is not None:
+            t.grad = t.grad.clone()
+    assert not any(in_host_pool(t.data_ptr()) for t in [*m.parameters(), *m.buffers()])
+    again = Ferry(m)
+    again.offload()
+    again.reload()
+    again.close()
+
+
 def test_stats_logging_and_profiler_ranges(caplog):
     import logging
 

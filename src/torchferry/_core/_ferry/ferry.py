@@ -34,6 +34,18 @@ __all__ = ["Ferry"]
 logger = logging.getLogger("torchferry")
 
 
+def _dropped(guards: OffloadGuards) -> None:
+    """[Note: a ferry dropped while offloaded]
+    Its state stays where it is: on the host, as CPU tensors viewing the pool (which stays mapped
+    while any of them lives), bit-exact. Its guards would refuse every forward and step with a
+    message naming a ``reload()`` nobody can call any more, so they go with the ferry; the module
+    then runs on the host, or ``model.to(device)`` brings it back by ordinary copies."""
+    if guards.installed:
+        guards.remove()
+        logger.warning("torchferry: a Ferry was dropped while its state was offloaded; the state stays on "
+                       "the host as CPU tensors (model.to(device) brings it back)")
+
+
 class Ferry:
     """Moves a set of training state between its GPU and a pinned host pool.
 
@@ -94,6 +106,7 @@ class Ferry:
                              skip_unchanged=skip_unchanged)
         ref = weakref.ref(self)
         self._guards = OffloadGuards(lambda: repr(ref()) if ref() is not None else "Ferry(dropped)")
+        weakref.finalize(self, _dropped, self._guards)  # see [Note: a ferry dropped while offloaded]
         self._offloaded: Offloaded | None = None
         self._residency = Residency.DEVICE
         self._last: TransferHandle | None = None
@@ -154,6 +167,8 @@ class Ferry:
         return self._pool.pinned_bytes if self._pool.pin else 0
 
     def __repr__(self) -> str:
+        if self._closed:
+            return f"Ferry(device={self.device}, closed)"
         return (f"Ferry(device={self.device}, residency={self._residency.name}, "
                 f"state_bytes={self._state_bytes}, host_bytes={self.host_bytes})")
 

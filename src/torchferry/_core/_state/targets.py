@@ -224,7 +224,8 @@ def _check_backed(name: str, local: torch.Tensor) -> None:
     if local.device.type == "cpu" and in_host_pool(st.data_ptr()):
         raise RuntimeError(
             f"torchferry: {name} is already offloaded by another Ferry (it views that ferry's "
-            "host pool); reload that ferry first"
+            "host pool); reload that ferry first, or, if it was dropped while offloaded, move the "
+            "state off its pool by ordinary copies (model.to(device))"
         )
     extent = 1 + sum((n - 1) * abs(s) for n, s in zip(local.shape, local.stride(), strict=False))
     needed = (local.storage_offset() + extent) * local.element_size()

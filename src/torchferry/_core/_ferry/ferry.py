@@ -23,7 +23,7 @@ from .._state.targets import Targets
 from .._state.tree import tree_memo
 from .._transfer.copies import transfer_range
 from .gc import gc_paused
-from .guards import OffloadGuards
+from .guards import OffloadGuards, dropped
 from .interrupts import interrupts_deferred
 from .moves import Offloaded
 from .pin_ahead import PinAhead
@@ -32,18 +32,6 @@ from .state_set import StateSet
 __all__ = ["Ferry"]
 
 logger = logging.getLogger("torchferry")
-
-
-def _dropped(guards: OffloadGuards) -> None:
-    """[Note: a ferry dropped while offloaded]
-    Its state stays where it is: on the host, as CPU tensors viewing the pool (which stays mapped
-    while any of them lives), bit-exact. Its guards would refuse every forward and step with a
-    message naming a ``reload()`` nobody can call any more, so they go with the ferry; the module
-    then runs on the host, or ``model.to(device)`` brings it back by ordinary copies."""
-    if guards.installed:
-        guards.remove()
-        logger.warning("torchferry: a Ferry was dropped while its state was offloaded; the state stays on "
-                       "the host as CPU tensors (model.to(device) brings it back)")
 
 
 class Ferry:
@@ -106,7 +94,7 @@ class Ferry:
                              skip_unchanged=skip_unchanged)
         ref = weakref.ref(self)
         self._guards = OffloadGuards(lambda: repr(ref()) if ref() is not None else "Ferry(dropped)")
-        weakref.finalize(self, _dropped, self._guards)  # see [Note: a ferry dropped while offloaded]
+        weakref.finalize(self, dropped, self._guards)  # see [Note: a ferry dropped while offloaded]
         self._offloaded: Offloaded | None = None
         self._residency = Residency.DEVICE
         self._last: TransferHandle | None = None

@@ -25,6 +25,8 @@ installed while the state is resident. Host reads by other means (``p.sum().item
 
 from __future__ import annotations
 
+import logging
+
 from collections.abc import Callable
 
 import torch
@@ -34,7 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from .._api.handle import TransferHandle
 from .._state.tree import module_tree
 
-__all__ = ["OffloadGuards"]
+__all__ = ["OffloadGuards", "dropped"]
 
 
 def _owns_state(m: nn.Module) -> bool:
@@ -111,3 +113,24 @@ class OffloadGuards:
             f"torchferry: {type(optimizer).__name__}.step() while its state is "
             f"offloaded to host memory ({self._describe()}); call ferry.reload() first"
         )
+
+
+def dropped(guards: OffloadGuards) -> None:
+    """Called when a ``Ferry`` is garbage-collected (a ``weakref.finalize``).
+
+    [Note: a ferry dropped while offloaded]
+    Its state stays where it is: on the host, as CPU tensors viewing the pool (which stays mapped
+    while any of them lives), bit-exact. Its guards would refuse every forward and step with a
+    message naming a ``reload()`` nobody can call any more, so they go with the ferry, once its
+    last offload's copies are complete (the ``state_dict()`` hooks waited for them: now nothing
+    would); the module then runs on the host, or ``model.to(device)`` brings it back by ordinary
+    copies.
+    """
+    if not guards.installed:
+        return
+    if guards.pending is not None:
+        guards.pending.wait()
+    guards.remove()
+    logging.getLogger("torchferry").warning(
+        "torchferry: a Ferry was dropped while its state was offloaded; the state stays on the host as CPU "
+        "tensors (model.to(device) brings it back)")

@@ -178,6 +178,16 @@ class StepClock:
         ev.record()
         return ev
 
+    def end_phase(self, name: str, start: float, c0, c1, gap_s: float) -> float:
+        """Records phase ``name`` (its compute between marks ``c0`` and ``c1``) ending now; sleeps
+        ``gap_s`` untimed after it. Returns the phase's wall seconds."""
+        end = self.now()
+        self.compute(name, c0, c1)
+        self.phases.append({"phase": name, "start": start, "end": end})
+        if gap_s:
+            time.sleep(gap_s)
+        return end - start
+
     def copy(self, name: str, handle: TransferHandle, background: bool = False) -> None:
         if handle.nbytes == 0:  # a no-op
             return
@@ -233,12 +243,7 @@ def step_torchferry(side: Side, batch: torch.Tensor, config: GrpoConfig, clock: 
             handles.append(h)
         for h in handles:
             h.wait()
-        end = clock.now()
-        clock.compute(name, c0, c1)
-        clock.phases.append({"phase": name, "start": start, "end": end})
-        out[name] = end - start
-        if config.phase_gap_s:
-            time.sleep(config.phase_gap_s)
+        out[name] = clock.end_phase(name, start, c0, c1, config.phase_gap_s)
         return result
 
     def rollout() -> None:
@@ -283,12 +288,7 @@ def step_dock(side: Side, batch: torch.Tensor, config: GrpoConfig, clock: StepCl
             _sync(dev)
         if last:  # what is still moving would hold up the next rollout: counted here
             dock.wait()
-        end = clock.now()
-        clock.compute(name, c0, c1)
-        clock.phases.append({"phase": name, "start": start, "end": end})
-        out[name] = end - start
-        if config.phase_gap_s:
-            time.sleep(config.phase_gap_s)
+        out[name] = clock.end_phase(name, start, c0, c1, config.phase_gap_s)
         return result
 
     phase("rollout", SCHEDULE[0], lambda: side.kv.generate(config.rollout_s))

@@ -24,7 +24,10 @@ direction fell to 36-39 GB/s against about 55 GB/s alone, and the reload is
 what the next units' forwards wait for. So a unit's D2H copies wait for the
 last H2D copy the reload has issued by then (with the whole reload queued at
 once, its end): the reload runs at its one-direction rate and the offload
-follows it, still behind the forward's compute.
+follows it, still behind the forward's compute. While a thread still issues
+the reload ([Note: copies issued off the caller's thread]) its end is not yet
+known: a unit done then is deferred to the next unit's hook that finds the
+reload issued (or to ``offload()``).
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class EarlyOffload:
         self._versions: dict[int, list[int]] = {}  # group index -> its tensors' versions at copy time
         self._copied: dict[int, list[int]] = {}  # group index -> the storages it copied early
         self._hooks: list = []
+        self._deferred: list[int] = []  # units done while the reload was still being issued
         self.invalidated = False  # an optimizer stepped since: every early copy may be stale
 
     @classmethod
@@ -114,28 +118,40 @@ class EarlyOffload:
         def hook(module: nn.Module, args: object, output: object) -> None:
             if gi in self._versions or self.invalidated:
                 return
-            g, plan, slots, sources = self.groups[gi], self.plan, self.views.slots, self.sources
-            self._versions[gi] = versions(self._tensors(gi))
-            held = self._unchanged
-            todo = [si for si in g.storages if plan.nbytes[si] and si not in self._skip
-                    and not (held is not None and held.holds(si))]
-            self._copied[gi] = todo
-            with transfer_range("d2h", g.nbytes):
-                if self.streams.is_cuda:
-                    d2h = self.streams.d2h
-                    d2h.wait_stream(self.streams.current())  # after the unit's kernels
-                    run = self._reload
-                    if run is not None and not run.finished and run.events and run.events[-1] is not None:
-                        d2h.wait_event(run.events[-1])  # see [Note: one direction at a time]
-                    switch = self.streams.switch("d2h")
-                    with torch.cuda.stream(d2h):
-                        for si in todo:
-                            switch.copy(slots[si], sources[si])  # see [Note: switch points]
-                else:
-                    for si in todo:
-                        slots[si].copy_(sources[si])
+            run = self._reload
+            if run is not None and not run.finished and run.issuing:  # see [Note: one direction at a time]
+                if gi not in self._deferred:
+                    self._deferred.append(gi)
+                return
+            todo, self._deferred = [*self._deferred, gi], []
+            for gj in todo:
+                if gj not in self._versions:
+                    self._copy_early(gj)
 
         return hook
+
+    def _copy_early(self, gi: int) -> None:
+        """Queues unit ``gi``'s D2H copies (after the kernels queued so far and the reload's H2D)."""
+        g, plan, slots, sources = self.groups[gi], self.plan, self.views.slots, self.sources
+        self._versions[gi] = versions(self._tensors(gi))
+        held = self._unchanged
+        todo = [si for si in g.storages if plan.nbytes[si] and si not in self._skip
+                and not (held is not None and held.holds(si))]
+        self._copied[gi] = todo
+        with transfer_range("d2h", g.nbytes):
+            if self.streams.is_cuda:
+                d2h = self.streams.d2h
+                d2h.wait_stream(self.streams.current())  # after the unit's kernels
+                run = self._reload
+                if run is not None and not run.finished and run.events and run.events[-1] is not None:
+                    d2h.wait_event(run.events[-1])  # see [Note: one direction at a time]
+                switch = self.streams.switch("d2h")
+                with torch.cuda.stream(d2h):
+                    for si in todo:
+                        switch.copy(slots[si], sources[si])  # see [Note: switch points]
+            else:
+                for si in todo:
+                    slots[si].copy_(sources[si])
 
     @property
     def copied(self) -> set[int]:

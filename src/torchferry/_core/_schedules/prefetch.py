@@ -39,6 +39,7 @@ tensor: call ``ferry.reload()`` first.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import torch
@@ -54,6 +55,7 @@ from .._state.parking import Parking
 from .step_hooks import GlobalStepHook
 from .unchanged import UnchangedStorages
 from .._transfer.streams import TransferStreams
+from .issuer import Issuer
 
 __all__ = ["Group", "Prefetch", "PrefetchRun", "group_plan", "prefetch_groups"]
 
@@ -176,6 +178,12 @@ def prefetch_groups(plan: Plan) -> list[Group] | None:
 # Every optimizer step first completes every layer-wise reload under way.
 _RUNS = GlobalStepHook()
 
+logger = logging.getLogger("torchferry")
+
+# The copies of a reload queued at once are issued from a thread on CUDA ([Note: copies issued
+# off the caller's thread]); the CPU tests set this to run that path where copies are synchronous.
+BACKGROUND_ON_CPU = False
+
 
 class PrefetchRun:
     """One layer-wise reload under way (see [Note: prefetch reload]).
@@ -218,6 +226,9 @@ class PrefetchRun:
         self.arena: ReloadArena | None = None
         self.issued_at = time.perf_counter()
         self.finished = False
+        self._issuer: Issuer | None = None  # see [Note: copies issued off the caller's thread]
+        self._background = ((streams.is_cuda or BACKGROUND_ON_CPU) and policy.lookahead_bytes is None
+                            and len(groups) > 1)
 
     # ------------------------------------------------------------ lifecycle
     def begin(self) -> None:
@@ -238,7 +249,12 @@ class PrefetchRun:
                 self._comm = comm_streams(self.plan.modules)
                 if self.policy.lookahead_bytes is None:
                     self.arena = ReloadArena.seed(self.plan.device, self.plan.nbytes)
-            self._issue_ahead(0)
+            if self._background:
+                for gi in range(len(self.groups)):  # on the caller's thread and stream: see the Note
+                    self._allocate_group(gi)
+                self._issue_ranged(0)  # the handle's event
+            else:
+                self._issue_ahead(0)
             if self.arena is not None:
                 self.arena.seal(self.plan.storages)
             for gi, g in enumerate(self.groups):
@@ -250,6 +266,9 @@ class PrefetchRun:
                 self._hooks.append(opt.register_step_pre_hook(self._complete_hook))
                 self._hooks.append(opt.register_state_dict_pre_hook(self._complete_hook))
             _RUNS.add(id(self), self.finish)
+            if self._background:
+                self._issuer = Issuer(self.plan.device, self._issue_ranged, 1, len(self.groups))
+                self._issuer.start()
         except BaseException:
             self.abort()
             raise
@@ -261,6 +280,7 @@ class PrefetchRun:
             h.remove()
         self._hooks = []
         _RUNS.discard(id(self))
+        self._stop_issuer()
         if self.resident:
             self.parking.revert_to_device([i for gi in sorted(self.resident) for i in self.groups[gi].tensors])
             self.resident = set()
@@ -287,7 +307,25 @@ class PrefetchRun:
             h.remove()
         self._hooks = []
         _RUNS.discard(id(self))
+        self._stop_issuer()
         self.finished = True
+
+    def _stop_issuer(self) -> None:
+        """Cancels the issuer thread's jobs not started and joins it: from here this thread issues."""
+        issuer, self._issuer = self._issuer, None
+        if issuer is None:
+            return
+        issuer.stop()
+        if issuer.error is not None:
+            logger.warning("torchferry: issuing a layer-wise reload's copies from a thread failed (%r); the "
+                           "caller's thread issues the rest", issuer.error)
+
+    @property
+    def issuing(self) -> bool:
+        """The issuer thread still queues this reload's copies ([Note: copies issued off the caller's
+        thread]): ``events[-1]`` is not yet the reload's last copy."""
+        issuer = self._issuer
+        return issuer is not None and issuer.running
 
     @property
     def issued_bytes(self) -> int:
@@ -315,7 +353,8 @@ class PrefetchRun:
             for j in wanted:
                 self._make_resident(j)
             if all(j in self.resident for j, g in enumerate(self.groups) if g.unit is not None):
-                self._issue_ahead(len(self.groups) - 1)  # the tail follows on the copy stream
+                if self._issuer is None:
+                    self._issue_ahead(len(self.groups) - 1)  # the tail follows on the copy stream
                 if not self.plan.optimizers:
                     self.finish()
                 # else: the optimizers' step pre-hook completes the tail group
@@ -327,18 +366,27 @@ class PrefetchRun:
 
     # --------------------------------------------------------------- copies
     def _issue_ahead(self, upto: int) -> None:
-        """Issues groups until group ``upto`` is issued and the look-ahead budget is used."""
+        """Issues groups until group ``upto`` is issued and the look-ahead budget is used (with the
+        issuer thread: waits until it issued group ``upto``, or takes over if it stopped)."""
+        issuer = self._issuer
+        if issuer is not None:
+            if issuer.wait(upto):
+                return
+            self._stop_issuer()
         limit = self.policy.lookahead_bytes
         while self.issued < len(self.groups):
             ahead = sum(self.groups[i].nbytes for i in range(upto, self.issued))
             if self.issued > upto and limit is not None and ahead >= limit:
                 break
-            with transfer_range("h2d", self.groups[self.issued].nbytes):
-                self._issue_group(self.issued)
+            self._issue_ranged(self.issued)
 
-    def _issue_group(self, gi: int) -> None:
-        plan, cuda = self.plan, self.streams.is_cuda
-        if cuda and self.issued > 0 and self.policy.lookahead_bytes is not None:
+    def _issue_ranged(self, gi: int) -> None:
+        with transfer_range("h2d", self.groups[gi].nbytes):
+            self._issue_group(gi)
+
+    def _allocate_group(self, gi: int) -> None:
+        plan = self.plan
+        if self.streams.is_cuda and self.issued > 0 and self.policy.lookahead_bytes is not None:
             # Issued from a forward hook: the blocks allocated now may have been
             # freed by kernels still queued (see [Note: reload allocates on the caller's stream]).
             self.streams.h2d.wait_stream(self.streams.current())
@@ -346,8 +394,14 @@ class PrefetchRun:
             plan.storages[si].resize_(plan.nbytes[si])
             self._allocated.append(si)
         self._versions.append(self._group_versions(gi))
+
+    def _issue_group(self, gi: int) -> None:
+        """Allocates group ``gi`` (unless done) and queues its copies and event (on the issuer
+        thread too: see [Note: copies issued off the caller's thread])."""
+        if gi >= len(self._versions):
+            self._allocate_group(gi)
         self._copy_group(gi)
-        self.events.append(self.streams.event(self.streams.h2d, timing=True) if cuda else None)
+        self.events.append(self.streams.event(self.streams.h2d, timing=True) if self.streams.is_cuda else None)
         self.issued += 1
 
     def _copy_group(self, gi: int) -> None:
@@ -380,7 +434,11 @@ class PrefetchRun:
             return
         cuda = self.streams.is_cuda
         if self._group_versions(gi) != self._versions[gi]:
-            # Written on the host after its copy was issued: copy it again.
+            # Written on the host after its copy was issued: copy it again (this thread alone
+            # issuing on the H2D stream from here).
+            if self._issuer is not None:
+                self._issue_ahead(len(self.groups) - 1)
+                self._stop_issuer()
             if cuda:
                 self.streams.h2d.wait_stream(self.streams.current())
             self._copy_group(gi)

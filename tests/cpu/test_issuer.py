@@ -1,0 +1,207 @@
+"""Copies issued from a thread ([Note: copies issued off the caller's thread] in
+``_schedules/issuer.py``): the Issuer's order, failure and cancel; a layer-wise reload issued from
+it (forced on the CPU, where it is otherwise synchronous) stays bit-identical, in every mode of
+the prefetch tests, with an offload during forward, and when the thread fails part way."""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import pytest
+import torch
+
+from tests.cpu.test_early import _offload_during_forward_checks
+from tests.cpu.test_prefetch import _prefetch_checks
+from tests.spawn import run_spawned
+from torchferry._core._schedules.issuer import Issuer
+
+needs_dist = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not available")
+CPU = torch.device("cpu")
+
+
+def test_issuer_runs_the_jobs_in_order_on_another_thread():
+    seen: list[tuple[int, str]] = []
+    gate = threading.Event()
+
+    def job(i):
+        if i == 3:
+            gate.wait(5)
+        seen.append((i, threading.current_thread().name))
+
+    issuer = Issuer(CPU, job, 1, 6)
+    issuer.start()
+    assert issuer.wait(2) and issuer.done == 3  # jobs 1 and 2 done; 3 waits at the gate
+    assert issuer.running
+    gate.set()
+    assert issuer.wait(5) and issuer.done == 6
+    issuer.stop()
+    assert not issuer.running and issuer.error is None
+    assert [i for i, _ in seen] == [1, 2, 3, 4, 5]
+    assert {name for _, name in seen} == {"torchferry-h2d-issuer"}
+
+
+def test_a_failing_job_stops_the_thread_and_says_so():
+    done: list[int] = []
+
+    def job(i):
+        if i == 2:
+            raise RuntimeError("copy failed")
+        done.append(i)
+
+    issuer = Issuer(CPU, job, 0, 5)
+    issuer.start()
+    assert issuer.wait(1)
+    assert not issuer.wait(2)  # the thread stopped at job 2: the caller takes over from there
+    assert issuer.done == 2 and done == [0, 1]
+    assert isinstance(issuer.error, RuntimeError) and "copy failed" in str(issuer.error)
+    issuer.stop()
+
+
+def test_stop_cancels_the_jobs_not_started_and_joins():
+    started, gate = threading.Event(), threading.Event()
+    done: list[int] = []
+
+    def job(i):
+        started.set()
+        gate.wait(5)
+        done.append(i)
+
+    issuer = Issuer(CPU, job, 0, 100)
+    issuer.start()
+    assert started.wait(5)
+    threading.Timer(0.05, gate.set).start()
+    issuer.stop()  # job 0 under way finishes first; none after it starts
+    assert done == [0] and not issuer.running
+
+
+def _in_background(body, rank: int, world: int) -> None:
+    """``body`` with the reload's copies issued by the thread (the CPU's copies are synchronous)."""
+    from torchferry._core._schedules import issuer as issuer_mod
+    from torchferry._core._schedules import prefetch
+
+    prefetch.BACKGROUND_ON_CPU = True
+    started: list[int] = []
+    start = issuer_mod.Issuer.start
+    issuer_mod.Issuer.start = lambda self: (started.append(1), start(self))[1]  # type: ignore[method-assign]
+    try:
+        body(rank, world)
+    finally:
+        issuer_mod.Issuer.start = start  # type: ignore[method-assign]
+        prefetch.BACKGROUND_ON_CPU = False
+    assert started, "no reload went through the issuer thread"
+
+
+@needs_dist
+def test_prefetch_from_the_thread_keeps_the_order_and_the_values():
+    run_spawned(functools.partial(_in_background, _prefetch_checks), world=2)
+
+
+def _modes_checks(rank: int, world: int, mode: str) -> None:
+    """Training through prefetching reloads (grads dropped, as verl does) matches a run without
+    torchferry bit for bit: one ferry or two, units not resharded after forward, a unit run on its
+    own first, an exception in the forward."""
+    from torch.distributed.fsdp import fully_shard
+    from torch import nn
+
+    from tests.helpers import cpu_mesh, differs, train_step
+    from torchferry import Ferry, Residency
+
+    mesh = cpu_mesh(world)
+
+    def build():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4))
+        raf = mode != "no_reshard_after_forward"
+        for layer in m:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=raf)
+        fully_shard(m, mesh=mesh, reshard_after_forward=raf)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+    ref, ref_opt = build()
+    m, opt = build()
+    assert torch.equal(train_step(ref, ref_opt, x, set_to_none=True), train_step(m, opt, x, set_to_none=True))
+    ferries = [Ferry(m), Ferry(opt)] if mode == "two_ferries" else [Ferry(m, opt)]
+    for it in range(4):
+        for f in ferries:
+            f.offload()
+        for f in ferries:
+            f.reload(prefetch=True)
+        assert ferries[0].residency is Residency.PREFETCHING
+        if mode == "sub_unit_first" and it == 1:
+            with torch.no_grad():
+                m[2](torch.randn(4, 16))
+        if mode == "exception_in_forward" and it == 1:
+            h = m[1].register_forward_pre_hook(lambda mod, args: (_ for _ in ()).throw(ValueError("boom")))
+            with pytest.raises(ValueError, match="boom"):
+                m(x)
+            h.remove()
+        assert torch.equal(train_step(ref, ref_opt, x, set_to_none=True), train_step(m, opt, x, set_to_none=True))
+    for f in ferries:
+        f.offload()
+        f.reload()
+    assert not differs(ref, ref_opt, m, opt)
+
+
+@needs_dist
+@pytest.mark.parametrize("mode", ["two_ferries", "one_ferry", "no_reshard_after_forward", "sub_unit_first",
+                                  "exception_in_forward"])
+def test_prefetch_from_the_thread_is_bit_identical_in_every_mode(mode):
+    body = functools.partial(_modes_checks, mode=mode)
+    run_spawned(functools.partial(_in_background, body), world=2)
+
+
+@needs_dist
+def test_offload_during_forward_beside_a_reload_from_the_thread():
+    run_spawned(functools.partial(_in_background, _offload_during_forward_checks), world=2)
+
+
+def _thread_fails_checks(rank: int, world: int) -> None:
+    """The thread's copies fail at the second group: the caller's thread issues the rest, and
+    training stays bit-identical to a run without torchferry; a warning says what happened."""
+    import logging
+
+    from tests.helpers import cpu_mesh, differs, three_units, train_step
+    from torchferry import Ferry, Residency
+    from torchferry._core._schedules import prefetch
+
+    prefetch.BACKGROUND_ON_CPU = True
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("torchferry").addHandler(handler)
+    copy_group = prefetch.PrefetchRun._copy_group
+    failed: list[int] = []
+
+    def flaky(self, gi):
+        if threading.current_thread().name == "torchferry-h2d-issuer" and gi == 2:
+            failed.append(gi)
+            raise RuntimeError("injected copy failure")
+        copy_group(self, gi)
+
+    prefetch.PrefetchRun._copy_group = flaky  # type: ignore[method-assign]
+    try:
+        mesh = cpu_mesh(world)
+        ref, ref_opt = three_units(mesh, opt="adamw")
+        m, opt = three_units(mesh, opt="adamw")
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+        ferry = Ferry(m, opt)
+        for _ in range(3):
+            assert torch.equal(train_step(ref, ref_opt, x, set_to_none=True), train_step(m, opt, x, set_to_none=True))
+            ferry.offload()
+            ferry.reload(prefetch=True)
+            assert ferry.residency is Residency.PREFETCHING
+        assert torch.equal(train_step(ref, ref_opt, x, set_to_none=True), train_step(m, opt, x, set_to_none=True))
+        assert not differs(ref, ref_opt, m, opt)
+    finally:
+        prefetch.PrefetchRun._copy_group = copy_group  # type: ignore[method-assign]
+        prefetch.BACKGROUND_ON_CPU = False
+    assert failed, "the injected failure never ran"
+    assert any("caller's thread issues the rest" in r.getMessage() for r in records)
+
+
+@needs_dist
+def test_a_failure_in_the_thread_is_taken_over_by_the_callers_thread():
+    run_spawned(_thread_fails_checks, world=2)
+

@@ -81,6 +81,7 @@ def _in_background(body, rank: int, world: int) -> None:
     from torchferry._core._schedules import prefetch
 
     prefetch.BACKGROUND_ON_CPU = True
+    prefetch.TAIL_PIECE_BYTES = 256  # the optimizer state goes in several groups too
     started: list[int] = []
     start = issuer_mod.Issuer.start
     issuer_mod.Issuer.start = lambda self: (started.append(1), start(self))[1]  # type: ignore[method-assign]
@@ -89,6 +90,7 @@ def _in_background(body, rank: int, world: int) -> None:
     finally:
         issuer_mod.Issuer.start = start  # type: ignore[method-assign]
         prefetch.BACKGROUND_ON_CPU = False
+        prefetch.TAIL_PIECE_BYTES = 256 << 20
     assert started, "no reload went through the issuer thread"
 
 
@@ -205,3 +207,48 @@ def _thread_fails_checks(rank: int, world: int) -> None:
 def test_a_failure_in_the_thread_is_taken_over_by_the_callers_thread():
     run_spawned(_thread_fails_checks, world=2)
 
+
+
+def test_optimizer_state_alone_is_issued_from_the_thread_in_pieces(monkeypatch):
+    """A ferry over an optimizer alone (verl moves model and optimizer with separate calls): its
+    state is one tail group, cut into pieces so that the thread issues all but the first; the
+    step waits for every piece and matches a run without torchferry bit for bit."""
+    from torch import nn
+
+    from torchferry import Ferry, Residency
+    from torchferry._core._schedules import prefetch
+
+    monkeypatch.setattr(prefetch, "BACKGROUND_ON_CPU", True)
+    monkeypatch.setattr(prefetch, "TAIL_PIECE_BYTES", 1024)
+    runs: list = []
+    monkeypatch.setattr(prefetch.PrefetchRun, "begin",
+                        lambda self, begin=prefetch.PrefetchRun.begin: (runs.append(self), begin(self))[1])
+
+    def build():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 4))
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+    def step(m, opt):
+        m(torch.ones(8, 32)).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    ref, ref_opt = build()
+    m, opt = build()
+    step(ref, ref_opt)
+    step(m, opt)
+    ferry = Ferry(opt)
+    for _ in range(3):
+        ferry.offload()
+        ferry.reload(prefetch=True)
+        assert ferry.residency is Residency.PREFETCHING
+        step(ref, ref_opt)
+        step(m, opt)
+    assert len(runs) == 3 and all(len(r.groups) >= 3 for r in runs)  # 3 weight states of 8 KiB alone
+    assert all(g.unit is None for g in runs[0].groups)
+    assert sum(g.nbytes for g in runs[0].groups) == runs[0].plan.state_bytes
+    for a, b in zip(ref.parameters(), m.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for sa, sb in zip(ref_opt.state.values(), opt.state.values(), strict=True):
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)

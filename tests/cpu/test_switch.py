@@ -56,14 +56,15 @@ def test_switch_points_off_copy_whole(monkeypatch):
 
 def test_the_environment_sets_the_interval(monkeypatch):
     monkeypatch.delenv(switch_mod.SWITCH_ENV, raising=False)
-    assert switch_bytes_from_env() == 0  # off by default (see the Note for why)
-    assert SwitchPoints(torch.device("cpu"), "h2d").every == 0
+    assert switch_bytes_from_env() == SWITCH_BYTES  # on by default, at the measured interval
+    assert SwitchPoints(torch.device("cuda"), "h2d").every == SWITCH_BYTES
+    assert SwitchPoints(torch.device("cpu"), "h2d").every == 0  # no copy engine to share
     monkeypatch.setenv(switch_mod.SWITCH_ENV, str(SWITCH_BYTES))
     assert switch_bytes_from_env() == SWITCH_BYTES == 16 << 20
     monkeypatch.setenv(switch_mod.SWITCH_ENV, "0")
     assert switch_bytes_from_env() == 0
     monkeypatch.setenv(switch_mod.SWITCH_ENV, "1048576")
-    assert SwitchPoints(torch.device("cpu"), "d2h").every == 1 << 20
+    assert SwitchPoints(torch.device("cuda"), "d2h").every == 1 << 20
     for bad in ("-1", "16M", "1.5"):
         monkeypatch.setenv(switch_mod.SWITCH_ENV, bad)
         with pytest.raises(ValueError, match="TORCHFERRY_SWITCH_BYTES must be an integer >= 0"):

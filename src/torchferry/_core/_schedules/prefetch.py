@@ -57,7 +57,7 @@ from .unchanged import UnchangedStorages
 from .._transfer.streams import TransferStreams
 from .issuer import Issuer
 
-__all__ = ["Group", "Prefetch", "PrefetchRun", "group_plan", "prefetch_groups"]
+__all__ = ["Group", "Prefetch", "PrefetchRun", "group_plan", "prefetch_groups", "split_tail"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -175,6 +175,32 @@ def prefetch_groups(plan: Plan) -> list[Group] | None:
     return groups if len(groups) > 1 or (groups and plan.optimizers) else None
 
 
+TAIL_PIECE_BYTES = 256 << 20  # a tail issued from the thread goes in groups of about this size (bytes)
+
+
+def split_tail(plan: Plan, groups: list[Group]) -> list[Group]:
+    """``groups`` with the tail group (optimizer state: no hook needs it before the step) cut into
+    groups of about :data:`TAIL_PIECE_BYTES` by storage, so that the caller's thread issues only
+    the first of them ([Note: copies issued off the caller's thread]). A tail holding a tensor
+    that requires grad stays whole (a parameter and its grad move together)."""
+    if not groups or groups[-1].unit is not None:
+        return groups
+    tail = groups[-1]
+    if any(plan.tensors[ti].tensor.requires_grad for ti in tail.tensors) or tail.nbytes <= TAIL_PIECE_BYTES:
+        return groups
+    pieces: list[Group] = []
+    piece_of: dict[int, Group] = {}
+    for si in tail.storages:
+        if not pieces or pieces[-1].nbytes >= TAIL_PIECE_BYTES:
+            pieces.append(Group(None))
+        pieces[-1].storages.append(si)
+        pieces[-1].nbytes += plan.nbytes[si]
+        piece_of[si] = pieces[-1]
+    for ti in tail.tensors:
+        piece_of[plan.tensors[ti].storage_index].tensors.append(ti)
+    return groups[:-1] + pieces
+
+
 # Every optimizer step first completes every layer-wise reload under way.
 _RUNS = GlobalStepHook()
 
@@ -227,8 +253,10 @@ class PrefetchRun:
         self.issued_at = time.perf_counter()
         self.finished = False
         self._issuer: Issuer | None = None  # see [Note: copies issued off the caller's thread]
-        self._background = ((streams.is_cuda or BACKGROUND_ON_CPU) and policy.lookahead_bytes is None
-                            and len(groups) > 1)
+        self._background = (streams.is_cuda or BACKGROUND_ON_CPU) and policy.lookahead_bytes is None
+        if self._background:
+            self.groups = groups = split_tail(plan, groups)
+            self._background = len(groups) > 1
 
     # ------------------------------------------------------------ lifecycle
     def begin(self) -> None:

@@ -64,20 +64,20 @@ import torch
 __all__ = ["SEPARATOR_BYTES", "SWITCH_BYTES", "SWITCH_ENV", "SwitchPoints"]
 
 SWITCH_ENV = "TORCHFERRY_SWITCH_BYTES"
-SWITCH_BYTES = 16 << 20  # bytes between two switch points where turned on: ~0.3 ms at 55 GB/s (see the Note)
+SWITCH_BYTES = 16 << 20  # bytes between two switch points: ~0.3 ms at 55 GB/s (see the Note)
 SEPARATOR_BYTES = 1 << 10  # the separator copy: 1 KiB (an 8 KiB copy is not a switch point)
 
 
 def switch_bytes_from_env() -> int:
-    """``TORCHFERRY_SWITCH_BYTES`` (bytes between switch points; ``0``, the default: none; see the
-    Note for why they are off, and :data:`SWITCH_BYTES` for the interval measured).
+    """``TORCHFERRY_SWITCH_BYTES``: bytes between switch points (``0``: none; unset: the measured
+    interval, :data:`SWITCH_BYTES`).
 
     Raises:
         ValueError: not an integer >= 0.
     """
     raw = os.environ.get(SWITCH_ENV, "").strip()
     if not raw:
-        return 0
+        return SWITCH_BYTES
     try:
         value = int(raw)
     except ValueError:
@@ -94,7 +94,8 @@ class SwitchPoints:
     Args:
         device: the CUDA device.
         direction: ``"h2d"`` or ``"d2h"``: the direction of the separator copy.
-        every: bytes between switch points (``0``: none); default from the environment.
+        every: bytes between switch points (``0``: none); default from the environment on CUDA, none
+            on the CPU.
 
     Attributes:
         every: bytes between two switch points (``0``: off).
@@ -105,7 +106,8 @@ class SwitchPoints:
         if direction not in ("h2d", "d2h"):
             raise ValueError(f"torchferry: SwitchPoints direction must be 'h2d' or 'd2h', got {direction!r}")
         self.device, self.direction = device, direction
-        self.every = switch_bytes_from_env() if every is None else every
+        # The CPU has no copy engine to share: its copies never need switch points.
+        self.every = (switch_bytes_from_env() if device.type == "cuda" else 0) if every is None else every
         self.separators = 0
         self._since = 0  # bytes queued on the stream since the last switch point
 

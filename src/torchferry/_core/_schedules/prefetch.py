@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 
 import torch
@@ -175,6 +176,8 @@ def prefetch_groups(plan: Plan) -> list[Group] | None:
     return groups if len(groups) > 1 or (groups and plan.optimizers) else None
 
 
+ISSUE_WINDOW_BYTES = int(os.environ.get("TORCHFERRY_ISSUE_WINDOW_BYTES", 1 << 30))  # copies queued ahead (bytes)
+ISSUE_POLL_S = 0.0005  # seconds between two looks at the copies' progress (1 GiB is ~19 ms of copies)
 TAIL_PIECE_BYTES = 256 << 20  # a tail issued from the thread goes in groups of about this size (bytes)
 
 
@@ -253,6 +256,7 @@ class PrefetchRun:
         self.issued_at = time.perf_counter()
         self.finished = False
         self._issuer: Issuer | None = None  # see [Note: copies issued off the caller's thread]
+        self._window_from = 0  # the first issued group whose copies may not be done (issuer thread)
         self._background = (streams.is_cuda or BACKGROUND_ON_CPU) and policy.lookahead_bytes is None
         if self._background:
             self.groups = groups = split_tail(plan, groups)
@@ -295,7 +299,7 @@ class PrefetchRun:
                 self._hooks.append(opt.register_state_dict_pre_hook(self._complete_hook))
             _RUNS.add(id(self), self.finish)
             if self._background:
-                self._issuer = Issuer(self.plan.device, self._issue_ranged, 1, len(self.groups))
+                self._issuer = Issuer(self.plan.device, self._issue_windowed, 1, len(self.groups))
                 self._issuer.start()
         except BaseException:
             self.abort()
@@ -407,6 +411,21 @@ class PrefetchRun:
             if self.issued > upto and limit is not None and ahead >= limit:
                 break
             self._issue_ranged(self.issued)
+
+    def _issue_windowed(self, gi: int) -> None:
+        """The issuer thread's job: group ``gi`` once the copies queued and not yet done are under
+        :data:`ISSUE_WINDOW_BYTES` (with ``gi``'s), so the stream's queue never fills and no
+        CUDA call of another thread waits behind it ([Note: copies issued off the caller's thread])."""
+        events, nbytes = self.events, [g.nbytes for g in self.groups]
+        while self._window_from < self.issued:
+            ev = events[self._window_from]
+            if ev is None or ev.query():
+                self._window_from += 1
+                continue
+            if sum(nbytes[self._window_from:self.issued]) + nbytes[gi] <= ISSUE_WINDOW_BYTES:
+                break
+            time.sleep(ISSUE_POLL_S)
+        self._issue_ranged(gi)
 
     def _issue_ranged(self, gi: int) -> None:
         with transfer_range("h2d", self.groups[gi].nbytes):

@@ -16,13 +16,23 @@ which must stay the caller's) and issues the first group itself, so the
 reload's handle has an event when ``reload()`` returns. A unit's pre-forward
 hook waits on the host only until its own group is *issued* (then the stream
 waits for its event as before), which is never later than the synchronous
-issue would have reached it. The thread releases the GIL inside each copy
-call, so a blocked queue blocks only the thread.
+issue would have reached it. The thread keeps at most ``ISSUE_WINDOW_BYTES``
+(1 GiB, about 19 ms of copies) queued ahead of the copy engine, looking at the
+events of the groups it issued every 0.5 ms, so the stream's queue never fills;
+optimizer state (the tail, no hook needs it before the step) goes in groups of
+256 MiB, so a ferry over an optimizer alone is issued from the thread too.
 
-Failures keep the all-or-nothing rules: whatever the thread raises stops it
-and the caller's thread issues the rest itself (a failure there propagates as
-in a synchronous reload); an abort cancels the thread and joins it before
-anything is freed. Ctrl-C reaches the caller's thread only, which cancels.
+What it costs: the thread takes the GIL for each copy call, so the step's own
+launches slow down while it runs. On one H200 (compute-rich Qwen2.5-1.5B step,
+16 MiB switch points) the copies issued synchronously held the caller 0.246 s
+before the first forward and the phases computed 0.048 s/step longer than
+resident (commit 4d8b770,
+``benchmarks/results/bench_qwen2.5-1.5b-compute-rich_h200x1_2026-12-01.json``);
+issued from the thread, update_actor's reload returned in 0.031 s and the
+phases computed 0.168 s/step longer (commit 956519a), and a 256 MiB window
+(more looks at the events) cost more than a 1 GiB one: exposed reload 0.312
+against 0.234 s/step, the small H2D copy's p90 0.21 against 0.05 ms
+(``benchmarks/results/bench_qwen2.5-1.5b-compute-rich-window-*_h200x1_2026-12-01_956519a.json``).
 """
 
 from __future__ import annotations

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 
 import torch
@@ -176,7 +175,7 @@ def prefetch_groups(plan: Plan) -> list[Group] | None:
     return groups if len(groups) > 1 or (groups and plan.optimizers) else None
 
 
-ISSUE_WINDOW_BYTES = int(os.environ.get("TORCHFERRY_ISSUE_WINDOW_BYTES", 1 << 30))  # copies queued ahead (bytes)
+ISSUE_WINDOW_BYTES = 1 << 30  # copies the issuer thread keeps queued ahead of the engine (bytes; see the Note)
 ISSUE_POLL_S = 0.0005  # seconds between two looks at the copies' progress (1 GiB is ~19 ms of copies)
 TAIL_PIECE_BYTES = 256 << 20  # a tail issued from the thread goes in groups of about this size (bytes)
 

@@ -28,7 +28,7 @@ The pieces cost copy-engine time: an 8 GB H2D copy ran at 55.3 GB/s
 whole, 53.2 in 16 MiB pieces with a 1 KiB separator, 53.9 in 24 MiB and 54.3
 in 32 MiB ones; D2H at 55.3, 54.7, 54.9 and 55.0.
 
-Where switch points apply (``TORCHFERRY_SWITCH_BYTES`` set above 0) every bulk
+Where switch points apply (on CUDA, unless ``TORCHFERRY_SWITCH_BYTES=0``) every bulk
 copy that runs beside other work goes through :meth:`SwitchPoints.copy` (a
 layer-wise reload's groups, every D2H copy: whole-set offloads, packed chunks,
 an offload during forward, and a whole-set reload issued from another stream
@@ -39,17 +39,18 @@ stream (counted across calls: the engine sees one queue) a :data:`SEPARATOR_BYTE
 copy of the piece's first bytes again (same source, same destination: no
 scratch memory).
 
-They are off by default, because in the step they were made for they cost
-more than they gave: on one H200 (compute-rich Qwen2.5-1.5B step, commit
-4d8b770) 16 MiB switch points held the compute stream's 34 KiB copy to p90
-0.21 ms against 4.56 ms without, but issuing the layer-wise reload in pieces
-took 0.246 s of host time against 0.095 s, ahead of the first forward, and the
-exposed reload rose to 0.296 s/step from 0.146
+They are on by default on CUDA (``TORCHFERRY_SWITCH_BYTES=0`` turns them off).
+Issued from the caller's thread, a layer-wise reload in pieces cost more than
+it gave: on one H200 (compute-rich Qwen2.5-1.5B step, commit 4d8b770) 16 MiB
+switch points held the compute stream's 34 KiB copy to p90 0.21 ms against
+4.56 ms without, but issuing the reload in pieces took 0.246 s of host time
+against 0.095 s, ahead of the first forward, and the exposed reload rose to
+0.296 s/step from 0.146
 (``benchmarks/results/bench_qwen2.5-1.5b-compute-rich_h200x1_2026-12-01.json``
 against
 ``benchmarks/results/bench_qwen2.5-1.5b-compute-rich-no-switch-points_h200x1_2026-12-01.json``).
-Pieces issued off the critical path
-(from the units' hooks, or a thread) are what would make them pay.
+So a reload queued at once is issued from a thread ([Note: copies issued off
+the caller's thread] in ``_schedules/issuer.py``).
 ``tests/gpu/test_switch_points.py`` measures the mechanism (a small copy's wait
 on 16 streams, the pieces' rate) on the GPU it runs on, so a driver that
 changes it is caught.

@@ -89,7 +89,8 @@ def command_line() -> str:
 
 
 def env_record(device: torch.device, world: int) -> dict:
-    """The ``env`` entry of a results JSON: GPU, torch, world size, UTC date, command, device."""
+    """The ``env`` entry of a results JSON: GPU, torch, world size, UTC date, command, device,
+    commit, and the ``TORCHFERRY_*`` settings of the environment (``torchferry_env``)."""
     return {
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "torch": torch.__version__,
@@ -98,6 +99,8 @@ def env_record(device: torch.device, world: int) -> dict:
         "command": command_line(),
         "device": str(device),
         "commit": source_commit(),
+        "torchferry_env": {k: v for k, v in sorted(os.environ.items())
+                           if k.startswith("TORCHFERRY_") and k not in ("TORCHFERRY_COMMIT", "TORCHFERRY_RESULTS_DIR")},
     }
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from torchferry._core._transfer import switch as switch_mod
-from torchferry._core._transfer.switch import SWITCH_BYTES, SwitchPoints, switch_bytes_from_env
+from torchferry._core._transfer.switch import D2H_SWITCH_BYTES, SWITCH_BYTES, SwitchPoints, switch_bytes_from_env
 
 
 def _points(every: int, monkeypatch) -> tuple[SwitchPoints, list[int]]:
@@ -58,13 +58,14 @@ def test_the_environment_sets_the_interval(monkeypatch):
     monkeypatch.delenv(switch_mod.SWITCH_ENV, raising=False)
     assert switch_bytes_from_env() == SWITCH_BYTES  # on by default, at the measured interval
     assert SwitchPoints(torch.device("cuda"), "h2d").every == SWITCH_BYTES
+    assert switch_bytes_from_env("d2h") == SwitchPoints(torch.device("cuda"), "d2h").every == D2H_SWITCH_BYTES == 32 << 20
     assert SwitchPoints(torch.device("cpu"), "h2d").every == 0  # no copy engine to share
     monkeypatch.setenv(switch_mod.SWITCH_ENV, str(SWITCH_BYTES))
     assert switch_bytes_from_env() == SWITCH_BYTES == 16 << 20
     monkeypatch.setenv(switch_mod.SWITCH_ENV, "0")
     assert switch_bytes_from_env() == 0
     monkeypatch.setenv(switch_mod.SWITCH_ENV, "1048576")
-    assert SwitchPoints(torch.device("cuda"), "d2h").every == 1 << 20
+    assert SwitchPoints(torch.device("cuda"), "d2h").every == SwitchPoints(torch.device("cuda"), "h2d").every == 1 << 20
     for bad in ("-1", "16M", "1.5"):
         monkeypatch.setenv(switch_mod.SWITCH_ENV, bad)
         with pytest.raises(ValueError, match="TORCHFERRY_SWITCH_BYTES must be an integer >= 0"):

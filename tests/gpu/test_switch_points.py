@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from torchferry import Ferry
-from torchferry._core._transfer.switch import SWITCH_BYTES
+from torchferry._core._transfer.switch import default_interval
 from torchferry.bench._common.latency import SmallCopyProbe, percentiles
 
 pytestmark = pytest.mark.gpu
@@ -37,14 +37,14 @@ def _switch(ferry: Ferry, direction: str):
 
 @pytest.fixture
 def switched():
-    """Switch points on at the measured interval for the test (off by default: see the Note)."""
+    """Switch points at their measured intervals for the test (the defaults, whatever the environment says)."""
     from torchferry._core._transfer.streams import streams_for
 
     dev = torch.device("cuda", torch.cuda.current_device())  # as a Ferry(device="cuda") resolves it
     points = [streams_for(dev).switch(d) for d in ("h2d", "d2h")]
     before = [p.every for p in points]
     for p in points:
-        p.every = SWITCH_BYTES
+        p.every = default_interval(p.direction)
     yield
     for p, b in zip(points, before, strict=True):
         p.every = b
@@ -96,13 +96,13 @@ def test_switch_points_keep_the_line_rate(switched):
     and a reload from the default stream not cut at all (the same rate either way)."""
     ferry, ts = _ferry()
     sw_h2d, sw_d2h = _switch(ferry, "h2d"), _switch(ferry, "d2h")
-    every = sw_h2d.every
+    every = (sw_h2d.every, sw_d2h.every)
     side = torch.cuda.Stream()
     secs: dict[str, list[float]] = {k: [] for k in ("d2h_on", "d2h_off", "side_on", "side_off", "main_on", "main_off")}
     try:
         for rnd in range(6):
             on = rnd % 2 == 0
-            sw_h2d.every = sw_d2h.every = every if on else 0
+            sw_h2d.every, sw_d2h.every = every if on else (0, 0)
             tag = "on" if on else "off"
             h = ferry.offload()
             h.wait()
@@ -116,7 +116,7 @@ def test_switch_points_keep_the_line_rate(switched):
             h.wait()
             secs[f"main_{tag}"].append(h.seconds)
     finally:
-        sw_h2d.every = sw_d2h.every = every
+        sw_h2d.every, sw_d2h.every = every
         ferry.close()
     best = {k: min(v) for k, v in secs.items()}
     print({k: f"{STATE_BYTES / v / 1e9:.1f} GB/s" for k, v in best.items()})

@@ -115,14 +115,15 @@ def test_thousand_cycles_hold_memory_flat():
     torch.cuda.synchronize()
     gc.collect()
     rss0, objs0 = rss_bytes(), len(gc.get_objects())
-    reserved0, host0 = torch.cuda.memory_reserved(), ferry.host_bytes
+    reserved0, allocated0, host0 = torch.cuda.memory_reserved(), torch.cuda.memory_allocated(), ferry.host_bytes
     for _ in range(1000):
         ferry.offload()
         ferry.reload()
     torch.cuda.synchronize()
     gc.collect()
     growth = {"rss": rss_bytes() - rss0, "objects": len(gc.get_objects()) - objs0,
-              "reserved": torch.cuda.memory_reserved() - reserved0, "host": ferry.host_bytes - host0}
+              "reserved": torch.cuda.memory_reserved() - reserved0,
+              "allocated": torch.cuda.memory_allocated() - allocated0, "host": ferry.host_bytes - host0}
     growth["pinned"] = ferry.pinned_bytes - host0
     print("growth over 1000 cycles:", growth)
     if os.environ.get("TORCHFERRY_RESULTS_DIR"):  # the GPU batch keeps the figures seen
@@ -137,11 +138,14 @@ def test_thousand_cycles_hold_memory_flat():
                        "state_bytes": ferry.state_bytes, "host_bytes": ferry.host_bytes,
                        "growth_bytes_or_objects": growth}, f, indent=1)
     # Host and pinned bytes exactly flat. Device: the packing pipeline's staging chunks are
-    # freed under pending events (record_stream), so the allocator may hold a segment more or
+    # freed under pending events (record_stream), so the allocator may hold a block more or
     # less at a given moment: bounded, not per cycle (+4 MiB and -2 MiB seen over 1,000 cycles
-    # on H200s, benchmarks/results/soak_gpu_*).
+    # on H200s, benchmarks/results/soak_gpu_*). Reserved memory may take one more segment late
+    # (a reload allocating beside blocks still waiting for the offload's D2H pieces: +256 MiB
+    # once in the GPU tier at 7d20961): a leak of even 1 MiB a cycle would be 1 GB here.
     assert growth["host"] == 0 and growth["pinned"] == 0
-    assert abs(growth["reserved"]) <= (8 << 20), growth
+    assert abs(growth["allocated"]) <= (8 << 20), growth
+    assert abs(growth["reserved"]) <= (512 << 20), growth
     assert growth["rss"] < (16 << 20) and growth["objects"] < 200, growth
     assert all(torch.equal(a, p) for a, p in zip(want, m.parameters()))
 

@@ -252,3 +252,59 @@ def test_optimizer_state_alone_is_issued_from_the_thread_in_pieces(monkeypatch):
         assert torch.equal(a, b)
     for sa, sb in zip(ref_opt.state.values(), opt.state.values(), strict=True):
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("other", ["offload_during_forward", "skip_unchanged_ferry", "user_hook"])
+@pytest.mark.parametrize("background", [False, True])
+def test_a_step_that_completes_a_reload_runs_beside_later_global_step_hooks(monkeypatch, other, background):
+    """The step pre-hook that completes a layer-wise reload removes its entry while torch iterates
+    its global pre-hooks; a hook registered after it (offload during forward, a skip_unchanged
+    ferry's, the user's) made ``step()`` raise "OrderedDict mutated during iteration" and not run
+    ([Note: a global step hook is never removed]). Found by an adversarial review."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from torchferry import Ferry, Residency
+    from torchferry._core._schedules import prefetch
+
+    monkeypatch.setattr(prefetch, "BACKGROUND_ON_CPU", background)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    handles = []
+    try:
+        torch.manual_seed(0)
+        m = nn.Sequential(*(nn.Linear(16, 16) for _ in range(3)))
+        for layer in m:
+            fully_shard(layer)
+        fully_shard(m)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        x = torch.randn(4, 16)
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ferry = Ferry(m, opt)
+        ferry.offload()
+        ferry.reload(prefetch=True)
+        if other == "offload_during_forward":
+            ferry.offload_during_forward()
+        elif other == "skip_unchanged_ferry":
+            ref_model = nn.Linear(8, 8)
+            ref = Ferry(ref_model, skip_unchanged=True)
+            ref.offload()
+            ref.reload()
+        else:
+            calls: list[int] = []
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            handles.append(register_optimizer_step_pre_hook(lambda *a: calls.append(1)))
+        m(x).sum().backward()
+        before = [p.detach().clone() for p in m.parameters()]
+        opt.step()
+        assert ferry.residency is Residency.DEVICE
+        assert all(not torch.equal(a, p) for a, p in zip(before, m.parameters(), strict=True))  # the step ran
+        if other == "user_hook":
+            assert calls == [1]
+    finally:
+        for h in handles:
+            h.remove()
+        dist.destroy_process_group()

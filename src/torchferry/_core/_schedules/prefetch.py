@@ -353,8 +353,7 @@ class PrefetchRun:
 
     @property
     def issuing(self) -> bool:
-        """The issuer thread still queues this reload's copies ([Note: copies issued off the caller's
-        thread]): ``events[-1]`` is not yet the reload's last copy."""
+        """The issuer thread still queues copies: ``events[-1]`` is not yet the reload's last."""
         issuer = self._issuer
         return issuer is not None and issuer.running
 
@@ -397,8 +396,8 @@ class PrefetchRun:
 
     # --------------------------------------------------------------- copies
     def _issue_ahead(self, upto: int) -> None:
-        """Issues groups until group ``upto`` is issued and the look-ahead budget is used (with the
-        issuer thread: waits until it issued group ``upto``, or takes over if it stopped)."""
+        """Issues groups until ``upto`` is and the look-ahead is used (or waits for the issuer thread
+        to issue ``upto``, taking over if it stopped)."""
         issuer = self._issuer
         if issuer is not None:
             if issuer.wait(upto):
@@ -442,8 +441,7 @@ class PrefetchRun:
         self._versions.append(self._group_versions(gi))
 
     def _issue_group(self, gi: int) -> None:
-        """Allocates group ``gi`` (unless done) and queues its copies and event (on the issuer
-        thread too: see [Note: copies issued off the caller's thread])."""
+        """Allocates group ``gi`` (unless done), queues its copies and event (on the issuer thread too)."""
         if gi >= len(self._versions):
             self._allocate_group(gi)
         self._copy_group(gi)

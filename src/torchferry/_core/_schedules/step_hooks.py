@@ -5,8 +5,16 @@ outside the ferry could update a parameter still on the host) and offload
 during forward must forget its early copies after any step (a DTensor's
 ``_foreach_`` updates bump no version counter). Both use a
 :class:`GlobalStepHook`: torch's global step pre-hook is registered when the
-first entry is added and removed with the last, so training pays nothing when
-neither is under way.
+first entry is added and then stays, an empty loop when nothing is under way.
+
+[Note: a global step hook is never removed]
+Removing it with its last entry broke ``optimizer.step()``: the last entry
+often goes from inside a step (the reload that the hook completes removes
+itself), while torch iterates its dict of global pre-hooks, and any hook
+registered after ours (``offload_during_forward()``'s, a ``skip_unchanged``
+ferry's, the user's own) then raised ``OrderedDict mutated during
+iteration``: the step did not run. A registered, empty hook costs a Python
+call per step.
 """
 
 from __future__ import annotations
@@ -32,15 +40,13 @@ class GlobalStepHook:
             self._handle = register_optimizer_step_pre_hook(self._run)
 
     def discard(self, key: int) -> None:
-        """Removes ``key``'s function; the torch hook goes with the last one."""
+        """Removes ``key``'s function (the torch hook stays: [Note: a global step hook is never removed])."""
         self._entries.pop(key, None)
-        if not self._entries and self._handle is not None:
-            self._handle.remove()
-            self._handle = None
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def _run(self, optimizer: object, args: object, kwargs: object) -> None:
-        for fn in list(self._entries.values()):
-            fn()
+        if self._entries:
+            for fn in list(self._entries.values()):
+                fn()

@@ -60,6 +60,7 @@ changes it is caught.
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -120,6 +121,7 @@ class SwitchPoints:
         self.every = (switch_bytes_from_env(direction) if device.type == "cuda" else 0) if every is None else every
         self.separators = 0
         self._since = 0  # bytes queued on the stream since the last switch point
+        self._lock = threading.Lock()  # two threads may queue on one stream (an issuer thread and a caller)
 
     def _separate(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """The separator: the first :data:`SEPARATOR_BYTES` of the piece just copied, copied again
@@ -137,7 +139,13 @@ class SwitchPoints:
         if not every:
             dst.copy_(src, non_blocking=True)
             return
+        with self._lock:
+            self._pieces(dst, src, n, every)
+
+    def _pieces(self, dst: torch.Tensor, src: torch.Tensor, n: int, every: int) -> None:
         off = 0
+        if self._since >= every:  # the interval was lowered since the last copy
+            self._since = 0
         while off < n:
             take = min(n - off, every - self._since)
             d, s = (dst, src) if off == 0 and take == n else (dst[off:off + take], src[off:off + take])

@@ -11,18 +11,18 @@ the FSDP engine): ``offload_fsdp_model_to_cpu``, ``load_fsdp_model_to_gpu``
 (FSDP2 and plain modules go to torchferry; FSDP1 models still to verl's own
 code), ``offload_fsdp2_model_to_cpu``, ``load_fsdp2_model_to_gpu``,
 ``offload_fsdp_optimizer``, ``load_fsdp_optimizer``. Written against verl
-0.9.1 (the helpers of verl PR #7347).
+0.9.1 (the helpers of verl PR #7347). The machinery (signature check, replacing
+every binding, exact restore) is :mod:`torchferry.integrations._patching`,
+shared with the SkyRL integration; this module names what verl has.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import inspect
-import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import ModuleType
 
-from . import helpers as compat
+from .. import _helpers as compat
+from .._patching import HelperSet, Patcher
 
 __all__ = ["is_patched", "patch", "unpatch"]
 
@@ -39,17 +39,8 @@ _HELPERS: dict[str, tuple[str, ...]] = {
     "load_fsdp_optimizer": ("optimizer", "device_id"),
 }
 
-# (module name, attribute, original) for every attribute patch() replaced.
-_patched: list[tuple[str, str, object]] = []
 
-
-def is_patched() -> bool:
-    """True between :func:`patch` and :func:`unpatch`."""
-    return bool(_patched)
-
-
-def _replacements(fsdp_utils) -> dict[str, Callable]:
-    original = {name: getattr(fsdp_utils, name) for name in _HELPERS}
+def _replacements(fsdp_utils: ModuleType, original: Mapping[str, Callable]) -> dict[str, Callable]:
     fsdp_version = fsdp_utils.fsdp_version
 
     def offload_fsdp_model_to_cpu(model, empty_cache: bool = True):
@@ -62,7 +53,7 @@ def _replacements(fsdp_utils) -> dict[str, Callable]:
             return original["load_fsdp_model_to_gpu"](model)
         return compat.load_fsdp2_model_to_gpu(model)
 
-    out = {
+    return {
         "offload_fsdp_model_to_cpu": offload_fsdp_model_to_cpu,
         "load_fsdp_model_to_gpu": load_fsdp_model_to_gpu,
         "offload_fsdp2_model_to_cpu": compat.offload_fsdp2_model_to_cpu,
@@ -70,18 +61,19 @@ def _replacements(fsdp_utils) -> dict[str, Callable]:
         "offload_fsdp_optimizer": compat.offload_fsdp_optimizer,
         "load_fsdp_optimizer": compat.load_fsdp_optimizer,
     }
-    return {name: _tagged(fn, original[name]) for name, fn in out.items()}
 
 
-def _tagged(fn: Callable, original: Callable) -> Callable:
-    """A wrapper of ``fn`` that remembers verl's ``original`` (for :func:`unpatch`)."""
+HELPER_SET = HelperSet(
+    integration="verl", framework="verl", module=_FSDP_UTILS, package="verl", helpers=_HELPERS,
+    replacements=_replacements, call_sites=_ENGINE_MODULES, requires=("fsdp_version",),
+)
+"""What this integration replaces in verl."""
+_patcher = Patcher(HELPER_SET)
 
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        return fn(*args, **kwargs)
 
-    wrapper.__torchferry_original__ = original  # type: ignore[attr-defined]
-    return wrapper
+def is_patched() -> bool:
+    """True between :func:`patch` and :func:`unpatch`."""
+    return _patcher.is_patched()
 
 
 def patch(*, import_engines: bool = True) -> list[str]:
@@ -104,53 +96,9 @@ def patch(*, import_engines: bool = True) -> list[str]:
             or has other parameters than this integration was written for
             (nothing is replaced then).
     """
-    if _patched:
-        return [f"{m}.{a}" for m, a, _ in _patched]
-    try:
-        fsdp_utils = importlib.import_module(_FSDP_UTILS)
-    except ImportError as e:
-        raise RuntimeError(f"torchferry.integrations.verl: verl is not importable ({e})") from e
-    for name, params in _HELPERS.items():
-        fn = getattr(fsdp_utils, name, None)
-        if fn is None:
-            raise RuntimeError(f"torchferry.integrations.verl: {_FSDP_UTILS}.{name} is missing; verl changed")
-        got = tuple(inspect.signature(fn).parameters)
-        if got != params:
-            raise RuntimeError(
-                f"torchferry.integrations.verl: {_FSDP_UTILS}.{name}{got} does not have the parameters "
-                f"{params} this integration was written for; verl changed"
-            )
-    if not hasattr(fsdp_utils, "fsdp_version"):
-        raise RuntimeError(f"torchferry.integrations.verl: {_FSDP_UTILS}.fsdp_version is missing; verl changed")
-    new = _replacements(fsdp_utils)
-    originals = {name: getattr(fsdp_utils, name) for name in _HELPERS}
-    for mod_name in _ENGINE_MODULES if import_engines else ():
-        try:
-            importlib.import_module(mod_name)
-        except Exception:  # an optional engine whose own dependencies are missing
-            pass
-    for mod_name, module in list(sys.modules.items()):
-        if module is None or not (mod_name == "verl" or mod_name.startswith("verl.")):
-            continue
-        for name, orig in originals.items():
-            if getattr(module, name, None) is orig:
-                setattr(module, name, new[name])
-                _patched.append((mod_name, name, orig))
-    return [f"{m}.{a}" for m, a, _ in _patched]
+    return _patcher.patch(import_call_sites=import_engines)
 
 
 def unpatch() -> None:
     """Puts verl's own helpers back, also in verl modules imported after :func:`patch`. Idempotent."""
-    while _patched:
-        mod_name, name, orig = _patched.pop()
-        module = sys.modules.get(mod_name)
-        if module is not None:
-            setattr(module, name, orig)
-    for mod_name, module in list(sys.modules.items()):
-        if module is None or not (mod_name == "verl" or mod_name.startswith("verl.")):
-            continue
-        for name in _HELPERS:
-            fn = getattr(module, name, None)
-            original = getattr(fn, "__torchferry_original__", None)
-            if original is not None:
-                setattr(module, name, original)
+    _patcher.unpatch()

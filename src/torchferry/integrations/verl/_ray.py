@@ -7,7 +7,7 @@ and actors inherit the job's ``runtime_env`` (verl's worker groups add their
 own ``env_vars``, which Ray merges). :func:`ray_worker_setup` is that hook: it
 patches verl's helpers in the worker as soon as the worker imports
 ``verl.utils.fsdp_utils`` (at once if it already has), so processes that never
-import verl's FSDP code pay nothing.
+import verl's FSDP code pay nothing. The machinery is :mod:`torchferry.integrations._ray_hook`.
 
 Two ways to set it (both tested on the CPU with a real local Ray,
 ``tests/cpu/test_integration_verl_ray.py``):
@@ -22,64 +22,25 @@ Two ways to set it (both tested on the CPU with a real local Ray,
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib
-import importlib.abc
-import logging
-import os
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
+from .._ray_hook import HookNames, WorkerHook
 from ._patch import _FSDP_UTILS, is_patched, patch
 
 __all__ = ["HOOK_PATH", "ENV_FLAG", "ray_worker_setup", "patch_when_imported", "with_worker_setup",
            "ray_init_with_hook"]
 
-logger = logging.getLogger("torchferry")
-
 HOOK_PATH = "torchferry.integrations.verl.ray_worker_setup"
 """The hook's import path, as Ray's ``runtime_env["worker_process_setup_hook"]`` takes it."""
 ENV_FLAG = "TORCHFERRY_VERL"
 """Set to ``"1"`` in the job's ``env_vars`` by :func:`with_worker_setup`; ``"0"`` makes the hook do nothing."""
-_NEXT_HOOK = "TORCHFERRY_VERL_NEXT_HOOK"  # a hook of the user's own, run after ours
 
-
-class _PatchAfterExec(importlib.abc.Loader):
-    """Wraps the loader of ``verl.utils.fsdp_utils``: runs it, then ``patch()`` (once)."""
-
-    def __init__(self, inner: importlib.abc.Loader, finder: _PatchOnImport) -> None:
-        self._inner, self._finder = inner, finder
-
-    def create_module(self, spec):
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self._inner.exec_module(module)
-        self._finder.remove()
-        # Engine modules imported later bind the patched names by their own `from ... import`.
-        patch(import_engines=False)
-
-    def __getattr__(self, name: str):  # get_source, is_package, ... of the real loader
-        return getattr(self._inner, name)
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != _FSDP_UTILS:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _PatchAfterExec(spec.loader, self)
-                return spec
-        return None
-
-    def remove(self) -> None:
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(self)
+_hook = WorkerHook(
+    HookNames(framework="verl", module=_FSDP_UTILS, hook_path=HOOK_PATH, env_flag=ENV_FLAG,
+              next_hook_env="TORCHFERRY_VERL_NEXT_HOOK"),
+    patch=patch,
+    is_patched=is_patched,
+)
 
 
 def patch_when_imported() -> None:
@@ -90,13 +51,7 @@ def patch_when_imported() -> None:
     Raises:
         RuntimeError: as :func:`patch` (verl changed), at once or at that import.
     """
-    if is_patched():
-        return
-    if _FSDP_UTILS in sys.modules:
-        patch()
-        return
-    if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+    _hook.patch_when_imported()
 
 
 def ray_worker_setup() -> None:
@@ -110,13 +65,7 @@ def ray_worker_setup() -> None:
         RuntimeError: as :func:`patch`, when verl's helpers are not the ones
             this integration was written for.
     """
-    if os.environ.get(ENV_FLAG, "1") != "0":
-        patch_when_imported()
-        logger.debug("torchferry: verl's offload helpers are routed through torchferry in pid %d", os.getpid())
-    nxt = os.environ.get(_NEXT_HOOK)
-    if nxt:
-        module, _, name = nxt.rpartition(".")
-        getattr(importlib.import_module(module), name)()
+    _hook.ray_worker_setup()
 
 
 def with_worker_setup(runtime_env: dict | None) -> dict:
@@ -131,27 +80,7 @@ def with_worker_setup(runtime_env: dict | None) -> dict:
     Returns:
         The new ``runtime_env``, with ``TORCHFERRY_VERL=1`` in its ``env_vars``.
     """
-    env = dict(runtime_env or {})
-    env_vars = dict(env.get("env_vars") or {})
-    env_vars[ENV_FLAG] = "1"
-    theirs = env.get("worker_process_setup_hook")
-    if theirs is None or theirs == HOOK_PATH:
-        env["worker_process_setup_hook"] = HOOK_PATH
-    elif isinstance(theirs, str):
-        env_vars[_NEXT_HOOK] = theirs
-        env["worker_process_setup_hook"] = HOOK_PATH
-    else:
-        env["worker_process_setup_hook"] = _chain(theirs)
-    env["env_vars"] = env_vars
-    return env
-
-
-def _chain(theirs: Callable[[], None]) -> Callable[[], None]:
-    def torchferry_then_user_hook() -> None:
-        ray_worker_setup()
-        theirs()
-
-    return torchferry_then_user_hook
+    return _hook.with_worker_setup(runtime_env)
 
 
 @contextlib.contextmanager
@@ -161,17 +90,5 @@ def ray_init_with_hook() -> Iterator[None]:
     verl's ``run_ppo`` calls ``ray.init`` through the ``ray`` module's
     attribute, so this reaches it without changing verl's configuration.
     """
-    import ray
-
-    original = ray.init
-
-    @functools.wraps(original)
-    def init(*args, **kwargs):
-        kwargs["runtime_env"] = with_worker_setup(kwargs.get("runtime_env"))
-        return original(*args, **kwargs)
-
-    ray.init = init
-    try:
+    with _hook.ray_init_with_hook():
         yield
-    finally:
-        ray.init = original

@@ -1,0 +1,185 @@
+"""The seed's FSDP offload helpers, backed by torchferry: shared by every integration.
+
+verl's ``verl.utils.fsdp_utils`` (verl PR #7347) and SkyRL's
+``skyrl.backends.skyrl_train.distributed.fsdp_utils`` (adapted from verl's)
+define the same four helpers under the same names and signatures, called
+"the seed" below; these are their torchferry-backed drop-ins. Users import
+them from ``torchferry.integrations.verl`` (or ``.helpers``) or
+``torchferry.integrations.skyrl``: the same function objects, one registry of
+ferries. An integration's ``patch()`` routes its framework's calls here,
+adding only what its framework's own helpers do besides moving state (verl's
+FSDP1 dispatch, SkyRL's meta-buffer step: see each ``_patch.py``).
+
+Differences from the seed, all in the caller's favour: the host copies live in
+one exact-size pinned pool made once per model/optimizer (not 1.90x the state
+in power-of-two blocks, allocated on the fly), uneven FSDP2 shards stay pinned,
+and every parameter, gradient and optimizer-state object keeps its identity.
+As with the seed, the offloaded tensors are CPU tensors in pinned memory; with
+``empty_cache=True`` the offload has completed when the helper returns.
+
+[Note: the verl helpers order the caller's stream]
+The seed's ``.to("cpu", non_blocking=True)`` copies run on the caller's stream, so the framework's
+code may read the host copies after a synchronisation of that stream (``.item()``, a blocking
+``.cpu()``, ``torch.cuda.current_stream().synchronize()``). torchferry's copies run on its
+own D2H stream, which those do not order: on one H200 (12 x 8192^2 AdamW, 6.4 GB of state)
+the last state tensor read on the host right after verl's ``offload_fsdp_optimizer`` differed from
+the state in 3 of 3 trials. So each offload helper makes the caller's current stream wait for
+the offload's D2H event (``handle.wait_stream``; no host sync): what a later synchronisation of
+that stream guaranteed after the seed's copy, it guarantees after torchferry's. The cost, as
+with the seed: kernels and copies queued on that stream afterwards start only once the D2H is
+done. Where verl queues
+work within the D2H's time (6.4 GB: 0.12 s at the 53.8 GB/s offloads reach on an H200, README)
+that work loses its overlap with it: a ``save_checkpoint`` right after ``update_actor`` first
+reloads the model (``load_fsdp_model_to_gpu``, whose H2D stream waits for the caller's
+stream), which now starts after the optimizer's D2H; the next step's reload for the rollout
+comes after a Ray round trip and the driver's work, usually later than that. (SkyRL's
+``FSDPStrategy.offload_to_cpu`` / ``backload_to_gpu`` call ``torch.cuda.synchronize()`` after
+the helpers, so there the copies are done when they return.) Checkpoints do
+not depend on this ordering: ``state_dict()`` waits for the copies by itself, whatever the
+stream ([Note: state_dict() waits for the offload] in ``torchferry._core._ferry.guards``); other host
+reads of the tensors need this ordering plus a synchronisation, or ``handle.wait()``.
+
+One :class:`~torchferry.Ferry` is kept per model and per optimizer, weakly
+keyed, so it goes away with the object; :func:`ferry_for` returns it.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from .._core._ferry.ferry import Ferry
+from .._core._api.handle import TransferHandle
+from .._core._state.targets import inner_optimizers
+
+__all__ = [
+    "ferry_for",
+    "load_fsdp2_model_to_gpu",
+    "load_fsdp_optimizer",
+    "offload_fsdp2_model_to_cpu",
+    "offload_fsdp_optimizer",
+]
+
+_ferries: weakref.WeakKeyDictionary[object, Ferry] = weakref.WeakKeyDictionary()
+
+
+def ferry_for(obj: nn.Module | torch.optim.Optimizer) -> Ferry | None:
+    """The ferry the helpers keep for ``obj``.
+
+    Args:
+        obj: a model or optimizer passed to one of the helpers.
+
+    Returns:
+        Its :class:`~torchferry.Ferry`, or ``None`` if it was never offloaded
+        through these helpers.
+    """
+    return _ferries.get(obj)
+
+
+def _get_or_make(obj: nn.Module | torch.optim.Optimizer) -> Ferry:
+    ferry = _ferries.get(obj)
+    if ferry is None:
+        ferry = Ferry(obj)
+        _ferries[obj] = ferry
+    return ferry
+
+
+def _finish_offload(ferry: Ferry, handle: TransferHandle, empty_cache: bool) -> None:
+    # See [Note: the verl helpers order the caller's stream].
+    if handle.event is not None:
+        handle.wait_stream(torch.cuda.current_stream(ferry.device))
+    if empty_cache:
+        handle.wait()  # the handle offload() returned (also for a no-op offload: the last one)
+        if ferry.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def offload_fsdp2_model_to_cpu(model: nn.Module, empty_cache: bool = True) -> None:
+    """Offloads ``model``'s parameters, buffers and gradients to pinned host memory.
+
+    The current stream waits for the D2H copies (no host sync), so a later
+    synchronisation of it orders them, as after the seed's same-stream copy;
+    kernels queued on it afterwards start once the copies are done ([Note: the
+    verl helpers order the caller's stream]).
+
+    Args:
+        model: an FSDP2 (``fully_shard``-ed) or plain module on one GPU.
+        empty_cache: wait for the D2H copies, then ``torch.cuda.empty_cache()``
+            to return the released memory to the driver (the seed does the
+            same, and its ``empty_cache`` synchronises too).
+
+    Raises:
+        RuntimeError: host memory could not be allocated or pinned (the model
+            stays on the GPU, unchanged).
+    """
+    ferry = _get_or_make(model)
+    _finish_offload(ferry, ferry.offload(), empty_cache)
+
+
+@torch.no_grad()
+def load_fsdp2_model_to_gpu(model: nn.Module) -> None:
+    """Reloads what :func:`offload_fsdp2_model_to_cpu` offloaded.
+
+    The H2D copies are asynchronous; the current stream waits for them, so the
+    next forward on that stream is ordered after them (as with the seed's
+    same-stream ``model.to(device, non_blocking=True)``). A no-op for a model
+    that was never offloaded through these helpers.
+    """
+    ferry = _ferries.get(model)
+    if ferry is not None:
+        ferry.reload()
+
+
+def _has_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer, or one it wraps (``ZeroRedundancyOptimizer.optim``), holds state."""
+    return any(o.state for _, o in inner_optimizers(optimizer))
+
+
+@torch.no_grad()
+def offload_fsdp_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Offloads every device tensor in ``optimizer.state`` to pinned host memory.
+
+    Returns with the D2H copies in flight (as the seed's ``non_blocking`` copies),
+    the current stream waiting for them (no host sync): a later ``.item()``,
+    blocking ``.cpu()``, ``torch.cuda.current_stream().synchronize()`` or
+    ``torch.cuda.synchronize()`` orders them, as after the seed's same-stream
+    copy, and ``optimizer.state_dict()`` waits for them by itself. Kernels
+    queued on the current stream afterwards start once the copies are done
+    ([Note: the verl helpers order the caller's stream]). A no-op for an
+    optimizer without state (before its first step), as in the seed.
+    """
+    if not _has_state(optimizer):
+        return
+    ferry = _get_or_make(optimizer)
+    _finish_offload(ferry, ferry.offload(), empty_cache=False)
+
+
+@torch.no_grad()
+def load_fsdp_optimizer(optimizer: torch.optim.Optimizer, device_id: int | str | torch.device) -> None:
+    """Reloads what :func:`offload_fsdp_optimizer` offloaded.
+
+    Args:
+        optimizer: the optimizer.
+        device_id: the device to load onto; must be the device the state came
+            from (torchferry restores the original storages).
+
+    Raises:
+        ValueError: ``device_id`` is not the device the state was offloaded from.
+    """
+    if not _has_state(optimizer):
+        return
+    ferry = _ferries.get(optimizer)
+    if ferry is None:
+        return
+    device = torch.device(device_id) if not isinstance(device_id, int) else torch.device("cuda", device_id)
+    if device.type == ferry.device.type and device.index is None:
+        device = ferry.device
+    if device != ferry.device:
+        raise ValueError(
+            f"torchferry: load_fsdp_optimizer(device_id={device_id!r}) but the state "
+            f"was offloaded from {ferry.device}; it reloads where it came from"
+        )
+    ferry.reload()

@@ -1,0 +1,191 @@
+"""A Ray ``worker_process_setup_hook`` that patches a framework's helpers in every worker.
+
+A framework whose training workers are Ray actors (each its own process)
+is not reached by ``patch()`` in the driver. Ray runs a job's
+``worker_process_setup_hook`` in every worker process it starts for that job,
+before any task or actor method, and actors inherit the job's ``runtime_env``
+(``env_vars`` an actor sets are merged). A :class:`WorkerHook` is that hook for
+one integration: it patches as soon as the worker imports the framework's
+helper module (at once if it already has), so processes that never import the
+framework's FSDP code pay nothing.
+
+The SkyRL integration is built on this; ``torchferry.integrations.verl._ray``
+is the same design written for verl alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import importlib.abc
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+__all__ = ["HookNames", "WorkerHook"]
+
+logger = logging.getLogger("torchferry")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HookNames:
+    """The names one integration's hook goes by."""
+
+    framework: str
+    """The framework as a user knows it (log messages)."""
+    module: str
+    """The helper module whose import triggers the patch."""
+    hook_path: str
+    """The import path of the module-level hook function (Ray takes the hook by this name)."""
+    env_flag: str
+    """Set to ``"1"`` by :meth:`WorkerHook.with_worker_setup`; ``"0"`` makes the hook do nothing."""
+    next_hook_env: str
+    """Names a hook of the user's own (``module.function``), run after torchferry's."""
+
+
+class _PatchAfterExec(importlib.abc.Loader):
+    """Wraps the loader of the helper module: runs it, then the patch (once)."""
+
+    def __init__(self, inner: importlib.abc.Loader, finder: _PatchOnImport) -> None:
+        self._inner, self._finder = inner, finder
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._inner.exec_module(module)
+        self._finder.remove()
+        self._finder.on_import()
+
+    def __getattr__(self, name: str):  # get_source, is_package, ... of the real loader
+        return getattr(self._inner, name)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def __init__(self, module: str, on_import: Callable[[], object]) -> None:
+        self.module, self.on_import = module, on_import
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.module:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchAfterExec(spec.loader, self)
+                return spec
+        return None
+
+    def remove(self) -> None:
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)
+
+
+class WorkerHook:
+    """The Ray worker hook of one integration.
+
+    Args:
+        names: its names (:class:`HookNames`).
+        patch: patches now, without importing call sites (modules imported later bind the
+            replacements by their own ``from ... import``); raises ``RuntimeError`` when the
+            framework changed.
+        is_patched: whether the integration is patched.
+    """
+
+    def __init__(self, names: HookNames, patch: Callable[[], object], is_patched: Callable[[], bool]) -> None:
+        self.names, self._patch, self._is_patched = names, patch, is_patched
+
+    def patch_when_imported(self) -> None:
+        """Patches now if the helper module is imported, else right after its import. Idempotent.
+
+        Raises:
+            RuntimeError: as the integration's ``patch()`` (the framework changed), at once or at
+                that import.
+        """
+        if self._is_patched():
+            return
+        if self.names.module in sys.modules:
+            self._patch()
+            return
+        if not any(isinstance(f, _PatchOnImport) and f.module == self.names.module for f in sys.meta_path):
+            sys.meta_path.insert(0, _PatchOnImport(self.names.module, self._patch))
+
+    def ray_worker_setup(self) -> None:
+        """The hook: :meth:`patch_when_imported` in this process, then the user's next hook.
+
+        Does nothing of torchferry's when the ``env_flag`` variable is ``"0"``; the hook named
+        in ``next_hook_env`` (one :meth:`with_worker_setup` found in the ``runtime_env``) runs
+        either way.
+
+        Raises:
+            RuntimeError: as the integration's ``patch()``.
+        """
+        n = self.names
+        if os.environ.get(n.env_flag, "1") != "0":
+            self.patch_when_imported()
+            logger.debug("torchferry: %s's offload helpers are routed through torchferry in pid %d",
+                         n.framework, os.getpid())
+        nxt = os.environ.get(n.next_hook_env)
+        if nxt:
+            module, _, name = nxt.rpartition(".")
+            getattr(importlib.import_module(module), name)()
+
+    def with_worker_setup(self, runtime_env: dict | None) -> dict:
+        """A copy of a Ray ``runtime_env`` whose worker processes run the hook.
+
+        Args:
+            runtime_env: the ``runtime_env`` given to ``ray.init`` (a dict, or ``None``). A
+                ``worker_process_setup_hook`` already there is kept and runs after torchferry's
+                (a callable one is wrapped; a string one is passed on by name).
+
+        Returns:
+            The new ``runtime_env``, with ``<env_flag>=1`` in its ``env_vars``.
+        """
+        n = self.names
+        env = dict(runtime_env or {})
+        env_vars = dict(env.get("env_vars") or {})
+        env_vars[n.env_flag] = "1"
+        theirs = env.get("worker_process_setup_hook")
+        if theirs is None or theirs == n.hook_path:
+            env["worker_process_setup_hook"] = n.hook_path
+        elif isinstance(theirs, str):
+            env_vars[n.next_hook_env] = theirs
+            env["worker_process_setup_hook"] = n.hook_path
+        else:
+            env["worker_process_setup_hook"] = self._chain(theirs)
+        env["env_vars"] = env_vars
+        return env
+
+    def _chain(self, theirs: Callable[[], None]) -> Callable[[], None]:
+        def torchferry_then_user_hook() -> None:
+            self.ray_worker_setup()
+            theirs()
+
+        return torchferry_then_user_hook
+
+    @contextlib.contextmanager
+    def ray_init_with_hook(self) -> Iterator[None]:
+        """Within this block, ``ray.init(...)`` gets :meth:`with_worker_setup` applied to its ``runtime_env``.
+
+        Reaches code that calls ``ray.init`` through the ``ray`` module's attribute
+        (``import ray; ray.init(...)``), as verl's ``run_ppo`` and SkyRL's ``initialize_ray`` do.
+        """
+        import ray
+
+        original = ray.init
+
+        @functools.wraps(original)
+        def init(*args, **kwargs):
+            kwargs["runtime_env"] = self.with_worker_setup(kwargs.get("runtime_env"))
+            return original(*args, **kwargs)
+
+        ray.init = init
+        try:
+            yield
+        finally:
+            ray.init = original

@@ -1,0 +1,327 @@
+"""``patch()``: AReaL's ``FSDPEngine.offload`` / ``onload`` through torchferry ferries.
+
+    import torchferry.integrations.areal as tf_areal
+    tf_areal.patch()     # in the process that runs the engine, before or after it is built
+    ...
+    tf_areal.unpatch()   # AReaL's own methods again
+
+Replaced on ``areal.engine.fsdp_engine.FSDPEngine``, and so on every subclass that does not
+define its own (``FSDPPPOActor``, ``FSDPPPOCritic``, ``FSDPLMEngine``, ``FSDPRWEngine``,
+``FSDPDPOEngine``): ``offload`` and ``onload``. Written against AReaL 1.0.4.
+
+AReaL's own methods (``areal/engine/fsdp_engine.py``): ``offload()`` raises ``RuntimeError``
+unless torch_memory_saver is enabled (``TMS_INIT_ENABLE=1``, which AReaL's launchers and
+schedulers set, with the ``LD_PRELOAD`` hook and ``TMS_INIT_ENABLE_CPU_BACKUP=1``, when
+``enable_offload=True``), logs the device memory, runs ``current_platform.clear_memory()``
+(synchronize, ``gc.collect()``, ``empty_cache()``), ``torch_memory_saver.pause()``,
+synchronizes, waits at a barrier of the engine's gloo group (``cpu_group``), logs again and
+sets ``is_offload = True``. ``onload()``: ``torch_memory_saver.resume()``, synchronize,
+barrier, log, ``is_offload = False``.
+
+The replacements keep that sequence and those flags, and move the engine's state with one
+:class:`~torchferry.Ferry` per engine over ``engine.model`` and ``engine.optimizer`` (an engine
+built without an optimizer config, a reference or teacher model, has no ``optimizer``
+attribute: the model alone), on ``engine.device``:
+
+* ``offload()``: ``ferry.offload()`` and a wait for its copies (AReaL's pause was synchronous
+  too), then ``current_platform.clear_memory()``, which returns the released blocks to the
+  driver for the rollout engine; synchronize, barrier, log, ``is_offload = True``. No
+  torch_memory_saver is needed. A second ``offload()`` moves nothing (a second TMS pause ends
+  the process: "Cannot pause allocation that is not active").
+* ``onload()``: ``ferry.reload()``, synchronize (the state is on the device when it returns,
+  as after TMS's resume), barrier, log, ``is_offload = False``; a no-op move for an engine
+  never offloaded through torchferry.
+
+``is_offload`` and ``_offload_depth`` keep their meaning, because AReaL's callers call these
+methods: ``_offload_aware_context()`` (around ``update_weights``, ``save``, ``load``,
+``export_stats``) onloads an offloaded engine for the outermost context and offloads it again
+at its end; ``_ensure_ready()`` (``train_batch``, ``eval_batch``, ``forward_batch``) onloads it
+and leaves it onloaded. Between ``offload()`` and ``onload()`` the engine's parameters,
+``.grad``s and optimizer state are CPU tensors viewing the ferry's pool, each the same Python
+object as before; a forward through the model raises ``RuntimeError`` naming ``reload()``
+(under torch_memory_saver they stayed device tensors whose memory was unmapped).
+
+[Note: what torch_memory_saver released that a ferry does not]
+With ``LD_PRELOAD`` and ``TMS_INIT_ENABLE=1`` from process start, every ``cudaMalloc`` of
+every thread of the engine's process goes through torch_memory_saver (``csrc/entrypoint.cpp``:
+the thread-local "interesting region" defaults to that variable), and ``pause()`` with no tag
+unmaps all of them (``TorchMemorySaver::pause`` in ``csrc/core.cpp``), each first copied to a
+host backup with a blocking ``cudaMemcpy`` (``cpu_backup.h``, ``TMS_INIT_ENABLE_CPU_BACKUP=1``).
+So it released, besides the model and optimizer state, everything else PyTorch's caching
+allocator had reserved in that process after AReaL's ``empty_cache()``: live tensors that are
+not model state (cached activations or outputs someone still holds, FSDP2's communication
+buffers alive at that moment, device tensors of other engines in the same process), the free
+blocks of segments that are partly in use (``empty_cache()`` returns only whole free
+segments), cuBLAS workspaces (AReaL's ``clear_memory()`` does not clear them), and whatever
+else the process allocated through ``cudaMalloc`` (NCCL's buffers where NCCL allocates them
+that way, Triton's or a library's scratch memory). A ferry releases exactly the storages of the
+engine's parameters, buffers, ``.grad``s and optimizer state (FSDP2 resharded first), and
+``clear_memory()`` returns to the driver the segments that leaves entirely free: the rest above
+stays on the device after ``offload()``, as do the CUDA context and what the hook never saw
+(memory NCCL or others map through the driver's ``cuMem*`` API). What torch_memory_saver did
+that a ferry does not need: it kept every virtual address (CUDA graphs and raw pointers stayed
+valid; a ferry's reload gives new addresses), and it paid for that with a host copy of every
+reserved byte, free blocks included, into backups it allocated with ``cudaMallocHost`` at each
+pause and freed at each resume (``TMS_RETAIN_CPU_BACKUP`` off, AReaL does not set it): a
+ferry's pool is the state's exact size, pinned once and kept.
+
+[Note: which engines skip unchanged storages]
+An engine without an optimizer (reference, teacher: forward-only) never writes its weights, so
+its ferry has ``skip_unchanged=True``: after the first cycle an offload copies nothing and
+only releases (a 128-bit hash of each storage at reload and at offload decides; ``docs/ferry.md``).
+So does a LoRA engine (``config.use_lora``): its frozen base is most of the bytes, and only
+what the step wrote (adapters, their optimizer state, ``.grad``s) is copied. A full-parameter
+engine with an optimizer writes every weight each step, so its ferry copies everything without
+hashing. ``patch(skip_unchanged=...)`` forces one choice for every engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import weakref
+from collections.abc import Callable
+
+from ..._core._ferry.ferry import Ferry
+
+__all__ = ["ferry_for", "is_patched", "patch", "unpatch"]
+
+_PREFIX = "torchferry.integrations.areal"
+_ENGINE_MODULE = "areal.engine.fsdp_engine"
+_ENGINE_CLASS = "FSDPEngine"
+# method name -> the parameters AReaL's method must have for the replacement to fit.
+_METHODS: dict[str, tuple[str, ...]] = {"offload": ("self",), "onload": ("self",)}
+# The callers that give is_offload its meaning; if they are gone, AReaL's protocol changed.
+_CALLERS = ("_offload_aware_context", "_ensure_ready")
+# What the replacements use of the engine module's globals, as AReaL's methods do.
+_MODULE_GLOBALS = ("current_platform", "dist")
+
+# method name -> AReaL's original function, for every method patch() replaced.
+_originals: dict[str, Callable] = {}
+_patched_class: list[type] = []  # the FSDPEngine class patched (one at most)
+_options: dict[str, bool | None] = {"skip_unchanged": None}
+
+
+class _EngineFerry:
+    """An engine's ferry and the model and optimizer it was made for (weakly, as the ferry)."""
+
+    __slots__ = ("ferry", "_model", "_optimizer")
+
+    def __init__(self, ferry: Ferry, model: object, optimizer: object | None) -> None:
+        self.ferry = ferry
+        self._model = weakref.ref(model)
+        self._optimizer = None if optimizer is None else weakref.ref(optimizer)
+
+    def serves(self, model: object, optimizer: object | None) -> bool:
+        opt = None if self._optimizer is None else self._optimizer()
+        return self._model() is model and opt is optimizer
+
+
+# engine -> its ferry; weakly keyed, so the ferry goes with the engine.
+_engine_ferries: weakref.WeakKeyDictionary[object, _EngineFerry] = weakref.WeakKeyDictionary()
+
+
+def is_patched() -> bool:
+    """True between :func:`patch` and :func:`unpatch`."""
+    return bool(_originals)
+
+
+def ferry_for(engine: object) -> Ferry | None:
+    """The ferry the patched methods keep for ``engine``.
+
+    Args:
+        engine: an ``FSDPEngine`` (or subclass) offloaded through the patched ``offload()``.
+
+    Returns:
+        Its :class:`~torchferry.Ferry` (over the engine's current model and optimizer), or
+        ``None`` if none was made for them yet.
+    """
+    entry = _engine_ferries.get(engine)
+    if entry is None or not entry.serves(getattr(engine, "model", None), getattr(engine, "optimizer", None)):
+        return None
+    return entry.ferry
+
+
+def _skip_unchanged(engine: object, optimizer: object | None) -> bool:
+    """See [Note: which engines skip unchanged storages]."""
+    forced = _options["skip_unchanged"]
+    if forced is not None:
+        return forced
+    if optimizer is None:
+        return True
+    return bool(getattr(getattr(engine, "config", None), "use_lora", False))
+
+
+def _ferry_of(engine: object) -> Ferry:
+    """The engine's ferry, made at its first offload (and again if its model or optimizer was
+    replaced since: a new ``initialize()``; the old one goes with its entry)."""
+    model = getattr(engine, "model", None)
+    if model is None:
+        raise RuntimeError(
+            f"{_PREFIX}: offload() of an FSDPEngine without a model (before initialize() or after "
+            "destroy()); nothing was moved"
+        )
+    optimizer = getattr(engine, "optimizer", None)
+    entry = _engine_ferries.get(engine)
+    if entry is not None and entry.serves(model, optimizer):
+        return entry.ferry
+    targets = (model,) if optimizer is None else (model, optimizer)
+    # The engine's device, not one inferred from the tensors: with FSDP's CPUOffloadPolicy
+    # (fsdp.offload_params) or per_layer_optim_step the state already on the CPU stays out.
+    ferry = Ferry(*targets, device=getattr(engine, "device", None),
+                  skip_unchanged=_skip_unchanged(engine, optimizer))
+    _engine_ferries[engine] = _EngineFerry(ferry, model, optimizer)
+    return ferry
+
+
+def _replacements(module) -> dict[str, Callable]:
+    """``offload`` and ``onload`` for ``module.FSDPEngine``; they read ``module.current_platform``
+    and ``module.dist`` at each call, as AReaL's methods do."""
+
+    def offload(self) -> None:
+        """Offloads the engine's model (parameters, buffers, ``.grad``s) and optimizer state to
+        the host through its torchferry ferry (``torchferry.integrations.areal``).
+
+        Returns once the copies are done and the released memory went back to the driver
+        (``current_platform.clear_memory()``), after a barrier of the engine's ranks; then
+        ``is_offload`` is True. Moves nothing when already offloaded.
+
+        Raises:
+            RuntimeError: the engine has no model (before ``initialize()``, after
+                ``destroy()``), or host memory could not be allocated or pinned
+                (``torchferry.HostBudgetError`` among them); the state stays on the device,
+                ``is_offload`` unchanged.
+        """
+        self.get_device_stats().log("before offload model")
+        _ferry_of(self).offload().wait()
+        module.current_platform.clear_memory()
+        module.current_platform.synchronize()
+        module.dist.barrier(group=self.cpu_group)
+        self.get_device_stats().log("after offload model")
+        self.is_offload = True
+
+    def onload(self) -> None:
+        """Reloads what :meth:`offload` moved (``torchferry.integrations.areal``).
+
+        Returns with the state on the device (synchronized), after a barrier of the engine's
+        ranks; then ``is_offload`` is False. Moves nothing for an engine that is resident or was
+        never offloaded through torchferry.
+
+        Raises:
+            RuntimeError: the device ran out of memory (the message names the bytes needed; the
+                state stays on the host, ``is_offload`` unchanged).
+        """
+        ferry = ferry_for(self)
+        if ferry is not None:
+            ferry.reload()
+        module.current_platform.synchronize()
+        module.dist.barrier(group=self.cpu_group)
+        self.get_device_stats().log("after onload model")
+        self.is_offload = False
+
+    out: dict[str, Callable] = {"offload": offload, "onload": onload}
+    for name, fn in out.items():
+        fn.__module__ = __name__
+        fn.__qualname__ = f"{_ENGINE_CLASS}.{name}"
+        fn.__torchferry_original__ = getattr(module, _ENGINE_CLASS).__dict__[name]  # type: ignore[attr-defined]
+        fn.__torchferry_integration__ = "areal"  # type: ignore[attr-defined]
+    return out
+
+
+def _engine_class():
+    """AReaL's ``FSDPEngine`` class, checked against what the replacements were written for.
+
+    Raises:
+        RuntimeError: areal is not importable, or the class, one of its methods or callers, or a
+            module global the replacements use is missing, or a method has other parameters.
+    """
+    try:
+        module = importlib.import_module(_ENGINE_MODULE)
+    except Exception as e:  # ImportError, or what areal's own imports raise without an optional package
+        raise RuntimeError(f"{_PREFIX}: areal is not importable ({type(e).__name__}: {e})") from e
+    cls = getattr(module, _ENGINE_CLASS, None)
+    if not isinstance(cls, type):
+        raise RuntimeError(f"{_PREFIX}: {_ENGINE_MODULE}.{_ENGINE_CLASS} is missing; AReaL changed")
+    for name, params in _METHODS.items():
+        fn = cls.__dict__.get(name)
+        if not inspect.isfunction(fn):
+            raise RuntimeError(f"{_PREFIX}: {_ENGINE_MODULE}.{_ENGINE_CLASS}.{name} is missing; AReaL changed")
+        got = tuple(inspect.signature(fn).parameters)
+        if got != params:
+            raise RuntimeError(
+                f"{_PREFIX}: {_ENGINE_MODULE}.{_ENGINE_CLASS}.{name}{got} does not have the parameters "
+                f"{params} this integration was written for; AReaL changed"
+            )
+    for name in _CALLERS:
+        if not callable(getattr(cls, name, None)):
+            raise RuntimeError(f"{_PREFIX}: {_ENGINE_MODULE}.{_ENGINE_CLASS}.{name} is missing; AReaL changed")
+    for name in _MODULE_GLOBALS:
+        if not hasattr(module, name):
+            raise RuntimeError(f"{_PREFIX}: {_ENGINE_MODULE}.{name} is missing; AReaL changed")
+    return module, cls
+
+
+def _names(cls: type) -> list[str]:
+    return [f"{cls.__module__}.{cls.__qualname__}.{name}" for name in _METHODS]
+
+
+def patch(*, skip_unchanged: bool | None = None) -> list[str]:
+    """Routes AReaL's ``FSDPEngine.offload`` / ``onload`` through torchferry ferries.
+
+    Idempotent: a second call changes nothing (its arguments included) and returns the same
+    names; :func:`unpatch` first to change them. Engines made before the call are covered too
+    (the methods are replaced on the class). Patches this process only: call it in every
+    process that runs an engine.
+
+    Args:
+        skip_unchanged: ``None`` (default): ``skip_unchanged=True`` for engines without an
+            optimizer and LoRA engines, off for the others ([Note: which engines skip
+            unchanged storages]); a bool: that for every engine.
+
+    Returns:
+        The ``module.Class.method`` names replaced.
+
+    Raises:
+        TypeError: ``skip_unchanged`` is neither ``None`` nor a bool.
+        RuntimeError: areal is not importable, or ``FSDPEngine`` or one of the methods, callers
+            or module globals the replacements rely on is missing or has other parameters than
+            this integration was written for (nothing is replaced then).
+    """
+    if _originals:
+        return _names(_patched_class[0])
+    if skip_unchanged is not None and not isinstance(skip_unchanged, bool):
+        raise TypeError(f"{_PREFIX}: patch(skip_unchanged=...) takes None or a bool, not {skip_unchanged!r}")
+    module, cls = _engine_class()
+    new = _replacements(module)
+    originals = {name: cls.__dict__[name] for name in _METHODS}
+    for name, fn in new.items():
+        setattr(cls, name, fn)
+    _originals.update(originals)
+    _patched_class.append(cls)
+    _options["skip_unchanged"] = skip_unchanged
+    return _names(cls)
+
+
+def unpatch() -> None:
+    """Puts AReaL's own ``offload`` / ``onload`` back on ``FSDPEngine`` and drops the ferries
+    (their pools go with them). Idempotent.
+
+    Raises:
+        RuntimeError: an engine is offloaded through torchferry (its state is in a ferry's pool,
+            which AReaL's ``onload()`` cannot bring back): ``onload()`` it first. Nothing is
+            changed then.
+    """
+    if not _originals:
+        return
+    offloaded = sum(1 for entry in list(_engine_ferries.values()) if entry.ferry.residency.on_host)
+    if offloaded:
+        raise RuntimeError(
+            f"{_PREFIX}: unpatch() while {offloaded} engine(s) are offloaded through torchferry "
+            "(AReaL's own onload() cannot bring their state back); onload() them first"
+        )
+    cls = _patched_class.pop()
+    for name, fn in _originals.items():
+        setattr(cls, name, fn)
+    _originals.clear()
+    _engine_ferries.clear()
+    _options["skip_unchanged"] = None

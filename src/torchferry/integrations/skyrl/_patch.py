@@ -1,0 +1,159 @@
+"""``patch()``: SkyRL's FSDP2 offload helpers, replaced by torchferry's in one line.
+
+    import torchferry.integrations.skyrl as tf_skyrl
+    tf_skyrl.patch()     # before (or after) SkyRL builds its FSDPStrategy
+    ...
+    tf_skyrl.unpatch()   # SkyRL's own helpers again
+
+Replaced in ``skyrl.backends.skyrl_train.distributed.fsdp_utils`` and wherever
+SkyRL modules imported them by name (``FSDPStrategy.offload_to_cpu`` /
+``backload_to_gpu`` in ``skyrl.backends.skyrl_train.distributed.fsdp_strategy``
+call them as module globals bound by ``from ...fsdp_utils import ...``):
+``offload_fsdp2_model_to_cpu``, ``load_fsdp2_model_to_gpu``,
+``offload_fsdp_optimizer``, ``load_fsdp_optimizer``. Written against SkyRL 0.4.0,
+whose helpers are verl's (PR #7347) under the same names and signatures. The
+machinery is :mod:`torchferry.integrations._patching`, shared with the verl
+integration; this module names what SkyRL has, and what SkyRL's own helpers do
+besides moving state:
+
+[Note: what stays with SkyRL's own helpers]
+* A model whose FSDP2 units keep their sharded parameters on the host
+  themselves (``fully_shard(..., offload_policy=CPUOffloadPolicy())``, SkyRL's
+  ``fsdp_config.cpu_offload=true``) goes to SkyRL's own
+  ``offload_fsdp2_model_to_cpu``. SkyRL calls it for such a model from
+  ``fsdp2_load_full_state_dict`` (a global of ``fsdp_utils``, so replaced too);
+  torchferry's would take the model's tensors into its pool and leave it
+  offloaded, so SkyRL's first forward would fail.
+* ``load_fsdp2_model_to_gpu`` / ``load_fsdp_optimizer`` of an object torchferry
+  never offloaded go to SkyRL's own (its ``.to(device)``), as before patching.
+* Before an offload, meta buffers left by SkyRL's meta-device init become
+  empty CPU buffers of their shape and dtype, as SkyRL's helper does (torchferry
+  refuses meta tensors). CPU buffers of a GPU model stay on the CPU (torchferry
+  leaves CPU tensors alone); SkyRL's ``model.to(device)`` reload would have
+  moved them to the GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from .. import _helpers as helpers
+from .._patching import HelperSet, Patcher
+
+__all__ = ["HELPER_SET", "is_patched", "patch", "unpatch"]
+
+_FSDP_UTILS = "skyrl.backends.skyrl_train.distributed.fsdp_utils"
+# Modules that import the helpers by name; patched when importable (fsdp_strategy needs flash_attn).
+_CALL_SITES = ("skyrl.backends.skyrl_train.distributed.fsdp_strategy",)
+# name -> the parameter names SkyRL's helper must have for the replacement to fit.
+_HELPERS: dict[str, tuple[str, ...]] = {
+    "offload_fsdp2_model_to_cpu": ("model", "empty_cache"),
+    "load_fsdp2_model_to_gpu": ("model",),
+    "offload_fsdp_optimizer": ("optimizer",),
+    "load_fsdp_optimizer": ("optimizer", "device_id"),
+}
+
+
+def _fsdp_keeps_params_on_host(model: nn.Module) -> bool:
+    """Whether an FSDP2 unit under ``model`` has a ``CPUOffloadPolicy`` (FSDP2 keeps its shards on the host).
+
+    Reads FSDP2's private ``FSDPState`` param groups (torch 2.11-2.13: ``_fsdp_param_group``,
+    ``_fsdp_param_groups`` from 2.12), as ``torchferry._core._state.fsdp`` does for its reads.
+    """
+    from torchferry._core._state.fsdp import fsdp_modules
+
+    units = fsdp_modules(model)
+    if not units:
+        return False
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    for unit in units:
+        state = unit._get_fsdp_state()  # pyright: ignore[reportCallIssue]  # FSDP2 private _get_fsdp_state
+        groups = list(getattr(state, "_fsdp_param_groups", None) or [])
+        one = getattr(state, "_fsdp_param_group", None)
+        if one is not None:
+            groups.append(one)
+        if any(isinstance(getattr(g, "offload_policy", None), CPUOffloadPolicy) for g in groups):
+            return True
+    return False
+
+
+def _materialise_meta_buffers(model: nn.Module) -> None:
+    """SkyRL's first step of ``offload_fsdp2_model_to_cpu``: meta buffers become empty CPU buffers."""
+    for module in model.modules():
+        for key, buf in list(module._buffers.items()):
+            if buf is not None and buf.device.type == "meta":
+                module._buffers[key] = torch.empty(buf.shape, dtype=buf.dtype, device="cpu")
+
+
+def _replacements(fsdp_utils: ModuleType, original: Mapping[str, Callable]) -> dict[str, Callable]:
+    # See [Note: what stays with SkyRL's own helpers].
+    def offload_fsdp2_model_to_cpu(model, empty_cache: bool = True):
+        if _fsdp_keeps_params_on_host(model):
+            return original["offload_fsdp2_model_to_cpu"](model, empty_cache)
+        _materialise_meta_buffers(model)
+        return helpers.offload_fsdp2_model_to_cpu(model, empty_cache)
+
+    def load_fsdp2_model_to_gpu(model):
+        if helpers.ferry_for(model) is None:
+            return original["load_fsdp2_model_to_gpu"](model)
+        return helpers.load_fsdp2_model_to_gpu(model)
+
+    def load_fsdp_optimizer(optimizer, device_id):
+        if helpers.ferry_for(optimizer) is None:
+            return original["load_fsdp_optimizer"](optimizer, device_id)
+        return helpers.load_fsdp_optimizer(optimizer, device_id)
+
+    return {
+        "offload_fsdp2_model_to_cpu": offload_fsdp2_model_to_cpu,
+        "load_fsdp2_model_to_gpu": load_fsdp2_model_to_gpu,
+        "offload_fsdp_optimizer": helpers.offload_fsdp_optimizer,
+        "load_fsdp_optimizer": load_fsdp_optimizer,
+    }
+
+
+HELPER_SET = HelperSet(
+    integration="skyrl", framework="skyrl", module=_FSDP_UTILS, package="skyrl", helpers=_HELPERS,
+    replacements=_replacements, call_sites=_CALL_SITES,
+    # SkyRL 0.4.0 on Python < 3.12 fails at import with a pydantic error, not an ImportError.
+    catch=(Exception,),
+)
+"""What this integration replaces in SkyRL."""
+_patcher = Patcher(HELPER_SET)
+
+
+def is_patched() -> bool:
+    """True between :func:`patch` and :func:`unpatch`."""
+    return _patcher.is_patched()
+
+
+def patch(*, import_call_sites: bool = True) -> list[str]:
+    """Routes SkyRL's FSDP2 model and optimizer offload helpers through torchferry.
+
+    Idempotent. What still goes to SkyRL's own helpers: [Note: what stays with
+    SkyRL's own helpers].
+
+    Args:
+        import_call_sites: also import ``fsdp_strategy`` now (when its own imports, flash_attn
+            among them, are there), so the names it bound by ``from ...fsdp_utils import ...``
+            are replaced too. Without it, only modules already imported are patched; modules
+            imported later bind the replaced helpers anyway.
+
+    Returns:
+        The ``module.attribute`` names replaced.
+
+    Raises:
+        RuntimeError: SkyRL's ``fsdp_utils`` is not importable, or one of its helpers is
+            missing or has other parameters than this integration was written for (nothing is
+            replaced then).
+    """
+    return _patcher.patch(import_call_sites=import_call_sites)
+
+
+def unpatch() -> None:
+    """Puts SkyRL's own helpers back, also in SkyRL modules imported after :func:`patch`. Idempotent."""
+    _patcher.unpatch()

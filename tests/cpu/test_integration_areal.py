@@ -1,0 +1,290 @@
+"""torchferry.integrations.areal (patch()/unpatch() of FSDPEngine.offload/onload) against the real
+areal package, on the CPU: AReaL's own FSDPEngine, built and trained through its own API (a tiny
+Qwen2 made here, FSDP2 over gloo on 2 ranks).
+
+CI installs areal 1.0.4 without its dependencies, plus only what importing
+``areal.engine.fsdp_engine`` needs (see .ci/run); without them these tests skip, naming what is
+missing. Everything that imports areal runs in spawned processes: areal's logging setup replaces
+the logging module's root logger and manager at import (``areal.utils.logging.getLogger``), which
+would change what other tests' ``caplog`` sees in this process."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.helpers import identities, snapshot
+from tests.spawn import run_spawned
+
+if importlib.util.find_spec("areal") is None:
+    pytest.skip("areal not installed (pip install --no-deps areal==1.0.4)", allow_module_level=True)
+
+TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def areal_importable():
+    """Skips (with areal's own error) where ``areal.engine.fsdp_engine`` does not import here."""
+    p = subprocess.run([sys.executable, "-c", "import areal.engine.fsdp_engine"], capture_output=True,
+                       text=True, timeout=TIMEOUT_S)
+    if p.returncode != 0:
+        last = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+        pytest.skip(f"areal.engine.fsdp_engine does not import here: {last}")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, areal_importable):
+    """A tiny Qwen2 config and a word-level tokenizer, what FSDPEngine loads from ``config.path``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config
+
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False).save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(62)} | {"<unk>": 62, "<eos>": 63}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(path)
+    return str(path)
+
+
+# ------------------------------------------------------------------ inside the spawned ranks
+def _engine(path: str, world: int, lr: float | None, seed: int = 0):
+    """AReaL's FSDPEngine as its trainer builds one (an optimizer when ``lr``, else forward-only)."""
+    from areal.api.cli_args import OptimizerConfig, TrainEngineConfig
+    from areal.api.io_struct import FinetuneSpec
+    from areal.engine.fsdp_engine import FSDPEngine
+
+    config = TrainEngineConfig(experiment_name="torchferry", trial_name="test", path=path, attn_impl="sdpa",
+                               init_from_scratch=True, backend=f"fsdp:d{world}", dtype="float32",
+                               optimizer=None if lr is None else OptimizerConfig(lr=lr))
+    engine = FSDPEngine(config)
+    engine.create_process_group()
+    torch.manual_seed(seed)  # the same initial weights for every engine of a seed
+    engine.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=8, train_batch_size=2))
+    return engine
+
+
+def _batch(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    return {"input_ids": torch.randint(0, 62, (2, 6), generator=g), "attention_mask": mask}
+
+
+def _loss(logprobs, entropy, mb_input, **kwargs):
+    return -logprobs.sum()
+
+
+def _weight(mb_input):
+    return torch.tensor(float(mb_input["input_ids"].numel()))
+
+
+def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    wrong = [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
+    assert not wrong, wrong
+
+
+def _kept(model, optimizer) -> list[int]:
+    """Ids of the parameters and optimizer-state tensors (the objects a training step keeps)."""
+    return [id(p) for p in model.parameters()] + [id(v) for st in optimizer.state.values() for v in st.values()]
+
+
+def _round_trips_body(rank: int, world: int, path: str) -> None:
+    os.environ["LOCAL_RANK"] = str(rank)
+    import torchferry.integrations.areal as tf_areal
+    from torchferry import Residency
+
+    tf_areal.patch()
+    actor, plain, ref = _engine(path, world, 1e-2), _engine(path, world, 1e-2), _engine(path, world, None)
+    assert not hasattr(ref, "optimizer")  # AReaL's forward-only engine: no optimizer attribute at all
+    for engine in (actor, plain):
+        engine.train_batch(_batch(rank), _loss, _weight)
+    before = snapshot(actor.model, actor.optimizer)
+    assert any(k.endswith(".grad") for k in before) and any(k.startswith("opt.") for k in before)
+    ids = identities(actor.model, actor.optimizer)
+    kept = _kept(actor.model, actor.optimizer)
+
+    # offload / onload: flags as AReaL sets them, bit-exact, every object kept
+    assert tf_areal.ferry_for(actor) is None and not actor.is_offload
+    actor.offload()
+    ferry = tf_areal.ferry_for(actor)
+    assert actor.is_offload and ferry is not None and ferry.residency is Residency.HOST
+    assert ferry.stats.offload_bytes_copied == ferry.stats.last_offload_bytes > 0
+    with pytest.raises(RuntimeError, match="reload"):
+        actor.model(input_ids=_batch(rank)["input_ids"])
+    actor.offload()  # a second offload moves nothing (a second torch_memory_saver pause ends the process)
+    assert actor.is_offload and tf_areal.ferry_for(actor) is ferry and ferry.stats.bytes_offloaded == ferry.state_bytes
+    actor.onload()
+    assert not actor.is_offload and ferry.residency is Residency.DEVICE
+    _assert_equal(before, snapshot(actor.model, actor.optimizer))
+    assert identities(actor.model, actor.optimizer) == ids
+    actor.onload()  # resident: moves nothing
+    assert not actor.is_offload and ferry.stats.bytes_reloaded == ferry.state_bytes
+
+    # a full-parameter engine with an optimizer copies everything, unchanged or not
+    actor.offload()
+    assert ferry.stats.offload_bytes_copied == ferry.stats.last_offload_bytes
+
+    # AReaL's offload-aware context: the outermost one onloads and offloads again at its end; a nested
+    # one finds is_offload False (onload() cleared it) and only yields (AReaL's depth stays 1)
+    with actor._offload_aware_context():
+        assert not actor.is_offload and actor._offload_depth == 1 and ferry.residency is Residency.DEVICE
+        with actor._offload_aware_context():
+            assert actor._offload_depth == 1 and ferry.residency is Residency.DEVICE
+        assert not actor.is_offload and ferry.residency is Residency.DEVICE
+    assert actor.is_offload and actor._offload_depth == 0 and ferry.residency is Residency.HOST
+    actor.export_stats()  # one of AReaL's callers of that context
+    assert actor.is_offload and ferry.residency is Residency.HOST
+    _assert_equal(before, snapshot(actor.model, actor.optimizer))  # offloaded tensors read on the host
+
+    # _ensure_ready: train_batch onloads an offloaded engine and leaves it onloaded; the training is
+    # bit-identical to an engine of the same seed that was never offloaded
+    for engine in (actor, plain):
+        engine.train_batch(_batch(10 + rank), _loss, _weight)
+    assert not actor.is_offload and ferry.residency is Residency.DEVICE
+    _assert_equal(snapshot(plain.model, plain.optimizer), snapshot(actor.model, actor.optimizer))
+    assert _kept(actor.model, actor.optimizer) == kept  # the .grads are new: AReaL's zero_grad() dropped them
+
+    # the reference engine: skip_unchanged, so after the first cycle an offload copies nothing
+    out = ref.forward_batch(_batch(rank))
+    ref_before, ref_ids = snapshot(ref.model), identities(ref.model)
+    ref.offload()
+    ref_ferry = tf_areal.ferry_for(ref)
+    assert ref.is_offload and ref_ferry is not None and ref_ferry.residency is Residency.HOST
+    assert ref_ferry.stats.offload_bytes_copied == ref_ferry.stats.last_offload_bytes > 0
+    assert torch.equal(ref.forward_batch(_batch(rank)), out)  # _ensure_ready onloaded it
+    assert not ref.is_offload and ref_ferry.residency is Residency.DEVICE
+    ref.offload()
+    assert ref_ferry.stats.offload_bytes_copied == 0 and ref_ferry.stats.last_offload_bytes > 0
+    ref.onload()
+    _assert_equal(ref_before, snapshot(ref.model))
+    assert identities(ref.model) == ref_ids
+
+    # unpatch() refuses while an engine is offloaded through torchferry, and changes nothing then
+    ref.offload()
+    with pytest.raises(RuntimeError, match=r"unpatch\(\) while 1 engine\(s\) are offloaded through torchferry"):
+        tf_areal.unpatch()
+    assert tf_areal.is_patched() and tf_areal.ferry_for(ref) is ref_ferry
+    ref.onload()
+    tf_areal.unpatch()
+    assert not tf_areal.is_patched() and tf_areal.ferry_for(actor) is None
+    _assert_equal(ref_before, snapshot(ref.model))
+    for engine in (actor, plain, ref):
+        engine.destroy()
+
+
+def test_patched_offload_onload_round_trip_bit_exact_on_fsdp2_over_two_ranks(model_dir):
+    run_spawned(functools.partial(_round_trips_body, path=model_dir), world=2, timeout_s=TIMEOUT_S)
+
+
+def _patch_body(rank: int, world: int) -> None:
+    import inspect
+
+    import torch.distributed as dist
+    from torch import nn
+
+    import torchferry.integrations.areal as tf_areal
+    from areal.engine import fsdp_engine
+    from torchferry import Residency
+
+    cls = fsdp_engine.FSDPEngine
+    offload, onload = cls.__dict__["offload"], cls.__dict__["onload"]
+    assert "torch_memory_saver.pause()" in inspect.getsource(offload)  # AReaL's own, before any patch
+
+    # idempotent; subclasses inherit the replacements
+    names = tf_areal.patch()
+    assert names == ["areal.engine.fsdp_engine.FSDPEngine.offload", "areal.engine.fsdp_engine.FSDPEngine.onload"]
+    assert tf_areal.patch(skip_unchanged=False) == names and tf_areal.is_patched()
+    assert cls.__dict__["offload"] is not offload and cls.__dict__["offload"].__torchferry_original__ is offload
+    assert fsdp_engine.FSDPPPOActor.offload is cls.__dict__["offload"]
+    assert fsdp_engine.FSDPPPOCritic.onload is cls.__dict__["onload"]
+
+    # AReaL's own class with only the attributes offload/onload read (no cluster, no model files)
+    engine = object.__new__(cls)
+    engine.is_offload, engine._offload_depth, engine._initialized = False, 0, True
+    engine._cpu_group = dist.group.WORLD
+    with pytest.raises(RuntimeError, match=r"offload\(\) of an FSDPEngine without a model .*nothing was moved"):
+        engine.offload()
+    assert not engine.is_offload
+    engine.onload()  # never offloaded through torchferry: moves nothing, the flag as AReaL's
+    assert not engine.is_offload
+    torch.manual_seed(0)
+    engine.model, engine.device = nn.Linear(8, 8), torch.device("cpu")
+    engine.optimizer = torch.optim.AdamW(engine.model.parameters())
+    engine.model(torch.randn(2, 8)).sum().backward()
+    engine.optimizer.step()
+    before, ids = snapshot(engine.model, engine.optimizer), identities(engine.model, engine.optimizer)
+    engine.offload()
+    assert engine.is_offload and tf_areal.ferry_for(engine).residency is Residency.HOST
+    engine.onload()
+    assert not engine.is_offload
+    _assert_equal(before, snapshot(engine.model, engine.optimizer))
+    assert identities(engine.model, engine.optimizer) == ids
+    first = tf_areal.ferry_for(engine)
+    engine.model = nn.Linear(8, 8)  # a new model (initialize() again): a new ferry, for it
+    engine.optimizer = torch.optim.AdamW(engine.model.parameters())
+    assert tf_areal.ferry_for(engine) is None
+    engine.offload()
+    assert tf_areal.ferry_for(engine) not in (None, first)
+    engine.onload()
+
+    # unpatch restores exactly AReaL's functions; idempotent
+    tf_areal.unpatch()
+    assert cls.__dict__["offload"] is offload and cls.__dict__["onload"] is onload and not tf_areal.is_patched()
+    tf_areal.unpatch()
+    assert cls.__dict__["offload"] is offload and tf_areal.ferry_for(engine) is None
+
+    # a method whose parameters changed: a clear error and nothing replaced
+    def changed_onload(self, tags=None):
+        pass
+
+    cls.onload = changed_onload
+    try:
+        with pytest.raises(RuntimeError, match=r"FSDPEngine\.onload\('self', 'tags'\) does not have the parameters "
+                                               r"\('self',\) this integration was written for; AReaL changed"):
+            tf_areal.patch()
+        assert cls.__dict__["offload"] is offload and cls.__dict__["onload"] is changed_onload
+        assert not tf_areal.is_patched()
+    finally:
+        cls.onload = onload
+    del cls.offload  # moved elsewhere: missing from the class
+    try:
+        with pytest.raises(RuntimeError, match=r"FSDPEngine\.offload is missing; AReaL changed"):
+            tf_areal.patch()
+        assert cls.__dict__["onload"] is onload and not tf_areal.is_patched()
+    finally:
+        cls.offload = offload
+    with pytest.raises(TypeError, match=r"patch\(skip_unchanged=\.\.\.\) takes None or a bool"):
+        tf_areal.patch(skip_unchanged="yes")  # type: ignore[arg-type]
+    saved = sys.modules["areal.engine.fsdp_engine"]
+    sys.modules["areal.engine.fsdp_engine"] = None  # type: ignore[assignment]
+    try:
+        with pytest.raises(RuntimeError, match=r"torchferry\.integrations\.areal: areal is not importable"):
+            tf_areal.patch()
+    finally:
+        sys.modules["areal.engine.fsdp_engine"] = saved
+    assert cls.__dict__["offload"] is offload and cls.__dict__["onload"] is onload and not tf_areal.is_patched()
+
+    # patch(skip_unchanged=True) applies to every engine, one with an optimizer too
+    tf_areal.patch(skip_unchanged=True)
+    engine.offload()
+    engine.onload()
+    engine.offload()  # nothing written since the reload: only optimizer state (always copied) is
+    stats = tf_areal.ferry_for(engine).stats
+    opt_bytes = sum(v.nbytes for st in engine.optimizer.state.values() for v in st.values() if torch.is_tensor(v))
+    grad_bytes = sum(p.grad.nbytes for p in engine.model.parameters() if p.grad is not None)
+    assert stats.offload_bytes_copied <= opt_bytes + grad_bytes < stats.last_offload_bytes
+    engine.onload()
+    tf_areal.unpatch()
+
+
+def test_patch_is_idempotent_unpatch_restores_and_a_changed_method_is_refused(areal_importable):
+    run_spawned(_patch_body, world=1, timeout_s=TIMEOUT_S)

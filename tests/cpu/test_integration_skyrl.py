@@ -1,0 +1,293 @@
+"""torchferry.integrations.skyrl (patch()/unpatch(), SkyRL's seed quirks) against the real SkyRL 0.4.0 package
+(CPU; FSDP2 over gloo on 2 ranks).
+
+SkyRL installs without its dependencies (``pip install --no-deps --ignore-requires-python skyrl==0.4.0``) plus
+what importing its ``fsdp_utils`` needs (``skyrl-gym``, ``loguru``); on Python 3.11 ``skyrl_import.apply``
+skips the Tinker backend's package ``__init__`` (see there). Skipped, with the reason, where SkyRL's
+``fsdp_utils`` does not import."""
+
+import ast
+import copy
+import importlib.util
+import inspect
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.cpu.skyrl_import import FSDP_STRATEGY, FSDP_UTILS, import_fsdp_utils
+
+fsdp_utils = import_fsdp_utils()
+
+import torchferry.integrations.skyrl as tf_skyrl  # noqa: E402
+import torchferry.integrations.verl as tf_verl  # noqa: E402
+from torchferry.integrations import _helpers  # noqa: E402
+from tests.helpers import IDS, Mixed, build_uneven, cpu_mesh, identities, snapshot, train_step, trained  # noqa: E402
+from tests.spawn import run_spawned  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+HELPERS = ("offload_fsdp2_model_to_cpu", "load_fsdp2_model_to_gpu", "offload_fsdp_optimizer", "load_fsdp_optimizer")
+
+
+@pytest.fixture(autouse=True)
+def _unpatched():
+    yield
+    tf_skyrl.unpatch()
+
+
+def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def _bound_like_fsdp_strategy(name: str) -> types.ModuleType:
+    """A stand-in SkyRL module that runs the real ``from ...fsdp_utils import (...)`` statement of the installed
+    ``fsdp_strategy.py`` (which itself needs flash_attn; see test_fsdp_strategy_offloads_through_torchferry)."""
+    spec = importlib.util.find_spec("skyrl")
+    path = Path(list(spec.submodule_search_locations)[0], "backends/skyrl_train/distributed/fsdp_strategy.py")
+    tree = ast.parse(path.read_text())
+    [stmt] = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == FSDP_UTILS]
+    assert set(HELPERS) <= {a.name for a in stmt.names}  # fsdp_strategy binds all four by name
+    module = types.ModuleType(name)
+    exec(compile(ast.Module(body=[stmt], type_ignores=[]), str(path), "exec"), module.__dict__)
+    sys.modules[name] = module
+    return module
+
+
+# ------------------------------------------------------------------ FSDP2 round trips (2 gloo ranks)
+def _round_trip_on_fsdp2(rank, world):
+    mesh = cpu_mesh(world)
+    names = tf_skyrl.patch()
+    assert {f"{FSDP_UTILS}.{h}" for h in HELPERS} <= set(names)
+    m, opt = build_uneven(mesh)
+    ref, ref_opt = build_uneven(mesh)
+    torch.manual_seed(1)
+    xs = [torch.randn(4, 16) for _ in range(3)]
+    for model, o in ((m, opt), (ref, ref_opt)):
+        train_step(model, o, xs[0])
+    before, ids = snapshot(m, opt), identities(m, opt)
+    for step in (1, 2):
+        # SkyRL's FSDPStrategy.offload_to_cpu / backload_to_gpu, through SkyRL's module attributes:
+        fsdp_utils.offload_fsdp2_model_to_cpu(m, empty_cache=True)
+        fsdp_utils.offload_fsdp_optimizer(opt)
+        assert tf_skyrl.ferry_for(m).residency.on_host and tf_skyrl.ferry_for(opt).residency.on_host
+        fsdp_utils.load_fsdp2_model_to_gpu(m)
+        fsdp_utils.load_fsdp_optimizer(opt, "cpu")  # SkyRL passes torch.cuda.current_device(): the state's device
+        if step == 1:
+            _assert_equal(before, snapshot(m, opt))
+        assert identities(m, opt) == ids  # every parameter, grad and optimizer-state object kept
+        train_step(m, opt, xs[step])
+        train_step(ref, ref_opt, xs[step])
+        _assert_equal(snapshot(ref, ref_opt), snapshot(m, opt))  # training goes on as if never offloaded
+    tf_skyrl.unpatch()
+    assert not any(hasattr(getattr(fsdp_utils, h), "__torchferry_original__") for h in HELPERS)
+
+
+def test_patched_helpers_round_trip_fsdp2_state_bit_exact_and_keep_identities():
+    run_spawned(_round_trip_on_fsdp2)
+
+
+def _native_cpu_offload_stays_with_skyrl(rank, world):
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    mesh = cpu_mesh(world)
+    torch.manual_seed(0)
+    full = nn.Sequential(nn.Linear(16, 11), nn.ReLU(), nn.Linear(11, 3))
+    sd = copy.deepcopy(full.state_dict())
+    policy = CPUOffloadPolicy(pin_memory=False)  # SkyRL's fsdp_config.cpu_offload=true (pinned on a GPU)
+    for layer in (full[0], full[2]):
+        fully_shard(layer, mesh=mesh, offload_policy=policy)
+    fully_shard(full, mesh=mesh, offload_policy=policy)
+    tf_skyrl.patch()
+    # SkyRL's own loader calls the (patched) offload_fsdp2_model_to_cpu global for such a model:
+    fsdp_utils.fsdp2_load_full_state_dict(full, sd if rank == 0 else {}, policy)
+    assert tf_skyrl.ferry_for(full) is None  # FSDP2 keeps its shards on the host itself: SkyRL's helper ran
+    full(torch.randn(2, 16)).sum().backward()  # usable at once (torchferry's would have left it offloaded)
+    tf_skyrl.unpatch()
+
+
+def test_a_model_fsdp2_offloads_itself_stays_with_skyrls_helper():
+    """SkyRL's fsdp2_load_full_state_dict offloads a CPUOffloadPolicy model through the module-global helper
+    ([Note: what stays with SkyRL's own helpers])."""
+    run_spawned(_native_cpu_offload_stays_with_skyrl)
+
+
+# ------------------------------------------------------------------ patch / unpatch (this process)
+def test_patch_is_idempotent_and_unpatch_restores_every_binding():
+    originals = {h: getattr(fsdp_utils, h) for h in HELPERS}
+    strategy = _bound_like_fsdp_strategy("skyrl._tf_test_strategy")
+    try:
+        names = tf_skyrl.patch(import_call_sites=False)
+        assert {f"{mod}.{h}" for mod in (FSDP_UTILS, strategy.__name__) for h in HELPERS} <= set(names)
+        assert tf_skyrl.patch() == names and tf_skyrl.is_patched()  # idempotent
+        late = types.ModuleType("skyrl._tf_test_late")  # a SkyRL module imported after patch()
+        exec(f"from {FSDP_UTILS} import offload_fsdp2_model_to_cpu, load_fsdp_optimizer", late.__dict__)
+        sys.modules[late.__name__] = late
+        for h in HELPERS:
+            fn = getattr(fsdp_utils, h)
+            assert getattr(strategy, h) is fn and fn.__torchferry_original__ is originals[h]
+        assert fsdp_utils.offload_fsdp_optimizer.__wrapped__ is _helpers.offload_fsdp_optimizer
+        # one set of drop-ins for both frameworks (SkyRL's helpers are verl's under the same names):
+        assert all(getattr(tf_skyrl, h) is getattr(tf_verl, h) is getattr(_helpers, h) for h in HELPERS)
+        tf_skyrl.unpatch()
+        assert not tf_skyrl.is_patched()
+        for mod in (fsdp_utils, strategy):
+            assert all(getattr(mod, h) is originals[h] for h in HELPERS), mod.__name__
+        assert late.offload_fsdp2_model_to_cpu is originals["offload_fsdp2_model_to_cpu"]
+        assert late.load_fsdp_optimizer is originals["load_fsdp_optimizer"]
+        assert 'model.to("cpu", non_blocking=True)' in inspect.getsource(originals["offload_fsdp2_model_to_cpu"])
+        tf_skyrl.unpatch()  # idempotent
+        assert all(getattr(fsdp_utils, h) is originals[h] for h in HELPERS)
+    finally:
+        sys.modules.pop("skyrl._tf_test_strategy", None)
+        sys.modules.pop("skyrl._tf_test_late", None)
+
+
+def test_unpatch_leaves_the_other_integrations_names_alone():
+    pytest.importorskip("verl.utils.fsdp_utils", reason="verl not installed")
+    import verl.utils.fsdp_utils as verl_fsdp_utils
+
+    tf_verl.patch(import_engines=False)
+    try:
+        tf_skyrl.patch(import_call_sites=False)
+        tf_skyrl.unpatch()
+        assert hasattr(verl_fsdp_utils.offload_fsdp2_model_to_cpu, "__torchferry_original__")
+    finally:
+        tf_verl.unpatch()
+
+
+def test_changed_helper_is_refused_and_nothing_patched(monkeypatch):
+    def load_fsdp_optimizer(optimizer):  # SkyRL changed the signature
+        pass
+
+    monkeypatch.setattr(fsdp_utils, "load_fsdp_optimizer", load_fsdp_optimizer)
+    before = {h: getattr(fsdp_utils, h) for h in HELPERS}
+    strategy = _bound_like_fsdp_strategy("skyrl._tf_test_strategy2")
+    try:
+        bound = {h: getattr(strategy, h) for h in HELPERS}
+        with pytest.raises(RuntimeError, match=r"^torchferry\.integrations\.skyrl: skyrl\.backends\.skyrl_train\."
+                           r"distributed\.fsdp_utils\.load_fsdp_optimizer\('optimizer',\) does not have the "
+                           r"parameters \('optimizer', 'device_id'\) this integration was written for; skyrl changed"):
+            tf_skyrl.patch()
+        assert not tf_skyrl.is_patched()
+        assert {h: getattr(fsdp_utils, h) for h in HELPERS} == before
+        assert {h: getattr(strategy, h) for h in HELPERS} == bound
+    finally:
+        sys.modules.pop("skyrl._tf_test_strategy2", None)
+
+
+def test_missing_helper_is_refused(monkeypatch):
+    monkeypatch.delattr(fsdp_utils, "offload_fsdp_optimizer")
+    with pytest.raises(RuntimeError, match=r"fsdp_utils\.offload_fsdp_optimizer is missing; skyrl changed"):
+        tf_skyrl.patch()
+    assert not tf_skyrl.is_patched()
+
+
+def test_skyrl_not_importable(monkeypatch):
+    monkeypatch.setitem(sys.modules, FSDP_UTILS, None)
+    with pytest.raises(RuntimeError, match=r"^torchferry\.integrations\.skyrl: skyrl is not importable"):
+        tf_skyrl.patch()
+
+
+# ------------------------------------------------------------------ SkyRL's seed quirks
+def test_meta_buffers_are_materialised_as_skyrls_helper_does():
+    torch.manual_seed(0)
+    m = Mixed()
+    m.register_buffer("inv_freq", torch.empty(4, dtype=torch.float16, device="meta"), persistent=False)
+    theirs = copy.deepcopy(m)
+    opt = torch.optim.AdamW(m.parameters())
+    m(IDS).backward()
+    opt.step()
+    before = snapshot(m, opt)
+    tf_skyrl.patch(import_call_sites=False)
+    fsdp_utils.offload_fsdp2_model_to_cpu(m)
+    assert tf_skyrl.ferry_for(m).residency.on_host
+    fsdp_utils.load_fsdp2_model_to_gpu(m)
+    tf_skyrl.unpatch()
+    fsdp_utils.offload_fsdp2_model_to_cpu(theirs, empty_cache=False)  # SkyRL's own, for comparison
+    for b in (m.inv_freq, theirs.inv_freq):
+        assert (b.device.type, b.shape, b.dtype) == ("cpu", torch.Size([4]), torch.float16)
+    after = snapshot(m, opt)
+    del after["buf.inv_freq"], before["buf.inv_freq"]  # uninitialised (torch.empty), as in SkyRL
+    _assert_equal(before, after)
+
+
+def test_reloading_what_torchferry_never_offloaded_is_skyrls_business(monkeypatch):
+    calls = []
+
+    def load_fsdp2_model_to_gpu(model):
+        calls.append(("model", model))
+
+    def load_fsdp_optimizer(optimizer, device_id):
+        calls.append(("optimizer", optimizer, device_id))
+
+    monkeypatch.setattr(fsdp_utils, "load_fsdp2_model_to_gpu", load_fsdp2_model_to_gpu)  # stand for SkyRL's own
+    monkeypatch.setattr(fsdp_utils, "load_fsdp_optimizer", load_fsdp_optimizer)
+    m, opt = trained()
+    tf_skyrl.patch(import_call_sites=False)
+    fsdp_utils.load_fsdp2_model_to_gpu(m)
+    fsdp_utils.load_fsdp_optimizer(opt, 0)
+    assert calls == [("model", m), ("optimizer", opt, 0)]
+    fsdp_utils.offload_fsdp2_model_to_cpu(m)
+    fsdp_utils.offload_fsdp_optimizer(opt)
+    fsdp_utils.load_fsdp2_model_to_gpu(m)  # torchferry's now: it offloaded them
+    fsdp_utils.load_fsdp_optimizer(opt, "cpu")
+    assert len(calls) == 2 and not tf_skyrl.ferry_for(m).residency.on_host
+
+
+# ------------------------------------------------------------------ SkyRL's FSDPStrategy itself (fresh process)
+STRATEGY_CODE = f"""
+import sys, types, torch
+from tests.cpu.skyrl_import import apply, stub_flash_attn
+from tests.helpers import identities, snapshot, trained
+apply(); stub_flash_attn()
+try:
+    from skyrl.backends.skyrl_train.distributed import fsdp_strategy as fs
+except ImportError as e:
+    print(f"SKIP {{type(e).__name__}}: {{e}}"); sys.exit(3)
+from skyrl.backends.skyrl_train.distributed.fsdp_strategy import FSDPStrategy
+import torchferry.integrations.skyrl as tf_skyrl
+names = tf_skyrl.patch()  # replaces the names fsdp_strategy bound by `from ...fsdp_utils import (...)`
+assert "{FSDP_STRATEGY}.offload_fsdp2_model_to_cpu" in names, names
+assert fs.load_fsdp_optimizer.__torchferry_original__ is not None
+# The GPU calls FSDPStrategy makes around the helpers, on this CPU build:
+torch.cuda.synchronize = lambda *a, **k: None
+torch.cuda.current_device = lambda: "cpu"
+strategy = types.SimpleNamespace(manual_offload=True, manual_offload_optimizer=True)
+m, opt = trained()
+before, ids = snapshot(m, opt), identities(m, opt)
+FSDPStrategy.offload_to_cpu(strategy, m, opt)
+assert tf_skyrl.ferry_for(m).residency.on_host and tf_skyrl.ferry_for(opt).residency.on_host
+FSDPStrategy.backload_to_gpu(strategy, m, opt)
+after = snapshot(m, opt)
+assert after.keys() == before.keys() and all(torch.equal(before[k], after[k]) for k in before)
+assert identities(m, opt) == ids
+originals = [fs.offload_fsdp2_model_to_cpu.__torchferry_original__, fs.load_fsdp_optimizer.__torchferry_original__]
+tf_skyrl.unpatch()
+assert [fs.offload_fsdp2_model_to_cpu, fs.load_fsdp_optimizer] == originals
+assert not hasattr(fs.offload_fsdp_optimizer, "__torchferry_original__")
+print("ok")
+"""
+
+
+def test_fsdp_strategy_offloads_through_torchferry():
+    """SkyRL's own FSDPStrategy.offload_to_cpu / backload_to_gpu (which call the helpers bound by name in
+    fsdp_strategy) move the state through torchferry, bit-exact; unpatch() gives fsdp_strategy its names back."""
+    p = subprocess.run([sys.executable, "-c", STRATEGY_CODE], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    if p.returncode == 3 and p.stdout.startswith("SKIP"):
+        pytest.skip(f"SkyRL's fsdp_strategy cannot import here: {p.stdout[5:].strip()}")
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-4000:]
+
+
+def test_import_loads_neither_skyrl_nor_ray_nor_cuda():
+    code = ("import sys, torch, torchferry.integrations.skyrl\n"
+            "assert not torch.cuda.is_initialized()\n"
+            "assert not {'skyrl', 'ray', 'torch.distributed.fsdp'} & set(sys.modules), 'imported eagerly'\n"
+            "print('ok')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]

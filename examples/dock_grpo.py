@@ -133,3 +133,6 @@ exact = all(torch.equal(a.detach().cpu(), b.detach().cpu())
             for a, b in zip(actor.parameters(), actor2.parameters(), strict=True))
 assert exact, "the docked actor differs from the resident one"
 print(f"dock_grpo: OK on {device.type}: steady steps move only the reference; actor bit-exact vs resident: {exact}")
+dock.close()
+for f in sets.values():  # the state back on the device before the ferries go (one dropped offloaded warns)
+    f.reload().wait()

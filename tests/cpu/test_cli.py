@@ -124,6 +124,10 @@ def test_bench_pin_help_shows_defaults():
         (["bench", "--trace", "t", "--strategies", "blocking,seed"],
          "error: --trace profiles the torchferry strategies, and --strategies blocking,seed has none"),
         (["bench-pin", "--json", "/proc/x/y.json"], "error: --json /proc/x/y.json: folder /proc/x does not exist"),
+        (["bench", "--plot", "out.txt"], "error: --plot out.txt: matplotlib cannot write '.txt'; name a .png, .pdf, "
+                                         ".svg file, e.g. --plot bench.png"),
+        (["bench-grpo", "--plot", "timeline"], "error: --plot timeline: matplotlib cannot write 'files without a "
+                                               "suffix'"),
     ],
 )
 def test_unwritable_output_is_refused_before_any_work(args, message):

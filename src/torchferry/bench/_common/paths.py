@@ -30,6 +30,11 @@ def _reason(e: OSError) -> str:
     return _REASONS.get(e.errno, e.strerror or str(e))
 
 
+# What matplotlib's savefig writes without extra packages (its default backends).
+IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp", ".pgf", ".svgz",
+                  ".raw", ".rgba")
+
+
 def check_output_path(option: str, path: str | Path, *, prefix: bool = False, example: str = "bench.json") -> None:
     """Checks that the command can write ``path`` (or, with ``prefix``, files named ``path.<suffix>``).
 
@@ -42,13 +47,18 @@ def check_output_path(option: str, path: str | Path, *, prefix: bool = False, ex
         option: the option's name, for the message (``"--json"``).
         path: the path given.
         prefix: ``path`` is a prefix of several files, not a file.
-        example: a file name to suggest when ``path`` is a folder.
+        example: a file name to suggest when ``path`` is a folder; a ``.png`` one makes ``path``
+            an image too, whose suffix must be one of :data:`IMAGE_SUFFIXES`.
 
     Raises:
         ValueError: a one-line message naming the option, the path and the problem.
     """
     text = str(path)
     p = Path(os.path.abspath(os.path.expanduser(text)))
+    if not prefix and Path(example).suffix == ".png" and p.suffix.lower() not in IMAGE_SUFFIXES \
+            and not (text.endswith(os.sep) or p.is_dir()):
+        raise ValueError(f"{option} {text}: matplotlib cannot write {p.suffix or 'files without a suffix'!r}; "
+                         f"name a {', '.join(IMAGE_SUFFIXES[:3])} file, e.g. {option} {example}")
     if text.endswith(os.sep) or p.is_dir():
         if prefix:
             raise ValueError(f"{option} {text}: is a folder; {option} takes a path prefix "

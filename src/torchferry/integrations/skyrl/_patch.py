@@ -35,6 +35,8 @@ besides moving state:
 
 from __future__ import annotations
 
+import sys
+
 from collections.abc import Callable, Mapping
 from types import ModuleType
 
@@ -147,11 +149,22 @@ def patch(*, import_call_sites: bool = True) -> list[str]:
         The ``module.attribute`` names replaced.
 
     Raises:
-        RuntimeError: SkyRL's ``fsdp_utils`` is not importable, or one of its helpers is
+        TypeError: ``import_call_sites`` is not a bool.
+        RuntimeError: SkyRL's ``fsdp_utils`` is not importable (on Python < 3.12 the message says
+            SkyRL needs 3.12), or one of its helpers is
             missing or has other parameters than this integration was written for (nothing is
             replaced then).
     """
-    return _patcher.patch(import_call_sites=import_call_sites)
+    if not isinstance(import_call_sites, bool):
+        raise TypeError(f"torchferry.integrations.skyrl: patch(import_call_sites=...) must be True or False, "
+                        f"got {type(import_call_sites).__name__} {import_call_sites!r}")
+    try:
+        return _patcher.patch(import_call_sites=import_call_sites)
+    except RuntimeError as e:
+        if sys.version_info < (3, 12) and "is not importable" in str(e):
+            raise RuntimeError(f"{e}; SkyRL 0.4.0 needs Python >= 3.12 (this is "
+                               f"{sys.version_info.major}.{sys.version_info.minor})") from e
+        raise
 
 
 def unpatch() -> None:

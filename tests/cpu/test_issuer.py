@@ -176,11 +176,11 @@ def _thread_fails_checks(rank: int, world: int) -> None:
     copy_group = prefetch.PrefetchRun._copy_group
     failed: list[int] = []
 
-    def flaky(self, gi):
+    def flaky(self, gi, queue=None):
         if threading.current_thread().name == "torchferry-h2d-issuer" and gi == 2:
             failed.append(gi)
             raise RuntimeError("injected copy failure")
-        copy_group(self, gi)
+        copy_group(self, gi, queue)
 
     prefetch.PrefetchRun._copy_group = flaky  # type: ignore[method-assign]
     try:

@@ -75,3 +75,22 @@ def test_the_environment_sets_the_interval(monkeypatch):
 def test_a_direction_is_h2d_or_d2h():
     with pytest.raises(ValueError, match="direction must be 'h2d' or 'd2h'"):
         SwitchPoints(torch.device("cpu"), "up")
+
+
+def test_copies_by_pointer_are_cut_as_copies_are_and_counted_with_them():
+    sp = SwitchPoints(torch.device("cpu"), "h2d", every=10)
+    calls: list[tuple[int, int, int]] = []
+    sp.copy_by_pointer(lambda d, s, n: calls.append((d, s, n)), 1000, 5000, 25)
+    assert calls == [(1000, 5000, 10), (1000, 5000, 10), (1010, 5010, 10), (1010, 5010, 10), (1020, 5020, 5)]
+    assert sp.separators == 2
+    src = torch.arange(12, dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    sp.copy(dst, src)  # 5 bytes since the last switch point: one after 5 more, whichever path queued them
+    assert torch.equal(dst, src) and sp.separators == 3
+    calls.clear()
+    sp.copy_by_pointer(lambda d, s, n: calls.append((d, s, n)), 0, 64, 4)
+    assert calls == [(0, 64, 3), (0, 64, 3), (3, 67, 1)] and sp.separators == 4
+    off = SwitchPoints(torch.device("cpu"), "d2h", every=0)
+    calls.clear()
+    off.copy_by_pointer(lambda d, s, n: calls.append((d, s, n)), 7, 9, 1 << 30)
+    assert calls == [(7, 9, 1 << 30)] and off.separators == 0

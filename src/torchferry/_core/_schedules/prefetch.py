@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import Literal
 
 import torch
 from torch import nn
@@ -54,6 +55,8 @@ from .._state.plan import Plan
 from .._state.parking import Parking
 from .step_hooks import GlobalStepHook
 from .unchanged import UnchangedStorages
+from .._transfer.driver import DriverQueue, queue_for
+from .._transfer.driver import enabled as driver_copies_enabled
 from .._transfer.streams import TransferStreams
 from .issuer import Issuer
 
@@ -256,6 +259,7 @@ class PrefetchRun:
         self.finished = False
         self._issuer: Issuer | None = None  # see [Note: copies issued off the caller's thread]
         self._window_from = 0  # the first issued group whose copies may not be done (issuer thread)
+        self._queue: DriverQueue | Literal[False] | None = None  # the issuer thread's; False: use copy_
         self._background = (streams.is_cuda or BACKGROUND_ON_CPU) and policy.lookahead_bytes is None
         if self._background:
             self.groups = groups = split_tail(plan, groups)
@@ -281,6 +285,8 @@ class PrefetchRun:
                 if self.policy.lookahead_bytes is None:
                     self.arena = ReloadArena.seed(self.plan.device, self.plan.nbytes)
             if self._background:
+                if cuda:
+                    driver_copies_enabled()  # a bad TORCHFERRY_DRIVER_COPIES fails here, before anything moved
                 for gi in range(len(self.groups)):  # on the caller's thread and stream: see the Note
                     self._allocate_group(gi)
                 self._issue_ranged(0)  # the handle's event
@@ -423,11 +429,13 @@ class PrefetchRun:
             if sum(nbytes[self._window_from:self.issued]) + nbytes[gi] <= ISSUE_WINDOW_BYTES:
                 break
             time.sleep(ISSUE_POLL_S)
-        self._issue_ranged(gi)
+        if self._queue is None and self.streams.is_cuda:
+            self._queue = queue_for("h2d", self.streams.h2d) or False
+        self._issue_ranged(gi, self._queue or None)
 
-    def _issue_ranged(self, gi: int) -> None:
+    def _issue_ranged(self, gi: int, queue: DriverQueue | None = None) -> None:
         with transfer_range("h2d", self.groups[gi].nbytes):
-            self._issue_group(gi)
+            self._issue_group(gi, queue)
 
     def _allocate_group(self, gi: int) -> None:
         plan = self.plan
@@ -440,24 +448,30 @@ class PrefetchRun:
             self._allocated.append(si)
         self._versions.append(self._group_versions(gi))
 
-    def _issue_group(self, gi: int) -> None:
-        """Allocates group ``gi`` (unless done), queues its copies and event (on the issuer thread too)."""
+    def _issue_group(self, gi: int, queue: DriverQueue | None = None) -> None:
+        """Allocates group ``gi`` (unless done), queues its copies (by pointer through ``queue`` if
+        given) and event (on the issuer thread too)."""
         if gi >= len(self._versions):
             self._allocate_group(gi)
-        self._copy_group(gi)
+        self._copy_group(gi, queue)
         self.events.append(self.streams.event(self.streams.h2d, timing=True) if self.streams.is_cuda else None)
         self.issued += 1
 
-    def _copy_group(self, gi: int) -> None:
+    def _copy_group(self, gi: int, queue: DriverQueue | None = None) -> None:
         plan, slots, cuda = self.plan, self.views.slots, self.streams.is_cuda
+        switch = self.streams.switch("h2d") if cuda else None  # see [Note: switch points]
         for si in self.groups[gi].storages:
             if not plan.nbytes[si]:
                 continue
+            if queue is not None:  # the issuer thread: see [Note: copies queued by pointer]
+                assert switch is not None
+                switch.copy_by_pointer(queue, plan.storages[si].data_ptr(), slots[si].data_ptr(), plan.nbytes[si])
+                continue
             dst = (self.device_views[si] if self.device_views is not None
                    else torch.empty(0, dtype=torch.uint8, device=plan.device).set_(plan.storages[si]))
-            if cuda:
+            if switch is not None:
                 with torch.cuda.stream(self.streams.h2d):
-                    self.streams.switch("h2d").copy(dst, slots[si])  # see [Note: switch points]
+                    switch.copy(dst, slots[si])
             else:
                 dst.copy_(slots[si])
         held = self._unchanged

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -142,16 +143,39 @@ class SwitchPoints:
         with self._lock:
             self._pieces(dst, src, n, every)
 
-    def _pieces(self, dst: torch.Tensor, src: torch.Tensor, n: int, every: int) -> None:
+    def _cuts(self, n: int, every: int) -> Iterator[tuple[int, int, bool]]:
+        """``(offset, bytes, separator after)`` of each piece of an ``n``-byte copy (under the lock),
+        counting the stream's bytes since its last switch point."""
         off = 0
         if self._since >= every:  # the interval was lowered since the last copy
             self._since = 0
         while off < n:
             take = min(n - off, every - self._since)
+            self._since += take
+            separate = self._since >= every
+            if separate:
+                self._since = 0
+            yield off, take, separate
+            off += take
+
+    def _pieces(self, dst: torch.Tensor, src: torch.Tensor, n: int, every: int) -> None:
+        for off, take, separate in self._cuts(n, every):
             d, s = (dst, src) if off == 0 and take == n else (dst[off:off + take], src[off:off + take])
             d.copy_(s, non_blocking=True)
-            off += take
-            self._since += take
-            if self._since >= every:
+            if separate:
                 self._separate(d, s)
-                self._since = 0
+
+    def copy_by_pointer(self, queue: Callable[[int, int, int], None], dst: int, src: int, n: int) -> None:
+        """As :meth:`copy`, for ``n`` bytes from address ``src`` to address ``dst``, each piece and
+        separator queued by ``queue(dst, src, nbytes)`` ([Note: copies queued by pointer] in
+        ``driver``); the switch points are counted with :meth:`copy`'s, on one stream."""
+        every = self.every
+        if not every:
+            queue(dst, src, n)
+            return
+        with self._lock:
+            for off, take, separate in self._cuts(n, every):
+                queue(dst + off, src + off, take)
+                if separate:
+                    queue(dst + off, src + off, min(SEPARATOR_BYTES, take))
+                    self.separators += 1

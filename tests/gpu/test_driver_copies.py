@@ -88,14 +88,20 @@ def _step(m, opt):
 def test_a_reload_from_the_issuer_thread_goes_by_pointer_unless_switched_off(monkeypatch, setting):
     monkeypatch.setenv(driver.DRIVER_ENV, setting)
     monkeypatch.setattr(prefetch, "TAIL_PIECE_BYTES", 8 << 20)  # 268 MB of AdamW state: ~32 groups
-    calls = {"n": 0}
-    real = driver.DriverQueue.__call__
+    monkeypatch.setattr(prefetch, "ISSUE_WINDOW_BYTES", 24 << 20)  # the thread waits for the engine
+    calls = {"n": 0, "waits": 0}
+    real, real_wait = driver.DriverQueue.__call__, driver.DriverQueue.wait
 
     def counting(self, dst, src, nbytes):
         calls["n"] += 1
         return real(self, dst, src, nbytes)
 
+    def counting_wait(self, event):
+        calls["waits"] += 1
+        return real_wait(self, event)
+
     monkeypatch.setattr(driver.DriverQueue, "__call__", counting)
+    monkeypatch.setattr(driver.DriverQueue, "wait", counting_wait)
     ref, ref_opt = _optimizer_ferry()
     m, opt = _optimizer_ferry()
     _step(ref, ref_opt)
@@ -108,7 +114,7 @@ def test_a_reload_from_the_issuer_thread_goes_by_pointer_unless_switched_off(mon
         _step(ref, ref_opt)
         _step(m, opt)
     torch.cuda.synchronize()
-    assert (calls["n"] > 0) == (setting == "1"), calls
+    assert (calls["n"] > 0) == (calls["waits"] > 0) == (setting == "1"), calls
     for a, b in zip(ref.parameters(), m.parameters(), strict=True):
         assert torch.equal(a, b)
     for sa, sb in zip(ref_opt.state.values(), opt.state.values(), strict=True):
@@ -119,7 +125,7 @@ def test_a_reload_from_the_issuer_thread_goes_by_pointer_unless_switched_off(mon
 def test_a_bad_setting_fails_the_reload_and_leaves_the_state_on_the_host(monkeypatch):
     m, opt = _optimizer_ferry()
     _step(m, opt)
-    want = [v.clone() for st in opt.state.values() for k, v in st.items() if k == "exp_avg"]
+    want = [v.cpu() for st in opt.state.values() for k, v in st.items() if k == "exp_avg"]
     ferry = Ferry(opt)
     ferry.offload().wait()
     monkeypatch.setenv(driver.DRIVER_ENV, "yes")

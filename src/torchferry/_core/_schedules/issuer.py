@@ -17,13 +17,14 @@ reload's handle has an event when ``reload()`` returns. A unit's pre-forward
 hook waits on the host only until its own group is *issued* (then the stream
 waits for its event as before), which is never later than the synchronous
 issue would have reached it. The thread keeps at most ``ISSUE_WINDOW_BYTES``
-(1 GiB, about 19 ms of copies) queued ahead of the copy engine, looking at the
-events of the groups it issued every 0.5 ms, so the stream's queue never fills;
+(1 GiB, about 19 ms of copies) queued ahead of the copy engine, waiting for
+the oldest group's event when it is full, so the stream's queue never fills;
 optimizer state (the tail, no hook needs it before the step) goes in groups of
 256 MiB, so a ferry over an optimizer alone is issued from the thread too.
 
-What it costs: the thread takes the GIL for each copy call, so the step's own
-launches slow down while it runs. On one H200 (compute-rich Qwen2.5-1.5B step,
+What it costs: the thread needs the GIL to queue copies, so the step's own
+launches slow down while it runs (less since the copies are queued by
+pointer, [Note: copies queued by pointer] in ``_transfer/driver.py``). On one H200 (compute-rich Qwen2.5-1.5B step,
 16 MiB switch points) the copies issued synchronously held the caller 0.246 s
 before the first forward and the phases computed 0.048 s/step longer than
 resident (commit 4d8b770,

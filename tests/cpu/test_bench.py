@@ -405,3 +405,24 @@ def test_lora_bad_arguments_exit_nonzero_with_a_message(args, message, tmp_path)
     p = subprocess.run([sys.executable, "-m", "torchferry", "bench-lora", *args], capture_output=True, text=True,
                        timeout=600, cwd=tmp_path, env=env)
     assert p.returncode == 2 and message in p.stderr, p.stderr[-2000:]
+
+
+def test_the_copies_own_cost_is_the_dma_baselines_exposure_against_the_resident_one():
+    """[Note: the copies' own cost]: ``resident+dma`` (its issue time + compute over the resident
+    baseline's compute, round by round) is reported beside each +prefetch strategy's exposure."""
+    from torchferry.bench.rl_step.summary import dma_penalty
+
+    resident = _records(0.0, 0.0, [(1.0, 2.0), (1.0, 2.2)])
+    dma = _records(0.005, 0.0, [(1.03, 2.08), (1.01, 2.26)])  # issue 1.25 / 5 ms; 30+80 and 10+60 ms slower
+    results = {"torchferry": {}, "torchferry+prefetch": {}}
+    out = dma_penalty(results, dma, resident)
+    assert out is not None
+    assert out["penalty_s_all"] == pytest.approx([0.00625 + 0.11, 0.00625 + 0.07])
+    assert out["penalty_s_per_step"] == pytest.approx(0.00625 + 0.09)
+    assert out["penalty_s_per_phase"]["update_actor"] == pytest.approx(0.005 + 0.07)
+    assert out["compute_overhead_s_per_step"] == pytest.approx(0.09)
+    assert out["issue_s_per_step"] == pytest.approx(0.00625)
+    assert out["compute_s"]["old_log_prob"] == pytest.approx(1.02)
+    assert results["torchferry+prefetch"]["dma_penalty_s_per_step"] == out["penalty_s_per_step"]
+    assert "dma_penalty_s_per_step" not in results["torchferry"]
+    assert dma_penalty(results, None, resident) is None and dma_penalty(results, [], resident) is None

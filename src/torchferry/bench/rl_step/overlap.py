@@ -29,6 +29,20 @@ state resident, so the phase's reload leaves at least
 ``max(0, max_k (Copy_{<=k} - Compute_{<k}))`` exposed. In update_actor the
 optimizer state comes last and the step waits for it: also at least
 ``(params + optimizer bytes) / rate - resident compute of the phase``.
+
+[Note: the copies' own cost]
+The floor above assumes the compute runs as fast beside the copies as alone.
+It does not quite: DMA from host memory at line rate raises the host's DRAM
+latency (13% H2D, 24% D2H in a stand-alone probe on one H200), so the Python
+and launches of an eager step slow down, and the issuing of the copies takes
+host time too. So on CUDA, with ``torchferry+prefetch``, the bench runs a
+second baseline each round, ``resident+dma``: the resident step, with each
+reload replaced by as many bytes copied H2D, in the same pieces and switch
+points, on a stream nothing waits for (``strategies.ResidentDMA``). Its
+exposed reload against the resident baseline of the same round (issue time +
+compute over the resident's) is ``dma_penalty_s_per_step``: what the copies
+cost beside this step without any schedule, the part of
+``exposed_reload_s_per_step`` over the floor that is not the schedule's.
 """
 
 from __future__ import annotations

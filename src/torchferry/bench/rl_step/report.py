@@ -120,6 +120,9 @@ def overlap_lines(result: dict) -> list[str]:
                      f"{_s(plain['reload_s_per_step'])} s/step")
         if "exposed_reload_floor_s_per_step" in r:
             line += f"; floor {_s(r['exposed_reload_floor_s_per_step'])} s/step (copies no overlap can hide)"
+        if r.get("dma_penalty_s_per_step") is not None:
+            line += (f"; the same bytes copied beside the resident step, nothing waiting for them, cost "
+                     f"{_s(r['dma_penalty_s_per_step'])} s/step (resident+dma)")
         lines.append(line)
         for key, what in (("small_h2d_latency_ms", "a 34 KiB H2D copy on the compute stream during its reload"),
                           ("small_d2h_latency_ms", "a 34 KiB D2H copy during its offload")):

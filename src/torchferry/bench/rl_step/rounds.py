@@ -20,7 +20,7 @@ from torch import nn
 from .._common.latency import SmallCopyProbe, percentiles
 from .._common.state import checksum
 from .._common.units import fsdp_units
-from .strategies import STRATEGIES, Resident, SharedFerries, Strategy, Torchferry, make_strategy
+from .strategies import STRATEGIES, Resident, ResidentDMA, SharedFerries, Strategy, Torchferry, make_strategy
 from .summary import FirstCycle
 from .timer import UnitTimer
 from .trace import profile_step, trace_paths, write_trace
@@ -40,7 +40,7 @@ class Rounds:
 
     def __init__(self, config, model: nn.Module, opt: torch.optim.Optimizer, device: torch.device,
                  batch: torch.Tensor, micro_batches: int, sizes: dict[str, int],
-                 say: Callable[[str, float], None]) -> None:
+                 say: Callable[[str, float], None], *, dma_baseline: bool = False) -> None:
         self.config, self.model, self.opt, self.device = config, model, opt, device
         self.batch, self.sizes = batch, sizes
         self.micro_batches, self.say = micro_batches, say
@@ -50,9 +50,15 @@ class Rounds:
         self.ferries: SharedFerries | None = None
         self.holder: Strategy | None = None  # whose offloaded form the state is in; None: resident on the device
         self.placed_by: Strategy | None = None  # who put the resident state where it is (its leave() pending)
-        self.records: dict[str, list[StepRecord]] = {n: [] for n in (*config.strategies, "resident")}
+        baselines = ["resident"]
+        if dma_baseline:  # see [Note: the copies' own cost] in ``overlap``
+            self.strategies[ResidentDMA.name] = ResidentDMA(model, opt, device, sizes)
+            baselines.append(ResidentDMA.name)
+        self.baselines = tuple(baselines)
+        self.records: dict[str, list[StepRecord]] = {n: [] for n in (*config.strategies, *baselines)}
         self.first: dict[str, FirstCycle] = {}
-        self.done, self.total = 0, len(config.strategies) + config.steps * (len(config.strategies) + 1)
+        self.done = 0
+        self.total = len(config.strategies) + config.steps * (len(config.strategies) + len(baselines))
 
     def _progress(self, msg: str) -> None:
         self.say(msg, 0.05 + 0.93 * self.done / self.total)

@@ -32,7 +32,8 @@ from .config import ORDERS, SCHEMA, WORKLOADS, BenchConfig
 from .overlap import apply_peak, observed_rates, raise_peak
 from .rounds import Rounds, rotated
 from .strategies import STRATEGIES
-from .summary import account_overlap, blank_transfer_figures, prefetch_floor, resident_summary, summarise
+from .summary import (account_overlap, blank_transfer_figures, dma_penalty, prefetch_floor, resident_summary,
+                      summarise)
 
 __all__ = ["ORDERS", "WORKLOADS", "BenchConfig", "run"]
 
@@ -149,21 +150,22 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
     names = list(config.strategies)
     # The resident baseline's step too: the same phases' kernels with nothing in flight.
     traced = [*(n for n in names if n.startswith("torchferry")), "resident"] if config.trace else []
-    bench = Rounds(config, model, opt, device, batch, shape["micro_batches"], sizes, say)
+    dma = use_cuda and "torchferry+prefetch" in names  # see [Note: the copies' own cost] in ``overlap``
+    bench = Rounds(config, model, opt, device, batch, shape["micro_batches"], sizes, say, dma_baseline=dma)
     order_per_round: list[list[str]] | None = None
     release_host_cache()
     if config.order == "interleaved":
         for name in names:
             bench.first_cycle(name)
-        order_per_round = [rotated([*names, "resident"], k) for k in range(config.steps)]
+        order_per_round = [rotated([*names, *bench.baselines], k) for k in range(config.steps)]
         for order in order_per_round:
             for name in order:
                 bench.timed_step(name)
         for name in traced:
             bench.traced_step(name, rank, traces, trace_files, notes)
     else:
-        for name in [*names, "resident"]:
-            if name != "resident":
+        for name in [*names, *bench.baselines]:
+            if name not in bench.baselines:
                 release_host_cache()  # as when each strategy ran alone: no pinned blocks inherited
                 bench.first_cycle(name)
             for _ in range(config.steps):
@@ -182,6 +184,7 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
     results = {n: summarise(bench.first[n], bench.records[n], sizes, overlaps_reload=STRATEGIES[n].overlaps_reload)
                for n in names}
     account_overlap(results, bench.records, bench.records["resident"])
+    dma_result = dma_penalty(results, bench.records.get("resident+dma"), bench.records["resident"])
     if latency is not None:
         results["torchferry+prefetch"]["small_h2d_latency_ms"] = latency["h2d"]
         results["torchferry+prefetch"]["small_d2h_latency_ms"] = latency["d2h"]
@@ -236,6 +239,7 @@ def run(config: BenchConfig, *, on_progress: Callable[[str, float], None] | None
         "order_per_round": order_per_round,
         "strategies": results,
         "baseline_resident": baseline,
+        "baseline_resident_dma": dma_result,
         "noise_frac": noise,
         "swap": swap_result,
         "traces": traces,

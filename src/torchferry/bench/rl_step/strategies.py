@@ -31,7 +31,7 @@ from torch import nn
 
 from torchferry import Ferry, Prefetch
 
-__all__ = ["STRATEGIES", "Resident", "SharedFerries", "Strategy", "make_strategy"]
+__all__ = ["STRATEGIES", "Resident", "ResidentDMA", "SharedFerries", "Strategy", "make_strategy"]
 
 
 def _sync(device: torch.device) -> None:
@@ -298,6 +298,60 @@ class Resident(Strategy):
     def close(self) -> None:
         if self.timer is not None:
             self.timer.remove()
+
+
+class ResidentDMA(Resident):
+    """A second baseline: the state stays on the device, and each reload copies as many bytes as the
+    real one, H2D on a stream of its own that nothing waits for ([Note: the copies' own cost]).
+
+    The bytes go from a 1 GiB pinned host buffer to a 1 GiB device scratch buffer, round and round,
+    in the pieces and switch points of torchferry's reload, queued at once by pointer from the
+    caller's thread ([Note: copies queued by pointer] in ``_core/_transfer/driver``). CUDA only.
+    """
+
+    name = "resident+dma"
+    overlaps_reload = True
+
+    RING_BYTES = 1 << 30  # the host and device buffers the copies cycle through (bytes)
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+                 sizes: dict[str, int]) -> None:
+        super().__init__(model, optimizer, device)
+        self.sizes = sizes
+        self._ring: tuple | None = None  # (host HostBuffer, device tensor, stream, queue, switch points)
+
+    def reload(self, optimizer: bool) -> None:
+        from torchferry._core._host.memory import HostBuffer
+        from torchferry._core._transfer.driver import queue_for
+        from torchferry._core._transfer.switch import SwitchPoints
+
+        if self._ring is None:
+            stream = torch.cuda.Stream(self.device)
+            queue = queue_for("h2d", stream)
+            if queue is None:
+                raise RuntimeError("resident+dma: copies by pointer are not available here (TORCHFERRY_DRIVER_COPIES=0 "
+                                   "or no CUDA driver library)")
+            host = HostBuffer(self.RING_BYTES, pin_bytes=self.RING_BYTES)
+            dev = torch.empty(self.RING_BYTES, dtype=torch.uint8, device=self.device)
+            self._ring = (host, dev, stream, queue, SwitchPoints(self.device, "h2d"))
+        host, dev, stream, queue, switch = self._ring
+        left = self.sizes["params"] + (self.sizes["grads"] + self.sizes["optimizer"] if optimizer else 0)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        while left:
+            n = min(left, self.RING_BYTES)
+            switch.copy_by_pointer(queue, dev.data_ptr(), host.tensor.data_ptr(), n)
+            left -= n
+
+    def offload(self, optimizer: bool) -> None:
+        if self._ring is not None:
+            self._ring[2].synchronize()  # the copies are done before the next phase
+
+    def close(self) -> None:
+        if self._ring is not None:
+            self._ring[2].synchronize()
+            self._ring[0].free()
+            self._ring = None
+        super().close()
 
 
 STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (Blocking, Seed, Torchferry, TorchferryPrefetch)}

@@ -12,7 +12,7 @@ import statistics
 from .overlap import PHASES, exposure, noise_frac, phase_floor
 from .workload import StepRecord
 
-__all__ = ["FirstCycle", "account_overlap", "prefetch_floor", "resident_summary", "summarise"]
+__all__ = ["FirstCycle", "account_overlap", "dma_penalty", "prefetch_floor", "resident_summary", "summarise"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +165,33 @@ def account_overlap(results: dict[str, dict], records: dict[str, list[StepRecord
             r["overlap_note"] += "; no plain torchferry run to compare the reload with"
         else:
             r["exposed_reload_vs_torchferry_reload"] = r["exposed_reload_s_per_step"] / base["reload_s_per_step"]
+
+
+def dma_penalty(results: dict[str, dict], dma: list[StepRecord] | None, resident: list[StepRecord]) -> dict | None:
+    """The ``baseline_resident_dma`` entry, and ``dma_penalty_s_per_step`` of each ``+prefetch``
+    strategy ([Note: the copies' own cost] in ``overlap``); ``None`` (and nothing set) without that
+    baseline's records.
+
+    Returns:
+        ``{"compute_s": {phase: median s}, "compute_overhead_s_per_step", "issue_s_per_step",
+        "penalty_s_per_step", "penalty_s_all", "penalty_s_per_phase": {phase: median s}}``: the
+        penalty is its issue time plus its compute over the resident baseline's in the same round.
+    """
+    if not dma:
+        return None
+    e = exposure([rec.phase_seconds() for rec in dma], _resident_compute(resident))
+    issue = [sum(s.seconds for s in r.spans if s.kind == "h2d") for r in dma]
+    out = {
+        "compute_s": {p: _median(_spans(dma, p, "compute")) for p in PHASES},
+        "compute_overhead_s_per_step": e["compute_overhead"],
+        "issue_s_per_step": _median(issue),
+        "penalty_s_per_step": e["reload"], "penalty_s_all": e["reload_all"],
+        "penalty_s_per_phase": {p: v["reload"] for p, v in e["per_phase"].items()},
+    }
+    for name, r in results.items():
+        if name.endswith("+prefetch"):
+            r["dma_penalty_s_per_step"] = e["reload"]
+    return out
 
 
 def prefetch_floor(unit_bytes: list[int], unit_compute_s: dict[str, list[float]], resident: list[StepRecord],

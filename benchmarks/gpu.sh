@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu.sh [STAGE] [OUT]
 #
-# STAGE: tests | bench | switchpoints | pin | lora | engine | grpo | verl | all (default: all).
+# STAGE: tests | bench | switchpoints | pin | lora | engine | grpo | verl | frameworks | all (default: all).
 # OUT: folder for the logs and results (default: ./gpu-results). Results are named
 # <claim>_<gpu>x<n>_<date>.json, as in benchmarks/results/. Rows measured on one GPU run on the
 # first visible GPU; rows measured on several run under torchrun on all of them, and only when
@@ -86,11 +86,25 @@ grpo() {
 verl() {  # writes verl_qwen2.5-0.5b_<gpu>x<n>_<date>.json and both runs under OUT/verl
   multi "verl_qwen2.5-0.5b_${all}_$day" bash benchmarks/verl_actor.sh "$out/verl" "$ngpu" qwen2.5-0.5b 4
 }
+frameworks() {  # SkyRL's and AReaL's own offload functions, unpatched and patched, on one GPU
+  # Offline: FW_WHEELS, a folder you bring, holds the wheels of skyrl, areal, torch_memory_saver and what
+  # their imports need beyond the machine's packages; installed with --no-deps into FW_DEPS (/tmp/tffw).
+  local n="frameworks_qwen2.5-1.5b_${one}_$day" pp=$PYTHONPATH
+  local wheels=${FW_WHEELS:-} deps=${FW_DEPS:-/tmp/tffw}
+  if ! "$py" -c 'import skyrl, areal, torch_memory_saver' 2>/dev/null && ls "$wheels"/*.whl >/dev/null 2>&1; then
+    if [ ! -d "$deps/areal" ]; then
+      "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$deps" "$wheels"/*.whl
+    fi
+    pp=$PYTHONPATH:$deps
+  fi
+  run "$n" env PYTHONPATH="$pp" "${on1[@]}" benchmarks/frameworks.py --preset qwen2.5-1.5b --json "$out/$n.json"
+}
 
 case $stage in
-  tests | bench | switchpoints | pin | lora | engine | grpo | verl) "$stage" ;;
-  all) tests; bench; switchpoints; pin; lora; engine; grpo; verl ;;
-  *) echo "usage: bash benchmarks/gpu.sh [tests|bench|switchpoints|pin|lora|engine|grpo|verl|all] [OUT]" >&2; exit 2 ;;
+  tests | bench | switchpoints | pin | lora | engine | grpo | verl | frameworks) "$stage" ;;
+  all) tests; bench; switchpoints; pin; lora; engine; grpo; verl; frameworks ;;
+  *) echo "usage: bash benchmarks/gpu.sh [tests|bench|switchpoints|pin|lora|engine|grpo|verl|frameworks|all] [OUT]" >&2
+     exit 2 ;;
 esac
 echo "results in $out (commit $(cat "$out/commit.txt"))"
 exit "$failed"

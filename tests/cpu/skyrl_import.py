@@ -25,12 +25,13 @@ FSDP_UTILS = "skyrl.backends.skyrl_train.distributed.fsdp_utils"
 FSDP_STRATEGY = "skyrl.backends.skyrl_train.distributed.fsdp_strategy"
 
 
-def apply() -> None:
-    """Makes ``skyrl.backends.*`` importable on Python < 3.12 (see the module docstring). Idempotent.
+def apply(force: bool = False) -> None:
+    """Makes ``skyrl.backends.*`` importable on Python < 3.12 (see the module docstring), or on any
+    Python with ``force`` (``benchmarks/frameworks.py``, where the native import failed). Idempotent.
 
     Also usable as a Ray ``worker_process_setup_hook`` (``tests.cpu.skyrl_import.apply``).
     """
-    if sys.version_info >= (3, 12) or "skyrl.backends" in sys.modules:
+    if (sys.version_info >= (3, 12) and not force) or "skyrl.backends" in sys.modules:
         return
     spec = importlib.util.find_spec("skyrl")
     if spec is None or not spec.submodule_search_locations:

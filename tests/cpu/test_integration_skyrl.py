@@ -7,6 +7,7 @@ skips the Tinker backend's package ``__init__`` (see there). Skipped, with the r
 ``fsdp_utils`` does not import."""
 
 import ast
+import functools
 import copy
 import importlib.util
 import inspect
@@ -291,3 +292,60 @@ def test_import_loads_neither_skyrl_nor_ray_nor_cuda():
             "print('ok')\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]
+
+
+# ------------------------------------------------------------------ unchanged storages (the reference's offloads)
+def _forward_only_offloads_copy_nothing(rank, world, setting):
+    mesh = cpu_mesh(world)
+    tf_skyrl.patch(skip_unchanged=setting)
+    ref, _ = build_uneven(mesh)  # a reference model: forward only, no optimizer
+    before, ids = snapshot(ref), identities(ref)
+    fsdp_utils.offload_fsdp2_model_to_cpu(ref, empty_cache=True)
+    copied = [tf_skyrl.ferry_for(ref).stats.offload_bytes_copied]
+    for _ in range(2):
+        fsdp_utils.load_fsdp2_model_to_gpu(ref)
+        with torch.no_grad():
+            ref(torch.ones(4, 16))
+        fsdp_utils.offload_fsdp2_model_to_cpu(ref, empty_cache=True)
+        copied.append(tf_skyrl.ferry_for(ref).stats.offload_bytes_copied)
+    ferry = tf_skyrl.ferry_for(ref)
+    state = ferry.state_bytes
+    if setting is False:
+        assert copied == [state, state, state]  # every offload copies everything
+    else:
+        assert copied == [state, 0, 0]  # after the first, each offload releases without a copy
+    fsdp_utils.load_fsdp2_model_to_gpu(ref)
+    _assert_equal(before, snapshot(ref))
+    assert identities(ref) == ids
+    tf_skyrl.unpatch()
+
+
+@pytest.mark.parametrize("setting", [None, False])
+def test_forward_only_offloads_copy_nothing_unless_switched_off(setting):
+    """[Note: the helpers skip unchanged storages]: SkyRL offloads the reference after every forward."""
+    run_spawned(functools.partial(_forward_only_offloads_copy_nothing, setting=setting))
+
+
+def test_the_skip_setting_comes_from_patch_else_the_environment(monkeypatch):
+    monkeypatch.delenv(_helpers.SKIP_ENV, raising=False)
+    assert _helpers.skip_unchanged()
+    monkeypatch.setenv(_helpers.SKIP_ENV, "0")
+    assert not _helpers.skip_unchanged()
+    tf_skyrl.patch(skip_unchanged=True)
+    assert _helpers.skip_unchanged()  # patch()'s argument over the environment
+    tf_skyrl.unpatch()
+    assert not _helpers.skip_unchanged()
+    monkeypatch.setenv(_helpers.SKIP_ENV, "yes")
+    with pytest.raises(ValueError, match="TORCHFERRY_SKIP_UNCHANGED must be 0 or 1, got 'yes'"):
+        _helpers.skip_unchanged()
+    m = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="TORCHFERRY_SKIP_UNCHANGED"):
+        tf_skyrl.offload_fsdp2_model_to_cpu(m)
+    assert m.weight.device.type == "cpu" and tf_skyrl.ferry_for(m) is None  # nothing made, nothing moved
+
+
+def test_a_bad_skip_setting_is_refused_and_nothing_patched():
+    with pytest.raises(TypeError, match="skip_unchanged must be True, False or None, got str 'no'"):
+        tf_skyrl.patch(skip_unchanged="no")  # type: ignore[arg-type]
+    assert not tf_skyrl.is_patched()
+    assert not hasattr(fsdp_utils.offload_fsdp2_model_to_cpu, "__torchferry_original__")

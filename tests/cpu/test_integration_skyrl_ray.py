@@ -28,7 +28,9 @@ def test_hook_path_names_the_hook():
     assert getattr(importlib.import_module(module), name) is ray_worker_setup
 
 
-def test_with_worker_setup_adds_the_hook_and_keeps_skyrls_env_vars_and_the_users_hook():
+def test_with_worker_setup_adds_the_hook_and_keeps_skyrls_env_vars_and_the_users_hook(monkeypatch):
+    for k in [k for k in os.environ if k.startswith("TORCHFERRY_")]:
+        monkeypatch.delenv(k)
     env = with_worker_setup({"env_vars": {"NCCL_CUMEM_ENABLE": "0"}})  # what SkyRL's initialize_ray passes
     assert env == {"env_vars": {"NCCL_CUMEM_ENABLE": "0", "TORCHFERRY_SKYRL": "1"},
                    "worker_process_setup_hook": HOOK_PATH}
@@ -39,6 +41,18 @@ def test_with_worker_setup_adds_the_hook_and_keeps_skyrls_env_vars_and_the_users
     assert callable(env["worker_process_setup_hook"]) and env["worker_process_setup_hook"] is not ray_worker_setup
     once = with_worker_setup({})
     assert with_worker_setup(once) == once
+
+
+def test_with_worker_setup_passes_the_drivers_torchferry_settings_on(monkeypatch):
+    """``TORCHFERRY_SKIP_UNCHANGED=0`` set where the driver runs reaches the workers (Ray passes a
+    runtime_env's env_vars, not the driver's environment); the job's own env_vars win."""
+    monkeypatch.setenv("TORCHFERRY_SKIP_UNCHANGED", "0")
+    monkeypatch.setenv("TORCHFERRY_SKYRL", "0")  # the hook's own flag is never taken from the driver
+    env = with_worker_setup({"env_vars": {"TORCHFERRY_SWITCH_BYTES": "0"}})
+    assert env["env_vars"]["TORCHFERRY_SKIP_UNCHANGED"] == "0"
+    assert env["env_vars"]["TORCHFERRY_SKYRL"] == "1"
+    monkeypatch.setenv("TORCHFERRY_SWITCH_BYTES", "1048576")
+    assert with_worker_setup({"env_vars": {"TORCHFERRY_SWITCH_BYTES": "0"}})["env_vars"]["TORCHFERRY_SWITCH_BYTES"] == "0"
 
 
 def _fresh(code: str, **env: str) -> subprocess.CompletedProcess:

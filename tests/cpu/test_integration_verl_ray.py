@@ -27,7 +27,9 @@ def test_hook_path_names_the_hook():
     assert getattr(importlib.import_module(module), name) is ray_worker_setup
 
 
-def test_with_worker_setup_adds_the_hook_and_keeps_the_users():
+def test_with_worker_setup_adds_the_hook_and_keeps_the_users(monkeypatch):
+    for k in [k for k in os.environ if k.startswith("TORCHFERRY_")]:
+        monkeypatch.delenv(k)
     env = with_worker_setup({"env_vars": {"A": "1"}, "working_dir": None})
     assert env == {"env_vars": {"A": "1", "TORCHFERRY_VERL": "1"}, "working_dir": None,
                    "worker_process_setup_hook": HOOK_PATH}

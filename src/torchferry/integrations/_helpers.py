@@ -41,10 +41,26 @@ reads of the tensors need this ordering plus a synchronisation, or ``handle.wait
 
 One :class:`~torchferry.Ferry` is kept per model and per optimizer, weakly
 keyed, so it goes away with the object; :func:`ferry_for` returns it.
+
+[Note: the helpers skip unchanged storages]
+A model's ferry is made with ``skip_unchanged=True`` ([Note: unchanged
+storages] in ``torchferry._core._schedules.unchanged``): the frameworks offload
+after forward-only phases too (verl after old_log_prob and the reference's
+forward, SkyRL whenever another role of the colocation group needs the GPU), and
+those bytes did not change, so after the first cycle such an offload copies
+nothing and only releases. A trained model's offload after ``optimizer.step()``
+copies everything without hashing (a step is a cheap host check that sends every
+parameter to the copy); what it costs there is one hash of the model's
+storages after each reload, on the device. Optimizers' ferries are plain: their
+state changes at every step. ``patch(skip_unchanged=False)`` of an integration,
+or ``TORCHFERRY_SKIP_UNCHANGED=0`` in the environment (the Ray hooks pass it on
+to the workers), makes plain ferries for models too; it applies to the models
+offloaded after it is set (a ferry keeps its setting).
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -55,14 +71,52 @@ from .._core._api.handle import TransferHandle
 from .._core._state.targets import inner_optimizers
 
 __all__ = [
+    "SKIP_ENV",
     "ferry_for",
     "load_fsdp2_model_to_gpu",
     "load_fsdp_optimizer",
     "offload_fsdp2_model_to_cpu",
     "offload_fsdp_optimizer",
+    "set_skip_unchanged",
+    "skip_unchanged",
 ]
 
 _ferries: weakref.WeakKeyDictionary[object, Ferry] = weakref.WeakKeyDictionary()
+
+SKIP_ENV = "TORCHFERRY_SKIP_UNCHANGED"
+_skip_unchanged: bool | None = None  # set by an integration's patch(skip_unchanged=...); None: the environment
+
+
+def set_skip_unchanged(value: bool | None) -> bool | None:
+    """What models' new ferries use ([Note: the helpers skip unchanged storages]); ``None``: the environment.
+
+    Returns:
+        The setting before.
+
+    Raises:
+        TypeError: ``value`` is neither ``None`` nor a bool.
+    """
+    global _skip_unchanged
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"torchferry: skip_unchanged must be True, False or None, got {type(value).__name__} "
+                        f"{value!r}")
+    before, _skip_unchanged = _skip_unchanged, value
+    return before
+
+
+def skip_unchanged() -> bool:
+    """Whether a model's new ferry skips unchanged storages: the integration's ``patch()`` setting, else
+    ``TORCHFERRY_SKIP_UNCHANGED`` (``1``, the default, or ``0``).
+
+    Raises:
+        ValueError: ``TORCHFERRY_SKIP_UNCHANGED`` is neither ``0`` nor ``1``.
+    """
+    if _skip_unchanged is not None:
+        return _skip_unchanged
+    raw = os.environ.get(SKIP_ENV, "1").strip() or "1"
+    if raw not in ("0", "1"):
+        raise ValueError(f"torchferry: {SKIP_ENV} must be 0 or 1, got {raw!r}")
+    return raw == "1"
 
 
 def ferry_for(obj: nn.Module | torch.optim.Optimizer) -> Ferry | None:
@@ -81,7 +135,8 @@ def ferry_for(obj: nn.Module | torch.optim.Optimizer) -> Ferry | None:
 def _get_or_make(obj: nn.Module | torch.optim.Optimizer) -> Ferry:
     ferry = _ferries.get(obj)
     if ferry is None:
-        ferry = Ferry(obj)
+        # See [Note: the helpers skip unchanged storages].
+        ferry = Ferry(obj, skip_unchanged=skip_unchanged()) if isinstance(obj, nn.Module) else Ferry(obj)
         _ferries[obj] = ferry
     return ferry
 

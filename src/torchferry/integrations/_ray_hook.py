@@ -144,11 +144,15 @@ class WorkerHook:
                 (a callable one is wrapped; a string one is passed on by name).
 
         Returns:
-            The new ``runtime_env``, with ``<env_flag>=1`` in its ``env_vars``.
+            The new ``runtime_env``, with ``<env_flag>=1`` in its ``env_vars``, and the driver's
+            ``TORCHFERRY_*`` settings (``TORCHFERRY_SKIP_UNCHANGED`` ...) that it does not set itself.
         """
         n = self.names
         env = dict(runtime_env or {})
         env_vars = dict(env.get("env_vars") or {})
+        for k, v in os.environ.items():  # the driver's settings reach the workers
+            if k.startswith("TORCHFERRY_") and k not in env_vars and k not in (n.env_flag, n.next_hook_env):
+                env_vars[k] = v
         env_vars[n.env_flag] = "1"
         theirs = env.get("worker_process_setup_hook")
         if theirs is None or theirs == n.hook_path:

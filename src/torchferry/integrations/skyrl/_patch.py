@@ -133,7 +133,7 @@ def is_patched() -> bool:
     return _patcher.is_patched()
 
 
-def patch(*, import_call_sites: bool = True) -> list[str]:
+def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None) -> list[str]:
     """Routes SkyRL's FSDP2 model and optimizer offload helpers through torchferry.
 
     Idempotent. What still goes to SkyRL's own helpers: [Note: what stays with
@@ -144,12 +144,17 @@ def patch(*, import_call_sites: bool = True) -> list[str]:
             among them, are there), so the names it bound by ``from ...fsdp_utils import ...``
             are replaced too. Without it, only modules already imported are patched; modules
             imported later bind the replaced helpers anyway.
+        skip_unchanged: whether models' ferries skip unchanged storages, so that an offload
+            after a forward-only phase (the reference, a policy offloaded for another role)
+            copies nothing ([Note: the helpers skip unchanged storages] in
+            ``integrations._helpers``); ``None`` (default): ``TORCHFERRY_SKIP_UNCHANGED``, on
+            unless ``0``.
 
     Returns:
         The ``module.attribute`` names replaced.
 
     Raises:
-        TypeError: ``import_call_sites`` is not a bool.
+        TypeError: ``import_call_sites`` is not a bool, or ``skip_unchanged`` neither ``None`` nor a bool.
         RuntimeError: SkyRL's ``fsdp_utils`` is not importable (on Python < 3.12 the message says
             SkyRL needs 3.12), or one of its helpers is
             missing or has other parameters than this integration was written for (nothing is
@@ -158,9 +163,11 @@ def patch(*, import_call_sites: bool = True) -> list[str]:
     if not isinstance(import_call_sites, bool):
         raise TypeError(f"torchferry.integrations.skyrl: patch(import_call_sites=...) must be True or False, "
                         f"got {type(import_call_sites).__name__} {import_call_sites!r}")
+    before = helpers.set_skip_unchanged(skip_unchanged)
     try:
         return _patcher.patch(import_call_sites=import_call_sites)
     except RuntimeError as e:
+        helpers.set_skip_unchanged(before)
         if sys.version_info < (3, 12) and "is not importable" in str(e):
             raise RuntimeError(f"{e}; SkyRL 0.4.0 needs Python >= 3.12 (this is "
                                f"{sys.version_info.major}.{sys.version_info.minor})") from e
@@ -170,3 +177,4 @@ def patch(*, import_call_sites: bool = True) -> list[str]:
 def unpatch() -> None:
     """Puts SkyRL's own helpers back, also in SkyRL modules imported after :func:`patch`. Idempotent."""
     _patcher.unpatch()
+    helpers.set_skip_unchanged(None)

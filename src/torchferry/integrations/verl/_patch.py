@@ -76,7 +76,7 @@ def is_patched() -> bool:
     return _patcher.is_patched()
 
 
-def patch(*, import_engines: bool = True) -> list[str]:
+def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None) -> list[str]:
     """Routes verl's FSDP2 model and optimizer offload helpers through torchferry.
 
     Idempotent.
@@ -87,18 +87,29 @@ def patch(*, import_engines: bool = True) -> list[str]:
             too. Without it, only modules already imported are patched; modules
             imported later bind the replaced helpers anyway (the Ray worker hook
             patches right after ``verl.utils.fsdp_utils`` is imported).
+        skip_unchanged: whether models' ferries skip unchanged storages, so that
+            an offload after a forward-only phase copies nothing ([Note: the
+            helpers skip unchanged storages] in ``integrations._helpers``);
+            ``None`` (default): ``TORCHFERRY_SKIP_UNCHANGED``, on unless ``0``.
 
     Returns:
         The ``module.attribute`` names replaced.
 
     Raises:
+        TypeError: ``skip_unchanged`` is neither ``None`` nor a bool.
         RuntimeError: verl is not importable, or one of its helpers is missing
             or has other parameters than this integration was written for
             (nothing is replaced then).
     """
-    return _patcher.patch(import_call_sites=import_engines)
+    before = compat.set_skip_unchanged(skip_unchanged)
+    try:
+        return _patcher.patch(import_call_sites=import_engines)
+    except BaseException:
+        compat.set_skip_unchanged(before)  # nothing replaced, nothing changed
+        raise
 
 
 def unpatch() -> None:
     """Puts verl's own helpers back, also in verl modules imported after :func:`patch`. Idempotent."""
     _patcher.unpatch()
+    compat.set_skip_unchanged(None)

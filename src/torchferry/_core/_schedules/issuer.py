@@ -24,8 +24,19 @@ optimizer state (the tail, no hook needs it before the step) goes in groups of
 
 What it costs: the thread needs the GIL to queue copies, so the step's own
 launches slow down while it runs (less since the copies are queued by
-pointer, [Note: copies queued by pointer] in ``_transfer/driver.py``). On one H200 (compute-rich Qwen2.5-1.5B step,
-16 MiB switch points) the copies issued synchronously held the caller 0.246 s
+pointer, [Note: copies queued by pointer] in ``_transfer/driver.py``). On one
+H200 (compute-rich Qwen2.5-1.5B step, commit 9365f08,
+``benchmarks/results/bench_qwen2.5-{1.5b,3b}-compute-rich_h200x1_2026-12-01_9365f08.json``)
+the phases still compute 0.174 s/step longer than resident (3B: 0.387), the
+exposed reload is 0.240 s/step against a floor of 0.089 (3B: 0.475 against
+0.197), and it is not the copies' own cost: the same bytes copied beside the
+resident step, in the same pieces, with nothing waiting for them
+(``resident+dma``, [Note: the copies' own cost] in the bench's ``overlap``)
+computed 0.011 s/step *less* than resident (3B: 0.032 less; its penalty is its
+issue time, 0.036 s, 3B 0.389 s: queued at once, the stream's queue fills). So
+the excess over the floor lies in the schedule (the thread beside the step's
+launches, the hooks' waits), not in the link or the host's memory; not found
+yet. Earlier, with 16 MiB switch points: the copies issued synchronously held the caller 0.246 s
 before the first forward and the phases computed 0.048 s/step longer than
 resident (commit 4d8b770,
 ``benchmarks/results/bench_qwen2.5-1.5b-compute-rich_h200x1_2026-12-01.json``);

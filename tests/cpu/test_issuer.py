@@ -77,11 +77,11 @@ def test_stop_cancels_the_jobs_not_started_and_joins():
 
 def _in_background(body, rank: int, world: int) -> None:
     """``body`` with the reload's copies issued by the thread (the CPU's copies are synchronous)."""
+    from torchferry._core._schedules import groups, prefetch
     from torchferry._core._schedules import issuer as issuer_mod
-    from torchferry._core._schedules import prefetch
 
     prefetch.BACKGROUND_ON_CPU = True
-    prefetch.TAIL_PIECE_BYTES = 256  # the optimizer state goes in several groups too
+    groups.TAIL_PIECE_BYTES = 256  # the optimizer state goes in several groups too
     started: list[int] = []
     start = issuer_mod.Issuer.start
     issuer_mod.Issuer.start = lambda self: (started.append(1), start(self))[1]  # type: ignore[method-assign]
@@ -90,7 +90,7 @@ def _in_background(body, rank: int, world: int) -> None:
     finally:
         issuer_mod.Issuer.start = start  # type: ignore[method-assign]
         prefetch.BACKGROUND_ON_CPU = False
-        prefetch.TAIL_PIECE_BYTES = 256 << 20
+        groups.TAIL_PIECE_BYTES = 256 << 20
     assert started, "no reload went through the issuer thread"
 
 
@@ -216,10 +216,10 @@ def test_optimizer_state_alone_is_issued_from_the_thread_in_pieces(monkeypatch):
     from torch import nn
 
     from torchferry import Ferry, Residency
-    from torchferry._core._schedules import prefetch
+    from torchferry._core._schedules import groups, prefetch
 
     monkeypatch.setattr(prefetch, "BACKGROUND_ON_CPU", True)
-    monkeypatch.setattr(prefetch, "TAIL_PIECE_BYTES", 1024)
+    monkeypatch.setattr(groups, "TAIL_PIECE_BYTES", 1024)
     runs: list = []
     monkeypatch.setattr(prefetch.PrefetchRun, "begin",
                         lambda self, begin=prefetch.PrefetchRun.begin: (runs.append(self), begin(self))[1])
@@ -308,3 +308,58 @@ def test_a_step_that_completes_a_reload_runs_beside_later_global_step_hooks(monk
         for h in handles:
             h.remove()
         dist.destroy_process_group()
+
+
+def test_a_full_window_is_waited_down_to_the_refill_mark():
+    """The issuer thread's wait ([Note: copies issued off the caller's thread]): none while the group
+    fits; else for the first issued group after whose copies at most the refill mark stays queued
+    with the new group's bytes; everything when nothing smaller does."""
+    from torchferry._core._schedules.issuer import wait_target
+
+    nbytes = [4, 4, 4, 4, 4, 4]
+    assert wait_target(nbytes, 0, 3, 3, high=16, low=16) is None  # 12 queued + 4 fits in 16
+    assert wait_target(nbytes, 0, 4, 4, high=16, low=16) == 0  # 16 + 4: the oldest group's copies
+    assert wait_target(nbytes, 0, 4, 4, high=16, low=8) == 2  # then 4 queued + 4 <= 8
+    assert wait_target(nbytes, 1, 5, 5, high=16, low=8) == 3
+    assert wait_target(nbytes, 0, 4, 4, high=16, low=0) == 3  # refill from empty
+    assert wait_target([4, 4, 40], 0, 2, 2, high=16, low=16) == 1  # a group larger than the window
+    assert wait_target([4, 40], 0, 1, 1, high=16, low=16) == 0
+
+
+def test_the_refill_mark_comes_from_the_environment(monkeypatch):
+    from torchferry._core._schedules.issuer import ISSUE_WINDOW_BYTES, REFILL_ENV, refill_bytes_from_env
+
+    monkeypatch.delenv(REFILL_ENV, raising=False)
+    assert refill_bytes_from_env() == ISSUE_WINDOW_BYTES  # as soon as a group fits
+    monkeypatch.setenv(REFILL_ENV, str(512 << 20))
+    assert refill_bytes_from_env() == 512 << 20
+    for bad in ("-1", "1.5", "512M", str(ISSUE_WINDOW_BYTES + 1)):
+        monkeypatch.setenv(REFILL_ENV, bad)
+        with pytest.raises(ValueError, match="TORCHFERRY_ISSUE_REFILL_BYTES must be an integer in"):
+            refill_bytes_from_env()
+
+
+def test_a_bad_refill_mark_fails_the_reload_before_anything_moved(monkeypatch):
+    from torch import nn
+
+    from torchferry import Ferry, Residency
+    from torchferry._core._schedules import groups, prefetch
+    from torchferry._core._schedules.issuer import REFILL_ENV
+
+    monkeypatch.setattr(prefetch, "BACKGROUND_ON_CPU", True)
+    monkeypatch.setattr(groups, "TAIL_PIECE_BYTES", 1024)
+    m = nn.Linear(64, 64)
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.ones(2, 64)).sum().backward()
+    opt.step()
+    want = {k: v.clone() for k, v in opt.state[m.weight].items()}
+    ferry = Ferry(opt)
+    ferry.offload().wait()
+    monkeypatch.setenv(REFILL_ENV, "lots")
+    with pytest.raises(ValueError, match="TORCHFERRY_ISSUE_REFILL_BYTES"):
+        ferry.reload(prefetch=True)
+    assert ferry.residency is Residency.HOST
+    monkeypatch.setenv(REFILL_ENV, "0")
+    ferry.reload(prefetch=True)
+    opt.state_dict()  # completes the reload
+    assert all(torch.equal(opt.state[m.weight][k], v) for k, v in want.items())

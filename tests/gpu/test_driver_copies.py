@@ -13,7 +13,7 @@ import torch
 
 from torchferry import Ferry, Residency
 from torchferry._core._host.memory import HostBuffer
-from torchferry._core._schedules import prefetch
+from torchferry._core._schedules import groups, prefetch
 from torchferry._core._transfer import driver
 from torchferry._core._transfer.switch import SwitchPoints
 
@@ -87,7 +87,7 @@ def _step(m, opt):
 @pytest.mark.parametrize("setting", ["1", "0"])
 def test_a_reload_from_the_issuer_thread_goes_by_pointer_unless_switched_off(monkeypatch, setting):
     monkeypatch.setenv(driver.DRIVER_ENV, setting)
-    monkeypatch.setattr(prefetch, "TAIL_PIECE_BYTES", 8 << 20)  # 268 MB of AdamW state: ~32 groups
+    monkeypatch.setattr(groups, "TAIL_PIECE_BYTES", 8 << 20)  # 268 MB of AdamW state: ~32 groups
     monkeypatch.setattr(prefetch, "ISSUE_WINDOW_BYTES", 24 << 20)  # the thread waits for the engine
     calls = {"n": 0, "waits": 0}
     real, real_wait = driver.DriverQueue.__call__, driver.DriverQueue.wait

@@ -18,7 +18,14 @@ hook waits on the host only until its own group is *issued* (then the stream
 waits for its event as before), which is never later than the synchronous
 issue would have reached it. The thread keeps at most ``ISSUE_WINDOW_BYTES``
 (1 GiB, about 19 ms of copies) queued ahead of the copy engine, waiting for
-the oldest group's event when it is full, so the stream's queue never fills;
+the oldest group's event when it is full, so the stream's queue never fills
+(or, with ``TORCHFERRY_ISSUE_REFILL_BYTES``, until the window has drained to
+that mark, then fills it again in one go: each wait gives the GIL up, and
+taking it back beside a caller's thread that runs Python can take up to
+``sys.getswitchinterval()``, 5 ms; one group of 187 MB per 5 ms is 37 GB/s,
+under the link's 55, so under a busy caller the window may drain between two
+groups. A lower mark refills several per wait. Not measured yet: the default
+mark is the window, the behaviour measured below);
 optimizer state (the tail, no hook needs it before the step) goes in groups of
 256 MiB, so a ferry over an optimizer alone is issued from the thread too.
 
@@ -49,12 +56,60 @@ against 0.234 s/step, the small H2D copy's p90 0.21 against 0.05 ms
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["Issuer"]
+__all__ = ["ISSUE_POLL_S", "ISSUE_WINDOW_BYTES", "REFILL_ENV", "Issuer", "refill_bytes_from_env", "wait_target"]
+
+ISSUE_WINDOW_BYTES = 1 << 30  # copies the issuer thread keeps queued ahead of the engine (bytes; see the Note)
+REFILL_ENV = "TORCHFERRY_ISSUE_REFILL_BYTES"
+
+
+def refill_bytes_from_env() -> int:
+    """``TORCHFERRY_ISSUE_REFILL_BYTES``: the queued bytes a full issue window is waited down to before
+    the issuer thread fills it again (default :data:`ISSUE_WINDOW_BYTES`: as soon as a group fits).
+    A lower mark takes the GIL back once per several groups, not once per group.
+
+    Raises:
+        ValueError: not an integer in ``[0, ISSUE_WINDOW_BYTES]``.
+    """
+    raw = os.environ.get(REFILL_ENV, "").strip()
+    if not raw:
+        return ISSUE_WINDOW_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= ISSUE_WINDOW_BYTES:
+        raise ValueError(f"torchferry: {REFILL_ENV} must be an integer in [0, {ISSUE_WINDOW_BYTES}] (bytes), "
+                         f"got {raw!r}")
+    return value
+
+
+def wait_target(nbytes: list[int], first: int, issued: int, gi: int, high: int, low: int) -> int | None:
+    """Which issued group's copies the issuer thread waits for before it queues group ``gi``.
+
+    Args:
+        nbytes: bytes per group. first: the first issued group whose copies may not be done.
+        issued: groups issued. high: the window (bytes). low: the refill mark (bytes, <= high).
+
+    Returns:
+        ``None`` if ``gi`` fits (``sum(nbytes[first:issued]) + nbytes[gi] <= high``); else the first
+        group ``k >= first`` after whose copies at most ``low`` bytes stay queued with ``gi``'s
+        (the last issued group if none: everything drains first).
+    """
+    if sum(nbytes[first:issued]) + nbytes[gi] <= high:
+        return None
+    k = first
+    while k < issued - 1 and sum(nbytes[k + 1:issued]) + nbytes[gi] > low:
+        k += 1
+    return k
+
+
+ISSUE_POLL_S = 0.0005  # seconds between two looks at the copies' progress, queued with copy_ (1 GiB: ~19 ms of copies)
 
 
 class Issuer:

@@ -48,7 +48,7 @@ from torch import nn
 
 from .._transfer.copies import transfer_range
 from .._transfer.arena import ReloadArena
-from .._state.fsdp import comm_streams, forward_prefetch_units, fsdp_modules, lazy_init_done, unit_key, versions
+from .._state.fsdp import comm_streams, forward_prefetch_units, versions
 from .._api.handle import TransferHandle
 from .._host.layout import HostViews
 from .._state.plan import Plan
@@ -58,7 +58,8 @@ from .unchanged import UnchangedStorages
 from .._transfer.driver import DriverQueue, queue_for
 from .._transfer.driver import enabled as driver_copies_enabled
 from .._transfer.streams import TransferStreams
-from .issuer import Issuer
+from .groups import Group, group_plan, prefetch_groups, split_tail
+from .issuer import ISSUE_POLL_S, ISSUE_WINDOW_BYTES, Issuer, refill_bytes_from_env, wait_target
 
 __all__ = ["Group", "Prefetch", "PrefetchRun", "group_plan", "prefetch_groups", "split_tail"]
 
@@ -83,127 +84,6 @@ class Prefetch:
                 or self.lookahead_bytes < 0):
             raise ValueError(f"torchferry: Prefetch: lookahead_bytes must be an int >= 0 (bytes) or None, "
                              f"got {self.lookahead_bytes!r}")
-
-
-@dataclasses.dataclass
-class Group:
-    """The storages and tensors one FSDP unit needs (``unit is None``: the tail group).
-
-    Attributes:
-        unit: the unit's first module (``None`` for the tail group).
-        storages: indices into ``plan.storages``.
-        tensors: indices into ``plan.tensors``.
-        nbytes: bytes of the group's storages.
-    """
-
-    unit: nn.Module | None
-    storages: list[int] = dataclasses.field(default_factory=list)
-    tensors: list[int] = dataclasses.field(default_factory=list)
-    nbytes: int = 0
-
-
-def group_plan(plan: Plan) -> list[Group]:
-    """Groups a plan's storages by FSDP unit, in forward order, tail group last.
-
-    A parameter belongs to the innermost unit that holds it (as in FSDP2); its
-    ``.grad`` goes with it; buffers likewise. A storage goes to the first
-    group (in forward order) of any tensor viewing it. Returns only non-empty
-    groups; without FSDP units, one tail group if there are optimizer targets
-    (else an empty list: a plain reload).
-    """
-    units: list[nn.Module] = []
-    seen_states: dict[int, int] = {}  # unit_key -> index in units
-    alias: dict[int, int] = {}  # id(module) -> unit index, for grouped fully_shard([a, b])
-    for m in plan.modules:
-        for u in fsdp_modules(m):
-            key = unit_key(u)
-            if key not in seen_states:
-                seen_states[key] = len(units)
-                units.append(u)
-            alias[id(u)] = seen_states[key]
-    if not units:
-        # Optimizer state alone: one tail group, completed by the step pre-hook,
-        # so the forward before the step does not wait for it. With a module target
-        # too (no FSDP units), a plain reload: its parameters must be back before
-        # the forward, not at the step (a backward in between would drop their grads).
-        if plan.optimizers and plan.storages and not plan.modules:
-            return [Group(None, list(range(len(plan.storages))), list(range(len(plan.tensors))), plan.state_bytes)]
-        return []
-    owner: dict[int, int] = {}  # id(tensor) -> group index
-    members = [m for root in plan.modules for m in fsdp_modules(root)]
-    for u in reversed(members):  # innermost first claims
-        gi = alias[id(u)]
-        for p in u.parameters():
-            owner.setdefault(id(p), gi)
-            if p.grad is not None:
-                owner.setdefault(id(p.grad), gi)
-        for b in u.buffers():
-            owner.setdefault(id(b), gi)
-    tail = len(units)
-    groups = [Group(u) for u in units] + [Group(None)]
-    storage_group: dict[int, int] = {}
-    for ref in plan.tensors:
-        gi = owner.get(id(ref.tensor), tail)
-        si = ref.storage_index
-        storage_group[si] = min(storage_group.get(si, gi), gi)
-    # A parameter and its grad must move together (the host impl links the host
-    # grad, see [Note: parked TensorImpls]): unify their groups.
-    tensor_of = {id(r.tensor): r for r in plan.tensors}
-    for _ in range(2):
-        for ref in plan.tensors:
-            g = ref.tensor.grad if isinstance(ref.tensor, nn.Parameter) or ref.tensor.requires_grad else None
-            if g is not None and id(g) in tensor_of:
-                a, b = ref.storage_index, tensor_of[id(g)].storage_index
-                low = min(storage_group[a], storage_group[b])
-                storage_group[a] = storage_group[b] = low
-    for ti, ref in enumerate(plan.tensors):
-        groups[storage_group[ref.storage_index]].tensors.append(ti)
-    for si, gi in sorted(storage_group.items()):
-        groups[gi].storages.append(si)
-        groups[gi].nbytes += plan.nbytes[si]
-    return [g for g in groups if g.storages or g.tensors]
-
-
-def prefetch_groups(plan: Plan) -> list[Group] | None:
-    """The groups of a layer-wise reload of ``plan``, or ``None`` for a plain reload.
-
-    Plain: state holding gradients (a ``zero_grad(set_to_none=False)`` before
-    the forward would write their host copies with ``_foreach_zero_``, which
-    DTensors do not count in their version counters), FSDP2 before its lazy
-    init, or nothing to defer (no units and no optimizer state).
-    """
-    if plan.has_grads:
-        return None
-    groups = group_plan(plan) if lazy_init_done(plan.modules) else []
-    return groups if len(groups) > 1 or (groups and plan.optimizers) else None
-
-
-ISSUE_WINDOW_BYTES = 1 << 30  # copies the issuer thread keeps queued ahead of the engine (bytes; see the Note)
-ISSUE_POLL_S = 0.0005  # seconds between two looks at the copies' progress, queued with copy_ (1 GiB: ~19 ms of copies)
-TAIL_PIECE_BYTES = 256 << 20  # a tail issued from the thread goes in groups of about this size (bytes)
-
-
-def split_tail(plan: Plan, groups: list[Group]) -> list[Group]:
-    """``groups`` with the tail group (optimizer state: no hook needs it before the step) cut into
-    groups of about :data:`TAIL_PIECE_BYTES` by storage, so that the caller's thread issues only
-    the first of them ([Note: copies issued off the caller's thread]). A tail holding a tensor
-    that requires grad stays whole (a parameter and its grad move together)."""
-    if not groups or groups[-1].unit is not None:
-        return groups
-    tail = groups[-1]
-    if any(plan.tensors[ti].tensor.requires_grad for ti in tail.tensors) or tail.nbytes <= TAIL_PIECE_BYTES:
-        return groups
-    pieces: list[Group] = []
-    piece_of: dict[int, Group] = {}
-    for si in tail.storages:
-        if not pieces or pieces[-1].nbytes >= TAIL_PIECE_BYTES:
-            pieces.append(Group(None))
-        pieces[-1].storages.append(si)
-        pieces[-1].nbytes += plan.nbytes[si]
-        piece_of[si] = pieces[-1]
-    for ti in tail.tensors:
-        piece_of[plan.tensors[ti].storage_index].tensors.append(ti)
-    return groups[:-1] + pieces
 
 
 # Every optimizer step first completes every layer-wise reload under way.
@@ -260,6 +140,7 @@ class PrefetchRun:
         self._issuer: Issuer | None = None  # see [Note: copies issued off the caller's thread]
         self._window_from = 0  # the first issued group whose copies may not be done (issuer thread)
         self._queue: DriverQueue | Literal[False] | None = None  # the issuer thread's; False: use copy_
+        self._refill = ISSUE_WINDOW_BYTES  # read in begin() (see refill_bytes_from_env)
         self._background = (streams.is_cuda or BACKGROUND_ON_CPU) and policy.lookahead_bytes is None
         if self._background:
             self.groups = groups = split_tail(plan, groups)
@@ -287,6 +168,7 @@ class PrefetchRun:
             if self._background:
                 if cuda:
                     driver_copies_enabled()  # a bad TORCHFERRY_DRIVER_COPIES fails here, before anything moved
+                self._refill = refill_bytes_from_env()
                 for gi in range(len(self.groups)):  # on the caller's thread and stream: see the Note
                     self._allocate_group(gi)
                 self._issue_ranged(0)  # the handle's event
@@ -420,22 +302,24 @@ class PrefetchRun:
         """The issuer thread's job: group ``gi`` once the copies queued and not yet done are under
         :data:`ISSUE_WINDOW_BYTES` (with ``gi``'s), so the stream's queue never fills and no
         CUDA call of another thread waits behind it ([Note: copies issued off the caller's thread]);
-        by pointer where the driver allows ([Note: copies queued by pointer])."""
+        by pointer where the driver allows ([Note: copies queued by pointer]). A full window is
+        waited for until it has drained to the refill mark (``TORCHFERRY_ISSUE_REFILL_BYTES``)."""
         if self._queue is None and self.streams.is_cuda:
             self._queue = queue_for("h2d", self.streams.h2d) or False
         queue = self._queue or None
         events, nbytes = self.events, [g.nbytes for g in self.groups]
-        while self._window_from < self.issued:
-            ev = events[self._window_from]
-            if ev is None or ev.query():
-                self._window_from += 1
-                continue
-            if sum(nbytes[self._window_from:self.issued]) + nbytes[gi] <= ISSUE_WINDOW_BYTES:
-                break
-            if queue is not None:
-                queue.wait(ev)  # the GIL released until the oldest group's copies are done
-            else:
-                time.sleep(ISSUE_POLL_S)
+        while self._window_from < self.issued and (events[self._window_from] is None
+                                                   or events[self._window_from].query()):
+            self._window_from += 1
+        target = wait_target(nbytes, self._window_from, self.issued, gi, ISSUE_WINDOW_BYTES, self._refill)
+        if target is not None:
+            ev = events[target]
+            if ev is not None and queue is not None:
+                queue.wait(ev)  # the GIL released until those copies are done
+            elif ev is not None:
+                while not ev.query():
+                    time.sleep(ISSUE_POLL_S)
+            self._window_from = target + 1
         self._issue_ranged(gi, queue)
 
     def _issue_ranged(self, gi: int, queue: DriverQueue | None = None) -> None:

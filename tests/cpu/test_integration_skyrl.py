@@ -344,8 +344,24 @@ def test_the_skip_setting_comes_from_patch_else_the_environment(monkeypatch):
     assert m.weight.device.type == "cpu" and tf_skyrl.ferry_for(m) is None  # nothing made, nothing moved
 
 
-def test_a_bad_skip_setting_is_refused_and_nothing_patched():
+def test_a_bad_skip_setting_is_refused_and_nothing_patched(monkeypatch):
     with pytest.raises(TypeError, match="skip_unchanged must be True, False or None, got str 'no'"):
         tf_skyrl.patch(skip_unchanged="no")  # type: ignore[arg-type]
+    monkeypatch.setenv(_helpers.SKIP_ENV, "yes")
+    with pytest.raises(ValueError, match="TORCHFERRY_SKIP_UNCHANGED must be 0 or 1, got 'yes'"):
+        tf_skyrl.patch()  # at patch(), not at a model's first offload
     assert not tf_skyrl.is_patched()
     assert not hasattr(fsdp_utils.offload_fsdp2_model_to_cpu, "__torchferry_original__")
+
+
+def test_a_second_patch_keeps_the_first_ones_skip_choice_and_only_a_patched_integration_resets_it(monkeypatch):
+    monkeypatch.delenv(_helpers.SKIP_ENV, raising=False)
+    tf_skyrl.patch(skip_unchanged=False)
+    tf_skyrl.patch()  # idempotent: the choice stays
+    assert not _helpers.skip_unchanged()
+    tf_verl.unpatch()  # verl was never patched: the shared setting stays
+    assert not _helpers.skip_unchanged()
+    tf_skyrl.patch(skip_unchanged=True)  # an explicit choice replaces it
+    assert _helpers.skip_unchanged()
+    tf_skyrl.unpatch()
+    assert _helpers._skip_unchanged is None and _helpers.skip_unchanged()

@@ -48,9 +48,13 @@ def test_with_worker_setup_passes_the_drivers_torchferry_settings_on(monkeypatch
     runtime_env's env_vars, not the driver's environment); the job's own env_vars win."""
     monkeypatch.setenv("TORCHFERRY_SKIP_UNCHANGED", "0")
     monkeypatch.setenv("TORCHFERRY_SKYRL", "0")  # the hook's own flag is never taken from the driver
+    for node_local in ("TORCHFERRY_LEDGER_DIR", "TORCHFERRY_HOST_BUDGET_BYTES", "TORCHFERRY_VERIFY_SKIPS",
+                       "TORCHFERRY_VERL_NEXT_HOOK"):  # other nodes' own, tests', the other integration's
+        monkeypatch.setenv(node_local, "1")
     env = with_worker_setup({"env_vars": {"TORCHFERRY_SWITCH_BYTES": "0"}})
     assert env["env_vars"]["TORCHFERRY_SKIP_UNCHANGED"] == "0"
     assert env["env_vars"]["TORCHFERRY_SKYRL"] == "1"
+    assert set(env["env_vars"]) == {"TORCHFERRY_SKIP_UNCHANGED", "TORCHFERRY_SKYRL", "TORCHFERRY_SWITCH_BYTES"}
     monkeypatch.setenv("TORCHFERRY_SWITCH_BYTES", "1048576")
     assert with_worker_setup({"env_vars": {"TORCHFERRY_SWITCH_BYTES": "0"}})["env_vars"]["TORCHFERRY_SWITCH_BYTES"] == "0"
 

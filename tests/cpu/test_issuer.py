@@ -324,6 +324,7 @@ def test_a_full_window_is_waited_down_to_the_refill_mark():
     assert wait_target(nbytes, 0, 4, 4, high=16, low=0) == 3  # refill from empty
     assert wait_target([4, 4, 40], 0, 2, 2, high=16, low=16) == 1  # a group larger than the window
     assert wait_target([4, 40], 0, 1, 1, high=16, low=16) == 0
+    assert wait_target([4, 40], 1, 1, 1, high=16, low=16) is None  # nothing queued: it goes alone
 
 
 def test_the_refill_mark_comes_from_the_environment(monkeypatch):

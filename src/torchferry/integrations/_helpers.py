@@ -82,6 +82,7 @@ __all__ = [
     "load_fsdp_optimizer",
     "offload_fsdp2_model_to_cpu",
     "offload_fsdp_optimizer",
+    "check_skip_setting",
     "set_skip_unchanged",
     "skip_unchanged",
 ]
@@ -107,6 +108,21 @@ def set_skip_unchanged(value: bool | None) -> bool | None:
                         f"{value!r}")
     before, _skip_unchanged = _skip_unchanged, value
     return before
+
+
+def check_skip_setting(value: bool | None) -> None:
+    """Raises what :func:`set_skip_unchanged` (``value``) or, for ``None``, :func:`skip_unchanged`
+    (the environment) would: an integration's ``patch()`` checks first, replacing nothing on an error.
+
+    Raises:
+        TypeError: ``value`` is neither ``None`` nor a bool.
+        ValueError: ``value`` is ``None`` and ``TORCHFERRY_SKIP_UNCHANGED`` is neither ``0`` nor ``1``.
+    """
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"torchferry: skip_unchanged must be True, False or None, got {type(value).__name__} "
+                        f"{value!r}")
+    if value is None and _skip_unchanged is None:
+        skip_unchanged()
 
 
 def skip_unchanged() -> bool:

@@ -25,7 +25,12 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["HookNames", "WorkerHook"]
+__all__ = ["FORWARDED_SETTINGS", "HookNames", "WorkerHook"]
+
+# The driver's settings a worker should see too: how torchferry moves state, the same on every node.
+# Not the node-local ones (host budgets, the ledger folder), tests' or the bench's.
+FORWARDED_SETTINGS = ("TORCHFERRY_SKIP_UNCHANGED", "TORCHFERRY_DRIVER_COPIES", "TORCHFERRY_SWITCH_BYTES",
+                      "TORCHFERRY_ISSUE_REFILL_BYTES", "TORCHFERRY_HASH", "TORCHFERRY_RELOAD_ARENA")
 
 logger = logging.getLogger("torchferry")
 
@@ -145,14 +150,16 @@ class WorkerHook:
 
         Returns:
             The new ``runtime_env``, with ``<env_flag>=1`` in its ``env_vars``, and the driver's
-            ``TORCHFERRY_*`` settings (``TORCHFERRY_SKIP_UNCHANGED`` ...) that it does not set itself.
+            settings of :data:`FORWARDED_SETTINGS` (``TORCHFERRY_SKIP_UNCHANGED`` ...) that it
+            does not set itself (Ray gives workers on other nodes the job's ``env_vars``, not the
+            driver's environment).
         """
         n = self.names
         env = dict(runtime_env or {})
         env_vars = dict(env.get("env_vars") or {})
-        for k, v in os.environ.items():  # the driver's settings reach the workers
-            if k.startswith("TORCHFERRY_") and k not in env_vars and k not in (n.env_flag, n.next_hook_env):
-                env_vars[k] = v
+        for k in FORWARDED_SETTINGS:  # the driver's settings reach the workers
+            if k in os.environ and k not in env_vars:
+                env_vars[k] = os.environ[k]
         env_vars[n.env_flag] = "1"
         theirs = env.get("worker_process_setup_hook")
         if theirs is None or theirs == n.hook_path:

@@ -97,11 +97,12 @@ def wait_target(nbytes: list[int], first: int, issued: int, gi: int, high: int, 
         issued: groups issued. high: the window (bytes). low: the refill mark (bytes, <= high).
 
     Returns:
-        ``None`` if ``gi`` fits (``sum(nbytes[first:issued]) + nbytes[gi] <= high``); else the first
+        ``None`` if nothing is queued or ``gi`` fits (``sum(nbytes[first:issued]) + nbytes[gi] <= high``;
+        a group larger than the window goes once the queue is empty); else the first
         group ``k >= first`` after whose copies at most ``low`` bytes stay queued with ``gi``'s
         (the last issued group if none: everything drains first).
     """
-    if sum(nbytes[first:issued]) + nbytes[gi] <= high:
+    if first >= issued or sum(nbytes[first:issued]) + nbytes[gi] <= high:  # nothing queued, or room
         return None
     k = first
     while k < issued - 1 and sum(nbytes[k + 1:issued]) + nbytes[gi] > low:

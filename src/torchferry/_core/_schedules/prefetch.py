@@ -141,6 +141,7 @@ class PrefetchRun:
         self._window_from = 0  # the first issued group whose copies may not be done (issuer thread)
         self._queue: DriverQueue | Literal[False] | None = None  # the issuer thread's; False: use copy_
         self._refill = ISSUE_WINDOW_BYTES  # read in begin() (see refill_bytes_from_env)
+        self._pinned: dict[int, bool] = {}  # storage index -> its slot is pinned (the issuer thread's)
         self._background = (streams.is_cuda or BACKGROUND_ON_CPU) and policy.lookahead_bytes is None
         if self._background:
             self.groups = groups = split_tail(plan, groups)
@@ -352,7 +353,7 @@ class PrefetchRun:
         for si in self.groups[gi].storages:
             if not plan.nbytes[si]:
                 continue
-            if queue is not None:  # the issuer thread: see [Note: copies queued by pointer]
+            if queue is not None and self._slot_pinned(si):  # see [Note: copies queued by pointer]
                 assert switch is not None
                 switch.copy_by_pointer(queue, plan.storages[si].data_ptr(), slots[si].data_ptr(), plan.nbytes[si])
                 continue
@@ -371,6 +372,14 @@ class PrefetchRun:
                     held.copied_in(plan, self.views, self.device_views, storages)
             else:
                 held.copied_in(plan, self.views, self.device_views, storages)
+
+    def _slot_pinned(self, si: int) -> bool:
+        """Whether storage ``si``'s pool slot is pinned (a partly pinned pool's rest is pageable: its
+        copies go through ``copy_``, which releases the GIL while the driver stages them)."""
+        pinned = self._pinned.get(si)
+        if pinned is None:
+            pinned = self._pinned[si] = self.views.slots[si].is_pinned()
+        return pinned
 
     def _group_versions(self, gi: int) -> list[int]:
         tensors = self.parking.tensors

@@ -26,13 +26,15 @@ reload 0.208 s/step and 0.149 s/step of compute overhead, against 0.292 and
 0.211 with ``copy_`` in the same session.
 
 What ``copy_`` does besides the copy does not apply to these copies: the host
-side is the ferry's pool (``mmap`` + ``cudaHostRegister``, not PyTorch's
+side is the ferry's pinned pool (``mmap`` + ``cudaHostRegister``, not PyTorch's
 caching host allocator, whose blocks ``copy_`` records an event for), and the
 device side is a storage the ferry allocated on the caller's stream and keeps
 alive; its readers wait for the group's event as before. A failed call
 raises, and the caller's thread takes over the copies ([Note: copies issued
 off the caller's thread]). ``TORCHFERRY_DRIVER_COPIES=0`` queues them with
-``copy_`` instead.
+``copy_`` instead. So does a slot in a partly pinned pool's pageable rest
+(``max_pinned_bytes``): from pageable memory the driver stages the copy on the
+host, and ``copy_`` releases the GIL meanwhile.
 
 The driver API needs a current context on the calling thread, which the
 runtime binds lazily: :func:`queue_for` makes a runtime call on the stream

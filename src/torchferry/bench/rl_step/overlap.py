@@ -42,7 +42,12 @@ points, on a stream nothing waits for (``strategies.ResidentDMA``). Its
 exposed reload against the resident baseline of the same round (issue time +
 compute over the resident's) is ``dma_penalty_s_per_step``: what the copies
 cost beside this step without any schedule, the part of
-``exposed_reload_s_per_step`` over the floor that is not the schedule's.
+``exposed_reload_s_per_step`` over the floor that is not the schedule's. Its
+copies are queued at once from the caller's thread, so for a large state its
+issue time includes waits for a full stream queue (3B on one H200: 0.39 s at
+9365f08), which torchferry's issuer thread does not pay;
+``baseline_resident_dma.compute_overhead_s_per_step`` is the copies' effect on
+the step's compute alone.
 """
 
 from __future__ import annotations

@@ -305,52 +305,65 @@ class ResidentDMA(Resident):
     real one, H2D on a stream of its own that nothing waits for ([Note: the copies' own cost]).
 
     The bytes go from a 1 GiB pinned host buffer to a 1 GiB device scratch buffer, round and round,
-    in the pieces and switch points of torchferry's reload, queued at once by pointer from the
-    caller's thread ([Note: copies queued by pointer] in ``_core/_transfer/driver``). CUDA only.
+    in 16 MiB pieces each followed by a 1 KiB copy of its first bytes again, the switch points of
+    torchferry's reload ([Note: switch points] in ``torchferry._core._transfer.switch``), queued at
+    once with ``copy_`` from the caller's thread: its issue time includes waits for a full stream
+    queue (large states), its compute span any copies still running. The buffers are set up
+    outside the timed spans; the device one lives only during the baseline's own steps. CUDA only.
     """
 
     name = "resident+dma"
     overlaps_reload = True
 
     RING_BYTES = 1 << 30  # the host and device buffers the copies cycle through (bytes)
+    PIECE_BYTES = 16 << 20  # torchferry's H2D switch interval (bytes)
+    SEPARATOR_BYTES = 1 << 10
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
                  sizes: dict[str, int]) -> None:
         super().__init__(model, optimizer, device)
         self.sizes = sizes
-        self._ring: tuple | None = None  # (host HostBuffer, device tensor, stream, queue, switch points)
+        self._host: torch.Tensor | None = None  # 1D uint8, RING_BYTES, pinned
+        self._dev: torch.Tensor | None = None  # 1D uint8, RING_BYTES, on the device: during a step only
+        self._stream: torch.cuda.Stream | None = None
+
+    def begin_phase(self, phase: str) -> None:
+        """Sets the buffers up, untimed (the host one once; the device one per step, freed after it)."""
+        if self._host is None:
+            self._host = torch.empty(self.RING_BYTES, dtype=torch.uint8, pin_memory=True)
+            self._stream = torch.cuda.Stream(self.device)
+        if self._dev is None:
+            self._dev = torch.empty(self.RING_BYTES, dtype=torch.uint8, device=self.device)
 
     def reload(self, optimizer: bool) -> None:
-        from torchferry._core._host.memory import HostBuffer
-        from torchferry._core._transfer.driver import queue_for
-        from torchferry._core._transfer.switch import SwitchPoints
-
-        if self._ring is None:
-            stream = torch.cuda.Stream(self.device)
-            queue = queue_for("h2d", stream)
-            if queue is None:
-                raise RuntimeError("resident+dma: copies by pointer are not available here (TORCHFERRY_DRIVER_COPIES=0 "
-                                   "or no CUDA driver library)")
-            host = HostBuffer(self.RING_BYTES, pin_bytes=self.RING_BYTES)
-            dev = torch.empty(self.RING_BYTES, dtype=torch.uint8, device=self.device)
-            self._ring = (host, dev, stream, queue, SwitchPoints(self.device, "h2d"))
-        host, dev, stream, queue, switch = self._ring
+        host, dev, stream = self._host, self._dev, self._stream
+        assert host is not None and dev is not None and stream is not None, "begin_phase() sets the buffers up"
         left = self.sizes["params"] + (self.sizes["grads"] + self.sizes["optimizer"] if optimizer else 0)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        while left:
-            n = min(left, self.RING_BYTES)
-            switch.copy_by_pointer(queue, dev.data_ptr(), host.tensor.data_ptr(), n)
-            left -= n
+        off = 0
+        with torch.cuda.stream(stream):
+            while left:
+                n = min(left, self.PIECE_BYTES, self.RING_BYTES - off)
+                dev[off:off + n].copy_(host[off:off + n], non_blocking=True)
+                sep = min(n, self.SEPARATOR_BYTES)
+                dev[off:off + sep].copy_(host[off:off + sep], non_blocking=True)
+                off = (off + n) % self.RING_BYTES
+                left -= n
 
     def offload(self, optimizer: bool) -> None:
-        if self._ring is not None:
-            self._ring[2].synchronize()  # the copies are done before the next phase
+        if self._stream is not None:
+            self._stream.synchronize()  # the copies are done before the next phase
+
+    def after_step(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._dev = None  # the device buffer goes (the next strategy's empty_cache returns it)
+        super().after_step()
 
     def close(self) -> None:
-        if self._ring is not None:
-            self._ring[2].synchronize()
-            self._ring[0].free()
-            self._ring = None
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._host = self._dev = None
         super().close()
 
 

@@ -147,14 +147,16 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None)
         skip_unchanged: whether models' ferries skip unchanged storages, so that an offload
             after a forward-only phase (the reference, a policy offloaded for another role)
             copies nothing ([Note: the helpers skip unchanged storages] in
-            ``integrations._helpers``); ``None`` (default): ``TORCHFERRY_SKIP_UNCHANGED``, on
-            unless ``0``.
+            ``integrations._helpers``); ``None`` (default): an earlier ``patch()``'s choice,
+            else ``TORCHFERRY_SKIP_UNCHANGED``, on unless ``0``. One setting for the verl and
+            SkyRL integrations (their helpers are the same), reset by ``unpatch()``.
 
     Returns:
         The ``module.attribute`` names replaced.
 
     Raises:
         TypeError: ``import_call_sites`` is not a bool, or ``skip_unchanged`` neither ``None`` nor a bool.
+        ValueError: ``TORCHFERRY_SKIP_UNCHANGED`` is neither ``0`` nor ``1``.
         RuntimeError: SkyRL's ``fsdp_utils`` is not importable (on Python < 3.12 the message says
             SkyRL needs 3.12), or one of its helpers is
             missing or has other parameters than this integration was written for (nothing is
@@ -163,18 +165,21 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None)
     if not isinstance(import_call_sites, bool):
         raise TypeError(f"torchferry.integrations.skyrl: patch(import_call_sites=...) must be True or False, "
                         f"got {type(import_call_sites).__name__} {import_call_sites!r}")
-    before = helpers.set_skip_unchanged(skip_unchanged)
+    helpers.check_skip_setting(skip_unchanged)  # a bad value or environment: nothing replaced
     try:
-        return _patcher.patch(import_call_sites=import_call_sites)
+        names = _patcher.patch(import_call_sites=import_call_sites)
     except RuntimeError as e:
-        helpers.set_skip_unchanged(before)
         if sys.version_info < (3, 12) and "is not importable" in str(e):
             raise RuntimeError(f"{e}; SkyRL 0.4.0 needs Python >= 3.12 (this is "
                                f"{sys.version_info.major}.{sys.version_info.minor})") from e
         raise
+    if skip_unchanged is not None:  # None leaves an earlier patch()'s choice (or the environment)
+        helpers.set_skip_unchanged(skip_unchanged)
+    return names
 
 
 def unpatch() -> None:
     """Puts SkyRL's own helpers back, also in SkyRL modules imported after :func:`patch`. Idempotent."""
+    if is_patched():
+        helpers.set_skip_unchanged(None)
     _patcher.unpatch()
-    helpers.set_skip_unchanged(None)

@@ -90,26 +90,30 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None) ->
         skip_unchanged: whether models' ferries skip unchanged storages, so that
             an offload after a forward-only phase copies nothing ([Note: the
             helpers skip unchanged storages] in ``integrations._helpers``);
-            ``None`` (default): ``TORCHFERRY_SKIP_UNCHANGED``, on unless ``0``.
+            ``None`` (default): an earlier ``patch()``'s choice, else
+            ``TORCHFERRY_SKIP_UNCHANGED``, on unless ``0``. One setting for the
+            verl and SkyRL integrations (their helpers are the same), reset by
+            ``unpatch()``.
 
     Returns:
         The ``module.attribute`` names replaced.
 
     Raises:
         TypeError: ``skip_unchanged`` is neither ``None`` nor a bool.
+        ValueError: ``TORCHFERRY_SKIP_UNCHANGED`` is neither ``0`` nor ``1``.
         RuntimeError: verl is not importable, or one of its helpers is missing
             or has other parameters than this integration was written for
             (nothing is replaced then).
     """
-    before = compat.set_skip_unchanged(skip_unchanged)
-    try:
-        return _patcher.patch(import_call_sites=import_engines)
-    except BaseException:
-        compat.set_skip_unchanged(before)  # nothing replaced, nothing changed
-        raise
+    compat.check_skip_setting(skip_unchanged)  # a bad value or environment: nothing replaced
+    names = _patcher.patch(import_call_sites=import_engines)
+    if skip_unchanged is not None:  # None leaves an earlier patch()'s choice (or the environment)
+        compat.set_skip_unchanged(skip_unchanged)
+    return names
 
 
 def unpatch() -> None:
     """Puts verl's own helpers back, also in verl modules imported after :func:`patch`. Idempotent."""
+    if is_patched():
+        compat.set_skip_unchanged(None)
     _patcher.unpatch()
-    compat.set_skip_unchanged(None)

@@ -30,7 +30,8 @@ __all__ = ["FORWARDED_SETTINGS", "HookNames", "WorkerHook"]
 # The driver's settings a worker should see too: how torchferry moves state, the same on every node.
 # Not the node-local ones (host budgets, the ledger folder), tests' or the bench's.
 FORWARDED_SETTINGS = ("TORCHFERRY_SKIP_UNCHANGED", "TORCHFERRY_DRIVER_COPIES", "TORCHFERRY_SWITCH_BYTES",
-                      "TORCHFERRY_ISSUE_REFILL_BYTES", "TORCHFERRY_HASH", "TORCHFERRY_RELOAD_ARENA")
+                      "TORCHFERRY_ISSUE_REFILL_BYTES", "TORCHFERRY_HASH", "TORCHFERRY_RELOAD_ARENA",
+                      "TORCHFERRY_VERL_FSDP1")
 
 logger = logging.getLogger("torchferry")
 

@@ -16,6 +16,7 @@ __all__ = [
     "comm_streams",
     "dtensor_twin",
     "forward_prefetch_units",
+    "fsdp1_offloads_params",
     "fsdp_modules",
     "is_dtensor",
     "lazy_init_done",
@@ -126,6 +127,15 @@ def lazy_init_done(modules: list[nn.Module]) -> bool:
             if getattr(unit._get_fsdp_state(), "_is_root", None) is None:  # pyright: ignore[reportCallIssue]  # FSDP2 private _get_fsdp_state
                 return False
     return True
+
+
+def fsdp1_offloads_params(module: nn.Module) -> bool:
+    """Whether an FSDP1 (``FullyShardedDataParallel``) module, or one nested in it, keeps its
+    flat parameters on the host itself (``cpu_offload=CPUOffload(offload_params=True)``)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(getattr(getattr(m, "cpu_offload", None), "offload_params", False)
+               for m in FullyShardedDataParallel.fsdp_modules(module))
 
 
 def versions(tensors: list[torch.Tensor]) -> list[int]:

@@ -85,7 +85,8 @@ def with_worker_setup(runtime_env: dict | None) -> dict:
             ``worker_process_setup_hook`` already there is kept and runs after torchferry's.
 
     Returns:
-        The new ``runtime_env``, with ``TORCHFERRY_SKYRL=1`` in its ``env_vars``.
+        The new ``runtime_env``, with ``TORCHFERRY_SKYRL=1`` in its ``env_vars`` and the driver's
+        transfer settings it does not set (``_ray_hook.FORWARDED_SETTINGS``).
     """
     return _hook.with_worker_setup(runtime_env)
 

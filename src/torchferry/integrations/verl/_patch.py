@@ -8,12 +8,27 @@
 Replaced in ``verl.utils.fsdp_utils`` and wherever verl modules imported them
 by name (``from verl.utils.fsdp_utils import offload_fsdp_model_to_cpu`` in
 the FSDP engine): ``offload_fsdp_model_to_cpu``, ``load_fsdp_model_to_gpu``
-(FSDP2 and plain modules go to torchferry; FSDP1 models still to verl's own
-code), ``offload_fsdp2_model_to_cpu``, ``load_fsdp2_model_to_gpu``,
+(FSDP2 and plain modules go to torchferry; FSDP1 models to verl's own code
+unless ``patch(fsdp1=True)`` or ``TORCHFERRY_VERL_FSDP1=1``: [Note: FSDP1 models
+through torchferry]), ``offload_fsdp2_model_to_cpu``, ``load_fsdp2_model_to_gpu``,
 ``offload_fsdp_optimizer``, ``load_fsdp_optimizer``. Written against verl
 0.9.1 (the helpers of verl PR #7347). The machinery (signature check, replacing
 every binding, exact restore) is :mod:`torchferry.integrations._patching`,
 shared with the SkyRL integration; this module names what verl has.
+
+[Note: FSDP1 models through torchferry]
+verl's default actor strategy is FSDP1 (``strategy: fsdp``). verl's own FSDP1
+helper moves each flat parameter with ``handle.flat_param_to("cpu",
+non_blocking=True)`` into pageable memory and re-points ``_local_shard``
+(``verl/utils/fsdp_utils.py``). A ferry moves an FSDP1 model as any module:
+its flat parameters (``use_orig_params=False``), or the original parameters
+and the flat ones they view (``True``), their ``.grad``s and buffers, storage by
+storage, into its pinned pool; ``_local_shard`` and the original parameters'
+views share the flat parameter's storage, which a reload gives back, so they
+are valid again after it. A model whose units keep their flat parameters on
+the host themselves (``CPUOffload(offload_params=True)``) stays with verl's
+code. Opt-in for now: tested on the CPU (gloo, both ``use_orig_params``), not
+yet on GPUs.
 """
 
 from __future__ import annotations
@@ -21,6 +36,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from types import ModuleType
 
+import os
+
+from ..._core._state.fsdp import fsdp1_offloads_params
 from .. import _helpers as compat
 from .._patching import HelperSet, Patcher
 
@@ -40,16 +58,35 @@ _HELPERS: dict[str, tuple[str, ...]] = {
 }
 
 
+FSDP1_ENV = "TORCHFERRY_VERL_FSDP1"
+_fsdp1: bool | None = None  # patch(fsdp1=...); None: the environment
+
+
+def fsdp1_through_torchferry() -> bool:
+    """Whether FSDP1 models go through torchferry ([Note: FSDP1 models through torchferry]):
+    ``patch(fsdp1=...)``, else ``TORCHFERRY_VERL_FSDP1`` (``0``, the default, or ``1``).
+
+    Raises:
+        ValueError: ``TORCHFERRY_VERL_FSDP1`` is neither ``0`` nor ``1``.
+    """
+    if _fsdp1 is not None:
+        return _fsdp1
+    raw = os.environ.get(FSDP1_ENV, "0").strip() or "0"
+    if raw not in ("0", "1"):
+        raise ValueError(f"torchferry: {FSDP1_ENV} must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
 def _replacements(fsdp_utils: ModuleType, original: Mapping[str, Callable]) -> dict[str, Callable]:
     fsdp_version = fsdp_utils.fsdp_version
 
     def offload_fsdp_model_to_cpu(model, empty_cache: bool = True):
-        if fsdp_version(model) == 1:  # FSDP1: verl's own code
-            return original["offload_fsdp_model_to_cpu"](model, empty_cache)
+        if fsdp_version(model) == 1 and (not fsdp1_through_torchferry() or fsdp1_offloads_params(model)):
+            return original["offload_fsdp_model_to_cpu"](model, empty_cache)  # verl's own code
         return compat.offload_fsdp2_model_to_cpu(model, empty_cache)
 
     def load_fsdp_model_to_gpu(model):
-        if fsdp_version(model) == 1:
+        if fsdp_version(model) == 1 and compat.ferry_for(model) is None:  # verl offloaded it
             return original["load_fsdp_model_to_gpu"](model)
         return compat.load_fsdp2_model_to_gpu(model)
 
@@ -76,7 +113,8 @@ def is_patched() -> bool:
     return _patcher.is_patched()
 
 
-def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None) -> list[str]:
+def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
+          fsdp1: bool | None = None) -> list[str]:
     """Routes verl's FSDP2 model and optimizer offload helpers through torchferry.
 
     Idempotent.
@@ -94,26 +132,39 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None) ->
             ``TORCHFERRY_SKIP_UNCHANGED``, on unless ``0``. One setting for the
             verl and SkyRL integrations (their helpers are the same), reset by
             ``unpatch()``.
+        fsdp1: whether FSDP1 models go through torchferry too ([Note: FSDP1 models
+            through torchferry]); ``None`` (default): an earlier ``patch()``'s
+            choice, else ``TORCHFERRY_VERL_FSDP1``, off unless ``1``.
 
     Returns:
         The ``module.attribute`` names replaced.
 
     Raises:
-        TypeError: ``skip_unchanged`` is neither ``None`` nor a bool.
-        ValueError: ``TORCHFERRY_SKIP_UNCHANGED`` is neither ``0`` nor ``1``.
+        TypeError: ``skip_unchanged`` or ``fsdp1`` is neither ``None`` nor a bool.
+        ValueError: ``TORCHFERRY_SKIP_UNCHANGED`` or ``TORCHFERRY_VERL_FSDP1`` is neither ``0`` nor ``1``.
         RuntimeError: verl is not importable, or one of its helpers is missing
             or has other parameters than this integration was written for
             (nothing is replaced then).
     """
+    global _fsdp1
     compat.check_skip_setting(skip_unchanged)  # a bad value or environment: nothing replaced
+    if fsdp1 is not None and not isinstance(fsdp1, bool):
+        raise TypeError(f"torchferry.integrations.verl: patch(fsdp1=...) must be True, False or None, got "
+                        f"{type(fsdp1).__name__} {fsdp1!r}")
+    if fsdp1 is None and _fsdp1 is None:
+        fsdp1_through_torchferry()
     names = _patcher.patch(import_call_sites=import_engines)
     if skip_unchanged is not None:  # None leaves an earlier patch()'s choice (or the environment)
         compat.set_skip_unchanged(skip_unchanged)
+    if fsdp1 is not None:
+        _fsdp1 = fsdp1
     return names
 
 
 def unpatch() -> None:
     """Puts verl's own helpers back, also in verl modules imported after :func:`patch`. Idempotent."""
+    global _fsdp1
     if is_patched():
         compat.set_skip_unchanged(None)
+        _fsdp1 = None
     _patcher.unpatch()

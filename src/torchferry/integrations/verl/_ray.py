@@ -78,7 +78,8 @@ def with_worker_setup(runtime_env: dict | None) -> dict:
             one is passed on by name).
 
     Returns:
-        The new ``runtime_env``, with ``TORCHFERRY_VERL=1`` in its ``env_vars``.
+        The new ``runtime_env``, with ``TORCHFERRY_VERL=1`` in its ``env_vars`` and the driver's
+        transfer settings it does not set (``_ray_hook.FORWARDED_SETTINGS``).
     """
     return _hook.with_worker_setup(runtime_env)
 

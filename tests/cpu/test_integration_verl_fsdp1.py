@@ -1,0 +1,110 @@
+"""FSDP1 models through verl's patched helpers ([Note: FSDP1 models through torchferry] in
+``torchferry.integrations.verl._patch``), against the real verl 0.9.1 on the CPU: FSDP1
+(``FullyShardedDataParallel``) over gloo on 2 ranks, ``use_orig_params`` both ways. Opt-in
+(``patch(fsdp1=True)``); by default, and for a model that offloads its own flat parameters,
+verl's own code."""
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+verl_fsdp_utils = pytest.importorskip("verl.utils.fsdp_utils", reason="verl not installed")
+
+import torchferry.integrations.verl as tf_verl  # noqa: E402
+from torchferry.integrations.verl import _patch as verl_patch  # noqa: E402
+from tests.helpers import identities, snapshot, train_step  # noqa: E402
+from tests.spawn import run_spawned  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _unpatched():
+    yield
+    tf_verl.unpatch()
+
+
+def _fsdp1(orig: bool, cpu_offload: bool = False):
+    from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 11), nn.ReLU(), nn.Linear(11, 5))
+    wrapped = FSDP(m, device_id=torch.device("cpu"), use_orig_params=orig,
+                   cpu_offload=CPUOffload(offload_params=True) if cpu_offload else None)
+    return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def _round_trips(rank, world, orig):
+    from torchferry.integrations.verl import ferry_for
+
+    tf_verl.patch(fsdp1=True, import_engines=False)
+    m, opt = _fsdp1(orig)
+    ref, ref_opt = _fsdp1(orig)
+    g = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(4, 16, generator=g) for _ in range(4)]
+    verl_fsdp_utils.offload_fsdp_model_to_cpu(m)  # as verl does right after building: before any forward
+    assert ferry_for(m) is not None and ferry_for(m).residency.on_host
+    verl_fsdp_utils.load_fsdp_model_to_gpu(m)
+    for step, x in enumerate(xs):
+        train_step(m, opt, x, set_to_none=True)
+        train_step(ref, ref_opt, x, set_to_none=True)
+        before, ids = snapshot(m, opt), identities(m, opt)
+        verl_fsdp_utils.offload_fsdp_model_to_cpu(m)
+        verl_fsdp_utils.offload_fsdp_optimizer(opt)
+        assert ferry_for(m).residency.on_host and ferry_for(opt).residency.on_host, step
+        verl_fsdp_utils.load_fsdp_model_to_gpu(m)
+        verl_fsdp_utils.load_fsdp_optimizer(opt, "cpu")
+        _same(before, snapshot(m, opt))
+        assert identities(m, opt) == ids
+        _same(snapshot(ref, ref_opt), snapshot(m, opt))  # training goes on as if never offloaded
+    with torch.no_grad():
+        assert torch.equal(m(xs[0]), ref(xs[0]))
+
+
+@pytest.mark.parametrize("orig", [False, True], ids=["flat_params", "use_orig_params"])
+def test_fsdp1_models_round_trip_bit_exact_through_torchferry(orig):
+    run_spawned(functools.partial(_round_trips, orig=orig))
+
+
+def _stays_with_verl(rank, world):
+    from torchferry.integrations.verl import ferry_for
+
+    tf_verl.patch(import_engines=False)  # fsdp1 off (the default)
+    m, _ = _fsdp1(orig=False)
+    verl_fsdp_utils.offload_fsdp_model_to_cpu(m)
+    assert ferry_for(m) is None  # verl's own FSDP1 code ran
+    # A model whose units keep their flat parameters on the host is verl's (its offload, and
+    # FSDP1's own lazy init, pin memory: not on a CPU-only build, so only the decision here).
+    from torchferry._core._state.fsdp import fsdp1_offloads_params
+
+    own, _ = _fsdp1(orig=False, cpu_offload=True)
+    assert fsdp1_offloads_params(own) and not fsdp1_offloads_params(m)
+
+
+def test_fsdp1_models_stay_with_verls_code_by_default_and_when_they_offload_themselves():
+    run_spawned(_stays_with_verl)
+
+
+def test_the_fsdp1_setting_comes_from_patch_else_the_environment(monkeypatch):
+    monkeypatch.delenv(verl_patch.FSDP1_ENV, raising=False)
+    tf_verl.patch(import_engines=False)
+    assert not verl_patch.fsdp1_through_torchferry()
+    monkeypatch.setenv(verl_patch.FSDP1_ENV, "1")
+    assert verl_patch.fsdp1_through_torchferry()
+    tf_verl.patch(fsdp1=False, import_engines=False)
+    assert not verl_patch.fsdp1_through_torchferry()  # patch()'s choice over the environment
+    tf_verl.unpatch()
+    assert verl_patch.fsdp1_through_torchferry()
+    monkeypatch.setenv(verl_patch.FSDP1_ENV, "on")
+    with pytest.raises(ValueError, match="TORCHFERRY_VERL_FSDP1 must be 0 or 1, got 'on'"):
+        tf_verl.patch(import_engines=False)
+    assert not tf_verl.is_patched()
+    with pytest.raises(TypeError, match=r"patch\(fsdp1=...\) must be True, False or None, got int 1"):
+        tf_verl.patch(fsdp1=1, import_engines=False)  # type: ignore[arg-type]
+    assert not tf_verl.is_patched()

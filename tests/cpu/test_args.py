@@ -141,3 +141,27 @@ def test_public_signatures_name_no_private_type():
     assert not found, found
     with pytest.raises(TypeError, match="schedule"):
         torchferry.Ferry(nn.Linear(2, 2), device="cpu").offload(schedule=None)  # type: ignore[call-arg]
+
+
+def test_environment_settings_are_parsed_in_one_place(monkeypatch):
+    from torchferry._core._api.args import check_optional_bool, env_flag, env_int
+
+    monkeypatch.delenv("TORCHFERRY_X", raising=False)
+    assert env_flag("TORCHFERRY_X", True) and not env_flag("TORCHFERRY_X", False)
+    assert env_int("TORCHFERRY_X", 7, says="an integer") == 7
+    for raw, want in ((" 1 ", True), ("0", False), ("", True)):
+        monkeypatch.setenv("TORCHFERRY_X", raw)
+        assert env_flag("TORCHFERRY_X", True) is want
+    monkeypatch.setenv("TORCHFERRY_X", "yes")
+    with pytest.raises(ValueError, match="TORCHFERRY_X must be 0 or 1, got 'yes'"):
+        env_flag("TORCHFERRY_X", True)
+    monkeypatch.setenv("TORCHFERRY_X", "12")
+    assert env_int("TORCHFERRY_X", 0, hi=12, says="in [0, 12]") == 12
+    for bad in ("13", "-1", "1.5"):
+        monkeypatch.setenv("TORCHFERRY_X", bad)
+        with pytest.raises(ValueError, match=f"TORCHFERRY_X must be in \\[0, 12\\], got '{bad}'"):
+            env_int("TORCHFERRY_X", 0, hi=12, says="in [0, 12]")
+    check_optional_bool(None, "x")
+    check_optional_bool(False, "x")
+    with pytest.raises(TypeError, match="x must be True, False or None, got int 1"):
+        check_optional_bool(1, "x")

@@ -65,12 +65,12 @@ offloaded after it is set (a ferry keeps its setting).
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
 from torch import nn
 
+from .._core._api.args import check_optional_bool, env_flag
 from .._core._ferry.ferry import Ferry
 from .._core._api.handle import TransferHandle
 from .._core._state.targets import inner_optimizers
@@ -103,9 +103,7 @@ def set_skip_unchanged(value: bool | None) -> bool | None:
         TypeError: ``value`` is neither ``None`` nor a bool.
     """
     global _skip_unchanged
-    if value is not None and not isinstance(value, bool):
-        raise TypeError(f"torchferry: skip_unchanged must be True, False or None, got {type(value).__name__} "
-                        f"{value!r}")
+    check_optional_bool(value, "skip_unchanged")
     before, _skip_unchanged = _skip_unchanged, value
     return before
 
@@ -118,9 +116,7 @@ def check_skip_setting(value: bool | None) -> None:
         TypeError: ``value`` is neither ``None`` nor a bool.
         ValueError: ``value`` is ``None`` and ``TORCHFERRY_SKIP_UNCHANGED`` is neither ``0`` nor ``1``.
     """
-    if value is not None and not isinstance(value, bool):
-        raise TypeError(f"torchferry: skip_unchanged must be True, False or None, got {type(value).__name__} "
-                        f"{value!r}")
+    check_optional_bool(value, "skip_unchanged")
     if value is None and _skip_unchanged is None:
         skip_unchanged()
 
@@ -132,12 +128,7 @@ def skip_unchanged() -> bool:
     Raises:
         ValueError: ``TORCHFERRY_SKIP_UNCHANGED`` is neither ``0`` nor ``1``.
     """
-    if _skip_unchanged is not None:
-        return _skip_unchanged
-    raw = os.environ.get(SKIP_ENV, "1").strip() or "1"
-    if raw not in ("0", "1"):
-        raise ValueError(f"torchferry: {SKIP_ENV} must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    return _skip_unchanged if _skip_unchanged is not None else env_flag(SKIP_ENV, True)
 
 
 def ferry_for(obj: nn.Module | torch.optim.Optimizer) -> Ferry | None:

@@ -56,11 +56,12 @@ against 0.234 s/step, the small H2D copy's p90 0.21 against 0.05 ms
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 
 import torch
+
+from .._api.args import env_int
 
 __all__ = ["ISSUE_POLL_S", "ISSUE_WINDOW_BYTES", "REFILL_ENV", "Issuer", "refill_bytes_from_env", "wait_target"]
 
@@ -76,17 +77,8 @@ def refill_bytes_from_env() -> int:
     Raises:
         ValueError: not an integer in ``[0, ISSUE_WINDOW_BYTES]``.
     """
-    raw = os.environ.get(REFILL_ENV, "").strip()
-    if not raw:
-        return ISSUE_WINDOW_BYTES
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= ISSUE_WINDOW_BYTES:
-        raise ValueError(f"torchferry: {REFILL_ENV} must be an integer in [0, {ISSUE_WINDOW_BYTES}] (bytes), "
-                         f"got {raw!r}")
-    return value
+    return env_int(REFILL_ENV, ISSUE_WINDOW_BYTES, hi=ISSUE_WINDOW_BYTES,
+                   says=f"an integer in [0, {ISSUE_WINDOW_BYTES}] (bytes)")
 
 
 def wait_target(nbytes: list[int], first: int, issued: int, gi: int, high: int, low: int) -> int | None:
@@ -102,11 +94,13 @@ def wait_target(nbytes: list[int], first: int, issued: int, gi: int, high: int, 
         group ``k >= first`` after whose copies at most ``low`` bytes stay queued with ``gi``'s
         (the last issued group if none: everything drains first).
     """
-    if first >= issued or sum(nbytes[first:issued]) + nbytes[gi] <= high:  # nothing queued, or room
+    queued = sum(nbytes[first:issued])
+    if first >= issued or queued + nbytes[gi] <= high:  # nothing queued, or room
         return None
-    k = first
-    while k < issued - 1 and sum(nbytes[k + 1:issued]) + nbytes[gi] > low:
+    k, queued = first, queued - nbytes[first]  # queued: what stays after group k's copies
+    while k < issued - 1 and queued + nbytes[gi] > low:
         k += 1
+        queued -= nbytes[k]
     return k
 
 

@@ -46,10 +46,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 
 import torch
+
+from .._api.args import env_flag
 
 __all__ = ["DRIVER_ENV", "DriverQueue", "enabled", "queue_for"]
 
@@ -94,10 +95,7 @@ def enabled() -> bool:
     Raises:
         ValueError: neither ``0`` nor ``1``.
     """
-    raw = os.environ.get(DRIVER_ENV, "1").strip() or "1"
-    if raw not in ("0", "1"):
-        raise ValueError(f"torchferry: {DRIVER_ENV} must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    return env_flag(DRIVER_ENV, True)
 
 
 class DriverQueue:

@@ -59,11 +59,12 @@ changes it is caught.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterator
 
 import torch
+
+from .._api.args import env_int
 
 __all__ = ["D2H_SWITCH_BYTES", "SEPARATOR_BYTES", "SWITCH_BYTES", "SWITCH_ENV", "SwitchPoints", "default_interval"]
 
@@ -87,17 +88,7 @@ def switch_bytes_from_env(direction: str = "h2d") -> int:
     Raises:
         ValueError: not an integer >= 0.
     """
-    raw = os.environ.get(SWITCH_ENV, "").strip()
-    if not raw:
-        return default_interval(direction)
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"torchferry: {SWITCH_ENV} must be an integer >= 0 (bytes; 0 turns switch points off), "
-                         f"got {raw!r}")
-    return value
+    return env_int(SWITCH_ENV, default_interval(direction), says="an integer >= 0 (bytes; 0 turns switch points off)")
 
 
 class SwitchPoints:

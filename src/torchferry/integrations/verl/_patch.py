@@ -36,8 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from types import ModuleType
 
-import os
-
+from ..._core._api.args import check_optional_bool, env_flag
 from ..._core._state.fsdp import fsdp1_offloads_params
 from .. import _helpers as compat
 from .._patching import HelperSet, Patcher
@@ -69,12 +68,7 @@ def fsdp1_through_torchferry() -> bool:
     Raises:
         ValueError: ``TORCHFERRY_VERL_FSDP1`` is neither ``0`` nor ``1``.
     """
-    if _fsdp1 is not None:
-        return _fsdp1
-    raw = os.environ.get(FSDP1_ENV, "0").strip() or "0"
-    if raw not in ("0", "1"):
-        raise ValueError(f"torchferry: {FSDP1_ENV} must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    return _fsdp1 if _fsdp1 is not None else env_flag(FSDP1_ENV, False)
 
 
 def _replacements(fsdp_utils: ModuleType, original: Mapping[str, Callable]) -> dict[str, Callable]:
@@ -148,9 +142,7 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
     """
     global _fsdp1
     compat.check_skip_setting(skip_unchanged)  # a bad value or environment: nothing replaced
-    if fsdp1 is not None and not isinstance(fsdp1, bool):
-        raise TypeError(f"torchferry.integrations.verl: patch(fsdp1=...) must be True, False or None, got "
-                        f"{type(fsdp1).__name__} {fsdp1!r}")
+    check_optional_bool(fsdp1, "patch(fsdp1=...)")
     if fsdp1 is None and _fsdp1 is None:
         fsdp1_through_torchferry()
     names = _patcher.patch(import_call_sites=import_engines)

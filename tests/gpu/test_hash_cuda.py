@@ -71,3 +71,41 @@ def test_kernel_rate_printed():
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     print(f"triton hash: {n / min(times) / 1e9:.0f} GB/s over {n / 2**30:.0f} GiB")
+
+
+def test_reload_hash_beside_its_copies_covers_early_and_tail_storages(monkeypatch):
+    """[Note: the reload's hash beside its copies]: the storages copied before the early event and
+    the tail after it both join the baseline (an offload with no write copies nothing), and a write
+    that bumps no version counter (through ``.data``) is seen in either part."""
+    from torch import nn
+
+    from torchferry import Ferry
+    from torchferry._core._ferry import state_set
+
+    seen = []
+    issue = state_set.issue_h2d
+
+    def spy(*a, **k):
+        out = issue(*a, **k)
+        seen.append(out.early)
+        return out
+
+    monkeypatch.setattr(state_set, "issue_h2d", spy)
+    g = torch.Generator(device=DEV).manual_seed(3)
+    params = nn.ParameterList([nn.Parameter(torch.randn(8 << 20, device=DEV, generator=g)) for _ in range(8)])
+    ferry = Ferry(params, skip_unchanged=True)  # 8 x 32 MiB: the tail is 64 MiB, the last 2 storages
+    ferry.offload().wait()
+    ferry.reload()
+    assert seen[-1] is not None and len(seen[-1][1]) == 6, seen[-1]
+    ferry.offload().wait()
+    assert ferry.stats.offload_bytes_copied == 0
+    ferry.reload()
+    for p in list(params)[:7]:  # one left alone: in whichever part it is, the other part has writes too
+        p.data.add_(1.0)
+    want = [p.detach().clone() for p in params]
+    ferry.offload().wait()
+    assert ferry.stats.offload_bytes_copied == 7 * (32 << 20)
+    ferry.reload()
+    torch.cuda.synchronize()
+    for p, w in zip(params, want, strict=True):
+        torch.testing.assert_close(p, w, atol=0, rtol=0)

@@ -46,6 +46,15 @@ from .._transfer.streams import TransferStreams, streams_for
 from .moves import OffloadIssued, OffloadMove, Offloaded, ReloadMove
 from .reconcile import moved_away, reconcile
 
+# See [Note: the reload's hash beside its copies]: the last copies a reload leaves to hide its
+# baseline hash behind, as a fraction of its bytes (1/HASH_TAIL_DIV) and at least HASH_TAIL_MIN.
+HASH_TAIL_DIV = 16
+HASH_TAIL_MIN = 64 << 20
+
+
+def _hash_tail_bytes(plan: Plan) -> int:
+    return max(plan.state_bytes // HASH_TAIL_DIV, HASH_TAIL_MIN)
+
 __all__ = ["StateSet"]
 
 
@@ -205,7 +214,7 @@ class StateSet:
         return OffloadIssued(plan, views, copies, [f[0] for f in cache.fingerprint], unchanged)
 
     def issue_reload(self, plan: Plan, views: HostViews, after: torch.cuda.Event | None,
-                     before_alloc=None) -> H2DIssued:
+                     before_alloc=None, mark_tail_bytes: int | None = None) -> H2DIssued:
         """Re-allocates every storage and issues the H2D copies (after the event ``after``).
 
         ``after`` is the ferry's own last offload: the D2H stream is shared by
@@ -221,7 +230,8 @@ class StateSet:
         refuse_unresizable(plan)  # see [Note: NumPy views mark storages not resizable]
         if self.streams.is_cuda and after is not None:
             self.streams.h2d.wait_event(after)  # the slots may still be filling
-        return issue_h2d(plan, views, self.streams, device_views=self.device_views(plan), before_alloc=before_alloc)
+        return issue_h2d(plan, views, self.streams, device_views=self.device_views(plan), before_alloc=before_alloc,
+                         mark_tail_bytes=mark_tail_bytes)
 
     # ------------------------------------------------------------------ moves
     def _parking_of(self) -> Parking:
@@ -289,12 +299,15 @@ class StateSet:
         parking = self._parking_of()
         move = ReloadMove(plan, parking, self.streams,
                           ReloadArena.seed(self.device, plan.nbytes) if cuda and not tracks else None, self.unchanged)
+        hash_early = cuda and not tracks and self.unchanged is not None
         try:  # see [Note: all or nothing]
             move.copies = copies = self.issue_reload(plan, off.views, after,
-                                                     schedule.before_alloc if schedule is not None and tracks else None)
+                                                     schedule.before_alloc if schedule is not None and tracks else None,
+                                                     mark_tail_bytes=_hash_tail_bytes(plan) if hash_early else None)
             if self.replaced(off):  # checked while the copies are in flight
                 move.undo()
                 return None
+            early = self._hash_early(plan, off.views, copies) if hash_early else None
             if cuda:
                 self.streams.current().wait_event(copies.event)  # pyright: ignore[reportArgumentType]  # an event on a GPU
                 for stream in comm_streams(plan.modules):  # also read by FSDP2's all-gathers
@@ -303,7 +316,7 @@ class StateSet:
                     move.arena.seal(plan.storages)
             parking.to_device(range(len(plan.tensors)))
             move.repointed = True
-            self._take_baseline(plan, off.views, swapping=tracks)
+            self._take_baseline(plan, off.views, swapping=tracks, early=early)
         except BaseException as e:
             move.undo()
             if isinstance(e, torch.OutOfMemoryError):
@@ -315,9 +328,22 @@ class StateSet:
             raise
         return move
 
-    def _take_baseline(self, plan: Plan, views: HostViews, *, swapping: bool) -> None:
-        """The baseline of [Note: unchanged storages] after a plain reload; none under a swap with a
-        budget (the hash's temporaries would exceed it)."""
+    def _hash_early(self, plan: Plan, views: HostViews, copies: H2DIssued) -> list[int] | None:
+        """Starts the baseline with the storages copied before ``copies.early``, on the current
+        stream once that event passed ([Note: the reload's hash beside its copies]); the ones it
+        hashed, or ``None`` (no early event: all are hashed after the last copy)."""
+        sources = self.device_views(plan)
+        if copies.early is None or self.unchanged is None or sources is None:
+            return None
+        event, storages = copies.early
+        self.streams.current().wait_event(event)
+        self.unchanged.copied_in(plan, views, sources, storages, fresh=True)
+        return storages
+
+    def _take_baseline(self, plan: Plan, views: HostViews, *, swapping: bool, early: list[int] | None = None) -> None:
+        """The baseline of [Note: unchanged storages] after a plain reload (``early``: the storages
+        :meth:`_hash_early` hashed already); none under a swap with a budget (the hash's
+        temporaries would exceed it)."""
         if self.unchanged is None:
             return
         if swapping:
@@ -325,7 +351,7 @@ class StateSet:
             return
         sources = self.device_views(plan)
         if sources is not None:
-            self.unchanged.reloaded(plan, views, sources, self._parking_of().host_versions())
+            self.unchanged.reloaded(plan, views, sources, self._parking_of().host_versions(), early)
 
     def reconcile(self, off: Offloaded, after: torch.cuda.Event | None) -> int:
         """Brings back what the targets still hold after a replacement (synchronously, all or

@@ -92,10 +92,19 @@ class D2HIssued(NamedTuple):
 
 
 class H2DIssued(NamedTuple):
-    """What :func:`issue_h2d` queued: events on the H2D stream (``None`` on the CPU)."""
+    """What :func:`issue_h2d` queued: events on the H2D stream (``None`` on the CPU).
+
+    Attributes:
+        event: recorded after the last copy.
+        start: recorded before the first copy (timing).
+        early: with ``mark_tail_bytes``, an event recorded after the copies of the storages it
+            lists (large ones, in copy order), while at most that many bytes of large storages
+            were left to copy; ``None`` otherwise.
+    """
 
     event: torch.cuda.Event | None
     start: torch.cuda.Event | None
+    early: tuple[torch.cuda.Event, list[int]] | None = None
 
 
 def issue_d2h(plan: Plan, sources: list[torch.Tensor], views: HostViews, skip: set[int],
@@ -223,7 +232,8 @@ def _device_view(plan: Plan, si: int, device_views: list[torch.Tensor] | None) -
 
 def issue_h2d(plan: Plan, views: HostViews, streams: TransferStreams, *, storages: list[int] | None = None,
               device_views: list[torch.Tensor] | None = None,
-              before_alloc: Callable[[int], None] | None = None) -> H2DIssued:
+              before_alloc: Callable[[int], None] | None = None,
+              mark_tail_bytes: int | None = None) -> H2DIssued:
     """Re-allocates storages on the current stream and queues their H2D copies from the pool.
 
     Large storages first, each copied as soon as it is allocated; then the
@@ -239,6 +249,8 @@ def issue_h2d(plan: Plan, views: HostViews, streams: TransferStreams, *, storage
             ``resize_``), or ``None`` to make them.
         before_alloc: called with the bytes allocated so far, including the
             next storage, before each allocation (swap's budget).
+        mark_tail_bytes: on a GPU, record :attr:`H2DIssued.early` once at most this
+            many bytes of large storages are left to copy.
 
     Raises:
         torch.OutOfMemoryError: the device ran out of memory; everything this
@@ -254,6 +266,7 @@ def issue_h2d(plan: Plan, views: HostViews, streams: TransferStreams, *, storage
     wanted_set = None if storages is None else set(storages)
     allocated_idx: list[int] = []
     start = None
+    early: tuple[torch.cuda.Event, list[int]] | None = None
     try:
         if cuda:
             h2d = streams.h2d
@@ -273,9 +286,10 @@ def issue_h2d(plan: Plan, views: HostViews, streams: TransferStreams, *, storage
             allocated_idx.append(si)
             return _device_view(plan, si, device_views) if n else None
 
-        for si in wanted:
-            if si in packed:
-                continue
+        large = [si for si in wanted if si not in packed]
+        left = sum(nbytes[si] for si in large) if cuda and mark_tail_bytes is not None else -1
+        copied_idx: list[int] = []
+        for si in large:
             dst = alloc(si)
             if dst is None:
                 continue
@@ -285,6 +299,11 @@ def issue_h2d(plan: Plan, views: HostViews, streams: TransferStreams, *, storage
                         streams.switch("h2d").copy(dst, views.slots[si])  # see [Note: switch points]
                     else:
                         dst.copy_(views.slots[si], non_blocking=True)
+                if left >= 0:
+                    copied_idx.append(si)
+                    left -= nbytes[si]
+                    if left <= mark_tail_bytes:  # pyright: ignore[reportOperatorIssue]  # left >= 0 only with mark_tail_bytes
+                        early, left = (streams.event(h2d), copied_idx), -1
             else:
                 dst.copy_(views.slots[si])
         chunks, pool_chunks = views.chunks, views.pool_chunks
@@ -307,4 +326,4 @@ def issue_h2d(plan: Plan, views: HostViews, streams: TransferStreams, *, storage
         undo_allocations(plan, allocated_idx, streams)
         raise
     event = streams.event(streams.h2d, timing=True) if cuda else None
-    return H2DIssued(event, start)
+    return H2DIssued(event, start, early)

@@ -24,8 +24,10 @@ built without an optimizer config, a reference or teacher model, has no ``optimi
 attribute: the model alone), on ``engine.device``:
 
 * ``offload()``: ``ferry.offload()`` and a wait for its copies (AReaL's pause was synchronous
-  too), then ``current_platform.clear_memory()``, which returns the released blocks to the
-  driver for the rollout engine; synchronize, barrier, log, ``is_offload = True``. No
+  too), with what ``current_platform.clear_memory()`` does (``gc.collect()``, synchronize,
+  ``empty_cache()``, which returns the released blocks to the driver for the rollout engine) run
+  around the copies ([Note: AReaL's clear_memory() beside the copies]); synchronize, barrier, log,
+  ``is_offload = True``. No
   torch_memory_saver is needed. A second ``offload()`` moves nothing (a second TMS pause ends
   the process: "Cannot pause allocation that is not active").
 * ``onload()``: ``ferry.reload()``, synchronize (the state is on the device when it returns,
@@ -65,6 +67,18 @@ reserved byte, free blocks included, into backups it allocated with ``cudaMalloc
 pause and freed at each resume (``TMS_RETAIN_CPU_BACKUP`` off, AReaL does not set it): a
 ferry's pool is the state's exact size, pinned once and kept.
 
+[Note: AReaL's clear_memory() beside the copies]
+AReaL's CUDA ``clear_memory()`` is ``torch.cuda.synchronize()``, ``gc.collect()``,
+``torch.cuda.empty_cache()`` (``areal/infra/platforms/cuda.py``). With the synchronize, barrier
+and logs after it, that took 0.37-0.43 s per offload of a 1.5B engine against 0.45 s of copies
+(one H200, ``overhead_s_all`` in
+``benchmarks/results/frameworks_qwen2.5-1.5b_h200x1_2026-12-01_424a4de.json``), most of it the
+collection: host work. A ferry queues all of an offload's D2H copies before ``offload()`` returns, so on a CUDA device the replacement collects while they run, then waits for them,
+synchronizes and empties the cache: the same three steps, the collection moved under the DMA.
+It frees nothing the copies read (the ferry holds their sources until their event);
+``empty_cache()`` still comes last, after the state's own storages are released, as in AReaL.
+On another platform the replacement waits first and calls ``clear_memory()`` as AReaL does.
+
 [Note: which engines skip unchanged storages]
 An engine without an optimizer (reference, teacher: forward-only) never writes its weights, so
 its ferry has ``skip_unchanged=True``: after the first cycle an offload copies nothing and
@@ -77,10 +91,13 @@ hashing. ``patch(skip_unchanged=...)`` forces one choice for every engine.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import inspect
 import weakref
 from collections.abc import Callable
+
+import torch
 
 from ..._core._ferry.ferry import Ferry
 
@@ -193,8 +210,16 @@ def _replacements(module) -> dict[str, Callable]:
                 ``is_offload`` unchanged.
         """
         self.get_device_stats().log("before offload model")
-        _ferry_of(self).offload().wait()
-        module.current_platform.clear_memory()
+        ferry = _ferry_of(self)
+        handle = ferry.offload()
+        if ferry.device.type == "cuda":  # see [Note: AReaL's clear_memory() beside the copies]
+            gc.collect()
+            handle.wait()
+            module.current_platform.synchronize()
+            torch.cuda.empty_cache()
+        else:
+            handle.wait()
+            module.current_platform.clear_memory()
         module.current_platform.synchronize()
         module.dist.barrier(group=self.cpu_group)
         self.get_device_stats().log("after offload model")

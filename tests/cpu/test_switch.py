@@ -94,3 +94,55 @@ def test_copies_by_pointer_are_cut_as_copies_are_and_counted_with_them():
     calls.clear()
     off.copy_by_pointer(lambda d, s, n: calls.append((d, s, n)), 7, 9, 1 << 30)
     assert calls == [(7, 9, 1 << 30)] and off.separators == 0
+
+
+def test_whole_copies_skip_the_pieces_in_this_thread_only():
+    """[Note: whole copies where the caller waits]: under ``whole_copies()`` a copy is one piece with
+    no separator, by tensor and by pointer; another thread, and the same thread after it, cut pieces."""
+    import threading
+
+    from torchferry._core._transfer.switch import whole_copies
+
+    sp = SwitchPoints(torch.device("cpu"), "d2h", every=64)
+    src = torch.arange(256, dtype=torch.uint8)
+    dst = torch.zeros(256, dtype=torch.uint8)
+    queued: list[tuple[int, int, int]] = []
+    with whole_copies():
+        sp.copy(dst, src)
+        sp.copy_by_pointer(lambda d, s, n: queued.append((d, s, n)), 1000, 2000, 256)
+        assert sp.separators == 0 and queued == [(1000, 2000, 256)] and torch.equal(dst, src)
+        seen: list[int] = []
+        other = threading.Thread(target=lambda: (sp.copy(dst, src), seen.append(sp.separators)))
+        other.start()
+        other.join()
+        assert seen and seen[0] > 0  # the ContextVar does not reach another thread
+    n = sp.separators
+    sp.copy(dst, src)
+    assert sp.separators > n and torch.equal(dst, src)
+
+
+def test_the_framework_helpers_move_under_whole_copies(monkeypatch):
+    """The verl/SkyRL helpers' offloads and reloads run under ``whole_copies()`` (their caller waits)."""
+    import contextlib
+
+    from torch import nn
+
+    from torchferry.integrations import _helpers
+
+    entered: list[str] = []
+
+    @contextlib.contextmanager
+    def spy():
+        entered.append("in")
+        yield
+
+    monkeypatch.setattr(_helpers, "whole_copies", spy)
+    m = nn.Linear(8, 8)
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    _helpers.offload_fsdp2_model_to_cpu(m)
+    _helpers.offload_fsdp_optimizer(opt)
+    _helpers.load_fsdp2_model_to_gpu(m)
+    _helpers.load_fsdp_optimizer(opt, "cpu")
+    assert entered == ["in"] * 4

@@ -123,3 +123,47 @@ def test_switch_points_keep_the_line_rate(switched):
     assert best["d2h_on"] <= best["d2h_off"] * 1.02, secs
     assert best["side_on"] <= best["side_off"] * 1.05, secs
     assert best["main_on"] <= best["main_off"] * 1.02, secs
+
+
+def test_whole_copies_queue_no_pieces_and_return_before_the_copies(switched):
+    """[Note: whole copies where the caller waits]: under ``whole_copies()`` (the framework
+    helpers) an offload of many storages queues no separator and returns while most of its copies
+    are still to run; outside it, the same offload is cut into pieces. Bit-exact either way."""
+    from torchferry._core._transfer.switch import whole_copies
+
+    torch.manual_seed(1)
+    ts = [torch.randint(0, 255, (4 << 20,), dtype=torch.uint8, device=DEV) for _ in range(1536)]  # 6 GiB
+    want = [t.clone() for t in ts]
+    ferry = Ferry(*ts, pin_ahead=False)
+    sw = _switch(ferry, "d2h")
+    try:
+        ferry.offload().wait()
+        ferry.reload()
+        torch.cuda.synchronize()
+        ret, total = [], []
+        for _ in range(3):
+            before = sw.separators
+            t = time.perf_counter()
+            with whole_copies():
+                h = ferry.offload()
+            ret.append(time.perf_counter() - t)
+            h.wait()
+            total.append(time.perf_counter() - t)
+            assert sw.separators == before
+            ferry.reload()
+            torch.cuda.synchronize()
+            for got, w in zip(ts, want, strict=True):
+                assert torch.equal(got, w)
+        before = sw.separators
+        ferry.offload().wait()
+        assert sw.separators > before  # outside it: switch points as before
+        ferry.reload()
+        torch.cuda.synchronize()
+        assert all(torch.equal(got, w) for got, w in zip(ts, want, strict=True))
+    finally:
+        if ferry.residency.on_host:
+            ferry.reload()
+        torch.cuda.synchronize()
+        ferry.close()
+    print(f"whole copies: offload() returned after {min(ret) * 1e3:.1f} ms of {min(total) * 1e3:.1f} ms")
+    assert min(ret) < 0.5 * min(total), (ret, total)

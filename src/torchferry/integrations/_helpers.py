@@ -74,6 +74,7 @@ from .._core._api.args import check_optional_bool, env_flag
 from .._core._ferry.ferry import Ferry
 from .._core._api.handle import TransferHandle
 from .._core._state.targets import inner_optimizers
+from .._core._transfer.switch import whole_copies
 
 __all__ = [
     "SKIP_ENV",
@@ -183,7 +184,9 @@ def offload_fsdp2_model_to_cpu(model: nn.Module, empty_cache: bool = True) -> No
             stays on the GPU, unchanged).
     """
     ferry = _get_or_make(model)
-    _finish_offload(ferry, ferry.offload(), empty_cache)
+    with whole_copies():  # the caller's stream waits: [Note: whole copies where the caller waits]
+        handle = ferry.offload()
+    _finish_offload(ferry, handle, empty_cache)
 
 
 @torch.no_grad()
@@ -197,7 +200,8 @@ def load_fsdp2_model_to_gpu(model: nn.Module) -> None:
     """
     ferry = _ferries.get(model)
     if ferry is not None:
-        ferry.reload()
+        with whole_copies():  # the caller's stream waits: [Note: whole copies where the caller waits]
+            ferry.reload()
 
 
 def _has_state(optimizer: torch.optim.Optimizer) -> bool:
@@ -221,7 +225,9 @@ def offload_fsdp_optimizer(optimizer: torch.optim.Optimizer) -> None:
     if not _has_state(optimizer):
         return
     ferry = _get_or_make(optimizer)
-    _finish_offload(ferry, ferry.offload(), empty_cache=False)
+    with whole_copies():  # the caller's stream waits: [Note: whole copies where the caller waits]
+        handle = ferry.offload()
+    _finish_offload(ferry, handle, empty_cache=False)
 
 
 @torch.no_grad()
@@ -249,4 +255,5 @@ def load_fsdp_optimizer(optimizer: torch.optim.Optimizer, device_id: int | str |
             f"torchferry: load_fsdp_optimizer(device_id={device_id!r}) but the state "
             f"was offloaded from {ferry.device}; it reloads where it came from"
         )
-    ferry.reload()
+    with whole_copies():  # the caller's stream waits: [Note: whole copies where the caller waits]
+        ferry.reload()

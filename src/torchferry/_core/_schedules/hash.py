@@ -22,7 +22,8 @@ import torch
 from .hash_rows import int64_on
 from .._host.slots import PackChunk
 
-__all__ = ["HASH_ENV", "HASH_PIECE", "LANES", "hash_bytes", "hash_kind", "hash_packed", "hash_storages"]
+__all__ = ["HASH_ENV", "HASH_PIECE", "LANES", "hash_bytes", "hash_kind", "hash_packed", "hash_storages",
+           "stage_storages"]
 
 logger = logging.getLogger("torchferry")
 
@@ -159,8 +160,21 @@ def hash_kind(device: torch.device) -> str:
     return "torch"
 
 
+def stage_storages(kind: str, todo: Sequence[int], sources: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """Uploads, on the current stream now, what a later :func:`hash_storages` of ``todo`` on another
+    stream needs from the host (``"triton"`` only; ``None`` for ``"torch"`` or nothing to hash).
+    The sources must be allocated (their addresses go up); their bytes may still be on the way."""
+    if kind != "triton" or not todo:
+        return None
+    from .hash_triton import stage_segments
+
+    return stage_segments([sources[si].data_ptr() for si in todo], [sources[si].numel() for si in todo],
+                          list(todo), sources[todo[0]].device)
+
+
 def hash_storages(kind: str, out: torch.Tensor, todo: Sequence[int], sources: Sequence[torch.Tensor],
-                  chunks: Sequence[PackChunk], packed_at: dict[int, tuple[int, int]]) -> None:
+                  chunks: Sequence[PackChunk], packed_at: dict[int, tuple[int, int]],
+                  staged: torch.Tensor | None = None) -> None:
     """Writes ``out[si]`` (``[2]`` int64) for every ``si`` in ``todo``: the hash of ``sources[si]``.
 
     Args:
@@ -170,6 +184,7 @@ def hash_storages(kind: str, out: torch.Tensor, todo: Sequence[int], sources: Se
         sources: 1D uint8 views of whole device storages (the plan's device views).
         chunks, packed_at: the pool's packed chunks and, per packed storage, ``(chunk, position)``
             (the torch ops hash packed storages a chunk at a time).
+        staged: what :func:`stage_storages` uploaded for this ``todo``, or ``None``.
 
     Enqueued on the current stream, no host sync.
 
@@ -182,8 +197,9 @@ def hash_storages(kind: str, out: torch.Tensor, todo: Sequence[int], sources: Se
     if kind == "triton":
         from .hash_triton import hash_segments
 
-        h = hash_segments([sources[si].data_ptr() for si in todo], [sources[si].numel() for si in todo], out.device)
-        out.index_copy_(0, int64_on(list(todo), out.device), h)
+        h = hash_segments([sources[si].data_ptr() for si in todo], [sources[si].numel() for si in todo], out.device,
+                          staged)
+        out.index_copy_(0, staged[3] if staged is not None else int64_on(list(todo), out.device), h)
         return
     by_chunk: dict[int, list[tuple[int, int]]] = {}
     for si in todo:

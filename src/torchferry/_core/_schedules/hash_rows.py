@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["int64_on", "row_table"]
+__all__ = ["int64_on", "row_table", "rows_per"]
 
 
 def int64_on(values: list, device: torch.device) -> torch.Tensor:
@@ -14,8 +14,13 @@ def int64_on(values: list, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
-def row_table(ptrs: list[int], nbytes: list[int], piece_words: int, device: torch.device
-              ) -> tuple[torch.Tensor, int]:
+def rows_per(nbytes: list[int], piece_words: int) -> list[int]:
+    """Rows of the work table per byte range (at least one)."""
+    return [max(1, -(-(n // 8) // piece_words)) for n in nbytes]
+
+
+def row_table(ptrs: list[int], nbytes: list[int], piece_words: int, device: torch.device,
+              meta: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """The fused hash kernel's work table, built on ``device`` (``_schedules/hash_triton``).
 
     Each byte range is cut into pieces of at most ``piece_words`` 8-byte words, one row each:
@@ -26,13 +31,17 @@ def row_table(ptrs: list[int], nbytes: list[int], piece_words: int, device: torc
         ``(both, rows)``: ``both`` is 1D int64 on ``device``, the ``[rows, 4]`` table flattened,
         then ``rows`` range indices (which range each row belongs to).
 
+    ``meta``: ``[ptrs, nbytes, rows_per(nbytes)]`` already on ``device`` (its first three rows;
+    uploaded earlier, in another stream's order); otherwise uploaded now on the current stream.
+
     Only ``3 * len(ptrs)`` int64 go up (pinned, non-blocking), the rest is computed there: built
     with CPU ops, a 15.9 GB state's 15k-row table cost some 10 ms of host time per offload
     (``git show 75cc57c:benchmarks/results/profile_lora_offload_h200_2026-12-01.txt``).
     """
-    rows_per = [max(1, -(-(n // 8) // piece_words)) for n in nbytes]
-    rows = sum(rows_per)
-    meta = int64_on([ptrs, nbytes, rows_per], device)
+    per_range = rows_per(nbytes, piece_words)
+    rows = sum(per_range)
+    if meta is None:
+        meta = int64_on([ptrs, nbytes, per_range], device)
     p, n, per = meta[0], meta[1], meta[2]
     seg = torch.repeat_interleave(torch.arange(len(ptrs), device=device), per, output_size=rows)
     k = torch.arange(rows, device=device) - (torch.cumsum(per, 0) - per)[seg]  # piece index in its range

@@ -18,7 +18,7 @@ import torch
 import triton  # pyright: ignore[reportMissingImports]  # optional: CUDA builds of torch ship triton; CPU ones do not
 import triton.language as tl  # pyright: ignore[reportMissingImports]  # as above
 
-from .hash_rows import row_table
+from .hash_rows import int64_on, row_table, rows_per
 
 __all__ = ["ALIGN", "PIECE_WORDS", "hash_segments"]
 
@@ -87,7 +87,15 @@ def _consts(device: torch.device) -> torch.Tensor:
     return c
 
 
-def hash_segments(ptrs: list[int], nbytes: list[int], device: torch.device) -> torch.Tensor:
+def stage_segments(ptrs: list[int], nbytes: list[int], extra: list[int], device: torch.device) -> torch.Tensor:
+    """The inputs of :func:`hash_segments`' work table and one more row (``extra``), uploaded on the
+    current stream now: ``[4, len(ptrs)]`` int64 on ``device``, for a hash queued later on another
+    stream (pinned, non-blocking; no host sync)."""
+    return int64_on([ptrs, nbytes, rows_per(nbytes, PIECE_WORDS), extra], device)
+
+
+def hash_segments(ptrs: list[int], nbytes: list[int], device: torch.device,
+                  staged: torch.Tensor | None = None) -> torch.Tensor:
     """The 128-bit hashes of ``len(ptrs)`` device byte ranges, ``[len(ptrs), 2]`` int64, in one launch.
 
     Args:
@@ -95,12 +103,13 @@ def hash_segments(ptrs: list[int], nbytes: list[int], device: torch.device) -> t
             ``ValueError`` otherwise, before any launch).
         nbytes: bytes of each range (0 allowed: its hash is ``[0, 0]``).
         device: the CUDA device holding them.
+        staged: what :func:`stage_segments` uploaded for these ranges, or ``None`` (uploaded now).
 
     Enqueued on the current stream; no host sync (the row table is built there, :func:`row_table`).
     """
     if any(p % ALIGN for p, n in zip(ptrs, nbytes, strict=False) if n):
         raise ValueError(f"torchferry: a storage address is not {ALIGN}-byte aligned")
-    both, rows = row_table(ptrs, nbytes, PIECE_WORDS, device)
+    both, rows = row_table(ptrs, nbytes, PIECE_WORDS, device, meta=staged)
     partials = torch.empty(rows, 2, dtype=torch.int64, device=device)
     _hash_rows[(rows,)](both, _consts(device), partials, BLOCK=BLOCK, num_warps=8)  # pyright: ignore[reportIndexIssue]  # a triton.jit kernel launches as kernel[grid](...)
     out = torch.zeros(len(ptrs), 2, dtype=torch.int64, device=device)

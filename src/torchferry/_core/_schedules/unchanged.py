@@ -76,7 +76,11 @@ reload (6.2 GB of Qwen2.5-1.5B parameters: reload() 1.5-2 ms slower than
 without ``skip_unchanged``, one H200). Now the reload records an event on the
 H2D stream once at most 1/16 of its bytes (and at least 64 MiB) are left to
 copy; the current stream waits for it and hashes the storages copied before
-it, as a new baseline, while the tail is still copying (the hash reads device
+it, as a new baseline, while the tail is still copying. The hash's table goes
+up at that point of the H2D stream itself (``UnchangedStorages.stage``): put on
+the current stream, its small copy waited behind the whole reload in the copy
+engine ([Note: switch points]), and the early hash ran after the last copy
+anyway (measured: no gain at 47abdc5) (the hash reads device
 memory at some 3 TB/s, the copy writes it at 55 GB/s: 15/16 of the bytes hash
 in less time than the last 1/16 copies), then waits for the last copy and
 hashes the rest. Both hashes run on the current stream before any kernel the
@@ -101,7 +105,7 @@ from typing import NamedTuple
 import torch
 
 from .._state.fsdp import versions
-from .hash import hash_kind, hash_storages
+from .hash import hash_kind, hash_storages, stage_storages
 from .hash_rows import int64_on
 from .._host.layout import HostViews
 from .._state.plan import Plan
@@ -210,13 +214,30 @@ class UnchangedStorages:
             self._hashes = torch.empty(len(plan.storages), 2, dtype=torch.int64, device=plan.device)
             _STEPS.add(self._step_key, self._on_step)
 
+    @torch.inference_mode(False)
+    def stage(self, plan: Plan, views: HostViews, sources: list[torch.Tensor],
+              storages: Iterable[int]) -> tuple[list[int], torch.Tensor | None] | None:
+        """Uploads on the current stream what a later :meth:`copied_in` of ``storages`` needs from
+        the host (their eligible ones; [Note: the reload's hash beside its copies]): called on the
+        H2D stream, in its order, so the upload does not wait behind the bulk copies as it would
+        on the current stream. ``None`` on any error (that hash then uploads its own)."""
+        try:
+            rules = self._rules_for(plan, views)
+            todo = [si for si in storages if rules.eligible[si]]
+            return todo, stage_storages(hash_kind(plan.device), todo, sources)
+        except Exception:
+            logger.debug("torchferry: could not stage the hash's table", exc_info=True)
+            return None
+
     @torch.inference_mode(False)  # the hooks of a layer-wise reload may run in inference mode
     def copied_in(self, plan: Plan, views: HostViews, sources: list[torch.Tensor],
-                  storages: Iterable[int] | None = None, *, fresh: bool | None = None) -> None:
+                  storages: Iterable[int] | None = None, *, fresh: bool | None = None,
+                  staged: tuple[list[int], torch.Tensor | None] | None = None) -> None:
         """Hashes storages whose device bytes equal their slots now (all of ``plan`` if
         ``storages`` is ``None``), on the current stream: right after their H2D copies on the
         same stream, or after the current stream waited for them. ``fresh`` (default: whether
         ``storages`` is ``None``) starts a new baseline; otherwise they join the one under way.
+        ``staged``: what :meth:`stage` returned for these ``storages``.
 
         Never raises: on any error (the hash's temporaries out of device memory) the baseline is
         dropped and the next offload copies everything; the reload itself is complete.
@@ -224,9 +245,12 @@ class UnchangedStorages:
         try:
             self._begin(plan, views, storages is None if fresh is None else fresh)
             rules = self._rules_for(plan, views)
-            todo = [si for si in (range(len(plan.storages)) if storages is None else storages)
-                    if rules.eligible[si]]
-            hash_storages(self._kind, self._hashes, todo, sources, views.chunks, rules.packed_at)  # pyright: ignore[reportArgumentType]  # _kind, _hashes and the base are set by _begin() before any hash
+            if staged is not None and staged[1] is not None and self._kind == hash_kind(plan.device):
+                todo, table = staged
+            else:
+                todo, table = [si for si in (range(len(plan.storages)) if storages is None else storages)
+                               if rules.eligible[si]], None
+            hash_storages(self._kind, self._hashes, todo, sources, views.chunks, rules.packed_at, table)  # pyright: ignore[reportArgumentType]  # _kind, _hashes and the base are set by _begin() before any hash
             self._baseline.update(todo)
         except Exception:
             self.forget()

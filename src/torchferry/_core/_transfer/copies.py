@@ -233,7 +233,8 @@ def _device_view(plan: Plan, si: int, device_views: list[torch.Tensor] | None) -
 def issue_h2d(plan: Plan, views: HostViews, streams: TransferStreams, *, storages: list[int] | None = None,
               device_views: list[torch.Tensor] | None = None,
               before_alloc: Callable[[int], None] | None = None,
-              mark_tail_bytes: int | None = None) -> H2DIssued:
+              mark_tail_bytes: int | None = None,
+              on_mark: Callable[[list[int]], None] | None = None) -> H2DIssued:
     """Re-allocates storages on the current stream and queues their H2D copies from the pool.
 
     Large storages first, each copied as soon as it is allocated; then the
@@ -251,6 +252,8 @@ def issue_h2d(plan: Plan, views: HostViews, streams: TransferStreams, *, storage
             next storage, before each allocation (swap's budget).
         mark_tail_bytes: on a GPU, record :attr:`H2DIssued.early` once at most this
             many bytes of large storages are left to copy.
+        on_mark: called with that event's storages just before it is recorded, the
+            H2D stream current (what it queues runs in that stream's order).
 
     Raises:
         torch.OutOfMemoryError: the device ran out of memory; everything this
@@ -303,6 +306,9 @@ def issue_h2d(plan: Plan, views: HostViews, streams: TransferStreams, *, storage
                     copied_idx.append(si)
                     left -= nbytes[si]
                     if left <= mark_tail_bytes:  # pyright: ignore[reportOperatorIssue]  # left >= 0 only with mark_tail_bytes
+                        if on_mark is not None:
+                            with torch.cuda.stream(h2d):
+                                on_mark(copied_idx)
                         early, left = (streams.event(h2d), copied_idx), -1
             else:
                 dst.copy_(views.slots[si])

@@ -1000,6 +1000,33 @@ def _checks(result: dict) -> dict:
     }
 
 
+def _settle_peak(result: dict, run: Run, after: dict) -> None:
+    """The link peak is the faster of the measurements before and after the frameworks, per
+    direction (the link's rate drifted by some 3% between runs, and a low first measurement put
+    the frameworks' copies above it); every ``*frac_of_peak*`` computed against the first is
+    rescaled to it. Both measurements stay in the JSON."""
+    before = dict(result["link_peak_GBps"])
+    settled = {k: max(before[k], after[k]) for k in ("h2d", "d2h", "bidir")}
+    settled["nbytes"] = before["nbytes"]
+    settled["before"], settled["after"] = before, after
+    result["link_peak_GBps"] = settled
+    result["link_peak_note"] = ("per direction the faster of two measurements (fastest of 5 bursts of 4 pinned "
+                                "1 GiB copies each), one before and one after the frameworks, this process")
+    run.peak = settled
+
+    def rescale(summary: dict, direction: str) -> None:
+        for k, v in list(summary.items()):
+            if "frac_of_peak" in k and isinstance(v, (int, float)):
+                summary[k] = v * before[direction] / settled[direction]
+
+    for fw in result["frameworks"].values():
+        for branch in ((fw.get("paths") or {}).values(), (fw.get("forward_only") or {}).values()):
+            for path in branch:
+                if isinstance(path, dict) and isinstance(path.get("ops"), dict):
+                    for op, summary in path["ops"].items():
+                        rescale(summary, "d2h" if op.startswith("offload") else "h2d")
+
+
 def _flag_over_peak(result: dict, run: Run) -> None:
     def walk(node, path):
         if isinstance(node, dict):
@@ -1190,6 +1217,10 @@ def main(argv: list[str] | None = None) -> int:
             _release_host(use_cuda)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    if use_cuda and peak:
+        say("link peak again")
+        lp2 = measure_link_peak(device)
+        _settle_peak(result, run, {"h2d": lp2.h2d, "d2h": lp2.d2h, "bidir": lp2.bidir, "nbytes": lp2.nbytes})
     _flag_over_peak(result, run)
     result["checks"] = _checks(result)
     result["wall_s"] = time.perf_counter() - _T0

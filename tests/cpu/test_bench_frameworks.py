@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "frameworks.py"
@@ -164,3 +165,27 @@ def test_a_large_preset_without_a_gpu_is_refused():
     p = subprocess.run([sys.executable, str(SCRIPT), "--preset", "qwen2.5-1.5b"], capture_output=True, text=True,
                        timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert p.returncode == 2 and "needs a GPU" in p.stderr
+
+
+def test_the_link_peak_is_the_faster_of_before_and_after_and_rescales_every_fraction():
+    """``_settle_peak``: per direction the faster measurement; offloads' fractions rescaled against
+    D2H, loads' against H2D, forward-only paths too; both measurements kept."""
+    fw = _load_script()
+    summary = lambda f: {"frac_of_peak": f, "max_cycle_frac_of_peak": f, "frac_of_peak_excluding_release": f,  # noqa: E731
+                         "GBps": 50.0}
+    result = {"link_peak_GBps": {"h2d": 50.0, "d2h": 55.0, "bidir": 90.0, "nbytes": 1 << 30},
+              "frameworks": {"skyrl": {"paths": {"patched": {"ops": {"offload_model": summary(1.0),
+                                                                     "load_model": summary(1.0)}}},
+                                       "forward_only": {"patched": {"ops": {"load_model": summary(0.5)}}}}}}
+    run = fw.Run(None, torch.device("cpu"), dict(result["link_peak_GBps"]))
+    fw._settle_peak(result, run, {"h2d": 55.0, "d2h": 50.0, "bidir": 95.0, "nbytes": 1 << 30})
+    peak = result["link_peak_GBps"]
+    assert (peak["h2d"], peak["d2h"], peak["bidir"]) == (55.0, 55.0, 95.0) and peak["before"]["h2d"] == 50.0
+    ops = result["frameworks"]["skyrl"]["paths"]["patched"]["ops"]
+    assert ops["offload_model"]["frac_of_peak"] == 1.0  # D2H: the first measurement was the faster
+    for key in ("frac_of_peak", "max_cycle_frac_of_peak", "frac_of_peak_excluding_release"):
+        assert ops["load_model"][key] == pytest.approx(50.0 / 55.0)
+    assert ops["load_model"]["GBps"] == 50.0
+    assert result["frameworks"]["skyrl"]["forward_only"]["patched"]["ops"]["load_model"]["frac_of_peak"] == \
+        pytest.approx(0.5 * 50.0 / 55.0)
+    assert run.peak is peak

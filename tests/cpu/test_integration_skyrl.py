@@ -365,3 +365,15 @@ def test_a_second_patch_keeps_the_first_ones_skip_choice_and_only_a_patched_inte
     assert _helpers.skip_unchanged()
     tf_skyrl.unpatch()
     assert _helpers._skip_unchanged is None and _helpers.skip_unchanged()
+
+
+def test_the_optimizer_at_step_setting_comes_from_patch_and_unpatch_resets_it(monkeypatch):
+    """[Note: optimizer state waited for at step()]: one setting for the verl and SkyRL helpers."""
+    monkeypatch.delenv(_helpers.OPTIMIZER_AT_STEP_ENV, raising=False)
+    with pytest.raises(TypeError, match="optimizer_at_step must be True, False or None, got str 'x'"):
+        tf_skyrl.patch(optimizer_at_step="x")  # type: ignore[arg-type]
+    assert not tf_skyrl.is_patched()
+    tf_skyrl.patch(optimizer_at_step=True)
+    assert _helpers.optimizer_at_step()
+    tf_skyrl.unpatch()
+    assert not _helpers.optimizer_at_step()

@@ -39,6 +39,22 @@ not depend on this ordering: ``state_dict()`` waits for the copies by itself, wh
 stream ([Note: state_dict() waits for the offload] in ``torchferry._core._ferry.guards``); other host
 reads of the tensors need this ordering plus a synchronisation, or ``handle.wait()``.
 
+[Note: optimizer state waited for at step()]
+verl's ``FSDPEngine.to`` reloads the optimizer state right after the model, before
+update_actor's first forward, and the seed's ``load_fsdp_optimizer`` makes the caller's
+stream wait for all of it (12.3 GB of AdamW state at Qwen2.5-1.5B: 0.22 s at the 55 GB/s of
+one H200's link; 30.5 GB at 7B), although only ``optimizer.step()`` reads it. With
+``optimizer_at_step`` on (``patch(optimizer_at_step=True)`` of an integration, or
+``TORCHFERRY_OPTIMIZER_AT_STEP=1``, which the Ray hooks pass on), ``load_fsdp_optimizer``
+reloads through ``ferry.reload(prefetch=True)``: the state's copies run on the H2D stream
+behind the caller's forward and backward (with switch points, so the compute stream's own small
+copies are not held up: [Note: switch points]), and a step pre-hook completes them before
+``optimizer.step()`` (``state_dict()`` too: [Note: prefetch reload] in
+``torchferry._core._schedules.prefetch``). Until then the state tensors are host tensors viewing
+the pinned pool, bit-identical to what comes back. Off by default until it is measured inside
+verl's own step; the caller's code must read no optimizer state between the load and the step
+(verl's and SkyRL's do not: they run forward, backward, gradient clipping, then the step).
+
 One :class:`~torchferry.Ferry` is kept per model and per optimizer, weakly
 keyed, so it goes away with the object; :func:`ferry_for` returns it.
 
@@ -83,7 +99,11 @@ __all__ = [
     "load_fsdp_optimizer",
     "offload_fsdp2_model_to_cpu",
     "offload_fsdp_optimizer",
+    "OPTIMIZER_AT_STEP_ENV",
+    "check_optimizer_setting",
     "check_skip_setting",
+    "optimizer_at_step",
+    "set_optimizer_at_step",
     "set_skip_unchanged",
     "skip_unchanged",
 ]
@@ -92,6 +112,8 @@ _ferries: weakref.WeakKeyDictionary[object, Ferry] = weakref.WeakKeyDictionary()
 
 SKIP_ENV = "TORCHFERRY_SKIP_UNCHANGED"
 _skip_unchanged: bool | None = None  # set by an integration's patch(skip_unchanged=...); None: the environment
+OPTIMIZER_AT_STEP_ENV = "TORCHFERRY_OPTIMIZER_AT_STEP"
+_optimizer_at_step: bool | None = None  # patch(optimizer_at_step=...); None: the environment
 
 
 def set_skip_unchanged(value: bool | None) -> bool | None:
@@ -130,6 +152,45 @@ def skip_unchanged() -> bool:
         ValueError: ``TORCHFERRY_SKIP_UNCHANGED`` is neither ``0`` nor ``1``.
     """
     return _skip_unchanged if _skip_unchanged is not None else env_flag(SKIP_ENV, True)
+
+
+def set_optimizer_at_step(value: bool | None) -> bool | None:
+    """Whether :func:`load_fsdp_optimizer` leaves the state's copies to ``optimizer.step()``
+    ([Note: optimizer state waited for at step()]); ``None``: the environment.
+
+    Returns:
+        The setting before.
+
+    Raises:
+        TypeError: ``value`` is neither ``None`` nor a bool.
+    """
+    global _optimizer_at_step
+    check_optional_bool(value, "optimizer_at_step")
+    before, _optimizer_at_step = _optimizer_at_step, value
+    return before
+
+
+def check_optimizer_setting(value: bool | None) -> None:
+    """Raises what :func:`set_optimizer_at_step` (``value``) or, for ``None``, :func:`optimizer_at_step`
+    (the environment) would, so that an integration's ``patch()`` replaces nothing on an error.
+
+    Raises:
+        TypeError: ``value`` is neither ``None`` nor a bool.
+        ValueError: ``value`` is ``None`` and ``TORCHFERRY_OPTIMIZER_AT_STEP`` is neither ``0`` nor ``1``.
+    """
+    check_optional_bool(value, "optimizer_at_step")
+    if value is None and _optimizer_at_step is None:
+        optimizer_at_step()
+
+
+def optimizer_at_step() -> bool:
+    """The integration's ``patch(optimizer_at_step=...)`` setting, else ``TORCHFERRY_OPTIMIZER_AT_STEP``
+    (``0``, the default, or ``1``).
+
+    Raises:
+        ValueError: ``TORCHFERRY_OPTIMIZER_AT_STEP`` is neither ``0`` nor ``1``.
+    """
+    return _optimizer_at_step if _optimizer_at_step is not None else env_flag(OPTIMIZER_AT_STEP_ENV, False)
 
 
 def ferry_for(obj: nn.Module | torch.optim.Optimizer) -> Ferry | None:
@@ -234,6 +295,9 @@ def offload_fsdp_optimizer(optimizer: torch.optim.Optimizer) -> None:
 def load_fsdp_optimizer(optimizer: torch.optim.Optimizer, device_id: int | str | torch.device) -> None:
     """Reloads what :func:`offload_fsdp_optimizer` offloaded.
 
+    The current stream waits for the copies, or, with ``optimizer_at_step`` on, only
+    ``optimizer.step()`` does ([Note: optimizer state waited for at step()]).
+
     Args:
         optimizer: the optimizer.
         device_id: the device to load onto; must be the device the state came
@@ -255,5 +319,8 @@ def load_fsdp_optimizer(optimizer: torch.optim.Optimizer, device_id: int | str |
             f"torchferry: load_fsdp_optimizer(device_id={device_id!r}) but the state "
             f"was offloaded from {ferry.device}; it reloads where it came from"
         )
+    if optimizer_at_step():
+        ferry.reload(prefetch=True)  # beside the caller's compute: with switch points
+        return
     with whole_copies():  # the caller's stream waits: [Note: whole copies where the caller waits]
         ferry.reload()

@@ -133,7 +133,8 @@ def is_patched() -> bool:
     return _patcher.is_patched()
 
 
-def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None) -> list[str]:
+def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
+          optimizer_at_step: bool | None = None) -> list[str]:
     """Routes SkyRL's FSDP2 model and optimizer offload helpers through torchferry.
 
     Idempotent. What still goes to SkyRL's own helpers: [Note: what stays with
@@ -150,13 +151,19 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None)
             ``integrations._helpers``); ``None`` (default): an earlier ``patch()``'s choice,
             else ``TORCHFERRY_SKIP_UNCHANGED``, on unless ``0``. One setting for the verl and
             SkyRL integrations (their helpers are the same), reset by ``unpatch()``.
+        optimizer_at_step: whether ``load_fsdp_optimizer`` leaves the optimizer state's copies
+            to ``optimizer.step()``, behind the forward and backward before it ([Note: optimizer
+            state waited for at step()] in ``integrations._helpers``); ``None`` (default): an
+            earlier ``patch()``'s choice, else ``TORCHFERRY_OPTIMIZER_AT_STEP``, off unless ``1``.
+            Shared with the verl integration, reset by ``unpatch()``.
 
     Returns:
         The ``module.attribute`` names replaced.
 
     Raises:
-        TypeError: ``import_call_sites`` is not a bool, or ``skip_unchanged`` neither ``None`` nor a bool.
-        ValueError: ``TORCHFERRY_SKIP_UNCHANGED`` is neither ``0`` nor ``1``.
+        TypeError: ``import_call_sites`` is not a bool, or ``skip_unchanged`` or ``optimizer_at_step``
+            neither ``None`` nor a bool.
+        ValueError: ``TORCHFERRY_SKIP_UNCHANGED`` or ``TORCHFERRY_OPTIMIZER_AT_STEP`` is neither ``0`` nor ``1``.
         RuntimeError: SkyRL's ``fsdp_utils`` is not importable (on Python < 3.12 the message says
             SkyRL needs 3.12), or one of its helpers is
             missing or has other parameters than this integration was written for (nothing is
@@ -166,6 +173,7 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None)
         raise TypeError(f"torchferry.integrations.skyrl: patch(import_call_sites=...) must be True or False, "
                         f"got {type(import_call_sites).__name__} {import_call_sites!r}")
     helpers.check_skip_setting(skip_unchanged)  # a bad value or environment: nothing replaced
+    helpers.check_optimizer_setting(optimizer_at_step)
     try:
         names = _patcher.patch(import_call_sites=import_call_sites)
     except RuntimeError as e:
@@ -175,6 +183,8 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None)
         raise
     if skip_unchanged is not None:  # None leaves an earlier patch()'s choice (or the environment)
         helpers.set_skip_unchanged(skip_unchanged)
+    if optimizer_at_step is not None:
+        helpers.set_optimizer_at_step(optimizer_at_step)
     return names
 
 
@@ -182,4 +192,5 @@ def unpatch() -> None:
     """Puts SkyRL's own helpers back, also in SkyRL modules imported after :func:`patch`. Idempotent."""
     if is_patched():
         helpers.set_skip_unchanged(None)
+        helpers.set_optimizer_at_step(None)
     _patcher.unpatch()

@@ -108,7 +108,7 @@ def is_patched() -> bool:
 
 
 def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
-          fsdp1: bool | None = None) -> list[str]:
+          fsdp1: bool | None = None, optimizer_at_step: bool | None = None) -> list[str]:
     """Routes verl's FSDP2 model and optimizer offload helpers through torchferry.
 
     Idempotent.
@@ -129,19 +129,26 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
         fsdp1: whether FSDP1 models go through torchferry too ([Note: FSDP1 models
             through torchferry]); ``None`` (default): an earlier ``patch()``'s
             choice, else ``TORCHFERRY_VERL_FSDP1``, off unless ``1``.
+        optimizer_at_step: whether ``load_fsdp_optimizer`` leaves the optimizer state's copies
+            to ``optimizer.step()``, behind update_actor's forward and backward ([Note: optimizer
+            state waited for at step()] in ``integrations._helpers``); ``None`` (default): an
+            earlier ``patch()``'s choice, else ``TORCHFERRY_OPTIMIZER_AT_STEP``, off unless ``1``.
+            Shared with the SkyRL integration, reset by ``unpatch()``.
 
     Returns:
         The ``module.attribute`` names replaced.
 
     Raises:
-        TypeError: ``skip_unchanged`` or ``fsdp1`` is neither ``None`` nor a bool.
-        ValueError: ``TORCHFERRY_SKIP_UNCHANGED`` or ``TORCHFERRY_VERL_FSDP1`` is neither ``0`` nor ``1``.
+        TypeError: ``skip_unchanged``, ``fsdp1`` or ``optimizer_at_step`` is neither ``None`` nor a bool.
+        ValueError: ``TORCHFERRY_SKIP_UNCHANGED``, ``TORCHFERRY_VERL_FSDP1`` or
+            ``TORCHFERRY_OPTIMIZER_AT_STEP`` is neither ``0`` nor ``1``.
         RuntimeError: verl is not importable, or one of its helpers is missing
             or has other parameters than this integration was written for
             (nothing is replaced then).
     """
     global _fsdp1
     compat.check_skip_setting(skip_unchanged)  # a bad value or environment: nothing replaced
+    compat.check_optimizer_setting(optimizer_at_step)
     check_optional_bool(fsdp1, "patch(fsdp1=...)")
     if fsdp1 is None and _fsdp1 is None:
         fsdp1_through_torchferry()
@@ -150,6 +157,8 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
         compat.set_skip_unchanged(skip_unchanged)
     if fsdp1 is not None:
         _fsdp1 = fsdp1
+    if optimizer_at_step is not None:
+        compat.set_optimizer_at_step(optimizer_at_step)
     return names
 
 
@@ -158,5 +167,6 @@ def unpatch() -> None:
     global _fsdp1
     if is_patched():
         compat.set_skip_unchanged(None)
+        compat.set_optimizer_at_step(None)
         _fsdp1 = None
     _patcher.unpatch()

@@ -1,0 +1,132 @@
+"""[Note: optimizer state waited for at step()] in ``torchferry.integrations._helpers``: with
+``optimizer_at_step`` on, ``load_fsdp_optimizer`` leaves the state's copies to ``optimizer.step()``
+(the state stays host tensors until then), the steps are bit-identical to a run that never
+offloaded; off by default; the setting from ``patch()`` of the verl and SkyRL integrations, else
+``TORCHFERRY_OPTIMIZER_AT_STEP``, bad values refused before anything moves or is replaced."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from torchferry import Residency
+from torchferry.integrations import _helpers
+
+
+@pytest.fixture(autouse=True)
+def _reset(monkeypatch):
+    monkeypatch.delenv(_helpers.OPTIMIZER_AT_STEP_ENV, raising=False)
+    before = _helpers.set_optimizer_at_step(None)
+    yield
+    _helpers.set_optimizer_at_step(before)
+
+
+def _model_and_opt(seed: int = 0):
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    return m, opt
+
+
+def _step(m, opt, x) -> None:
+    m(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("at_step", [False, True])
+def test_the_state_waits_for_step_only_when_switched_on_and_the_steps_stay_bit_identical(at_step):
+    m, opt = _model_and_opt()
+    ref_m, ref_opt = copy.deepcopy(m), None
+    ref_opt = torch.optim.AdamW(ref_m.parameters(), lr=1e-2)
+    xs = [torch.randn(16, 32, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    _step(m, opt, xs[0])
+    _step(ref_m, ref_opt, xs[0])
+    _helpers.set_optimizer_at_step(at_step)
+    for x in xs[1:]:
+        _helpers.offload_fsdp2_model_to_cpu(m)
+        _helpers.offload_fsdp_optimizer(opt)
+        _helpers.load_fsdp2_model_to_gpu(m)
+        _helpers.load_fsdp_optimizer(opt, "cpu")
+        ferry = _helpers.ferry_for(opt)
+        assert ferry is not None
+        assert ferry.residency is (Residency.PREFETCHING if at_step else Residency.DEVICE)
+        m(x).square().mean().backward()  # forward and backward before the state is back
+        assert ferry.residency is (Residency.PREFETCHING if at_step else Residency.DEVICE)
+        opt.step()  # the step pre-hook brings it back first
+        opt.zero_grad(set_to_none=True)
+        assert ferry.residency is Residency.DEVICE
+        _step(ref_m, ref_opt, x)
+        for p, q in zip(m.parameters(), ref_m.parameters(), strict=True):
+            torch.testing.assert_close(p, q, atol=0, rtol=0)
+        for a, b in zip(opt.state.values(), ref_opt.state.values(), strict=True):
+            for k in ("exp_avg", "exp_avg_sq", "step"):
+                torch.testing.assert_close(a[k], b[k], atol=0, rtol=0)
+
+
+def test_a_state_dict_before_the_step_completes_the_reload():
+    m, opt = _model_and_opt()
+    _step(m, opt, torch.randn(4, 32))
+    want = copy.deepcopy(opt.state_dict())
+    _helpers.set_optimizer_at_step(True)
+    _helpers.offload_fsdp_optimizer(opt)
+    _helpers.load_fsdp_optimizer(opt, "cpu")
+    got = opt.state_dict()  # waits for the state ([Note: prefetch reload])
+    assert _helpers.ferry_for(opt).residency is Residency.DEVICE
+    for k, st in want["state"].items():
+        for name, t in st.items():
+            torch.testing.assert_close(got["state"][k][name], t, atol=0, rtol=0)
+
+
+def test_the_setting_comes_from_the_environment_and_a_bad_value_moves_nothing(monkeypatch):
+    assert not _helpers.optimizer_at_step()  # off by default
+    monkeypatch.setenv(_helpers.OPTIMIZER_AT_STEP_ENV, "1")
+    assert _helpers.optimizer_at_step()
+    _helpers.set_optimizer_at_step(False)
+    assert not _helpers.optimizer_at_step()  # the integration's setting over the environment
+    _helpers.set_optimizer_at_step(None)
+    m, opt = _model_and_opt()
+    _step(m, opt, torch.randn(4, 32))
+    _helpers.offload_fsdp_optimizer(opt)
+    monkeypatch.setenv(_helpers.OPTIMIZER_AT_STEP_ENV, "yes")
+    with pytest.raises(ValueError, match="TORCHFERRY_OPTIMIZER_AT_STEP must be 0 or 1, got 'yes'"):
+        _helpers.load_fsdp_optimizer(opt, "cpu")
+    assert _helpers.ferry_for(opt).residency is Residency.HOST  # nothing moved
+    monkeypatch.setenv(_helpers.OPTIMIZER_AT_STEP_ENV, "0")
+    _helpers.load_fsdp_optimizer(opt, "cpu")
+    assert _helpers.ferry_for(opt).residency is Residency.DEVICE
+    with pytest.raises(TypeError, match="optimizer_at_step must be True, False or None, got int 1"):
+        _helpers.set_optimizer_at_step(1)  # type: ignore[arg-type]
+
+
+def test_verl_patch_sets_it_refuses_bad_values_and_unpatch_resets_it(monkeypatch):
+    pytest.importorskip("verl.utils.fsdp_utils", reason="verl not installed")
+    import torchferry.integrations.verl as tf_verl
+
+    tf_verl.unpatch()
+    try:
+        with pytest.raises(TypeError, match="optimizer_at_step must be True, False or None, got str 'on'"):
+            tf_verl.patch(import_engines=False, optimizer_at_step="on")  # type: ignore[arg-type]
+        assert not tf_verl.is_patched()
+        monkeypatch.setenv(_helpers.OPTIMIZER_AT_STEP_ENV, "2")
+        with pytest.raises(ValueError, match="TORCHFERRY_OPTIMIZER_AT_STEP must be 0 or 1, got '2'"):
+            tf_verl.patch(import_engines=False)
+        assert not tf_verl.is_patched()
+        monkeypatch.delenv(_helpers.OPTIMIZER_AT_STEP_ENV)
+        tf_verl.patch(import_engines=False, optimizer_at_step=True)
+        assert _helpers.optimizer_at_step()
+        tf_verl.patch(import_engines=False)  # idempotent: the choice stays
+        assert _helpers.optimizer_at_step()
+        tf_verl.unpatch()
+        assert not _helpers.optimizer_at_step()
+    finally:
+        tf_verl.unpatch()
+
+
+def test_the_ray_hooks_pass_the_setting_on():
+    from torchferry.integrations._ray_hook import FORWARDED_SETTINGS
+
+    assert _helpers.OPTIMIZER_AT_STEP_ENV in FORWARDED_SETTINGS

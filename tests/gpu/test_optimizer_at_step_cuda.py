@@ -1,0 +1,63 @@
+"""GPU tier of [Note: optimizer state waited for at step()] (``torchferry.integrations._helpers``):
+the verl/SkyRL helpers with ``optimizer_at_step`` on, on CUDA: the state stays in flight through
+the forward and backward, comes back at ``optimizer.step()``, and three offload/reload steps are
+bit-identical to the same steps never offloaded."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from torchferry import Residency
+from torchferry.integrations import _helpers
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+
+def test_the_optimizer_state_comes_back_at_step_bit_identical():
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)]).cuda()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    ref_m = copy.deepcopy(m)
+    ref_opt = torch.optim.AdamW(ref_m.parameters(), lr=1e-3)
+    xs = [torch.randn(64, 2048, device="cuda", generator=torch.Generator("cuda").manual_seed(i)) for i in range(4)]
+
+    def step(model, optim, x):
+        model(x).square().mean().backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+
+    step(m, opt, xs[0])
+    step(ref_m, ref_opt, xs[0])
+    before = _helpers.set_optimizer_at_step(True)
+    try:
+        for x in xs[1:]:
+            _helpers.offload_fsdp2_model_to_cpu(m)
+            _helpers.offload_fsdp_optimizer(opt)
+            _helpers.load_fsdp2_model_to_gpu(m)
+            _helpers.load_fsdp_optimizer(opt, torch.cuda.current_device())
+            ferry = _helpers.ferry_for(opt)
+            assert ferry is not None and ferry.residency is Residency.PREFETCHING
+            m(x).square().mean().backward()
+            assert ferry.residency is Residency.PREFETCHING  # the forward and backward did not wait for it
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            assert ferry.residency is Residency.DEVICE
+            assert all(t.is_cuda for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim())
+            step(ref_m, ref_opt, x)
+        torch.cuda.synchronize()
+        for p, q in zip(m.parameters(), ref_m.parameters(), strict=True):
+            torch.testing.assert_close(p, q, atol=0, rtol=0)
+        for a, b in zip(opt.state.values(), ref_opt.state.values(), strict=True):
+            for k in ("exp_avg", "exp_avg_sq", "step"):
+                torch.testing.assert_close(a[k], b[k], atol=0, rtol=0)
+    finally:
+        _helpers.set_optimizer_at_step(before)
+        for f in (_helpers.ferry_for(m), _helpers.ferry_for(opt)):
+            if f is not None:
+                f.close()

@@ -364,7 +364,7 @@ def test_a_second_patch_keeps_the_first_ones_skip_choice_and_only_a_patched_inte
     tf_skyrl.patch(skip_unchanged=True)  # an explicit choice replaces it
     assert _helpers.skip_unchanged()
     tf_skyrl.unpatch()
-    assert _helpers._skip_unchanged is None and _helpers.skip_unchanged()
+    assert _helpers._skip.value is None and _helpers.skip_unchanged()
 
 
 def test_the_optimizer_at_step_setting_comes_from_patch_and_unpatch_resets_it(monkeypatch):

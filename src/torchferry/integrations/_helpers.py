@@ -110,10 +110,31 @@ __all__ = [
 
 _ferries: weakref.WeakKeyDictionary[object, Ferry] = weakref.WeakKeyDictionary()
 
+class _Setting:
+    """One of the helpers' switches: an integration's ``patch()`` value, else an environment flag."""
+
+    def __init__(self, name: str, env: str, default: bool) -> None:
+        self.name, self.env, self.default = name, env, default
+        self.value: bool | None = None  # None: the environment
+
+    def set(self, value: bool | None) -> bool | None:
+        check_optional_bool(value, self.name)
+        before, self.value = self.value, value
+        return before
+
+    def check(self, value: bool | None) -> None:
+        check_optional_bool(value, self.name)
+        if value is None and self.value is None:
+            self.get()
+
+    def get(self) -> bool:
+        return self.value if self.value is not None else env_flag(self.env, self.default)
+
+
 SKIP_ENV = "TORCHFERRY_SKIP_UNCHANGED"
-_skip_unchanged: bool | None = None  # set by an integration's patch(skip_unchanged=...); None: the environment
 OPTIMIZER_AT_STEP_ENV = "TORCHFERRY_OPTIMIZER_AT_STEP"
-_optimizer_at_step: bool | None = None  # patch(optimizer_at_step=...); None: the environment
+_skip = _Setting("skip_unchanged", SKIP_ENV, True)
+_at_step = _Setting("optimizer_at_step", OPTIMIZER_AT_STEP_ENV, False)
 
 
 def set_skip_unchanged(value: bool | None) -> bool | None:
@@ -125,10 +146,7 @@ def set_skip_unchanged(value: bool | None) -> bool | None:
     Raises:
         TypeError: ``value`` is neither ``None`` nor a bool.
     """
-    global _skip_unchanged
-    check_optional_bool(value, "skip_unchanged")
-    before, _skip_unchanged = _skip_unchanged, value
-    return before
+    return _skip.set(value)
 
 
 def check_skip_setting(value: bool | None) -> None:
@@ -139,9 +157,7 @@ def check_skip_setting(value: bool | None) -> None:
         TypeError: ``value`` is neither ``None`` nor a bool.
         ValueError: ``value`` is ``None`` and ``TORCHFERRY_SKIP_UNCHANGED`` is neither ``0`` nor ``1``.
     """
-    check_optional_bool(value, "skip_unchanged")
-    if value is None and _skip_unchanged is None:
-        skip_unchanged()
+    _skip.check(value)
 
 
 def skip_unchanged() -> bool:
@@ -151,7 +167,7 @@ def skip_unchanged() -> bool:
     Raises:
         ValueError: ``TORCHFERRY_SKIP_UNCHANGED`` is neither ``0`` nor ``1``.
     """
-    return _skip_unchanged if _skip_unchanged is not None else env_flag(SKIP_ENV, True)
+    return _skip.get()
 
 
 def set_optimizer_at_step(value: bool | None) -> bool | None:
@@ -164,23 +180,17 @@ def set_optimizer_at_step(value: bool | None) -> bool | None:
     Raises:
         TypeError: ``value`` is neither ``None`` nor a bool.
     """
-    global _optimizer_at_step
-    check_optional_bool(value, "optimizer_at_step")
-    before, _optimizer_at_step = _optimizer_at_step, value
-    return before
+    return _at_step.set(value)
 
 
 def check_optimizer_setting(value: bool | None) -> None:
-    """Raises what :func:`set_optimizer_at_step` (``value``) or, for ``None``, :func:`optimizer_at_step`
-    (the environment) would, so that an integration's ``patch()`` replaces nothing on an error.
+    """As :func:`check_skip_setting`, for :func:`set_optimizer_at_step` and ``TORCHFERRY_OPTIMIZER_AT_STEP``.
 
     Raises:
         TypeError: ``value`` is neither ``None`` nor a bool.
         ValueError: ``value`` is ``None`` and ``TORCHFERRY_OPTIMIZER_AT_STEP`` is neither ``0`` nor ``1``.
     """
-    check_optional_bool(value, "optimizer_at_step")
-    if value is None and _optimizer_at_step is None:
-        optimizer_at_step()
+    _at_step.check(value)
 
 
 def optimizer_at_step() -> bool:
@@ -190,7 +200,7 @@ def optimizer_at_step() -> bool:
     Raises:
         ValueError: ``TORCHFERRY_OPTIMIZER_AT_STEP`` is neither ``0`` nor ``1``.
     """
-    return _optimizer_at_step if _optimizer_at_step is not None else env_flag(OPTIMIZER_AT_STEP_ENV, False)
+    return _at_step.get()
 
 
 def ferry_for(obj: nn.Module | torch.optim.Optimizer) -> Ferry | None:

@@ -288,3 +288,19 @@ def _patch_body(rank: int, world: int) -> None:
 
 def test_patch_is_idempotent_unpatch_restores_and_a_changed_method_is_refused(areal_importable):
     run_spawned(_patch_body, world=1, timeout_s=TIMEOUT_S)
+
+
+def test_only_areals_own_cuda_clear_memory_runs_beside_the_copies(areal_importable):
+    """[Note: AReaL's clear_memory() beside the copies]: AReaL's CUDA ``clear_memory`` is split
+    around the copies; an override, or another platform's, is called whole (in a subprocess:
+    importing areal replaces the logging module's root logger)."""
+    code = (
+        "from areal.infra.platforms.cuda import CudaPlatform\n"
+        "from torchferry.integrations.areal._patch import _clears_as_areal_cuda\n"
+        "class Override(CudaPlatform):\n"
+        "    def clear_memory(self): pass\n"
+        "print(_clears_as_areal_cuda(CudaPlatform()), _clears_as_areal_cuda(Override()), "
+        "_clears_as_areal_cuda(object()))\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert p.stdout.split() == ["True", "False", "False"], p.stderr[-2000:]

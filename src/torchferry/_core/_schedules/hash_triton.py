@@ -20,7 +20,7 @@ import triton.language as tl  # pyright: ignore[reportMissingImports]  # as abov
 
 from .hash_rows import int64_on, row_table, rows_per
 
-__all__ = ["ALIGN", "PIECE_WORDS", "hash_segments"]
+__all__ = ["ALIGN", "PIECE_WORDS", "hash_segments", "stage_segments"]
 
 PIECE_WORDS = 1 << 17  # 8-byte words per program (1 MiB): a 15 GB state is ~15k rows
 BLOCK = 2048  # words per loop step of one program

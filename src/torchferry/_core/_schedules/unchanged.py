@@ -251,6 +251,8 @@ class UnchangedStorages:
                 todo, table = [si for si in (range(len(plan.storages)) if storages is None else storages)
                                if rules.eligible[si]], None
             hash_storages(self._kind, self._hashes, todo, sources, views.chunks, rules.packed_at, table)  # pyright: ignore[reportArgumentType]  # _kind, _hashes and the base are set by _begin() before any hash
+            if table is not None:  # made on the H2D stream, read here: not reused before the hash ran
+                table.record_stream(torch.cuda.current_stream(table.device))
             self._baseline.update(todo)
         except Exception:
             self.forget()

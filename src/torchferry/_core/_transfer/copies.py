@@ -251,7 +251,7 @@ def issue_h2d(plan: Plan, views: HostViews, streams: TransferStreams, *, storage
         before_alloc: called with the bytes allocated so far, including the
             next storage, before each allocation (swap's budget).
         mark_tail_bytes: on a GPU, record :attr:`H2DIssued.early` once at most this
-            many bytes of large storages are left to copy.
+            many bytes (large and packed storages) are left to copy, if there were more.
         on_mark: called with that event's storages just before it is recorded, the
             H2D stream current (what it queues runs in that stream's order).
 
@@ -290,7 +290,11 @@ def issue_h2d(plan: Plan, views: HostViews, streams: TransferStreams, *, storage
             return _device_view(plan, si, device_views) if n else None
 
         large = [si for si in wanted if si not in packed]
-        left = sum(nbytes[si] for si in large) if cuda and mark_tail_bytes is not None else -1
+        left = -1  # bytes left to copy, large and packed, while a mark is to come
+        if cuda and mark_tail_bytes is not None:
+            left = sum(nbytes[si] for si in wanted)
+            if left <= mark_tail_bytes:  # all of it is tail: nothing to hash early
+                left = -1
         copied_idx: list[int] = []
         for si in large:
             dst = alloc(si)

@@ -76,11 +76,17 @@ and logs after it, that took 0.37-0.43 s per offload of a 1.5B engine against 0.
 collection: host work. Under ``whole_copies()`` ([Note: whole copies where the caller waits] in
 ``torchferry._core._transfer.switch``) a ferry's ``offload()`` returns once all its D2H copies
 are queued, some 20 ms into 0.45 s of copies for 24.7 GB; so on a CUDA device the replacement
-collects while they run, then waits for them,
+synchronizes first (as ``clear_memory()`` does before collecting: whatever the collection frees
+is used by no pending kernel), queues the copies, collects while they run, waits for them,
 synchronizes and empties the cache: the same three steps, the collection moved under the DMA.
 It frees nothing the copies read (the ferry holds their sources until their event);
 ``empty_cache()`` still comes last, after the state's own storages are released, as in AReaL.
-On another platform the replacement waits first and calls ``clear_memory()`` as AReaL does.
+Where ``current_platform.clear_memory`` is not AReaL's CUDA one (another platform, an override),
+the replacement waits for the copies and calls it as AReaL does. Measured at 617698b (one H200,
+``benchmarks/frameworks.py``): the actor's offload took 0.64 s, its copies 0.46 s of it, against
+0.77 s before the collection ran beside them; the collection alone, with the logs and barrier,
+took 0.52-0.55 s in that process (the reference engine's offload, which copies nothing, took
+0.56 s), so the method is now AReaL's own host work with the copies inside it.
 
 [Note: which engines skip unchanged storages]
 An engine without an optimizer (reference, teacher: forward-only) never writes its weights, so
@@ -195,6 +201,17 @@ def _ferry_of(engine: object) -> Ferry:
     return ferry
 
 
+def _clears_as_areal_cuda(platform: object) -> bool:
+    """Whether ``platform.clear_memory`` is AReaL's own CUDA one (synchronize, ``gc.collect()``,
+    ``empty_cache()``), which the patched ``offload()`` may run around its copies; an override, or
+    another platform, is called as it is."""
+    try:
+        from areal.infra.platforms.cuda import CudaPlatform  # pyright: ignore[reportMissingImports]
+    except Exception:  # noqa: BLE001  (AReaL moved it: call clear_memory() as AReaL does)
+        return False
+    return getattr(getattr(platform, "clear_memory", None), "__func__", None) is CudaPlatform.clear_memory
+
+
 def _replacements(module) -> dict[str, Callable]:
     """``offload`` and ``onload`` for ``module.FSDPEngine``; they read ``module.current_platform``
     and ``module.dist`` at each call, as AReaL's methods do."""
@@ -215,9 +232,12 @@ def _replacements(module) -> dict[str, Callable]:
         """
         self.get_device_stats().log("before offload model")
         ferry = _ferry_of(self)
+        beside = ferry.device.type == "cuda" and _clears_as_areal_cuda(module.current_platform)
+        if beside:  # see [Note: AReaL's clear_memory() beside the copies]
+            module.current_platform.synchronize()  # as clear_memory() before its collection
         with whole_copies():  # it waits for them below: [Note: whole copies where the caller waits]
             handle = ferry.offload()
-        if ferry.device.type == "cuda":  # see [Note: AReaL's clear_memory() beside the copies]
+        if beside:
             gc.collect()
             handle.wait()
             module.current_platform.synchronize()

@@ -80,7 +80,12 @@ it, as a new baseline, while the tail is still copying. The hash's table goes
 up at that point of the H2D stream itself (``UnchangedStorages.stage``): put on
 the current stream, its small copy waited behind the whole reload in the copy
 engine ([Note: switch points]), and the early hash ran after the last copy
-anyway (measured: no gain at 47abdc5) (the hash reads device
+anyway (measured: no gain at 47abdc5). With the table staged (dc0385b, the
+frameworks bench on one H200): SkyRL's forward-only 1.5B model reloaded in
+0.117 s against 0.119 s at 47abdc5 and 617698b, within those runs' spread; a
+trained model's reload stayed at 0.119 s, 5 ms over SkyRL's own 0.114 s, so
+what remains there is not the hash's place
+(``benchmarks/results/frameworks_qwen2.5-1.5b_h200x1_2026-12-01_dc0385b.json``) (the hash reads device
 memory at some 3 TB/s, the copy writes it at 55 GB/s: 15/16 of the bytes hash
 in less time than the last 1/16 copies), then waits for the last copy and
 hashes the rest. Both hashes run on the current stream before any kernel the

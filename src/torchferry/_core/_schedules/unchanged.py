@@ -76,21 +76,22 @@ reload (6.2 GB of Qwen2.5-1.5B parameters: reload() 1.5-2 ms slower than
 without ``skip_unchanged``, one H200). Now the reload records an event on the
 H2D stream once at most 1/16 of its bytes (and at least 64 MiB) are left to
 copy; the current stream waits for it and hashes the storages copied before
-it, as a new baseline, while the tail is still copying. The hash's table goes
-up at that point of the H2D stream itself (``UnchangedStorages.stage``): put on
-the current stream, its small copy waited behind the whole reload in the copy
-engine ([Note: switch points]), and the early hash ran after the last copy
-anyway (measured: no gain at 47abdc5). With the table staged (dc0385b, the
-frameworks bench on one H200): SkyRL's forward-only 1.5B model reloaded in
-0.117 s against 0.119 s at 47abdc5 and 617698b, within those runs' spread; a
-trained model's reload stayed at 0.119 s, 5 ms over SkyRL's own 0.114 s, so
-what remains there is not the hash's place
-(``benchmarks/results/frameworks_qwen2.5-1.5b_h200x1_2026-12-01_dc0385b.json``) (the hash reads device
+it, as a new baseline, while the tail is still copying (the hash reads device
 memory at some 3 TB/s, the copy writes it at 55 GB/s: 15/16 of the bytes hash
 in less time than the last 1/16 copies), then waits for the last copy and
 hashes the rest. Both hashes run on the current stream before any kernel the
 caller queues after ``reload()``, each after its storages' copies: the rule of
-step 1 holds for every storage.
+step 1 holds for every storage. The early hash's table goes up at the mark on
+the H2D stream itself (``UnchangedStorages.stage``; kept with
+``record_stream`` until the hash ran): put on the current stream, that small
+copy waited behind the whole reload in the copy engine ([Note: switch
+points]), and the early hash ran after the last copy anyway.
+
+Measured at dc0385b (``benchmarks/frameworks.py``, one H200,
+``benchmarks/results/frameworks_qwen2.5-1.5b_h200x1_2026-12-01_dc0385b.json``):
+SkyRL's forward-only 1.5B model reloads in 0.117 s and a trained one in
+0.119 s, against 0.114 s for SkyRL's own load; what is left over is not where
+the hash runs, and is not found yet.
 
 Swap: the outgoing ferry's skipped storages are released at once (no copy
 reads them; ``ReleaseSchedule.hold``). The incoming ferry of a swap with

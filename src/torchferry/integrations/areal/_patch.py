@@ -82,11 +82,12 @@ synchronizes and empties the cache: the same three steps, the collection moved u
 It frees nothing the copies read (the ferry holds their sources until their event);
 ``empty_cache()`` still comes last, after the state's own storages are released, as in AReaL.
 Where ``current_platform.clear_memory`` is not AReaL's CUDA one (another platform, an override),
-the replacement waits for the copies and calls it as AReaL does. Measured at 617698b (one H200,
-``benchmarks/frameworks.py``): the actor's offload took 0.64 s, its copies 0.46 s of it, against
-0.77 s before the collection ran beside them; the collection alone, with the logs and barrier,
-took 0.52-0.55 s in that process (the reference engine's offload, which copies nothing, took
-0.56 s), so the method is now AReaL's own host work with the copies inside it.
+the replacement waits for the copies and calls it as AReaL does. Measured at dc0385b (one H200,
+``benchmarks/results/frameworks_qwen2.5-1.5b_h200x1_2026-12-01_dc0385b.json``): the actor's
+offload took 0.619 s, its copies 0.448 s of it, against 0.858 s at 424a4de; ``clear_memory()``
+with the logs and barrier took 0.48-0.60 s alone in that process (the reference engine's
+offload, which copies nothing, 0.513 s), so the method is now AReaL's own host work with the
+copies inside it.
 
 [Note: which engines skip unchanged storages]
 An engine without an optimizer (reference, teacher: forward-only) never writes its weights, so

@@ -392,10 +392,17 @@ def cmd_run(args) -> None:
         sync()
         t0 = time.perf_counter()
         out = verl_to(self, device, model=model, optimizer=optimizer, grad=grad)
+        residency = None  # the optimizer ferry's, right after the call (PREFETCHING: left to step())
+        if args.mode == "torchferry" and self.optimizer is not None:
+            from torchferry.integrations.verl import ferry_for
+
+            f = ferry_for(self.optimizer)
+            residency = None if f is None else f.residency.name
         sync()
         events.append({"phase": phase["name"], "step": phase["step"], "direction": direction, "model": bool(model),
                        "optimizer": with_optimizer, "seconds": time.perf_counter() - t0,
-                       "gpu_allocated_after": torch.cuda.memory_allocated() if cuda else 0})
+                       "gpu_allocated_after": torch.cuda.memory_allocated() if cuda else 0,
+                       "optimizer_residency_after": residency})
         return out
 
     ti.FSDPEngine.to = timed_to
@@ -602,6 +609,9 @@ def cmd_compare(args) -> None:
     env["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     env["ray"] = b["ray"]
     env["torchferry_commit"] = os.environ.get("TORCHFERRY_COMMIT")
+    # How torchferry was set to move state in the torchferry run (TORCHFERRY_OPTIMIZER_AT_STEP, ...).
+    env["torchferry_settings"] = {k: v for k, v in sorted(os.environ.items())
+                                  if k.startswith("TORCHFERRY_") and k != "TORCHFERRY_COMMIT"}
     out = {
         "schema": SCHEMA,
         "env": env,

@@ -57,6 +57,9 @@ def test_unpatched_and_torchferry_runs_are_bit_identical(result):
     assert len(detail["ferries"]) == 2 and all("residency=HOST" in f for f in detail["ferries"])
     assert detail["torchferry_pool_bytes"] >= sum(t["state_bytes"].values())
     assert {p.name for p in out.iterdir()} >= {"run_unpatched.json", "run_torchferry.json", "log.txt"}
+    events = json.loads((out / "run_torchferry.json").read_text())["per_rank"][0]["events"]
+    assert [e["optimizer_residency_after"] for e in events
+            if e["phase"] == "update" and e["direction"] == "reload" and e["optimizer"]] == ["DEVICE"]
 
 
 def test_compare_reports_what_differs(result):
@@ -74,3 +77,23 @@ def test_compare_reports_what_differs(result):
     with pytest.raises(SystemExit, match="compare takes the unpatched run, then the torchferry run"):
         verl_actor.main(["compare", str(out / "run_torchferry.json"), str(out / "run_unpatched.json"),
                          "--out-dir", str(out / "x")])
+
+
+def test_verls_actor_stays_bit_identical_with_the_optimizer_state_waited_for_at_step(tmp_path):
+    """[Note: optimizer state waited for at step()] through verl's own TrainingWorker: with
+    ``TORCHFERRY_OPTIMIZER_AT_STEP=1`` (read by ``patch()`` in the torchferry run) the state comes
+    back only at ``optimizer.step()``, and the run is still bit-identical to verl's own."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+           "VERL_ACTOR_MODEL_DIR": str(tmp_path / "model"), "TORCHFERRY_OPTIMIZER_AT_STEP": "1"}
+    p = subprocess.run(["bash", "benchmarks/verl_actor.sh", str(tmp_path), "2", "tiny", "2"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    [path] = tmp_path.glob("verl_tiny_cpux2_*.json")
+    r = json.loads(path.read_text())
+    assert r["env"]["torchferry_settings"].get("TORCHFERRY_OPTIMIZER_AT_STEP") == "1"
+    assert r["bit_identical"] is True, r.get("bit_identical_detail")
+    assert len(r["runs"]["torchferry"]["reload_s"]["all"]) == 1  # update_actor reloaded the state once
+    events = json.loads((tmp_path / "run_torchferry.json").read_text())["per_rank"][0]["events"]
+    after = [e["optimizer_residency_after"] for e in events
+             if e["phase"] == "update" and e["direction"] == "reload" and e["optimizer"]]
+    assert after == ["PREFETCHING"]  # FSDPEngine.to returned with the state still to come

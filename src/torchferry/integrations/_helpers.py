@@ -41,19 +41,23 @@ reads of the tensors need this ordering plus a synchronisation, or ``handle.wait
 
 [Note: optimizer state waited for at step()]
 verl's ``FSDPEngine.to`` reloads the optimizer state right after the model, before
-update_actor's first forward, and the seed's ``load_fsdp_optimizer`` makes the caller's
-stream wait for all of it (12.3 GB of AdamW state at Qwen2.5-1.5B: 0.22 s at the 55 GB/s of
-one H200's link; 30.5 GB at 7B), although only ``optimizer.step()`` reads it. With
-``optimizer_at_step`` on (``patch(optimizer_at_step=True)`` of an integration, or
-``TORCHFERRY_OPTIMIZER_AT_STEP=1``, which the Ray hooks pass on), ``load_fsdp_optimizer``
-reloads through ``ferry.reload(prefetch=True)``: the state's copies run on the H2D stream
-behind the caller's forward and backward (with switch points, so the compute stream's own small
-copies are not held up: [Note: switch points]), and a step pre-hook completes them before
-``optimizer.step()`` (``state_dict()`` too: [Note: prefetch reload] in
-``torchferry._core._schedules.prefetch``). Until then the state tensors are host tensors viewing
-the pinned pool, bit-identical to what comes back. Off by default until it is measured inside
-verl's own step; the caller's code must read no optimizer state between the load and the step
-(verl's and SkyRL's do not: they run forward, backward, gradient clipping, then the step).
+update_actor's first forward, and the seed's ``load_fsdp_optimizer`` makes the caller's stream
+wait for all of it (12.3 GB of AdamW state at Qwen2.5-1.5B: 0.228 s on one H200,
+``load_optimizer`` in ``benchmarks/results/frameworks_qwen2.5-1.5b_h200x1_2026-12-01_dc0385b.json``;
+30.5 GB at 7B), although only ``optimizer.step()`` reads it. With ``optimizer_at_step`` on
+(``patch(optimizer_at_step=True)`` of an integration, or ``TORCHFERRY_OPTIMIZER_AT_STEP=1``,
+which the Ray hooks pass on), ``load_fsdp_optimizer`` reloads through
+``ferry.reload(prefetch=True)``: the state's copies run on the H2D stream behind the caller's
+forward and backward (with switch points, so the compute stream's own small copies are not held
+up: [Note: switch points]), and a step pre-hook completes them before ``optimizer.step()``
+(``state_dict()`` too: [Note: prefetch reload] in ``torchferry._core._schedules.prefetch``).
+Until then the state tensors are host tensors viewing the pinned pool, bit-identical to what
+comes back. verl 0.9.1's own actor (``TrainingWorker``, FSDP2, param and optimizer offload) with
+it on stays bit-identical to verl's unpatched run, and its ``FSDPEngine.to`` returns with the
+state still to come (``tests/cpu/test_integration_verl_actor.py``, on the CPU over gloo). Off by
+default until it is measured inside verl's step on a GPU; the caller's code must read no
+optimizer state between the load and the step (verl's and SkyRL's do not: they run forward,
+backward, gradient clipping, then the step).
 
 One :class:`~torchferry.Ferry` is kept per model and per optimizer, weakly
 keyed, so it goes away with the object; :func:`ferry_for` returns it.

@@ -392,17 +392,20 @@ def cmd_run(args) -> None:
         sync()
         t0 = time.perf_counter()
         out = verl_to(self, device, model=model, optimizer=optimizer, grad=grad)
-        residency = None  # the optimizer ferry's, right after the call (PREFETCHING: left to step())
-        if args.mode == "torchferry" and self.optimizer is not None:
+        # The ferries' residency right after the call (PREFETCHING: left to the forward / step()).
+        residency: dict[str, str | None] = {"model": None, "optimizer": None}
+        if args.mode == "torchferry":
             from torchferry.integrations.verl import ferry_for
 
-            f = ferry_for(self.optimizer)
-            residency = None if f is None else f.residency.name
+            for part, obj in (("model", self.module), ("optimizer", self.optimizer)):
+                f = None if obj is None else ferry_for(obj)
+                residency[part] = None if f is None else f.residency.name
         sync()
         events.append({"phase": phase["name"], "step": phase["step"], "direction": direction, "model": bool(model),
                        "optimizer": with_optimizer, "seconds": time.perf_counter() - t0,
                        "gpu_allocated_after": torch.cuda.memory_allocated() if cuda else 0,
-                       "optimizer_residency_after": residency})
+                       "model_residency_after": residency["model"],
+                       "optimizer_residency_after": residency["optimizer"]})
         return out
 
     ti.FSDPEngine.to = timed_to

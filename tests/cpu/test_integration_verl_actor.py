@@ -60,6 +60,7 @@ def test_unpatched_and_torchferry_runs_are_bit_identical(result):
     events = json.loads((out / "run_torchferry.json").read_text())["per_rank"][0]["events"]
     assert [e["optimizer_residency_after"] for e in events
             if e["phase"] == "update" and e["direction"] == "reload" and e["optimizer"]] == ["DEVICE"]
+    assert {e["model_residency_after"] for e in events if e["direction"] == "reload" and e["model"]} == {"DEVICE"}
 
 
 def test_compare_reports_what_differs(result):
@@ -79,21 +80,30 @@ def test_compare_reports_what_differs(result):
                          "--out-dir", str(out / "x")])
 
 
-def test_verls_actor_stays_bit_identical_with_the_optimizer_state_waited_for_at_step(tmp_path):
-    """[Note: optimizer state waited for at step()] through verl's own TrainingWorker: with
-    ``TORCHFERRY_OPTIMIZER_AT_STEP=1`` (read by ``patch()`` in the torchferry run) the state comes
-    back only at ``optimizer.step()``, and the run is still bit-identical to verl's own."""
+def test_verls_actor_stays_bit_identical_with_the_state_waited_for_where_it_is_used(tmp_path):
+    """[Note: optimizer state waited for at step()] and [Note: the helpers' layer-wise reload]
+    through verl's own TrainingWorker: with ``TORCHFERRY_OPTIMIZER_AT_STEP=1`` and
+    ``TORCHFERRY_LAYERWISE_RELOAD=1`` (read by ``patch()`` in the torchferry run) the optimizer
+    state comes back only at ``optimizer.step()`` and the parameters unit by unit at their forward,
+    and the run is still bit-identical to verl's own."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
-           "VERL_ACTOR_MODEL_DIR": str(tmp_path / "model"), "TORCHFERRY_OPTIMIZER_AT_STEP": "1"}
+           "VERL_ACTOR_MODEL_DIR": str(tmp_path / "model"), "TORCHFERRY_OPTIMIZER_AT_STEP": "1",
+           "TORCHFERRY_LAYERWISE_RELOAD": "1"}
     p = subprocess.run(["bash", "benchmarks/verl_actor.sh", str(tmp_path), "2", "tiny", "2"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     [path] = tmp_path.glob("verl_tiny_cpux2_*.json")
     r = json.loads(path.read_text())
     assert r["env"]["torchferry_settings"].get("TORCHFERRY_OPTIMIZER_AT_STEP") == "1"
+    assert r["env"]["torchferry_settings"].get("TORCHFERRY_LAYERWISE_RELOAD") == "1"
     assert r["bit_identical"] is True, r.get("bit_identical_detail")
     assert len(r["runs"]["torchferry"]["reload_s"]["all"]) == 1  # update_actor reloaded the state once
     events = json.loads((tmp_path / "run_torchferry.json").read_text())["per_rank"][0]["events"]
     after = [e["optimizer_residency_after"] for e in events
              if e["phase"] == "update" and e["direction"] == "reload" and e["optimizer"]]
     assert after == ["PREFETCHING"]  # FSDPEngine.to returned with the state still to come
+    model_after = [e["model_residency_after"] for e in events if e["direction"] == "reload" and e["model"]]
+    # Unit by unit from the second reload on; the first comes before FSDP2's lazy init (the first
+    # forward), when the units are not known yet: whole.
+    assert model_after[0] in ("DEVICE", "PREFETCHING") and len(model_after) >= 3
+    assert set(model_after[1:]) == {"PREFETCHING"}, model_after

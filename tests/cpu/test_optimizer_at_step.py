@@ -126,7 +126,53 @@ def test_verl_patch_sets_it_refuses_bad_values_and_unpatch_resets_it(monkeypatch
         tf_verl.unpatch()
 
 
-def test_the_ray_hooks_pass_the_setting_on():
+def test_the_ray_hooks_pass_the_settings_on():
     from torchferry.integrations._ray_hook import FORWARDED_SETTINGS
 
-    assert _helpers.OPTIMIZER_AT_STEP_ENV in FORWARDED_SETTINGS
+    assert _helpers.OPTIMIZER_AT_STEP_ENV in FORWARDED_SETTINGS and _helpers.LAYERWISE_ENV in FORWARDED_SETTINGS
+
+
+def test_the_layerwise_setting_comes_from_patch_else_the_environment(monkeypatch):
+    """[Note: the helpers' layer-wise reload]: off by default, ``TORCHFERRY_LAYERWISE_RELOAD`` or
+    ``patch(layerwise_reload=...)``, bad values refused with nothing replaced, reset by unpatch()."""
+    pytest.importorskip("verl.utils.fsdp_utils", reason="verl not installed")
+    import torchferry.integrations.verl as tf_verl
+
+    monkeypatch.delenv(_helpers.LAYERWISE_ENV, raising=False)
+    tf_verl.unpatch()
+    before = _helpers.LAYERWISE.set(None)
+    try:
+        assert not _helpers.LAYERWISE.get()
+        monkeypatch.setenv(_helpers.LAYERWISE_ENV, "1")
+        assert _helpers.LAYERWISE.get()
+        monkeypatch.setenv(_helpers.LAYERWISE_ENV, "on")
+        with pytest.raises(ValueError, match="TORCHFERRY_LAYERWISE_RELOAD must be 0 or 1, got 'on'"):
+            tf_verl.patch(import_engines=False)
+        assert not tf_verl.is_patched()
+        monkeypatch.delenv(_helpers.LAYERWISE_ENV)
+        with pytest.raises(TypeError, match="layerwise_reload must be True, False or None, got int 1"):
+            tf_verl.patch(import_engines=False, layerwise_reload=1)  # type: ignore[arg-type]
+        assert not tf_verl.is_patched()
+        tf_verl.patch(import_engines=False, layerwise_reload=True)
+        assert _helpers.LAYERWISE.get()
+        tf_verl.unpatch()
+        assert not _helpers.LAYERWISE.get()
+    finally:
+        tf_verl.unpatch()
+        _helpers.LAYERWISE.set(before)
+
+
+def test_the_layerwise_reload_of_a_module_without_fsdp_units_is_whole():
+    """Without FSDP2 units there is nothing to bring back unit by unit: the reload is whole."""
+    m, opt = _model_and_opt()
+    _step(m, opt, torch.randn(4, 32))
+    before = _helpers.LAYERWISE.set(True)
+    try:
+        want = [p.detach().clone() for p in m.parameters()]
+        _helpers.offload_fsdp2_model_to_cpu(m)
+        _helpers.load_fsdp2_model_to_gpu(m)
+        assert _helpers.ferry_for(m).residency is Residency.DEVICE
+        for p, w in zip(m.parameters(), want, strict=True):
+            torch.testing.assert_close(p, w, atol=0, rtol=0)
+    finally:
+        _helpers.LAYERWISE.set(before)

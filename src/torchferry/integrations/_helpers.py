@@ -59,6 +59,22 @@ default until it is measured inside verl's step on a GPU; the caller's code must
 optimizer state between the load and the step (verl's and SkyRL's do not: they run forward,
 backward, gradient clipping, then the step).
 
+[Note: the helpers' layer-wise reload]
+With ``layerwise_reload`` on (``patch(layerwise_reload=True)`` of an integration, or
+``TORCHFERRY_LAYERWISE_RELOAD=1``, which the Ray hooks pass on), ``load_fsdp2_model_to_gpu``
+reloads through ``ferry.reload(prefetch=True)``: the FSDP2 units come back in forward order on
+the H2D stream, each unit's forward waiting only for its own copies ([Note: prefetch reload] in
+``torchferry._core._schedules.prefetch``), so the phase's first forward starts after the first
+unit, not after the whole model (a reload before FSDP2's lazy init, the model's first forward, is
+whole: the units are not known yet). Until its unit's forward a parameter is a host tensor viewing the
+pinned pool (its bytes exact); ``state_dict()``, an offload and ``optimizer.step()`` complete the
+reload first. It fits phases that start with a forward (verl's compute_log_prob and update_actor,
+whose parameters have no ``.grad`` then: a state holding gradients is reloaded whole); code that
+reads parameters outside a forward right after the load (a ``param.device`` check) sees host
+tensors. verl 0.9.1's own actor with it on stays bit-identical to verl's unpatched run
+(``tests/cpu/test_integration_verl_actor.py``, on the CPU over gloo). Off by default until it is
+measured inside verl's step on a GPU and checked against verl's weight sync.
+
 One :class:`~torchferry.Ferry` is kept per model and per optimizer, weakly
 keyed, so it goes away with the object; :func:`ferry_for` returns it.
 
@@ -103,6 +119,8 @@ __all__ = [
     "load_fsdp_optimizer",
     "offload_fsdp2_model_to_cpu",
     "offload_fsdp_optimizer",
+    "LAYERWISE",
+    "LAYERWISE_ENV",
     "OPTIMIZER_AT_STEP_ENV",
     "check_optimizer_setting",
     "check_skip_setting",
@@ -139,6 +157,11 @@ SKIP_ENV = "TORCHFERRY_SKIP_UNCHANGED"
 OPTIMIZER_AT_STEP_ENV = "TORCHFERRY_OPTIMIZER_AT_STEP"
 _skip = _Setting("skip_unchanged", SKIP_ENV, True)
 _at_step = _Setting("optimizer_at_step", OPTIMIZER_AT_STEP_ENV, False)
+LAYERWISE_ENV = "TORCHFERRY_LAYERWISE_RELOAD"
+LAYERWISE = _Setting("layerwise_reload", LAYERWISE_ENV, False)
+"""Whether :func:`load_fsdp2_model_to_gpu` reloads layer-wise ([Note: the helpers' layer-wise reload]):
+``.set(value)`` (an integration's ``patch(layerwise_reload=...)``; ``None``: the environment),
+``.check(value)``, ``.get()``; ``TypeError`` / ``ValueError`` as for the other settings."""
 
 
 def set_skip_unchanged(value: bool | None) -> bool | None:
@@ -268,15 +291,21 @@ def offload_fsdp2_model_to_cpu(model: nn.Module, empty_cache: bool = True) -> No
 def load_fsdp2_model_to_gpu(model: nn.Module) -> None:
     """Reloads what :func:`offload_fsdp2_model_to_cpu` offloaded.
 
-    The H2D copies are asynchronous; the current stream waits for them, so the
+    With ``layerwise_reload`` on, the FSDP2 units come back in forward order, each forward
+    waiting only for its own ([Note: the helpers' layer-wise reload]). Otherwise:
+    the H2D copies are asynchronous; the current stream waits for them, so the
     next forward on that stream is ordered after them (as with the seed's
     same-stream ``model.to(device, non_blocking=True)``). A no-op for a model
     that was never offloaded through these helpers.
     """
     ferry = _ferries.get(model)
-    if ferry is not None:
-        with whole_copies():  # the caller's stream waits: [Note: whole copies where the caller waits]
-            ferry.reload()
+    if ferry is None:
+        return
+    if LAYERWISE.get():  # see [Note: the helpers' layer-wise reload]
+        ferry.reload(prefetch=True)  # beside the forward: with switch points
+        return
+    with whole_copies():  # the caller's stream waits: [Note: whole copies where the caller waits]
+        ferry.reload()
 
 
 def _has_state(optimizer: torch.optim.Optimizer) -> bool:

@@ -31,7 +31,8 @@ __all__ = ["FORWARDED_SETTINGS", "HookNames", "WorkerHook"]
 # Not the node-local ones (host budgets, the ledger folder), tests' or the bench's.
 FORWARDED_SETTINGS = ("TORCHFERRY_SKIP_UNCHANGED", "TORCHFERRY_DRIVER_COPIES", "TORCHFERRY_SWITCH_BYTES",
                       "TORCHFERRY_ISSUE_REFILL_BYTES", "TORCHFERRY_HASH", "TORCHFERRY_RELOAD_ARENA",
-                      "TORCHFERRY_VERL_FSDP1", "TORCHFERRY_OPTIMIZER_AT_STEP")
+                      "TORCHFERRY_VERL_FSDP1", "TORCHFERRY_OPTIMIZER_AT_STEP",
+                      "TORCHFERRY_LAYERWISE_RELOAD")
 
 logger = logging.getLogger("torchferry")
 

@@ -134,7 +134,7 @@ def is_patched() -> bool:
 
 
 def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
-          optimizer_at_step: bool | None = None) -> list[str]:
+          optimizer_at_step: bool | None = None, layerwise_reload: bool | None = None) -> list[str]:
     """Routes SkyRL's FSDP2 model and optimizer offload helpers through torchferry.
 
     Idempotent. What still goes to SkyRL's own helpers: [Note: what stays with
@@ -156,14 +156,19 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
             state waited for at step()] in ``integrations._helpers``); ``None`` (default): an
             earlier ``patch()``'s choice, else ``TORCHFERRY_OPTIMIZER_AT_STEP``, off unless ``1``.
             Shared with the verl integration, reset by ``unpatch()``.
+        layerwise_reload: whether ``load_fsdp2_model_to_gpu`` reloads the FSDP2 units in forward
+            order, each forward waiting only for its own ([Note: the helpers' layer-wise reload] in
+            ``integrations._helpers``); ``None`` (default): an earlier ``patch()``'s choice, else
+            ``TORCHFERRY_LAYERWISE_RELOAD``, off unless ``1``. Shared, reset by ``unpatch()``.
 
     Returns:
         The ``module.attribute`` names replaced.
 
     Raises:
-        TypeError: ``import_call_sites`` is not a bool, or ``skip_unchanged`` or ``optimizer_at_step``
-            neither ``None`` nor a bool.
-        ValueError: ``TORCHFERRY_SKIP_UNCHANGED`` or ``TORCHFERRY_OPTIMIZER_AT_STEP`` is neither ``0`` nor ``1``.
+        TypeError: ``import_call_sites`` is not a bool, or ``skip_unchanged``, ``optimizer_at_step`` or
+            ``layerwise_reload`` neither ``None`` nor a bool.
+        ValueError: ``TORCHFERRY_SKIP_UNCHANGED``, ``TORCHFERRY_OPTIMIZER_AT_STEP`` or
+            ``TORCHFERRY_LAYERWISE_RELOAD`` is neither ``0`` nor ``1``.
         RuntimeError: SkyRL's ``fsdp_utils`` is not importable (on Python < 3.12 the message says
             SkyRL needs 3.12), or one of its helpers is
             missing or has other parameters than this integration was written for (nothing is
@@ -174,6 +179,7 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
                         f"got {type(import_call_sites).__name__} {import_call_sites!r}")
     helpers.check_skip_setting(skip_unchanged)  # a bad value or environment: nothing replaced
     helpers.check_optimizer_setting(optimizer_at_step)
+    helpers.LAYERWISE.check(layerwise_reload)
     try:
         names = _patcher.patch(import_call_sites=import_call_sites)
     except RuntimeError as e:
@@ -185,6 +191,8 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
         helpers.set_skip_unchanged(skip_unchanged)
     if optimizer_at_step is not None:
         helpers.set_optimizer_at_step(optimizer_at_step)
+    if layerwise_reload is not None:
+        helpers.LAYERWISE.set(layerwise_reload)
     return names
 
 
@@ -193,4 +201,5 @@ def unpatch() -> None:
     if is_patched():
         helpers.set_skip_unchanged(None)
         helpers.set_optimizer_at_step(None)
+        helpers.LAYERWISE.set(None)
     _patcher.unpatch()

@@ -108,7 +108,8 @@ def is_patched() -> bool:
 
 
 def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
-          fsdp1: bool | None = None, optimizer_at_step: bool | None = None) -> list[str]:
+          fsdp1: bool | None = None, optimizer_at_step: bool | None = None,
+          layerwise_reload: bool | None = None) -> list[str]:
     """Routes verl's FSDP2 model and optimizer offload helpers through torchferry.
 
     Idempotent.
@@ -134,14 +135,19 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
             state waited for at step()] in ``integrations._helpers``); ``None`` (default): an
             earlier ``patch()``'s choice, else ``TORCHFERRY_OPTIMIZER_AT_STEP``, off unless ``1``.
             Shared with the SkyRL integration, reset by ``unpatch()``.
+        layerwise_reload: whether ``load_fsdp2_model_to_gpu`` reloads the FSDP2 units in forward
+            order, each forward waiting only for its own ([Note: the helpers' layer-wise reload] in
+            ``integrations._helpers``); ``None`` (default): an earlier ``patch()``'s choice, else
+            ``TORCHFERRY_LAYERWISE_RELOAD``, off unless ``1``. Shared, reset by ``unpatch()``.
 
     Returns:
         The ``module.attribute`` names replaced.
 
     Raises:
-        TypeError: ``skip_unchanged``, ``fsdp1`` or ``optimizer_at_step`` is neither ``None`` nor a bool.
+        TypeError: ``skip_unchanged``, ``fsdp1``, ``optimizer_at_step`` or ``layerwise_reload`` is neither
+            ``None`` nor a bool.
         ValueError: ``TORCHFERRY_SKIP_UNCHANGED``, ``TORCHFERRY_VERL_FSDP1`` or
-            ``TORCHFERRY_OPTIMIZER_AT_STEP`` is neither ``0`` nor ``1``.
+            ``TORCHFERRY_OPTIMIZER_AT_STEP`` or ``TORCHFERRY_LAYERWISE_RELOAD`` is neither ``0`` nor ``1``.
         RuntimeError: verl is not importable, or one of its helpers is missing
             or has other parameters than this integration was written for
             (nothing is replaced then).
@@ -149,6 +155,7 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
     global _fsdp1
     compat.check_skip_setting(skip_unchanged)  # a bad value or environment: nothing replaced
     compat.check_optimizer_setting(optimizer_at_step)
+    compat.LAYERWISE.check(layerwise_reload)
     check_optional_bool(fsdp1, "patch(fsdp1=...)")
     if fsdp1 is None and _fsdp1 is None:
         fsdp1_through_torchferry()
@@ -159,6 +166,8 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
         _fsdp1 = fsdp1
     if optimizer_at_step is not None:
         compat.set_optimizer_at_step(optimizer_at_step)
+    if layerwise_reload is not None:
+        compat.LAYERWISE.set(layerwise_reload)
     return names
 
 
@@ -168,5 +177,6 @@ def unpatch() -> None:
     if is_patched():
         compat.set_skip_unchanged(None)
         compat.set_optimizer_at_step(None)
+        compat.LAYERWISE.set(None)
         _fsdp1 = None
     _patcher.unpatch()

@@ -42,7 +42,11 @@ What of verl runs (verl 0.9.1, unmodified; see ``VERL_CODE`` below, also written
 
 Measured around verl's code, not inside it: ``FSDPEngine.to`` is timed (synchronised before and
 after: seconds from the call until the copies are complete), and after the last step each rank
-hashes (sha256) every local parameter shard and optimizer-state tensor.
+hashes (sha256) every local parameter shard and optimizer-state tensor. A third run, ``resident``
+(verl unpatched with ``param_offload`` and ``optimizer_offload`` off), is the baseline of
+``exposed``: each run's median step seconds after the first, less the resident run's, which is what
+an offload costs a step even where its copies hide behind compute (``FSDPEngine.to``'s own timing,
+synchronised after the call, cannot show that).
 
 Not verl: where ``ray`` is not installed (it is large; verl imports it at module level but this
 SPMD path never talks to a Ray cluster), ``benchmarks/verl_raystub`` stands in for it (see its
@@ -234,7 +238,7 @@ def _shape(tiny: bool) -> _Shape:
                   log_prob_micro_batch_per_gpu=4)
 
 
-def _verl_config(model_dir: str, shape: _Shape, world: int, lr: float):
+def _verl_config(model_dir: str, shape: _Shape, world: int, lr: float, offload: bool = True):
     """verl's generated PPO config with the overrides a verl user would give on the command line."""
     import verl
     from omegaconf import OmegaConf
@@ -248,8 +252,8 @@ def _verl_config(model_dir: str, shape: _Shape, world: int, lr: float):
         "actor_rollout_ref.model.override_config": {"attn_implementation": ATTENTION},
         "actor_rollout_ref.actor.strategy": "fsdp2",
         "actor_rollout_ref.actor.fsdp_config.strategy": "fsdp2",
-        "actor_rollout_ref.actor.fsdp_config.param_offload": True,
-        "actor_rollout_ref.actor.fsdp_config.optimizer_offload": True,
+        "actor_rollout_ref.actor.fsdp_config.param_offload": offload,
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload": offload,
         "actor_rollout_ref.actor.fsdp_config.full_determinism": True,  # verl's knob: deterministic kernels
         "actor_rollout_ref.actor.fsdp_config.use_torch_compile": False,
         "actor_rollout_ref.actor.use_torch_compile": False,
@@ -411,7 +415,7 @@ def cmd_run(args) -> None:
     ti.FSDPEngine.to = timed_to
 
     shape = _shape(args.tiny)
-    cfg = _verl_config(args.model_dir, shape, world, args.lr)
+    cfg = _verl_config(args.model_dir, shape, world, args.lr, offload=args.mode != "resident")
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     t_build = time.perf_counter()
@@ -573,6 +577,29 @@ def identical(a: dict, b: dict) -> tuple[dict[str, bool], dict[str, object]]:
     return same, {k: v for k, v in diffs.items() if v}
 
 
+def _exposed(resident: dict, unpatched: dict, torchferry: dict) -> dict:
+    """What the offload costs a step: each run's median step seconds (rank 0, after the first step,
+    whose reloads come before any state exists) less the resident run's, and torchferry's against
+    verl's own. The resident run is bit-identical to the others where offloading changes nothing."""
+    if resident.get("mode") != "resident":
+        raise SystemExit(f"error: --resident takes a resident run; got {resident.get('mode')!r}")
+
+    def steady(r: dict) -> float | None:
+        return _median(r["per_rank"][0]["step_s"][1:])
+
+    base = steady(resident)
+    out: dict = {"what": "median step seconds after the first, less the resident run's (rank 0)",
+                 "resident_step_s": base}
+    for name, r in (("verl", unpatched), ("torchferry", torchferry)):
+        st = steady(r)
+        out[f"{name}_step_s"] = st
+        out[f"{name}_exposed_s_per_step"] = None if st is None or base is None else st - base
+    v, t = out["verl_exposed_s_per_step"], out["torchferry_exposed_s_per_step"]
+    out["torchferry_over_verl"] = t / v if v and t is not None and v > 0 else None
+    out["resident_bit_identical"] = all(identical(unpatched, resident)[0].values())
+    return out
+
+
 def cmd_compare(args) -> None:
     a = json.loads(Path(args.runs[0]).read_text())
     b = json.loads(Path(args.runs[1]).read_text())
@@ -632,6 +659,8 @@ def cmd_compare(args) -> None:
                                                                                      for r in a["per_rank"])},
                                  "differing": differing},
     }
+    if args.resident:
+        out["exposed"] = _exposed(json.loads(Path(args.resident).read_text()), a, b)
     if args.control:
         c = json.loads(Path(args.control).read_text())
         c_same, c_diff = identical(a, c)
@@ -671,7 +700,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model-dir", required=True)
     p.add_argument("--seed", type=int, default=0)
     p = sub.add_parser("run", help="one run under torchrun (unpatched or torchferry)")
-    p.add_argument("--mode", choices=["unpatched", "torchferry"], required=True)
+    p.add_argument("--mode", choices=["unpatched", "torchferry", "resident"], required=True,
+                   help="resident: verl unpatched with param_offload and optimizer_offload off (the baseline)")
     p.add_argument("--model-dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=4)
@@ -683,6 +713,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out-dir", required=True)
     p.add_argument("--command", default=None, help="the command to record in env.command")
     p.add_argument("--control", default=None, help="a second unpatched run: is verl's run alone repeatable?")
+    p.add_argument("--resident", default=None, help="a resident run (no offload): the steps' exposed transfer")
     args = ap.parse_args(argv)
     {"prepare": cmd_prepare, "run": cmd_run, "compare": cmd_compare}[args.cmd](args)
 

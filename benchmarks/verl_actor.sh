@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # verl 0.9.1's own FSDP2 actor (param_offload + optimizer_offload) on N GPUs: once unpatched, once
-# with torchferry, same seeds and data, each run a fresh torchrun; then the comparison.
+# with torchferry, once resident (no offload: the baseline of "exposed"), same seeds and data,
+# each run a fresh torchrun; then the comparison.
 #
 #   bash benchmarks/verl_actor.sh OUT [NPROC] [PRESET] [STEPS]
 #
@@ -66,14 +67,15 @@ run() {  # MODE OUT_JSON
 }
 run unpatched "$OUT/run_unpatched.json"
 run torchferry "$OUT/run_torchferry.json"
+run resident "$OUT/run_resident.json"  # no offload: what the others' steps cost beyond it
 CMD="bash benchmarks/verl_actor.sh OUT $NPROC $PRESET $STEPS"
 "$PY" benchmarks/verl_actor.py compare "$OUT/run_unpatched.json" "$OUT/run_torchferry.json" --out-dir "$OUT" \
-    --command "$CMD" 2>&1 | tee -a "$LOG"
+    --command "$CMD" --resident "$OUT/run_resident.json" 2>&1 | tee -a "$LOG"
 RESULT=$(ls -t "$OUT"/verl_*.json | head -1)
 if ! "$PY" -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1]))["bit_identical"])' "$RESULT"; then
   # Not identical: is verl's own run repeatable? A second unpatched run tells torchferry apart from the kernels.
   echo "not bit-identical: a second unpatched run, as the determinism control" | tee -a "$LOG"
   run unpatched "$OUT/run_unpatched_repeat.json"
   "$PY" benchmarks/verl_actor.py compare "$OUT/run_unpatched.json" "$OUT/run_torchferry.json" --out-dir "$OUT" \
-      --command "$CMD" --control "$OUT/run_unpatched_repeat.json" 2>&1 | tee -a "$LOG"
+      --command "$CMD" --control "$OUT/run_unpatched_repeat.json" --resident "$OUT/run_resident.json" 2>&1 | tee -a "$LOG"
 fi

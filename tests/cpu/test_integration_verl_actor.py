@@ -56,7 +56,15 @@ def test_unpatched_and_torchferry_runs_are_bit_identical(result):
     detail = t["pinned_host_bytes_detail"]
     assert len(detail["ferries"]) == 2 and all("residency=HOST" in f for f in detail["ferries"])
     assert detail["torchferry_pool_bytes"] >= sum(t["state_bytes"].values())
-    assert {p.name for p in out.iterdir()} >= {"run_unpatched.json", "run_torchferry.json", "log.txt"}
+    assert {p.name for p in out.iterdir()} >= {"run_unpatched.json", "run_torchferry.json", "run_resident.json",
+                                               "log.txt"}
+    # The resident run (offload off): the baseline of the steps' exposed transfer; the same math.
+    ex = r["exposed"]
+    assert ex["resident_bit_identical"] is True
+    for key in ("resident_step_s", "verl_step_s", "torchferry_step_s"):
+        assert isinstance(ex[key], float) and ex[key] > 0
+    for name in ("verl", "torchferry"):
+        assert ex[f"{name}_exposed_s_per_step"] == pytest.approx(ex[f"{name}_step_s"] - ex["resident_step_s"])
     events = json.loads((out / "run_torchferry.json").read_text())["per_rank"][0]["events"]
     assert [e["optimizer_residency_after"] for e in events
             if e["phase"] == "update" and e["direction"] == "reload" and e["optimizer"]] == ["DEVICE"]
@@ -75,6 +83,8 @@ def test_compare_reports_what_differs(result):
     same, differing = verl_actor.identical(a, b)
     assert same == {"losses": False, "log_probs": True, "params": False, "optimizer_state": True}
     assert differing == {"losses": True, "params": [f"rank1:{name}"]}
+    with pytest.raises(SystemExit, match="--resident takes a resident run; got 'unpatched'"):
+        verl_actor._exposed(a, a, b)
     with pytest.raises(SystemExit, match="compare takes the unpatched run, then the torchferry run"):
         verl_actor.main(["compare", str(out / "run_torchferry.json"), str(out / "run_unpatched.json"),
                          "--out-dir", str(out / "x")])

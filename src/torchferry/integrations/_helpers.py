@@ -122,9 +122,10 @@ __all__ = [
     "LAYERWISE",
     "LAYERWISE_ENV",
     "OPTIMIZER_AT_STEP_ENV",
-    "check_optimizer_setting",
-    "check_skip_setting",
+    "apply_settings",
+    "check_settings",
     "optimizer_at_step",
+    "reset_settings",
     "set_optimizer_at_step",
     "set_skip_unchanged",
     "skip_unchanged",
@@ -176,17 +177,6 @@ def set_skip_unchanged(value: bool | None) -> bool | None:
     return _skip.set(value)
 
 
-def check_skip_setting(value: bool | None) -> None:
-    """Raises what :func:`set_skip_unchanged` (``value``) or, for ``None``, :func:`skip_unchanged`
-    (the environment) would: an integration's ``patch()`` checks first, replacing nothing on an error.
-
-    Raises:
-        TypeError: ``value`` is neither ``None`` nor a bool.
-        ValueError: ``value`` is ``None`` and ``TORCHFERRY_SKIP_UNCHANGED`` is neither ``0`` nor ``1``.
-    """
-    _skip.check(value)
-
-
 def skip_unchanged() -> bool:
     """Whether a model's new ferry skips unchanged storages: the integration's ``patch()`` setting, else
     ``TORCHFERRY_SKIP_UNCHANGED`` (``1``, the default, or ``0``).
@@ -210,16 +200,6 @@ def set_optimizer_at_step(value: bool | None) -> bool | None:
     return _at_step.set(value)
 
 
-def check_optimizer_setting(value: bool | None) -> None:
-    """As :func:`check_skip_setting`, for :func:`set_optimizer_at_step` and ``TORCHFERRY_OPTIMIZER_AT_STEP``.
-
-    Raises:
-        TypeError: ``value`` is neither ``None`` nor a bool.
-        ValueError: ``value`` is ``None`` and ``TORCHFERRY_OPTIMIZER_AT_STEP`` is neither ``0`` nor ``1``.
-    """
-    _at_step.check(value)
-
-
 def optimizer_at_step() -> bool:
     """The integration's ``patch(optimizer_at_step=...)`` setting, else ``TORCHFERRY_OPTIMIZER_AT_STEP``
     (``0``, the default, or ``1``).
@@ -228,6 +208,35 @@ def optimizer_at_step() -> bool:
         ValueError: ``TORCHFERRY_OPTIMIZER_AT_STEP`` is neither ``0`` nor ``1``.
     """
     return _at_step.get()
+
+
+_SETTINGS = {"skip_unchanged": _skip, "optimizer_at_step": _at_step, "layerwise_reload": LAYERWISE}
+
+
+def check_settings(**values: bool | None) -> None:
+    """Raises what setting each of ``values`` (``skip_unchanged``, ``optimizer_at_step``,
+    ``layerwise_reload``) would, or for ``None`` what reading its environment variable would: an
+    integration's ``patch()`` checks first, replacing nothing on an error.
+
+    Raises:
+        TypeError: a value is neither ``None`` nor a bool.
+        ValueError: a value is ``None`` and its environment variable is neither ``0`` nor ``1``.
+    """
+    for name, value in values.items():
+        _SETTINGS[name].check(value)
+
+
+def apply_settings(**values: bool | None) -> None:
+    """Sets each of ``values`` that is not ``None`` (``None`` keeps an earlier ``patch()``'s choice)."""
+    for name, value in values.items():
+        if value is not None:
+            _SETTINGS[name].set(value)
+
+
+def reset_settings() -> None:
+    """Every setting back to its environment variable (an integration's ``unpatch()``)."""
+    for setting in _SETTINGS.values():
+        setting.set(None)
 
 
 def ferry_for(obj: nn.Module | torch.optim.Optimizer) -> Ferry | None:

@@ -177,9 +177,9 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
     if not isinstance(import_call_sites, bool):
         raise TypeError(f"torchferry.integrations.skyrl: patch(import_call_sites=...) must be True or False, "
                         f"got {type(import_call_sites).__name__} {import_call_sites!r}")
-    helpers.check_skip_setting(skip_unchanged)  # a bad value or environment: nothing replaced
-    helpers.check_optimizer_setting(optimizer_at_step)
-    helpers.LAYERWISE.check(layerwise_reload)
+    settings = {"skip_unchanged": skip_unchanged, "optimizer_at_step": optimizer_at_step,
+                "layerwise_reload": layerwise_reload}
+    helpers.check_settings(**settings)  # a bad value or environment: nothing replaced
     try:
         names = _patcher.patch(import_call_sites=import_call_sites)
     except RuntimeError as e:
@@ -187,19 +187,12 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
             raise RuntimeError(f"{e}; SkyRL 0.4.0 needs Python >= 3.12 (this is "
                                f"{sys.version_info.major}.{sys.version_info.minor})") from e
         raise
-    if skip_unchanged is not None:  # None leaves an earlier patch()'s choice (or the environment)
-        helpers.set_skip_unchanged(skip_unchanged)
-    if optimizer_at_step is not None:
-        helpers.set_optimizer_at_step(optimizer_at_step)
-    if layerwise_reload is not None:
-        helpers.LAYERWISE.set(layerwise_reload)
+    helpers.apply_settings(**settings)
     return names
 
 
 def unpatch() -> None:
     """Puts SkyRL's own helpers back, also in SkyRL modules imported after :func:`patch`. Idempotent."""
     if is_patched():
-        helpers.set_skip_unchanged(None)
-        helpers.set_optimizer_at_step(None)
-        helpers.LAYERWISE.set(None)
+        helpers.reset_settings()
     _patcher.unpatch()

@@ -153,21 +153,16 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
             (nothing is replaced then).
     """
     global _fsdp1
-    compat.check_skip_setting(skip_unchanged)  # a bad value or environment: nothing replaced
-    compat.check_optimizer_setting(optimizer_at_step)
-    compat.LAYERWISE.check(layerwise_reload)
+    settings = {"skip_unchanged": skip_unchanged, "optimizer_at_step": optimizer_at_step,
+                "layerwise_reload": layerwise_reload}
+    compat.check_settings(**settings)  # a bad value or environment: nothing replaced
     check_optional_bool(fsdp1, "patch(fsdp1=...)")
     if fsdp1 is None and _fsdp1 is None:
         fsdp1_through_torchferry()
     names = _patcher.patch(import_call_sites=import_engines)
-    if skip_unchanged is not None:  # None leaves an earlier patch()'s choice (or the environment)
-        compat.set_skip_unchanged(skip_unchanged)
+    compat.apply_settings(**settings)
     if fsdp1 is not None:
         _fsdp1 = fsdp1
-    if optimizer_at_step is not None:
-        compat.set_optimizer_at_step(optimizer_at_step)
-    if layerwise_reload is not None:
-        compat.LAYERWISE.set(layerwise_reload)
     return names
 
 
@@ -175,8 +170,6 @@ def unpatch() -> None:
     """Puts verl's own helpers back, also in verl modules imported after :func:`patch`. Idempotent."""
     global _fsdp1
     if is_patched():
-        compat.set_skip_unchanged(None)
-        compat.set_optimizer_at_step(None)
-        compat.LAYERWISE.set(None)
+        compat.reset_settings()
         _fsdp1 = None
     _patcher.unpatch()

@@ -56,10 +56,13 @@ the caller's thread] in ``_schedules/issuer.py``).
 The driver queues a stream's commands in a buffer of bounded size; once it is
 full, the next ``cudaMemcpyAsync`` blocks the host until the copy engine has
 worked through enough of it. The pieces and separators double an offload's
-commands: on one H200 (torch 2.11) ``offload()`` of 24.7 GB in 1,464 storages
-(the shapes of a Qwen2.5-1.5B model, its gradients and AdamW state) returned
-after 255 ms of its 452 with switch points and after 13-24 ms without, at the
-same rate (54.6 and 54.9 GB/s). Where the caller waits for the copies at once,
+commands: on one H200 (torch 2.11, a probe at 617698b whose output is not kept)
+``offload()`` of 24.7 GB in 1,464 storages (the shapes of a Qwen2.5-1.5B model,
+its gradients and AdamW state) returned after 255 ms of its 452 with switch
+points and after 13-24 ms without, at the same rate (54.6 and 54.9 GB/s);
+``tests/gpu/test_switch_points.py`` checks the effect on every GPU it runs on
+(under :func:`whole_copies` an offload of 1,536 storages returns before half of
+its copies ran). Where the caller waits for the copies at once,
 nothing of its own can run beside them for the pieces to serve, and the
 blocked host is all they give: the framework helpers (``integrations``: verl's
 and SkyRL's offload helpers make the caller's stream wait, AReaL's

@@ -73,7 +73,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-SCHEMA = "torchferry.verl-run/1"
+SCHEMA = "torchferry.verl-step/1"
 ATTENTION = "eager"
 
 VERL_CODE = [
@@ -230,15 +230,24 @@ class _Shape:
     log_prob_micro_batch_per_gpu: int
 
 
-def _shape(tiny: bool) -> _Shape:
+SHAPES = ("small", "compute-rich")
+
+
+def _shape(tiny: bool, name: str = "small") -> _Shape:
+    """The batch per step. ``compute-rich``: 16 x (256 + 768) = 16,384 tokens per rank and phase
+    (issue 27's measure needs at least that much compute to hide copies behind)."""
     if tiny:
         return _Shape(batch_per_rank=4, prompt_len=8, response_len=8, mini_batches=2, micro_batch_per_gpu=1,
                       log_prob_micro_batch_per_gpu=2)
+    if name == "compute-rich":
+        return _Shape(batch_per_rank=16, prompt_len=256, response_len=768, mini_batches=2, micro_batch_per_gpu=2,
+                      log_prob_micro_batch_per_gpu=4)
     return _Shape(batch_per_rank=8, prompt_len=128, response_len=256, mini_batches=2, micro_batch_per_gpu=2,
                   log_prob_micro_batch_per_gpu=4)
 
 
-def _verl_config(model_dir: str, shape: _Shape, world: int, lr: float, offload: bool = True):
+def _verl_config(model_dir: str, shape: _Shape, world: int, lr: float, offload: bool = True,
+                 strategy: str = "fsdp2", lora_rank: int = 0):
     """verl's generated PPO config with the overrides a verl user would give on the command line."""
     import verl
     from omegaconf import OmegaConf
@@ -250,8 +259,8 @@ def _verl_config(model_dir: str, shape: _Shape, world: int, lr: float, offload: 
         # Eager attention: verl's full_determinism sets use_deterministic_algorithms(warn_only=True), under
         # which PyTorch's flash / memory-efficient SDPA backward kernels stay non-deterministic.
         "actor_rollout_ref.model.override_config": {"attn_implementation": ATTENTION},
-        "actor_rollout_ref.actor.strategy": "fsdp2",
-        "actor_rollout_ref.actor.fsdp_config.strategy": "fsdp2",
+        "actor_rollout_ref.actor.strategy": strategy,
+        "actor_rollout_ref.actor.fsdp_config.strategy": strategy,
         "actor_rollout_ref.actor.fsdp_config.param_offload": offload,
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload": offload,
         "actor_rollout_ref.actor.fsdp_config.full_determinism": True,  # verl's knob: deterministic kernels
@@ -265,6 +274,10 @@ def _verl_config(model_dir: str, shape: _Shape, world: int, lr: float, offload: 
         "actor_rollout_ref.rollout.n": 1,
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": shape.log_prob_micro_batch_per_gpu,
     }
+    if lora_rank:  # verl's LoRA flags (peft); the reference would be the actor with adapters off
+        overrides.update({"actor_rollout_ref.model.lora_rank": lora_rank,
+                          "actor_rollout_ref.model.lora_alpha": 2 * lora_rank,
+                          "actor_rollout_ref.model.target_modules": "all-linear"})
     for key, value in overrides.items():
         OmegaConf.update(cfg, key, value, force_add=True)
     return cfg
@@ -340,6 +353,56 @@ def _local(t):
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
+def _part_bytes(engine, part: str) -> int:
+    """Bytes of this rank's parameters (``model``) or optimizer state (``optimizer``)."""
+    import torch
+
+    if part == "model":
+        return sum(_local(p).numel() * _local(p).element_size() for p in engine.module.parameters())
+    return sum(_local(v).numel() * _local(v).element_size() for st in engine.optimizer.state.values()
+               for v in st.values() if torch.is_tensor(v))
+
+
+def _rollout_stand_in(device, kv_bytes: int, matmuls: int) -> None:
+    """What a colocated rollout does to the GPU between update_actor and the next old_log_prob,
+    without vLLM: holds a KV-cache-sized allocation (``kv_bytes``) while ``matmuls`` bf16
+    8192 x 8192 matmuls run (a forward-only generation's compute), then returns it and waits, as
+    ``generate_sequences`` returns its tokens to the host."""
+    import torch
+
+    kv = torch.empty(kv_bytes, dtype=torch.uint8, device=device) if kv_bytes else None
+    if matmuls:
+        n = 8192 if device.type == "cuda" else 128  # the CPU check: that it runs
+        g = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(n, n, dtype=torch.bfloat16, device=device, generator=g)
+        out = torch.empty_like(a)
+        for _ in range(matmuls):
+            torch.matmul(a, a, out=out)
+        del a, out
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    del kv
+
+
+def _weight_sync(engine, into: dict) -> int:
+    """verl's weight sync without vLLM: ``engine.get_per_tensor_param()`` (what
+    ``ActorRolloutRefWorker.update_weights`` reads; with ``param_offload`` it reads the offloaded
+    parameters back per tensor) consumed into device buffers of the rollout's weight size
+    (``into``: name -> bf16 tensor, allocated on the first sync and kept, as the rollout's weights).
+    Returns the bytes written."""
+    import torch
+
+    per_tensor, _ = engine.get_per_tensor_param()
+    n = 0
+    for name, t in per_tensor:
+        dst = into.get(name)
+        if dst is None:
+            dst = into[name] = torch.empty(t.shape, dtype=torch.bfloat16, device=t.device)
+        dst.copy_(t, non_blocking=True)
+        n += dst.numel() * dst.element_size()
+    return n
+
+
 def cmd_run(args) -> None:
     stubbed = _use_ray_stub_if_needed()
     import torch
@@ -398,15 +461,20 @@ def cmd_run(args) -> None:
         out = verl_to(self, device, model=model, optimizer=optimizer, grad=grad)
         # The ferries' residency right after the call (PREFETCHING: left to the forward / step()).
         residency: dict[str, str | None] = {"model": None, "optimizer": None}
+        parts = [p for p, on in (("model", model), ("optimizer", with_optimizer)) if on]
+        moved = sum(_part_bytes(self, p) for p in parts)  # what verl's helpers move: the whole part
         if args.mode == "torchferry":
             from torchferry.integrations.verl import ferry_for
 
             for part, obj in (("model", self.module), ("optimizer", self.optimizer)):
                 f = None if obj is None else ferry_for(obj)
                 residency[part] = None if f is None else f.residency.name
+                if f is not None and part in parts and direction == "offload":  # unchanged storages stay
+                    moved += f.stats.offload_bytes_copied - _part_bytes(self, part)
         sync()
         events.append({"phase": phase["name"], "step": phase["step"], "direction": direction, "model": bool(model),
                        "optimizer": with_optimizer, "seconds": time.perf_counter() - t0,
+                       "bytes": moved if args.mode != "resident" else 0,
                        "gpu_allocated_after": torch.cuda.memory_allocated() if cuda else 0,
                        "model_residency_after": residency["model"],
                        "optimizer_residency_after": residency["optimizer"]})
@@ -414,8 +482,9 @@ def cmd_run(args) -> None:
 
     ti.FSDPEngine.to = timed_to
 
-    shape = _shape(args.tiny)
-    cfg = _verl_config(args.model_dir, shape, world, args.lr, offload=args.mode != "resident")
+    shape = _shape(args.tiny, args.shape)
+    cfg = _verl_config(args.model_dir, shape, world, args.lr, offload=args.mode != "resident",
+                       strategy=args.strategy, lora_rank=args.lora_rank)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     t_build = time.perf_counter()
@@ -428,9 +497,16 @@ def cmd_run(args) -> None:
     vocab = engine.module.config.vocab_size
 
     mini = shape.batch_per_rank * world // shape.mini_batches
-    losses, grad_norms, log_prob_sha, log_prob_sum, step_s = [], [], [], [], []
+    losses, grad_norms, log_prob_sha, log_prob_sum, step_s, phase_s = [], [], [], [], [], []
+    rollout_weights: dict = {}
+    sync_bytes = 0
     for step in range(args.steps):
         t_step = time.perf_counter()
+        marks = {}
+        if args.rollout_gb or args.rollout_matmuls:
+            phase.update(name="rollout", step=step)
+            _rollout_stand_in(device, int(args.rollout_gb * 1e9), args.rollout_matmuls)
+        marks["rollout"] = time.perf_counter()
         batch, advantages = _batch(step, rank, shape, vocab, args.seed)
         # compute_log_prob (ray_trainer._compute_old_log_prob -> ActorRolloutRefWorker.compute_log_prob)
         phase.update(name="log_prob", step=step)
@@ -441,6 +517,7 @@ def cmd_run(args) -> None:
         old_log_probs = no_padding_2_padding(tu.get(out, "log_probs"), td).float()
         log_prob_sha.append(_sha(old_log_probs))
         log_prob_sum.append(float(old_log_probs.double().sum()))
+        marks["log_prob"] = time.perf_counter()
         # update_actor (ray_trainer._update_actor -> ActorRolloutRefWorker.update_actor)
         phase.update(name="update", step=step)
         upd = batch.clone()
@@ -454,7 +531,17 @@ def cmd_run(args) -> None:
         metrics = tu.get(out, "metrics")
         losses.append([float(x) for x in metrics["loss"]])
         grad_norms.append([float(x) for x in metrics.get("grad_norm", [])])
+        marks["update"] = time.perf_counter()
+        if args.weight_sync:  # ActorRolloutRefWorker.update_weights, after update_actor
+            phase.update(name="weight_sync", step=step)
+            sync_bytes = _weight_sync(engine, rollout_weights)
+            sync()
+        marks["weight_sync"] = time.perf_counter()
         step_s.append(time.perf_counter() - t_step)
+        prev, spans = t_step, {}
+        for k, t in marks.items():
+            spans[k], prev = t - prev, t
+        phase_s.append(spans)
         log(f"step {step + 1}/{args.steps}: loss {losses[-1]}, grad_norm {grad_norms[-1]}, {step_s[-1]:.2f} s")
 
     sync()
@@ -496,6 +583,9 @@ def cmd_run(args) -> None:
         "losses": losses,
         "grad_norms": grad_norms,
         "step_s": step_s,
+        "phase_s": phase_s,
+        "weight_sync_bytes": sync_bytes,
+        "weight_sync_sha256": {n: _sha(t) for n, t in sorted(rollout_weights.items())} if args.weight_sync else {},
         "build_s": build_s,
     }
     gathered: list = [None] * world
@@ -510,9 +600,19 @@ def cmd_run(args) -> None:
             "env": {"gpu": torch.cuda.get_device_name(device) if cuda else None, "torch": torch.__version__,
                     "verl": verl.__version__, "transformers": transformers.__version__, "world_size": world,
                     "python": sys.version.split()[0], "device": str(device)},
-            "config": {"steps": args.steps, "seed": args.seed, "lr": args.lr, **dataclasses.asdict(shape),
-                       "attn_implementation": ATTENTION, "full_determinism": True, "param_offload": True,
-                       "optimizer_offload": True, "strategy": "fsdp2",
+            "label": args.label or args.mode,
+            "config": {"steps": args.steps, "seed": args.seed, "lr": args.lr,
+                       "shape": "tiny" if args.tiny else args.shape,
+                       **dataclasses.asdict(shape), "tokens_per_phase_per_rank": shape.batch_per_rank * (
+                           shape.prompt_len + shape.response_len),
+                       "attn_implementation": ATTENTION, "full_determinism": True,
+                       "param_offload": args.mode != "resident", "optimizer_offload": args.mode != "resident",
+                       "strategy": args.strategy, "lora": bool(args.lora_rank), "lora_rank": args.lora_rank,
+                       "rollout_stand_in": {"kv_cache_bytes": int(args.rollout_gb * 1e9),
+                                            "matmuls_8192_bf16": args.rollout_matmuls},
+                       "weight_sync": args.weight_sync,
+                       "torchferry_settings": {k: v for k, v in sorted(os.environ.items())
+                                               if k.startswith("TORCHFERRY_") and k != "TORCHFERRY_COMMIT"},
                        "optimizer": f"{actor_config.optim.optimizer} (lr {actor_config.optim.lr}, "
                                     f"clip_grad {actor_config.optim.clip_grad})",
                        "ppo_mini_batch_size": mini, "model_dir": args.model_dir,
@@ -553,6 +653,18 @@ def _transfers(rank_result: dict) -> dict:
     return out
 
 
+def _bytes_per_step(rank_result: dict) -> dict[str, int | None]:
+    """Bytes each direction moved per step (median over the steps after the first), from
+    ``FSDPEngine.to``'s events: verl's helpers move whole parts, torchferry skips unchanged storages."""
+    out: dict[str, int | None] = {}
+    steps = sorted({e["step"] for e in rank_result["events"] if e["step"] >= 1})
+    for direction in ("offload", "reload"):
+        per = [sum(e.get("bytes", 0) for e in rank_result["events"] if e["step"] == s and e["direction"] == direction)
+               for s in steps]
+        out[direction] = int(statistics.median(per)) if per else None
+    return out
+
+
 def identical(a: dict, b: dict) -> tuple[dict[str, bool], dict[str, object]]:
     """Exact comparison of two runs: losses, old log-probs, parameter shards, optimizer state (sha256).
 
@@ -577,25 +689,41 @@ def identical(a: dict, b: dict) -> tuple[dict[str, bool], dict[str, object]]:
     return same, {k: v for k, v in diffs.items() if v}
 
 
-def _exposed(resident: dict, unpatched: dict, torchferry: dict) -> dict:
-    """What the offload costs a step: each run's median step seconds (rank 0, after the first step,
-    whose reloads come before any state exists) less the resident run's, and torchferry's against
-    verl's own. The resident run is bit-identical to the others where offloading changes nothing."""
+def _steady(r: dict) -> float | None:
+    """Median step seconds after the first (rank 0), whose reloads come before any state exists."""
+    return _median(r["per_rank"][0]["step_s"][1:])
+
+
+def _phase_steady(r: dict) -> dict[str, float]:
+    spans = r["per_rank"][0].get("phase_s", [])[1:]
+    return {k: statistics.median(s[k] for s in spans) for k in (spans[0] if spans else {})}
+
+
+def _exposed(resident: dict, unpatched: dict, torchferry: dict, extra: dict[str, dict] | None = None) -> dict:
+    """What the offload costs a step: each run's median step seconds (rank 0, after the first step)
+    less the resident run's, per phase too, and each torchferry run's against verl's own. The
+    resident run is bit-identical to the others where offloading changes nothing."""
     if resident.get("mode") != "resident":
         raise SystemExit(f"error: --resident takes a resident run; got {resident.get('mode')!r}")
-
-    def steady(r: dict) -> float | None:
-        return _median(r["per_rank"][0]["step_s"][1:])
-
-    base = steady(resident)
-    out: dict = {"what": "median step seconds after the first, less the resident run's (rank 0)",
-                 "resident_step_s": base}
-    for name, r in (("verl", unpatched), ("torchferry", torchferry)):
-        st = steady(r)
+    base = _steady(resident)
+    base_phase = _phase_steady(resident)
+    out: dict = {"what": "median step seconds after the first, less the resident run's (rank 0); per phase: "
+                         "the median of each phase's seconds less the resident run's",
+                 "resident_step_s": base, "resident_step_s_all": resident["per_rank"][0]["step_s"],
+                 "resident_phase_s": base_phase}
+    runs = {"verl": unpatched, "torchferry": torchferry, **(extra or {})}
+    for name, r in runs.items():
+        st = _steady(r)
         out[f"{name}_step_s"] = st
+        out[f"{name}_step_s_all"] = r["per_rank"][0]["step_s"]
         out[f"{name}_exposed_s_per_step"] = None if st is None or base is None else st - base
-    v, t = out["verl_exposed_s_per_step"], out["torchferry_exposed_s_per_step"]
-    out["torchferry_over_verl"] = t / v if v and t is not None and v > 0 else None
+        ph = _phase_steady(r)
+        out[f"{name}_exposed_s_per_phase"] = {k: ph[k] - base_phase[k] for k in ph if k in base_phase}
+    v = out["verl_exposed_s_per_step"]
+    for name in runs:
+        if name != "verl":
+            t = out[f"{name}_exposed_s_per_step"]
+            out[f"{name}_over_verl"] = t / v if v and t is not None and v > 0 else None
     out["resident_bit_identical"] = all(identical(unpatched, resident)[0].values())
     return out
 
@@ -605,6 +733,13 @@ def cmd_compare(args) -> None:
     b = json.loads(Path(args.runs[1]).read_text())
     if (a["mode"], b["mode"]) != ("unpatched", "torchferry"):
         raise SystemExit(f"error: compare takes the unpatched run, then the torchferry run; got {a['mode']}, {b['mode']}")
+    extra = {}
+    for path in args.extra or []:
+        r = json.loads(Path(path).read_text())
+        if r["mode"] != "torchferry" or r.get("label") in (None, "torchferry", "verl", *extra):
+            raise SystemExit(f"error: --extra takes torchferry runs with a label of their own; {path} is "
+                             f"{r['mode']!r} labelled {r.get('label')!r}")
+        extra[r["label"]] = r
     world = a["env"]["world_size"]
     same, differing = identical(a, b)
     n_params = sum(len(r["params"]) for r in a["per_rank"])
@@ -627,6 +762,10 @@ def cmd_compare(args) -> None:
             "grad_norms": r0["grad_norms"],
             "log_prob_sum": r0["log_prob_sum"],
             "step_s": r0["step_s"],
+            "phase_s": r0.get("phase_s", []),
+            "bytes_moved_per_step": _bytes_per_step(r0),
+            "weight_sync_bytes": r0.get("weight_sync_bytes", 0),
+            "torchferry_settings": r["config"].get("torchferry_settings", {}),
             "build_s": r0["build_s"],
             "patched": r.get("patched", []),
             "per_rank": [{"rank": x["rank"], **_transfers(x), "state_bytes": x["state_bytes"],
@@ -651,8 +790,10 @@ def cmd_compare(args) -> None:
         "units": "seconds from the call of verl's FSDPEngine.to until the copies are complete (synchronised); "
                  "bytes per rank; GB/s = 1e9 B/s; offload/reload_s are update_actor's (parameters + AdamW state), "
                  "first = step 1, steady = median of the later steps; model_only_* are compute_log_prob's",
-        "runs": {"unpatched": summary(a), "torchferry": summary(b)},
-        "bit_identical": all(same.values()),
+        "runs": {"unpatched": summary(a), "torchferry": summary(b), **{k: summary(r) for k, r in extra.items()}},
+        "bit_identical": all(same.values()) and all(all(identical(a, r)[0].values()) for r in extra.values()),
+        "bit_identical_to_verl": {"torchferry": all(same.values()),
+                                  **{k: all(identical(a, r)[0].values()) for k, r in extra.items()}},
         "bit_identical_detail": {**same, "compared": {"steps": len(a["per_rank"][0]["losses"]), "ranks": world,
                                                       "parameter_shards": n_params,
                                                       "optimizer_state_tensors": sum(len(r["optimizer_state_sha256"])
@@ -660,31 +801,40 @@ def cmd_compare(args) -> None:
                                  "differing": differing},
     }
     if args.resident:
-        out["exposed"] = _exposed(json.loads(Path(args.resident).read_text()), a, b)
+        out["exposed"] = _exposed(json.loads(Path(args.resident).read_text()), a, b, extra)
+    if a.get("per_rank", [{}])[0].get("weight_sync_sha256"):
+        out["weight_sync_identical"] = {k: r["per_rank"][0]["weight_sync_sha256"] == a["per_rank"][0][
+            "weight_sync_sha256"] for k, r in {"torchferry": b, **extra}.items()}
     if args.control:
         c = json.loads(Path(args.control).read_text())
         c_same, c_diff = identical(a, c)
         out["determinism_control"] = {"what": "a second unpatched run against the first (verl alone)",
                                       "bit_identical": all(c_same.values()), **c_same, "differing": c_diff}
     gpu = (env["gpu"] or "cpu").split()[-1].lower()
-    name = f"verl_{out['model']['preset']}_{gpu}x{world}_{env['date'][:10]}.json"
+    c = out["config"]
+    mode = f"{c.get('strategy', 'fsdp2')}-{'lora' if c.get('lora') else 'full'}-{c.get('shape', 'small')}"
+    name = f"verl_step_{out['model']['preset']}_{mode}_{gpu}x{world}_{env['date'][:10]}.json"
     path = Path(args.out_dir) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
-    u, t = out["runs"]["unpatched"], out["runs"]["torchferry"]
 
     def f(x):
         return "-" if x is None else f"{x:.3f}"
 
     print(f"{'':12} {'offload s first/steady':>24} {'reload s first/steady':>24} {'pinned host GB':>15} "
           f"{'peak GPU GB':>12}  losses")
-    for k, s in (("unpatched", u), ("torchferry", t)):
+    for k, s in out["runs"].items():
         peak = s["peak_gpu_bytes"]["allocated"]
         print(f"{k:12} {f(s['offload_s']['first']) + ' / ' + f(s['offload_s']['steady']):>24} "
               f"{f(s['reload_s']['first']) + ' / ' + f(s['reload_s']['steady']):>24} "
               f"{s['pinned_host_bytes'] / 1e9:>15.2f} {('-' if peak is None else f'{peak / 1e9:.2f}'):>12}  "
               f"{s['losses']}")
-    print(f"bit_identical: {out['bit_identical']} ({same})")
+    print(f"bit_identical: {out['bit_identical']} ({same}; to verl: {out['bit_identical_to_verl']})")
+    if "exposed" in out:
+        ex = out["exposed"]
+        print("exposed s/step: " + ", ".join(f"{k} {f(ex[k + '_exposed_s_per_step'])}" for k in
+                                              ("verl", "torchferry", *extra)) +
+              "; over verl: " + ", ".join(f"{k} {f(ex[k + '_over_verl'])}" for k in ("torchferry", *extra)))
     if "determinism_control" in out:
         print(f"determinism control (unpatched twice): bit_identical {out['determinism_control']['bit_identical']}")
     print(f"wrote {path}")
@@ -708,12 +858,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--tiny", action="store_true", help="small batches (the CPU check)")
-    p = sub.add_parser("compare", help="the two runs' JSONs -> the torchferry.verl-run/1 JSON")
+    p.add_argument("--shape", choices=SHAPES, default="small", help="the batch per step (default: %(default)s)")
+    p.add_argument("--strategy", choices=["fsdp", "fsdp2"], default="fsdp2", help="verl's actor strategy")
+    p.add_argument("--lora-rank", type=int, default=0, help="verl's lora_rank (0: full fine-tuning)")
+    p.add_argument("--rollout-gb", type=float, default=0.0, help="rollout stand-in: KV-cache GB held")
+    p.add_argument("--rollout-matmuls", type=int, default=0, help="rollout stand-in: bf16 8192^3 matmuls")
+    p.add_argument("--weight-sync", action="store_true", help="engine.get_per_tensor_param() after update_actor")
+    p.add_argument("--label", default=None, help="the run's name in the comparison (default: the mode)")
+    p = sub.add_parser("compare", help="the runs' JSONs -> the torchferry.verl-step/1 JSON")
     p.add_argument("runs", nargs=2)
     p.add_argument("--out-dir", required=True)
     p.add_argument("--command", default=None, help="the command to record in env.command")
     p.add_argument("--control", default=None, help="a second unpatched run: is verl's run alone repeatable?")
     p.add_argument("--resident", default=None, help="a resident run (no offload): the steps' exposed transfer")
+    p.add_argument("--extra", nargs="*", default=None, help="more torchferry runs, each with its own --label")
     args = ap.parse_args(argv)
     {"prepare": cmd_prepare, "run": cmd_run, "compare": cmd_compare}[args.cmd](args)
 

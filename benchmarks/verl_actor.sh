@@ -5,12 +5,22 @@
 #
 #   bash benchmarks/verl_actor.sh OUT [NPROC] [PRESET] [STEPS]
 #
-# OUT gets: verl_<preset>_<gpu>x<N>_<date>.json (schema torchferry.verl-run/1; bit_identical
+# OUT gets: verl_step_<preset>_<strategy>-<full|lora>-<shape>_<gpu>x<N>_<date>.json (schema torchferry.verl-step/1; bit_identical
 # compares losses, old log-probs, every parameter shard and optimizer-state tensor exactly),
 # run_unpatched.json, run_torchferry.json and log.txt; if the two runs are not identical, a second
 # unpatched run (run_unpatched_repeat.json) says whether verl's run alone is repeatable
 # ("determinism_control" in the results). NPROC defaults to the number of GPUs (1 on
-# the CPU), PRESET to qwen2.5-1.5b (random init, no download), STEPS to 4.
+# the CPU), PRESET to qwen2.5-1.5b (random init, no download; tiny on a machine without a GPU),
+# STEPS to 4.
+#
+# What the step holds, from the environment (defaults: verl's FSDP2 actor alone, small batches):
+#   VERL_ACTOR_SHAPE=small|compute-rich   compute-rich: 16,384 tokens per rank and phase
+#   VERL_ACTOR_STRATEGY=fsdp2|fsdp        verl's actor strategy (fsdp: FSDP1, verl's default)
+#   VERL_ACTOR_LORA_RANK=N                verl's lora_rank (0: full fine-tuning)
+#   VERL_ACTOR_ROLLOUT="GB MATMULS"       a rollout stand-in before each step's old_log_prob
+#   VERL_ACTOR_WEIGHT_SYNC=1              engine.get_per_tensor_param() after each update_actor
+#   VERL_ACTOR_VARIANTS="LABEL:K=V,K=V ..." more torchferry runs, each with these settings
+#                                         (e.g. "at-step:TORCHFERRY_OPTIMIZER_AT_STEP=1")
 #
 # verl and what its actor code imports must be importable (pip install -e '.[test]', then
 # pip install --no-deps verl==0.9.1). On a machine without network, TFDEPS_WHEELS=DIR names a folder of
@@ -49,10 +59,16 @@ fi
 
 NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 NPROC=${2:-$(( NGPU > 0 ? NGPU : 1 ))}
-PRESET=${3:-qwen2.5-1.5b}
+PRESET=${3:-$( [ "$NGPU" = 0 ] && echo tiny || echo qwen2.5-1.5b )}
 STEPS=${4:-4}
-EXTRA=()
-if [ "$NGPU" = 0 ]; then EXTRA=(--tiny); fi
+EXTRA=(--shape "${VERL_ACTOR_SHAPE:-small}" --strategy "${VERL_ACTOR_STRATEGY:-fsdp2}"
+       --lora-rank "${VERL_ACTOR_LORA_RANK:-0}")
+if [ "$NGPU" = 0 ]; then EXTRA+=(--tiny); fi
+if [ -n "${VERL_ACTOR_ROLLOUT:-}" ]; then
+  read -r GB MM <<<"$VERL_ACTOR_ROLLOUT"
+  EXTRA+=(--rollout-gb "$GB" --rollout-matmuls "${MM:-0}")
+fi
+if [ "${VERL_ACTOR_WEIGHT_SYNC:-0}" = 1 ]; then EXTRA+=(--weight-sync); fi
 MODEL=${VERL_ACTOR_MODEL_DIR:-/tmp/verl_actor_model_$PRESET}
 export TORCHFERRY_COMMIT=${TORCHFERRY_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 
@@ -61,21 +77,34 @@ LOG="$OUT/log.txt"
 if [ ! -f "$MODEL/torchferry_prepare.json" ]; then
   "$PY" benchmarks/verl_actor.py prepare --preset "$PRESET" --model-dir "$MODEL" 2>&1 | tee -a "$LOG"
 fi
-run() {  # MODE OUT_JSON
+run() {  # MODE OUT_JSON [ARGS...]
+  local mode=$1 out=$2; shift 2
   "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" benchmarks/verl_actor.py run \
-      --mode "$1" --model-dir "$MODEL" --steps "$STEPS" --out "$2" "${EXTRA[@]}" 2>&1 | tee -a "$LOG"
+      --mode "$mode" --model-dir "$MODEL" --steps "$STEPS" --out "$out" "${EXTRA[@]}" "$@" 2>&1 | tee -a "$LOG"
 }
 run unpatched "$OUT/run_unpatched.json"
 run torchferry "$OUT/run_torchferry.json"
 run resident "$OUT/run_resident.json"  # no offload: what the others' steps cost beyond it
+VARIANT_RUNS=()
+for v in ${VERL_ACTOR_VARIANTS:-}; do  # LABEL:K=V,K=V: a torchferry run with these settings
+  label=${v%%:*}
+  IFS=, read -r -a kvs <<<"${v#*:}"
+  (export "${kvs[@]}"; run torchferry "$OUT/run_$label.json" --label "$label")
+  VARIANT_RUNS+=("$OUT/run_$label.json")
+done
 CMD="bash benchmarks/verl_actor.sh OUT $NPROC $PRESET $STEPS"
+for k in VERL_ACTOR_SHAPE VERL_ACTOR_STRATEGY VERL_ACTOR_LORA_RANK VERL_ACTOR_ROLLOUT VERL_ACTOR_WEIGHT_SYNC \
+         VERL_ACTOR_VARIANTS; do
+  if [ -n "${!k:-}" ]; then CMD="$k='${!k}' $CMD"; fi
+done
 "$PY" benchmarks/verl_actor.py compare "$OUT/run_unpatched.json" "$OUT/run_torchferry.json" --out-dir "$OUT" \
-    --command "$CMD" --resident "$OUT/run_resident.json" 2>&1 | tee -a "$LOG"
-RESULT=$(ls -t "$OUT"/verl_*.json | head -1)
+    --command "$CMD" --resident "$OUT/run_resident.json" ${VARIANT_RUNS[@]+--extra "${VARIANT_RUNS[@]}"} 2>&1 | tee -a "$LOG"
+RESULT=$(ls -t "$OUT"/verl_step_*.json | head -1)
 if ! "$PY" -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1]))["bit_identical"])' "$RESULT"; then
   # Not identical: is verl's own run repeatable? A second unpatched run tells torchferry apart from the kernels.
   echo "not bit-identical: a second unpatched run, as the determinism control" | tee -a "$LOG"
   run unpatched "$OUT/run_unpatched_repeat.json"
   "$PY" benchmarks/verl_actor.py compare "$OUT/run_unpatched.json" "$OUT/run_torchferry.json" --out-dir "$OUT" \
-      --command "$CMD" --control "$OUT/run_unpatched_repeat.json" --resident "$OUT/run_resident.json" 2>&1 | tee -a "$LOG"
+      --command "$CMD" --control "$OUT/run_unpatched_repeat.json" --resident "$OUT/run_resident.json" \
+      ${VARIANT_RUNS[@]+--extra "${VARIANT_RUNS[@]}"} 2>&1 | tee -a "$LOG"
 fi

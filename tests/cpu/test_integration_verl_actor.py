@@ -1,6 +1,6 @@
 """benchmarks/verl_actor.sh end to end on the CPU (tiny model, 2 gloo ranks): verl 0.9.1's own
 TrainingWorker / FSDP2 engine with param and optimizer offload, unpatched and with torchferry, and
-the torchferry.verl-run/1 JSON it writes. (On GPUs the same command is the real run.)"""
+the torchferry.verl-step/1 JSON it writes. (On GPUs the same command is the real run.)"""
 
 import copy
 import json
@@ -27,13 +27,13 @@ def result(tmp_path_factory):
     p = subprocess.run(["bash", "benchmarks/verl_actor.sh", str(out), "2", "tiny", "2"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
-    [path] = out.glob("verl_tiny_cpux2_*.json")
+    [path] = out.glob("verl_step_tiny_fsdp2-full-tiny_cpux2_*.json")
     return out, json.loads(path.read_text())
 
 
 def test_unpatched_and_torchferry_runs_are_bit_identical(result):
     out, r = result
-    assert r["schema"] == "torchferry.verl-run/1"
+    assert r["schema"] == "torchferry.verl-step/1"
     assert r["env"]["verl"] == "0.9.1" and r["env"]["world_size"] == 2 and r["env"]["gpu"] is None
     assert r["env"]["command"] == "bash benchmarks/verl_actor.sh OUT 2 tiny 2"
     assert any("TrainingWorker" in line for line in r["verl_code"])
@@ -102,7 +102,7 @@ def test_verls_actor_stays_bit_identical_with_the_state_waited_for_where_it_is_u
     p = subprocess.run(["bash", "benchmarks/verl_actor.sh", str(tmp_path), "2", "tiny", "2"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
-    [path] = tmp_path.glob("verl_tiny_cpux2_*.json")
+    [path] = tmp_path.glob("verl_step_tiny_fsdp2-full-tiny_cpux2_*.json")
     r = json.loads(path.read_text())
     assert r["env"]["torchferry_settings"].get("TORCHFERRY_OPTIMIZER_AT_STEP") == "1"
     assert r["env"]["torchferry_settings"].get("TORCHFERRY_LAYERWISE_RELOAD") == "1"

@@ -116,10 +116,9 @@ def test_thousand_cycles_hold_memory_flat():
     opt.step()
     want = [p.detach().clone() for p in m.parameters()]
     ferry = Ferry(m, opt)
-    # Back to back, a reload allocates while the blocks its offload freed still wait for their
-    # D2H events, so the allocator maps new segments until enough are cached, then levels off
-    # (on the H200s of this pool, within the first few hundred cycles; flat with a sync between
-    # offload and reload). Measured after it: benchmarks/results/soak_gpu_h200x1_2026-12-01.json.
+    # Back to back: each reload takes the blocks its offload freed ([Note: a reload takes the
+    # blocks its offload freed]); before that rule reserved memory grew 805-939 MB here after the
+    # rest of the GPU tier. Measured: benchmarks/results/soak_gpu_h200x1_2026-12-01.json.
     for _ in range(400):
         ferry.offload()
         ferry.reload()
@@ -156,6 +155,30 @@ def test_thousand_cycles_hold_memory_flat():
     assert abs(growth["reserved"]) <= (512 << 20), growth
     assert growth["rss"] < (16 << 20) and growth["objects"] < 200, growth
     assert all(torch.equal(a, p) for a, p in zip(want, m.parameters()))
+
+
+def test_back_to_back_reload_takes_the_blocks_its_offload_freed():
+    """[Note: a reload takes the blocks its offload freed]: ``offload(); reload()`` back to back
+    carves each reload from the segment the last one used, instead of caching a second one while
+    the offload's blocks wait for their D2H event."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)]).cuda()  # 134 MB, 16 MiB weights
+    want = [p.detach().clone() for p in m.parameters()]
+    ferry = Ferry(m)
+    ferry.offload()
+    ferry.reload()  # seeds the arena's segment (the model's own blocks are 16 MiB apiece)
+    torch.cuda.synchronize()
+    reserved0 = torch.cuda.memory_reserved()
+    for _ in range(20):
+        ferry.offload()
+        ferry.reload()
+    torch.cuda.synchronize()
+    growth = torch.cuda.memory_reserved() - reserved0
+    assert growth < ferry.state_bytes // 2, (growth, ferry.state_bytes)  # a second segment: the whole state
+    assert all(torch.equal(a, p) for a, p in zip(want, m.parameters(), strict=True))
 
 
 def _adamw_with_state(n: int = 12, size: int = 4096):

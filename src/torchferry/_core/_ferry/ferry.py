@@ -101,6 +101,7 @@ class Ferry:
         self._prefetch: PrefetchRun | None = None  # see [Note: prefetch reload]
         self._state_bytes = plan.state_bytes
         self._recorder = StatsRecorder()
+        self._released: tuple[object, torch.cuda.Event | None] = (None, None)  # (d2h handle, its release event)
         self._closed = False
         self._pin_ahead = PinAhead.arm(self._set, plan) if pin_ahead else None
 
@@ -309,6 +310,7 @@ class Ferry:
                 self._residency = Residency.D2H_IN_FLIGHT if self._streams.is_cuda else Residency.HOST
                 self._set.drop_arena()
                 move.finish()  # the last step: nothing that can fail once a storage is freed
+                self._released = (handle, move.released)
             except BaseException:
                 move.undo()
                 self._guards.remove()
@@ -319,8 +321,14 @@ class Ferry:
         return handle
 
     def _own_offload_event(self) -> torch.cuda.Event | None:
-        """This ferry's last offload event (only this ferry's, see ``StateSet.issue_reload``)."""
-        return getattr(self._recorder.latest("d2h"), "event", None)
+        """This ferry's last offload event (only this ferry's, see ``StateSet.issue_reload``): the
+        one recorded after its release where that offload released its storages ([Note: a reload
+        takes the blocks its offload freed])."""
+        latest = self._recorder.latest("d2h")
+        handle, released = self._released
+        if latest is not None and latest is handle and released is not None:
+            return released
+        return getattr(latest, "event", None)
 
     # ----------------------------------------------------- offload in pieces
     @torch.no_grad()

@@ -62,6 +62,7 @@ class OffloadMove:
                  streams: TransferStreams, schedule: ReleaseSchedule | None) -> None:
         self.issued, self._sources, self._parking = issued, sources, parking
         self._streams, self._schedule = streams, schedule
+        self.released: torch.cuda.Event | None = None  # see release(): set by finish() on a GPU
 
     @property
     def offloaded(self) -> Offloaded:
@@ -81,7 +82,7 @@ class OffloadMove:
         if self._schedule is not None:  # see [Note: swap budget]
             self._schedule.hold(i.plan, self._sources, i.copies, self._streams, i.unchanged)
         else:
-            release(i.plan, self._sources, self._streams, gathered=i.copies.gathered)
+            self.released = release(i.plan, self._sources, self._streams, gathered=i.copies.gathered)
 
 
 class ReloadMove:

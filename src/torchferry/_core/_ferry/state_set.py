@@ -297,8 +297,8 @@ class StateSet:
         plan, cuda = off.plan, self.streams.is_cuda
         tracks = schedule is not None and schedule.tracks
         parking = self._parking_of()
-        move = ReloadMove(plan, parking, self.streams,
-                          ReloadArena.seed(self.device, plan.nbytes) if cuda and not tracks else None, self.unchanged)
+        arena = ReloadArena.seed(self.device, plan.nbytes, after) if cuda and not tracks else None
+        move = ReloadMove(plan, parking, self.streams, arena, self.unchanged)
         hash_early = cuda and not tracks and self.unchanged is not None
         staged: list = []
         try:  # see [Note: all or nothing]

@@ -165,7 +165,7 @@ class PrefetchRun:
                 self.start = self.streams.event(h2d, timing=True)
                 self._comm = comm_streams(self.plan.modules)
                 if self.policy.lookahead_bytes is None:
-                    self.arena = ReloadArena.seed(self.plan.device, self.plan.nbytes)
+                    self.arena = ReloadArena.seed(self.plan.device, self.plan.nbytes, self._after)
             if self._background:
                 if cuda:
                     driver_copies_enabled()  # a bad TORCHFERRY_DRIVER_COPIES fails here, before anything moved

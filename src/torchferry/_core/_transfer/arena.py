@@ -29,6 +29,23 @@ allocations carved from a seeded arena, both measured on an H200
 ``git show 75cc57c:benchmarks/results/probe_prefetch_host_h200_2026-11-30.json``). A layer-wise reload waits for
 that host time before the first forward can even be queued.
 
+[Note: a reload takes the blocks its offload freed]
+An offload frees the device storages under its D2H event (``record_stream``):
+the allocator hands those blocks out again only once it has seen the event
+complete. A reload issued right behind its own offload (``offload(); reload()``)
+seeded its arena while the blocks still waited, so it took other cached blocks
+or a new segment, and each such cycle left the free blocks spread over more
+segments: reserved memory grew 805-939 MB over 1,000 back-to-back cycles of a
+96 MB state after the rest of the GPU tier (``tests/gpu/test_reliability.py``,
+``test_thousand_cycles_hold_memory_flat``; flat when the test ran alone). So
+``seed(after=...)`` first waits on the host, when it has not completed, for
+the ferry's own last offload at an event recorded after the allocator's events
+for the freed blocks (``release()`` in ``copies.py``; the allocator looks at
+its events on the next allocation). The reload's H2D copies read the host slots
+that offload fills, so they could not start before it anyway; the host loses
+only its lead in queueing them. Not done where the arena does not apply (a
+swap's release schedule frees storages as its copies go).
+
 Only done with the native allocator and default rounding/splitting (no
 ``max_split_size_mb``, ``roundup_power2_divisions`` or ``expandable_segments``
 in ``PYTORCH_CUDA_ALLOC_CONF``), where those rules hold; otherwise storages
@@ -85,8 +102,15 @@ class ReloadArena:
         self._fillers: list[torch.Tensor] = []  # 1D uint8 on device: the segment's tail
 
     @classmethod
-    def seed(cls, device: torch.device, sizes: list[int]) -> ReloadArena | None:
+    def seed(cls, device: torch.device, sizes: list[int],
+             after: torch.cuda.Event | None = None) -> ReloadArena | None:
         """Allocates and frees one block for every large storage in ``sizes`` (bytes).
+
+        Args:
+            device: the reload's device.
+            sizes: every storage's size in bytes.
+            after: the ferry's own last offload event, waited for on the host first if it has
+                not completed ([Note: a reload takes the blocks its offload freed]).
 
         Returns ``None`` (and allocates nothing) when the arena does not apply:
         unsupported allocator settings, little to allocate, or no room.
@@ -97,6 +121,8 @@ class ReloadArena:
         total = sum(large)
         if total < _MIN_ARENA:
             return None
+        if after is not None and not after.query():
+            after.synchronize()
         try:
             block = torch.empty(total, dtype=torch.uint8, device=device)
         except torch.OutOfMemoryError:

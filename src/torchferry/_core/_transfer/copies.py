@@ -191,7 +191,7 @@ def copy_runs(chunks: list[PackChunk], pool_chunks: list[torch.Tensor],
 
 
 def release(plan: Plan, sources: list[torch.Tensor], streams: TransferStreams,
-            gathered: tuple[frozenset[int], torch.cuda.Event] | None = None) -> None:
+            gathered: tuple[frozenset[int], torch.cuda.Event] | None = None) -> torch.cuda.Event | None:
     """Frees the device memory of ``plan``'s storages after their D2H copies (see
     [Note: release is safe against the in-flight copy]). ``gathered`` (from :class:`D2HIssued`):
     packed storages read only by the ``gather`` stream's kernels, freed after the caller's stream
@@ -200,6 +200,11 @@ def release(plan: Plan, sources: list[torch.Tensor], streams: TransferStreams,
     Everything that can fail runs before the first storage is freed; the loop that frees them
     calls only ``record_stream`` and ``resize_`` ([Note: all or nothing]: an offload that fails
     before its release is undone, one that reached it completes).
+
+    Returns:
+        On a GPU, an event on the D2H stream recorded after the allocator's own events for the
+        freed blocks: once it completes, the allocator hands them out again ([Note: a reload takes
+        the blocks its offload freed]); ``None`` on the CPU.
     """
     cuda = streams.is_cuda
     d2h = streams.d2h if cuda else None
@@ -213,6 +218,7 @@ def release(plan: Plan, sources: list[torch.Tensor], streams: TransferStreams,
         if cuda and src.numel():
             src.record_stream(current if si in packed else d2h)  # pyright: ignore[reportArgumentType]  # set on this path (progress_every with copied_after; d2h stream when cuda; packed storages are non-empty)
         storage.resize_(0)
+    return streams.event(d2h) if cuda else None
 
 
 def undo_allocations(plan: Plan, indices: Iterable[int], streams: TransferStreams) -> None:

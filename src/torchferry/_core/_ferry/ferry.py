@@ -96,8 +96,7 @@ class Ferry:
         self._guards = OffloadGuards(lambda: repr(ref()) if ref() is not None else "Ferry(dropped)")
         weakref.finalize(self, dropped, self._guards)  # see [Note: a ferry dropped while offloaded]
         self._offloaded: Offloaded | None = None
-        self._residency = Residency.DEVICE
-        self._last: TransferHandle | None = None
+        self._residency, self._last = Residency.DEVICE, None  # _last: the last TransferHandle
         self._prefetch: PrefetchRun | None = None  # see [Note: prefetch reload]
         self._state_bytes = plan.state_bytes
         self._recorder = StatsRecorder()
@@ -321,14 +320,10 @@ class Ferry:
         return handle
 
     def _own_offload_event(self) -> torch.cuda.Event | None:
-        """This ferry's last offload event (only this ferry's, see ``StateSet.issue_reload``): the
-        one recorded after its release where that offload released its storages ([Note: a reload
-        takes the blocks its offload freed])."""
-        latest = self._recorder.latest("d2h")
-        handle, released = self._released
-        if latest is not None and latest is handle and released is not None:
-            return released
-        return getattr(latest, "event", None)
+        """This ferry's last offload event (only this ferry's, see ``StateSet.issue_reload``); after
+        its release, the event recorded then ([Note: a reload takes the blocks its offload freed])."""
+        latest, (handle, released) = self._recorder.latest("d2h"), self._released
+        return released if latest is handle and released is not None else getattr(latest, "event", None)
 
     # ----------------------------------------------------- offload in pieces
     @torch.no_grad()

@@ -33,10 +33,10 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-# Deterministic kernels and collectives for every run (verl's full_determinism sets them too, later). The
-# cuBLAS workspace: :4096:8 (32 MiB). With :16:8 (128 KiB, below the 1 MiB cuBLASLt asked for, as it
-# warned) update_actor took 7.7-10.5 s for 16,384 tokens of Qwen2.5-1.5B on an H200 at b9f2a8e.
-export CUBLAS_WORKSPACE_CONFIG=:4096:8 NCCL_ALGO=Ring NCCL_PROTO=Simple NCCL_DETERMINISTIC=1 FLASH_ATTENTION_DETERMINISTIC=1
+# Deterministic kernels and collectives for every run (verl's full_determinism sets them too, later:
+# CUBLAS_WORKSPACE_CONFIG=:16:8 in verl/workers/engine/utils.py, whatever is set here; under it a
+# compute-rich update_actor of Qwen2.5-1.5B took 7-11 s on an H200, varying by 2-4 s between steps).
+export CUBLAS_WORKSPACE_CONFIG=:16:8 NCCL_ALGO=Ring NCCL_PROTO=Simple NCCL_DETERMINISTIC=1 FLASH_ATTENTION_DETERMINISTIC=1
 
 DEPS=${TFDEPS:-/tmp/tfdeps}
 WHEELS=${TFDEPS_WHEELS:-}

@@ -19,6 +19,7 @@
 #   VERL_ACTOR_LORA_RANK=N                verl's lora_rank (0: full fine-tuning)
 #   VERL_ACTOR_ROLLOUT="GB MATMULS"       a rollout stand-in before each step's old_log_prob
 #   VERL_ACTOR_WEIGHT_SYNC=1              engine.get_per_tensor_param() after each update_actor
+#   VERL_ACTOR_RESIDENT=0                 no resident run (no exposed step time then)
 #   VERL_ACTOR_VARIANTS="LABEL:K=V,K=V ..." more torchferry runs, each with these settings
 #                                         (e.g. "at-step:TORCHFERRY_OPTIMIZER_AT_STEP=1")
 #
@@ -86,7 +87,11 @@ run() {  # MODE OUT_JSON [ARGS...]
 }
 run unpatched "$OUT/run_unpatched.json"
 run torchferry "$OUT/run_torchferry.json"
-run resident "$OUT/run_resident.json"  # no offload: what the others' steps cost beyond it
+RESIDENT=()
+if [ "${VERL_ACTOR_RESIDENT:-1}" = 1 ]; then  # no offload: what the others' steps cost beyond it
+  run resident "$OUT/run_resident.json"
+  RESIDENT=(--resident "$OUT/run_resident.json")
+fi
 VARIANT_RUNS=()
 for v in ${VERL_ACTOR_VARIANTS:-}; do  # LABEL:K=V,K=V: a torchferry run with these settings
   label=${v%%:*}
@@ -96,17 +101,17 @@ for v in ${VERL_ACTOR_VARIANTS:-}; do  # LABEL:K=V,K=V: a torchferry run with th
 done
 CMD="bash benchmarks/verl_actor.sh OUT $NPROC $PRESET $STEPS"
 for k in VERL_ACTOR_SHAPE VERL_ACTOR_STRATEGY VERL_ACTOR_LORA_RANK VERL_ACTOR_ROLLOUT VERL_ACTOR_WEIGHT_SYNC \
-         VERL_ACTOR_VARIANTS; do
+         VERL_ACTOR_RESIDENT VERL_ACTOR_VARIANTS; do
   if [ -n "${!k:-}" ]; then CMD="$k='${!k}' $CMD"; fi
 done
 "$PY" benchmarks/verl_actor.py compare "$OUT/run_unpatched.json" "$OUT/run_torchferry.json" --out-dir "$OUT" \
-    --command "$CMD" --resident "$OUT/run_resident.json" ${VARIANT_RUNS[@]+--extra "${VARIANT_RUNS[@]}"} 2>&1 | tee -a "$LOG"
+    --command "$CMD" ${RESIDENT[@]+"${RESIDENT[@]}"} ${VARIANT_RUNS[@]+--extra "${VARIANT_RUNS[@]}"} 2>&1 | tee -a "$LOG"
 RESULT=$(ls -t "$OUT"/verl_step_*.json | head -1)
 if ! "$PY" -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1]))["bit_identical"])' "$RESULT"; then
   # Not identical: is verl's own run repeatable? A second unpatched run tells torchferry apart from the kernels.
   echo "not bit-identical: a second unpatched run, as the determinism control" | tee -a "$LOG"
   run unpatched "$OUT/run_unpatched_repeat.json"
   "$PY" benchmarks/verl_actor.py compare "$OUT/run_unpatched.json" "$OUT/run_torchferry.json" --out-dir "$OUT" \
-      --command "$CMD" --control "$OUT/run_unpatched_repeat.json" --resident "$OUT/run_resident.json" \
+      --command "$CMD" --control "$OUT/run_unpatched_repeat.json" ${RESIDENT[@]+"${RESIDENT[@]}"} \
       ${VARIANT_RUNS[@]+--extra "${VARIANT_RUNS[@]}"} 2>&1 | tee -a "$LOG"
 fi

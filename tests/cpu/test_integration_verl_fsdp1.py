@@ -1,7 +1,7 @@
 """FSDP1 models through verl's patched helpers ([Note: FSDP1 models through torchferry] in
 ``torchferry.integrations.verl._patch``), against the real verl 0.9.1 on the CPU: FSDP1
-(``FullyShardedDataParallel``) over gloo on 2 ranks, ``use_orig_params`` both ways. Opt-in
-(``patch(fsdp1=True)``); by default, and for a model that offloads its own flat parameters,
+(``FullyShardedDataParallel``) over gloo on 2 ranks, ``use_orig_params`` both ways. On by
+default; with ``patch(fsdp1=False)``, and for a model that offloads its own flat parameters,
 verl's own code."""
 
 import functools
@@ -75,7 +75,7 @@ def test_fsdp1_models_round_trip_bit_exact_through_torchferry(orig):
 def _stays_with_verl(rank, world):
     from torchferry.integrations.verl import ferry_for
 
-    tf_verl.patch(import_engines=False)  # fsdp1 off (the default)
+    tf_verl.patch(fsdp1=False, import_engines=False)
     m, _ = _fsdp1(orig=False)
     verl_fsdp_utils.offload_fsdp_model_to_cpu(m)
     assert ferry_for(m) is None  # verl's own FSDP1 code ran
@@ -87,20 +87,20 @@ def _stays_with_verl(rank, world):
     assert fsdp1_offloads_params(own) and not fsdp1_offloads_params(m)
 
 
-def test_fsdp1_models_stay_with_verls_code_by_default_and_when_they_offload_themselves():
+def test_fsdp1_models_stay_with_verls_code_when_switched_off_and_when_they_offload_themselves():
     run_spawned(_stays_with_verl)
 
 
 def test_the_fsdp1_setting_comes_from_patch_else_the_environment(monkeypatch):
     monkeypatch.delenv(verl_patch.FSDP1_ENV, raising=False)
     tf_verl.patch(import_engines=False)
+    assert verl_patch.fsdp1_through_torchferry()  # on by default
+    monkeypatch.setenv(verl_patch.FSDP1_ENV, "0")
     assert not verl_patch.fsdp1_through_torchferry()
-    monkeypatch.setenv(verl_patch.FSDP1_ENV, "1")
-    assert verl_patch.fsdp1_through_torchferry()
-    tf_verl.patch(fsdp1=False, import_engines=False)
-    assert not verl_patch.fsdp1_through_torchferry()  # patch()'s choice over the environment
+    tf_verl.patch(fsdp1=True, import_engines=False)
+    assert verl_patch.fsdp1_through_torchferry()  # patch()'s choice over the environment
     tf_verl.unpatch()
-    assert verl_patch.fsdp1_through_torchferry()
+    assert not verl_patch.fsdp1_through_torchferry()
     monkeypatch.setenv(verl_patch.FSDP1_ENV, "on")
     with pytest.raises(ValueError, match="TORCHFERRY_VERL_FSDP1 must be 0 or 1, got 'on'"):
         tf_verl.patch(import_engines=False)

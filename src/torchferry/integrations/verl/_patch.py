@@ -11,7 +11,9 @@ the FSDP engine): ``offload_fsdp_model_to_cpu``, ``load_fsdp_model_to_gpu``
 (FSDP2, FSDP1 and plain modules go to torchferry; FSDP1 models to verl's own
 code with ``patch(fsdp1=False)`` or ``TORCHFERRY_VERL_FSDP1=0``: [Note: FSDP1
 models through torchferry]), ``offload_fsdp2_model_to_cpu``, ``load_fsdp2_model_to_gpu``,
-``offload_fsdp_optimizer``, ``load_fsdp_optimizer``. Written against verl
+``offload_fsdp_optimizer``, ``load_fsdp_optimizer``; and the VeOmni and Automodel
+engines' own helpers where those engines import ([Note: the VeOmni and
+Automodel helpers] in ``._engines``). Written against verl
 0.9.1 (the helpers of verl PR #7347). The machinery (signature check, replacing
 every binding, exact restore) is :mod:`torchferry.integrations._patching`,
 shared with the SkyRL integration; this module names what verl has.
@@ -42,6 +44,7 @@ from ..._core._api.args import check_optional_bool, env_flag
 from ..._core._state.fsdp import fsdp1_offloads_params
 from .. import _helpers as compat
 from .._patching import HelperSet, Patcher
+from ._engines import ENGINE_PATCHERS, importable_patchers
 
 __all__ = ["is_patched", "patch", "unpatch"]
 
@@ -161,7 +164,10 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
     check_optional_bool(fsdp1, "patch(fsdp1=...)")
     if fsdp1 is None and _fsdp1 is None:
         fsdp1_through_torchferry()
+    engines = importable_patchers()  # checked before anything is replaced
     names = _patcher.patch(import_call_sites=import_engines)
+    for engine in engines:  # see [Note: the VeOmni and Automodel helpers] in ._engines
+        names += engine.patch(import_call_sites=import_engines)
     compat.apply_settings(**settings)
     if fsdp1 is not None:
         _fsdp1 = fsdp1
@@ -175,3 +181,5 @@ def unpatch() -> None:
         compat.reset_settings()
         _fsdp1 = None
     _patcher.unpatch()
+    for engine in ENGINE_PATCHERS.values():
+        engine.unpatch()

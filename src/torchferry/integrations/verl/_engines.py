@@ -1,0 +1,114 @@
+"""verl's VeOmni and Automodel engines' offload helpers, replaced where those engines import.
+
+[Note: the VeOmni and Automodel helpers]
+verl 0.9.1's VeOmni and Automodel engines (``verl/workers/engine/veomni``,
+``verl/workers/engine/automodel``) move their FSDP2 models with helpers of
+their own, bound by name in each engine's ``transformer_impl``:
+``offload_<engine>_model_to_cpu(model, empty_cache)`` sets every FSDP2 param
+group's training state to IDLE, ``model.reshard()``, then a blocking
+``model.cpu()`` into pageable memory; ``load_<engine>_model_to_gpu(model)`` is
+``model.to(device)``; the optimizer helpers copy each state tensor with
+``.to(..., non_blocking=True)`` (VeOmni's also walk a ``MultiOptimizer``'s
+``optimizers_dict``, its expert-parallel split). The replacements keep the
+prelude (IDLE, reshard) and move the state through the same ferries as the FSDP
+helpers ([Note: the helpers skip unchanged storages] and the other settings
+apply). A model or optimizer no ferry offloaded (built on the host, or moved by
+verl's own code) is loaded by verl's own helper. Each engine's package imports
+its framework (``veomni``, ``nemo_automodel``) at import time: where that is not
+installed, ``patch()`` skips the engine and says nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from types import ModuleType
+
+from .. import _helpers as compat
+from .._patching import HelperSet, Patcher
+
+__all__ = ["ENGINE_PATCHERS", "importable_patchers"]
+
+_SIGNATURES = {"model_to_cpu": ("model", "empty_cache"), "model_to_gpu": ("model",),
+               "optimizer_off": ("optimizer",), "optimizer_on": ("optimizer", "device_id")}
+
+
+def _idle_and_resharded(model) -> None:
+    """What verl's engine helpers do before moving an FSDP2 model: every param group IDLE, resharded."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+
+    for module in model.modules():
+        state = _get_module_fsdp_state(module)
+        if state is None:
+            continue
+        groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.12; 2.11: one group
+        for group in groups if groups is not None else [getattr(state, "_fsdp_param_group", None)]:
+            if group is not None:
+                group._training_state = TrainingState.IDLE
+    if callable(getattr(model, "reshard", None)):
+        model.reshard()
+
+
+def _optimizers(optimizer) -> list:
+    """VeOmni's ``MultiOptimizer`` holds one optimizer per parameter split; others are one."""
+    if getattr(optimizer, "_is_multi_optimizer", False):
+        return list(optimizer.optimizers_dict.values())
+    return [optimizer]
+
+
+def _replacements(engine: str) -> Callable[[ModuleType, Mapping[str, Callable]], dict[str, Callable]]:
+    def build(module: ModuleType, original: Mapping[str, Callable]) -> dict[str, Callable]:
+        def offload_model(model, empty_cache: bool = True):
+            _idle_and_resharded(model)
+            compat.offload_fsdp2_model_to_cpu(model, empty_cache)
+
+        def load_model(model):
+            if compat.ferry_for(model) is None:  # not offloaded by a ferry: verl's own code
+                return original[f"load_{engine}_model_to_gpu"](model)
+            compat.load_fsdp2_model_to_gpu(model)
+
+        def offload_optimizer(optimizer):
+            for opt in _optimizers(optimizer):
+                compat.offload_fsdp_optimizer(opt)
+
+        def load_optimizer(optimizer, device_id):
+            opts = _optimizers(optimizer)
+            if any(o.state and compat.ferry_for(o) is None for o in opts):  # verl's own code moved them
+                return original[f"load_{engine}_optimizer"](optimizer, device_id)
+            for opt in opts:
+                compat.load_fsdp_optimizer(opt, device_id)
+
+        return {f"offload_{engine}_model_to_cpu": offload_model, f"load_{engine}_model_to_gpu": load_model,
+                f"offload_{engine}_optimizer": offload_optimizer, f"load_{engine}_optimizer": load_optimizer}
+    return build
+
+
+def _helper_set(engine: str) -> HelperSet:
+    package = f"verl.workers.engine.{engine}"
+    return HelperSet(
+        integration="verl", framework=f"verl's {engine} engine", module=f"{package}.utils", package=package,
+        helpers={f"offload_{engine}_model_to_cpu": _SIGNATURES["model_to_cpu"],
+                 f"load_{engine}_model_to_gpu": _SIGNATURES["model_to_gpu"],
+                 f"offload_{engine}_optimizer": _SIGNATURES["optimizer_off"],
+                 f"load_{engine}_optimizer": _SIGNATURES["optimizer_on"]},
+        replacements=_replacements(engine), call_sites=(f"{package}.transformer_impl",),
+    )
+
+
+ENGINE_PATCHERS = {engine: Patcher(_helper_set(engine)) for engine in ("veomni", "automodel")}
+"""One patcher per engine ([Note: the VeOmni and Automodel helpers])."""
+
+
+def importable_patchers() -> list[Patcher]:
+    """The engines whose helper module imports here (their framework is installed), checked:
+    a helper missing or with other parameters raises ``RuntimeError`` before anything is replaced."""
+    out = []
+    for patcher in ENGINE_PATCHERS.values():
+        try:
+            importlib.import_module(patcher.helper_set.module)
+        except Exception:  # the engine's framework is not installed (verl's engines say so too): skip
+            continue
+        patcher.check()
+        out.append(patcher)
+    return out

@@ -459,7 +459,9 @@ def cmd_run(args) -> None:
         sync()
         t0 = time.perf_counter()
         out = verl_to(self, device, model=model, optimizer=optimizer, grad=grad)
-        # The ferries' residency right after the call (PREFETCHING: left to the forward / step()).
+        sync()
+        seconds = time.perf_counter() - t0  # the bookkeeping below is not timed
+        # The ferries' residency after the call (PREFETCHING: left to the forward / step()).
         residency: dict[str, str | None] = {"model": None, "optimizer": None}
         parts = [p for p, on in (("model", model), ("optimizer", with_optimizer)) if on]
         moved = sum(_part_bytes(self, p) for p in parts)  # what verl's helpers move: the whole part
@@ -471,9 +473,8 @@ def cmd_run(args) -> None:
                 residency[part] = None if f is None else f.residency.name
                 if f is not None and part in parts and direction == "offload":  # unchanged storages stay
                     moved += f.stats.offload_bytes_copied - _part_bytes(self, part)
-        sync()
         events.append({"phase": phase["name"], "step": phase["step"], "direction": direction, "model": bool(model),
-                       "optimizer": with_optimizer, "seconds": time.perf_counter() - t0,
+                       "optimizer": with_optimizer, "seconds": seconds,
                        "bytes": moved if args.mode != "resident" else 0,
                        "gpu_allocated_after": torch.cuda.memory_allocated() if cuda else 0,
                        "model_residency_after": residency["model"],

@@ -36,7 +36,8 @@ OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # Deterministic kernels and collectives for every run (verl's full_determinism sets them too, later:
 # CUBLAS_WORKSPACE_CONFIG=:16:8 in verl/workers/engine/utils.py, whatever is set here; under it a
-# compute-rich update_actor of Qwen2.5-1.5B took 7-11 s on an H200, varying by 2-4 s between steps).
+# compute-rich update_actor of Qwen2.5-1.5B took 7.0-11.3 s on an H200 after the first step:
+# benchmarks/results/verl_step_qwen2.5-1.5b_fsdp2-full-compute-rich_h200x1_2026-12-02.json).
 export CUBLAS_WORKSPACE_CONFIG=:16:8 NCCL_ALGO=Ring NCCL_PROTO=Simple NCCL_DETERMINISTIC=1 FLASH_ATTENTION_DETERMINISTIC=1
 
 DEPS=${TFDEPS:-/tmp/tfdeps}

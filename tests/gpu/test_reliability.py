@@ -117,7 +117,7 @@ def test_thousand_cycles_hold_memory_flat():
     want = [p.detach().clone() for p in m.parameters()]
     ferry = Ferry(m, opt)
     # Back to back: each reload takes the blocks its offload freed ([Note: a reload takes the
-    # blocks its offload freed]); before that rule reserved memory grew 805-939 MB here after the
+    # blocks its offload freed]); before that rule reserved memory grew 805 MB here after the
     # rest of the GPU tier, 0 bytes since: benchmarks/results/soak_gpu_h200x1_2026-12-02_2a0919f.json.
     for _ in range(400):
         ferry.offload()

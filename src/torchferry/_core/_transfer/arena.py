@@ -34,10 +34,10 @@ An offload frees the device storages under its D2H event (``record_stream``):
 the allocator hands those blocks out again only once it has seen the event
 complete. A reload issued right behind its own offload (``offload(); reload()``)
 seeded its arena while the blocks still waited, so it took other cached blocks
-or a new segment, and each such cycle left the free blocks spread over more
-segments: reserved memory grew 805-939 MB over 1,000 back-to-back cycles of a
-96 MB state after the rest of the GPU tier (``tests/gpu/test_reliability.py``,
-``test_thousand_cycles_hold_memory_flat``; flat when the test ran alone). So
+or a new segment. In ``test_thousand_cycles_hold_memory_flat``
+(``tests/gpu/test_reliability.py``) reserved memory grew 805 MB over 1,000
+back-to-back cycles of a 134 MB state after the rest of the GPU tier
+(``benchmarks/results/soak_gpu_h200x1_2026-12-01_dc0385b.json``). So
 ``seed(after=...)`` first waits on the host, when it has not completed, for
 the ferry's own last offload at an event recorded after the allocator's events
 for the freed blocks (``release()`` in ``copies.py``; the allocator looks at
@@ -46,8 +46,9 @@ that offload fills, so they could not start before it anyway; the host loses
 only its lead in queueing them. With the rule the same test, after the same
 tier, grew by 0 bytes on an H200
 (``benchmarks/results/soak_gpu_h200x1_2026-12-02_2a0919f.json``);
-``test_back_to_back_reload_takes_the_blocks_its_offload_freed`` holds it. Not done where the arena does not apply (a
-swap's release schedule frees storages as its copies go).
+``test_back_to_back_reload_takes_the_blocks_its_offload_freed`` holds it.
+Not done where the arena does not apply (a swap's release schedule frees
+storages as its copies go).
 
 Only done with the native allocator and default rounding/splitting (no
 ``max_split_size_mb``, ``roundup_power2_divisions`` or ``expandable_segments``

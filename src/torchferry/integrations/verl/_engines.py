@@ -29,10 +29,6 @@ from .._patching import HelperSet, Patcher
 
 __all__ = ["ENGINE_PATCHERS", "importable_patchers"]
 
-_SIGNATURES = {"model_to_cpu": ("model", "empty_cache"), "model_to_gpu": ("model",),
-               "optimizer_off": ("optimizer",), "optimizer_on": ("optimizer", "device_id")}
-
-
 def _idle_and_resharded(model) -> None:
     """What verl's engine helpers do before moving an FSDP2 model: every param group IDLE, resharded."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
@@ -88,10 +84,8 @@ def _helper_set(engine: str) -> HelperSet:
     package = f"verl.workers.engine.{engine}"
     return HelperSet(
         integration="verl", framework=f"verl's {engine} engine", module=f"{package}.utils", package=package,
-        helpers={f"offload_{engine}_model_to_cpu": _SIGNATURES["model_to_cpu"],
-                 f"load_{engine}_model_to_gpu": _SIGNATURES["model_to_gpu"],
-                 f"offload_{engine}_optimizer": _SIGNATURES["optimizer_off"],
-                 f"load_{engine}_optimizer": _SIGNATURES["optimizer_on"]},
+        helpers={f"offload_{engine}_model_to_cpu": ("model", "empty_cache"), f"load_{engine}_model_to_gpu": ("model",),
+                 f"offload_{engine}_optimizer": ("optimizer",), f"load_{engine}_optimizer": ("optimizer", "device_id")},
         replacements=_replacements(engine), call_sites=(f"{package}.transformer_impl",),
     )
 

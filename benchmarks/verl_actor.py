@@ -1,19 +1,25 @@
 #!/usr/bin/env python3
-"""verl 0.9.1's own FSDP2 actor, with ``param_offload`` and ``optimizer_offload`` on, unpatched
-and with torchferry, on the same seeds and data: bit-identity and the offload figures.
+"""verl 0.9.1's own actor (FSDP2 or FSDP1, ``param_offload`` and ``optimizer_offload`` on) in a
+colocated step: resident (offload off), verl's own helpers (the seed) and torchferry's, in one
+process, rounds interleaved, on the same seeds and data: bit-identity, bytes moved and the
+transfer each strategy leaves exposed in the step.
 
-One command runs it all (both runs in fresh processes, then the comparison)::
+One command runs it all (the run, then the report)::
 
     bash benchmarks/verl_actor.sh OUT [NPROC] [PRESET] [STEPS]
 
 or by hand::
 
     python benchmarks/verl_actor.py prepare --preset qwen2.5-1.5b --model-dir /tmp/verl_actor_model
-    torchrun --standalone --nproc_per_node 2 benchmarks/verl_actor.py run --mode unpatched \\
-        --model-dir /tmp/verl_actor_model --out OUT/run_unpatched.json
-    torchrun --standalone --nproc_per_node 2 benchmarks/verl_actor.py run --mode torchferry \\
-        --model-dir /tmp/verl_actor_model --out OUT/run_torchferry.json
-    python benchmarks/verl_actor.py compare OUT/run_unpatched.json OUT/run_torchferry.json --out-dir OUT
+    torchrun --standalone --nproc_per_node 2 benchmarks/verl_actor.py run --model-dir /tmp/verl_actor_model \\
+        --strategies resident verl torchferry plain:TORCHFERRY_LAYERWISE_RELOAD=0 --out OUT/runs.json
+    python benchmarks/verl_actor.py report OUT/runs.json --out-dir OUT
+
+Each strategy has its own actor, built with its helpers in place (``patch()`` under its settings
+for a torchferry strategy, verl's own helpers otherwise); each round runs one step of every
+strategy, the order rotated by one each round, so drift of the machine falls on all alike. While
+one strategy runs, the others' state sits where their last phase left it (offloaded, or on the
+GPU for ``resident``), as the roles of a colocated worker share one GPU.
 
 What of verl runs (verl 0.9.1, unmodified; see ``VERL_CODE`` below, also written into the JSON):
 
@@ -30,23 +36,26 @@ What of verl runs (verl 0.9.1, unmodified; see ``VERL_CODE`` below, also written
   ``left_right_2_no_padding``, then ``TrainingWorker.infer_batch`` (what
   ``ActorRolloutRefWorker.compute_log_prob`` calls: old log-probs and entropy), then
   ``TrainingWorker.train_mini_batch`` (what ``ActorRolloutRefWorker.update_actor`` calls: PPO
-  mini-batches, ``ppo_loss``, clip, AdamW). Both enter verl's ``engine.eval_mode()`` /
+  mini-batches, ``ppo_loss``, clip, AdamW); with LoRA, between them, the reference log-probs as
+  verl's trainer computes them with ``ref_in_actor`` (``infer_batch`` with ``no_lora_adapter``:
+  the actor with its adapters off). All enter verl's ``engine.eval_mode()`` /
   ``engine.train_mode()``, whose ``BaseEngineCtx`` calls ``FSDPEngine.to(...)``, which calls
   ``load_fsdp_model_to_gpu`` / ``load_fsdp_optimizer`` on entry and ``offload_fsdp_model_to_cpu``
   / ``offload_fsdp_optimizer`` on exit: verl's own offload helpers (PR #7347's
-  ``model.to(..., non_blocking=True)``) in the ``unpatched`` run, torchferry's after
-  ``torchferry.integrations.verl.patch()`` in the ``torchferry`` run;
+  ``model.to(..., non_blocking=True)``) for the ``verl`` strategy, torchferry's after
+  ``torchferry.integrations.verl.patch()`` for a torchferry one;
 * the process group is set up as verl's SFT trainer (``run_sft``) sets it up under torchrun
   (``verl.utils.distributed.initialize_global_process_group``), and ``TrainingWorker`` is used
   in that SPMD mode, as ``verl.trainer.sft_trainer.SFTTrainer`` uses it.
 
-Measured around verl's code, not inside it: ``FSDPEngine.to`` is timed (synchronised before and
-after: seconds from the call until the copies are complete), and after the last step each rank
-hashes (sha256) every local parameter shard and optimizer-state tensor. A third run, ``resident``
-(verl unpatched with ``param_offload`` and ``optimizer_offload`` off), is the baseline of
-``exposed``: each run's median step seconds after the first, less the resident run's, which is what
-an offload costs a step even where its copies hide behind compute (``FSDPEngine.to``'s own timing,
-synchronised after the call, cannot show that).
+Measured around verl's code, not inside it: ``FSDPEngine.to`` is timed (synchronised before the
+call, a phase boundary; an offload until its copies are complete, synchronised; a reload from the
+call until the compute stream may go on, by CUDA events, with no synchronisation after it, so a
+reload left to the forward overlaps it as in verl's trainer), and after the last round each rank
+hashes (sha256) every local parameter shard, optimizer-state tensor and weight-sync buffer. The
+``resident`` strategy (verl with ``param_offload`` and ``optimizer_offload`` off) is the baseline
+of ``exposed``: per round, each strategy's step seconds less the resident step of the same round,
+which is what offloading costs a step even where its copies hide behind compute.
 
 Not verl: where ``ray`` is not installed (it is large; verl imports it at module level but this
 SPMD path never talks to a Ray cluster), ``benchmarks/verl_raystub`` stands in for it (see its
@@ -403,8 +412,49 @@ def _weight_sync(engine, into: dict) -> int:
     return n
 
 
+@dataclasses.dataclass
+class Strategy:
+    """One way of running the actor: ``resident`` (verl with param_offload and optimizer_offload off),
+    ``verl`` (verl's own helpers: the seed), ``torchferry`` (``patch()`` with these environment
+    settings; the label names a variant)."""
+
+    label: str
+    kind: str
+    env: dict[str, str]
+
+
+def parse_strategies(specs: list[str]) -> list[Strategy]:
+    """``resident``, ``verl``, ``torchferry`` and ``LABEL:K=V,K=V`` (a torchferry variant with these
+    environment settings, e.g. ``plain:TORCHFERRY_LAYERWISE_RELOAD=0``).
+
+    Raises:
+        SystemExit: a spec is malformed, a label repeats, or ``verl`` is missing (the reference).
+    """
+    out: list[Strategy] = []
+    for spec in specs:
+        if spec in ("resident", "verl", "torchferry"):
+            out.append(Strategy(spec, spec, {}))
+            continue
+        label, sep, kvs = spec.partition(":")
+        pairs = [kv.partition("=") for kv in kvs.split(",") if kv]
+        if not sep or not label or not pairs or any(not k or not s for k, s, _ in pairs):
+            raise SystemExit(f"error: strategy {spec!r} is none of resident, verl, torchferry, LABEL:K=V[,K=V]")
+        out.append(Strategy(label, "torchferry", {k: v for k, _, v in pairs}))
+    labels = [s.label for s in out]
+    if len(set(labels)) != len(labels) or "verl" not in labels:
+        raise SystemExit(f"error: strategies {labels} must have distinct labels and include verl (the reference)")
+    return out
+
+
+def _settings_env() -> dict[str, str]:
+    """The process's TORCHFERRY_* settings (those patch() reads)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("TORCHFERRY_") and k != "TORCHFERRY_COMMIT"}
+
+
 def cmd_run(args) -> None:
     stubbed = _use_ray_stub_if_needed()
+    import contextlib
+
     import torch
 
     cuda = torch.cuda.is_available()
@@ -420,33 +470,53 @@ def cmd_run(args) -> None:
     else:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    gpu = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
     def sync() -> None:
         if cuda:
-            torch.cuda.synchronize(device)
+            torch.cuda.synchronize(gpu)
 
     def log(msg: str) -> None:
         if rank == 0:
-            print(f"[{args.mode}] {msg}", flush=True)
+            print(f"[verl_actor] {msg}", flush=True)
 
     import verl
     from verl.utils import tensordict_utils as tu
     from verl.workers.engine.fsdp import transformer_impl as ti
     from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
-    patched: list[str] = []
-    if args.mode == "torchferry":
-        import torchferry.integrations.verl as tf_verl
+    import torchferry.integrations.verl as tf_verl
+    from torchferry.integrations.verl import ferry_for
 
-        patched = tf_verl.patch()
-        assert ti.offload_fsdp_model_to_cpu.__torchferry_original__ is not None
+    strategies = parse_strategies(args.strategies)
+    kinds = {s.label: s.kind for s in strategies}
     if not cuda:
         _cpu_engine_to_by_direction()
+    base_env = _settings_env()
+    patched_names: dict[str, list[str]] = {}
+
+    @contextlib.contextmanager
+    def active(s: Strategy):
+        """The strategy's helpers in place: patch() under its settings, or verl's own."""
+        saved = {k: os.environ.get(k) for k in s.env}
+        os.environ.update(s.env)
+        try:
+            if s.kind == "torchferry":
+                patched_names[s.label] = tf_verl.patch()
+            else:
+                tf_verl.unpatch()
+            yield
+        finally:
+            tf_verl.unpatch()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     # Timing around verl's FSDPEngine.to (instrumentation only: it calls verl's own method).
-    events: list[dict] = []
-    phase = {"name": "init", "step": -1}
+    current: dict = {"label": None, "phase": "init", "step": -1}
+    records: dict[str, dict] = {s.label: {"events": []} for s in strategies}
     verl_to = ti.FSDPEngine.to
 
     def timed_to(self, device, model=True, optimizer=True, grad=True):
@@ -456,71 +526,103 @@ def cmd_run(args) -> None:
             off = self.__dict__.get("_cpu_offloaded", {"model": False, "optimizer": False})
             direction = "reload" if off["model" if model else "optimizer"] else "offload"
         with_optimizer = bool(optimizer and self.optimizer is not None and self.optimizer.state)
-        sync()
+        sync()  # a phase boundary: verl's phases end with their outputs on the host
+        start = end = None
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         t0 = time.perf_counter()
         out = verl_to(self, device, model=model, optimizer=optimizer, grad=grad)
-        sync()
-        seconds = time.perf_counter() - t0  # the bookkeeping below is not timed
-        # The ferries' residency after the call (PREFETCHING: left to the forward / step()).
+        if direction == "offload":
+            sync()  # the next phase (the rollout) needs the memory: the copies complete here
+        host_s = time.perf_counter() - t0
+        if end is not None:
+            end.record()  # a reload: where the compute stream may go on (no sync: the phase's forward follows)
         residency: dict[str, str | None] = {"model": None, "optimizer": None}
         parts = [p for p, on in (("model", model), ("optimizer", with_optimizer)) if on]
         moved = sum(_part_bytes(self, p) for p in parts)  # what verl's helpers move: the whole part
-        if args.mode == "torchferry":
-            from torchferry.integrations.verl import ferry_for
-
-            for part, obj in (("model", self.module), ("optimizer", self.optimizer)):
-                f = None if obj is None else ferry_for(obj)
-                residency[part] = None if f is None else f.residency.name
-                if f is not None and part in parts and direction == "offload":  # unchanged storages stay
-                    moved += f.stats.offload_bytes_copied - _part_bytes(self, part)
-        events.append({"phase": phase["name"], "step": phase["step"], "direction": direction, "model": bool(model),
-                       "optimizer": with_optimizer, "seconds": seconds,
-                       "bytes": moved if args.mode != "resident" else 0,
-                       "gpu_allocated_after": torch.cuda.memory_allocated() if cuda else 0,
-                       "model_residency_after": residency["model"],
-                       "optimizer_residency_after": residency["optimizer"]})
+        for part, obj in (("model", self.module), ("optimizer", self.optimizer)):
+            f = None if obj is None else ferry_for(obj)
+            residency[part] = None if f is None else f.residency.name
+            if f is not None and part in parts and direction == "offload":  # unchanged storages stay
+                moved += f.stats.offload_bytes_copied - _part_bytes(self, part)
+        records[current["label"]]["events"].append({
+            "phase": current["phase"], "step": current["step"], "direction": direction, "model": bool(model),
+            "optimizer": with_optimizer, "host_s": host_s, "seconds": host_s, "_timing": (start, end),
+            "bytes": 0 if kinds[current["label"]] == "resident" else moved,
+            "gpu_allocated_after": torch.cuda.memory_allocated() if cuda else 0,
+            "model_residency_after": residency["model"], "optimizer_residency_after": residency["optimizer"]})
         return out
+
+    def resolve_timings(label: str) -> None:
+        """After a synchronisation: each reload's seconds from its call until the compute stream could go on."""
+        for e in records[label]["events"]:
+            start, end = e.pop("_timing", (None, None))
+            if start is not None and e["direction"] == "reload":
+                e["seconds"] = max(start.elapsed_time(end) / 1e3, 0.0)
 
     ti.FSDPEngine.to = timed_to
 
     shape = _shape(args.tiny, args.shape)
-    cfg = _verl_config(args.model_dir, shape, world, args.lr, offload=args.mode != "resident",
-                       strategy=args.strategy, lora_rank=args.lora_rank)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    t_build = time.perf_counter()
-    actor, actor_config = _build_actor(cfg)
-    build_s = time.perf_counter() - t_build
-    engine = actor.engine
-    log(f"actor built in {build_s:.1f} s: {type(actor).__name__} / {type(engine).__name__}, "
-        f"{sum(p.numel() for p in engine.module.parameters()) / 1e9:.3f} B parameters, world {world}, "
-        f"verl {verl.__version__}, {'patched: ' + str(len(patched)) + ' helpers' if patched else 'unpatched'}")
-    vocab = engine.module.config.vocab_size
-
     mini = shape.batch_per_rank * world // shape.mini_batches
-    losses, grad_norms, log_prob_sha, log_prob_sum, step_s, phase_s = [], [], [], [], [], []
-    rollout_weights: dict = {}
-    sync_bytes = 0
-    for step in range(args.steps):
+    actors: dict[str, tuple] = {}
+    for s in strategies:  # each strategy's own actor, built with its helpers in place
+        cfg = _verl_config(args.model_dir, shape, world, args.lr, offload=s.kind != "resident",
+                           strategy=args.strategy, lora_rank=args.lora_rank)
+        current.update(label=s.label, phase="init", step=-1)
+        with active(s):
+            t_build = time.perf_counter()
+            actor, actor_config = _build_actor(cfg)
+            sync()
+            records[s.label]["build_s"] = time.perf_counter() - t_build
+        resolve_timings(s.label)
+        actors[s.label] = (actor, actor_config)
+        log(f"{s.label}: {type(actor).__name__} / {type(actor.engine).__name__} built in "
+            f"{records[s.label]['build_s']:.1f} s, "
+            f"{sum(p.numel() for p in actor.engine.module.parameters()) / 1e9:.3f} B parameters")
+    if args.cublas_workspace:  # before any matmul of the process: torch reads it at its first cuBLAS call
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = args.cublas_workspace
+    vocab = actors[strategies[0].label][0].engine.module.config.vocab_size
+    lora = bool(args.lora_rank)
+    for r in records.values():
+        r.update(losses=[], grad_norms=[], log_prob_sha256=[], log_prob_sum=[], ref_log_prob_sha256=[],
+                 step_s=[], phase_s=[], gpu_allocated_at_start=[], peak_gpu_allocated=[], weight_sync_bytes=0,
+                 rollout_weights={}, order=[])
+
+    def one_step(s: Strategy, step: int) -> None:
+        actor, actor_config = actors[s.label]
+        engine, rec = actor.engine, records[s.label]
+        current.update(label=s.label, step=step)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(gpu)
+            rec["gpu_allocated_at_start"].append(torch.cuda.memory_allocated(gpu))
         t_step = time.perf_counter()
         marks = {}
         if args.rollout_gb or args.rollout_matmuls:
-            phase.update(name="rollout", step=step)
-            _rollout_stand_in(device, int(args.rollout_gb * 1e9), args.rollout_matmuls)
+            current["phase"] = "rollout"
+            _rollout_stand_in(gpu, int(args.rollout_gb * 1e9), args.rollout_matmuls)
         marks["rollout"] = time.perf_counter()
         batch, advantages = _batch(step, rank, shape, vocab, args.seed)
-        # compute_log_prob (ray_trainer._compute_old_log_prob -> ActorRolloutRefWorker.compute_log_prob)
-        phase.update(name="log_prob", step=step)
+        # compute_log_prob (the trainer's _compute_old_log_prob -> ActorRolloutRefWorker.compute_log_prob)
+        current["phase"] = "log_prob"
         td = left_right_2_no_padding(batch.clone())
         tu.assign_non_tensor(td, calculate_entropy=True, calculate_sum_pi_squared=False, compute_loss=False,
                              temperature=1.0)
         out = actor.infer_batch(td)
         old_log_probs = no_padding_2_padding(tu.get(out, "log_probs"), td).float()
-        log_prob_sha.append(_sha(old_log_probs))
-        log_prob_sum.append(float(old_log_probs.double().sum()))
+        rec["log_prob_sha256"].append(_sha(old_log_probs))
+        rec["log_prob_sum"].append(float(old_log_probs.double().sum()))
         marks["log_prob"] = time.perf_counter()
-        # update_actor (ray_trainer._update_actor -> ActorRolloutRefWorker.update_actor)
-        phase.update(name="update", step=step)
+        if lora:  # ref_in_actor: the reference is the actor with its adapters off (_compute_ref_log_prob)
+            current["phase"] = "ref"
+            td = left_right_2_no_padding(batch.clone())
+            tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False, no_lora_adapter=True,
+                                 temperature=1.0)
+            out = actor.infer_batch(td)
+            rec["ref_log_prob_sha256"].append(_sha(no_padding_2_padding(tu.get(out, "log_probs"), td).float()))
+            marks["ref"] = time.perf_counter()
+        # update_actor (the trainer's _update_actor -> ActorRolloutRefWorker.update_actor)
+        current["phase"] = "update"
         upd = batch.clone()
         upd["old_log_probs"] = old_log_probs.cpu()
         upd["advantages"] = advantages
@@ -530,90 +632,96 @@ def cmd_run(args) -> None:
                              dataloader_kwargs={"shuffle": False}, compute_loss=True, temperature=1.0)
         out = actor.train_mini_batch(td)
         metrics = tu.get(out, "metrics")
-        losses.append([float(x) for x in metrics["loss"]])
-        grad_norms.append([float(x) for x in metrics.get("grad_norm", [])])
+        rec["losses"].append([float(x) for x in metrics["loss"]])
+        rec["grad_norms"].append([float(x) for x in metrics.get("grad_norm", [])])
         marks["update"] = time.perf_counter()
         if args.weight_sync:  # ActorRolloutRefWorker.update_weights, after update_actor
-            phase.update(name="weight_sync", step=step)
-            sync_bytes = _weight_sync(engine, rollout_weights)
+            current["phase"] = "weight_sync"
+            rec["weight_sync_bytes"] = _weight_sync(engine, rec["rollout_weights"])
             sync()
         marks["weight_sync"] = time.perf_counter()
-        step_s.append(time.perf_counter() - t_step)
+        rec["step_s"].append(time.perf_counter() - t_step)
         prev, spans = t_step, {}
         for k, t in marks.items():
             spans[k], prev = t - prev, t
-        phase_s.append(spans)
-        log(f"step {step + 1}/{args.steps}: loss {losses[-1]}, grad_norm {grad_norms[-1]}, {step_s[-1]:.2f} s")
+        rec["phase_s"].append(spans)
+        if cuda:
+            rec["peak_gpu_allocated"].append(torch.cuda.max_memory_allocated(gpu))
+        resolve_timings(s.label)
+
+    for step in range(args.steps):  # rounds: every strategy one step, the order rotated each round
+        k = step % len(strategies)
+        order = strategies[k:] + strategies[:k]
+        for s in order:
+            with active(s):
+                one_step(s, step)
+            records[s.label]["order"].append(order.index(s))
+        log(f"round {step + 1}/{args.steps}: " + ", ".join(
+            f"{s.label} {records[s.label]['step_s'][-1]:.2f} s (loss {records[s.label]['losses'][-1]})"
+            for s in order))
 
     sync()
-    # The state after the steps (offloaded by verl's update_actor exit): exact hashes per local shard.
-    params = {name: {"sha256": _sha(_local(p)), "sum": float(_local(p).double().sum()),
-                     "device": _local(p).device.type, "numel": _local(p).numel()}
-              for name, p in engine.module.named_parameters()}
-    opt_state = {}
-    names = {id(p): n for n, p in engine.module.named_parameters()}
-    for p, st in engine.optimizer.state.items():
-        for k, v in st.items():
-            if torch.is_tensor(v):
-                opt_state[f"{names.get(id(p), '?')}.{k}"] = _sha(_local(v))
-    sizes = {"params": sum(_local(p).numel() * _local(p).element_size() for p in engine.module.parameters()),
-             "optimizer": sum(_local(v).numel() * _local(v).element_size() for st in engine.optimizer.state.values()
-                              for v in st.values() if torch.is_tensor(v))}
-    pinned = {"caching_host_allocator": 0, "torchferry_pools": 0}
+    pinned_process = 0
     if cuda and hasattr(torch.cuda, "host_memory_stats"):
         hs = torch.cuda.host_memory_stats()
-        pinned["caching_host_allocator"] = int(hs.get("reserved_bytes.current", hs.get("allocated_bytes.current", 0)))
-    if args.mode == "torchferry":
-        from torchferry.integrations.verl import ferry_for
-
+        pinned_process = int(hs.get("reserved_bytes.current", hs.get("allocated_bytes.current", 0)))
+    mine: dict = {"rank": rank, "strategies": {}}
+    for s in strategies:
+        actor, _ = actors[s.label]
+        engine, rec = actor.engine, records[s.label]
+        # The state after the steps (offloaded by verl's update_actor exit): exact hashes per local shard.
+        names = {id(p): n for n, p in engine.module.named_parameters()}
+        params = {n: {"sha256": _sha(_local(p)), "sum": float(_local(p).double().sum()),
+                      "device": _local(p).device.type, "numel": _local(p).numel()}
+                  for n, p in engine.module.named_parameters()}
+        opt_state = {f"{names.get(id(p), '?')}.{k}": _sha(_local(v)) for p, st in engine.optimizer.state.items()
+                     for k, v in st.items() if torch.is_tensor(v)}
         ferries = [f for f in (ferry_for(engine.module), ferry_for(engine.optimizer)) if f is not None]
-        pinned["torchferry_pools"] = sum(f.pinned_bytes for f in ferries)
-        pinned["torchferry_pool_bytes"] = sum(f.host_bytes for f in ferries)
-        pinned["ferries"] = [repr(f) for f in ferries]
-    mine = {
-        "rank": rank,
-        "events": events,
-        "state_bytes": sizes,
-        "pinned_host_bytes": pinned,
-        "peak_gpu_bytes": {"allocated": torch.cuda.max_memory_allocated(device) if cuda else None,
-                           "reserved": torch.cuda.max_memory_reserved(device) if cuda else None},
-        "params": params,
-        "optimizer_state_sha256": opt_state,
-        "log_prob_sha256": log_prob_sha,
-        "log_prob_sum": log_prob_sum,
-        "losses": losses,
-        "grad_norms": grad_norms,
-        "step_s": step_s,
-        "phase_s": phase_s,
-        "weight_sync_bytes": sync_bytes,
-        "weight_sync_sha256": {n: _sha(t) for n, t in sorted(rollout_weights.items())} if args.weight_sync else {},
-        "build_s": build_s,
-    }
+        weights = rec.pop("rollout_weights")
+        mine["strategies"][s.label] = {
+            **{k: v for k, v in rec.items()},
+            "state_bytes": {"params": _part_bytes(engine, "model"), "optimizer": _part_bytes(engine, "optimizer")},
+            "torchferry_pool_bytes": {"pinned": sum(f.pinned_bytes for f in ferries),
+                                      "host": sum(f.host_bytes for f in ferries)},
+            "ferries": [repr(f) for f in ferries],
+            "params": params, "optimizer_state_sha256": opt_state,
+            "weight_sync_sha256": {n: _sha(t) for n, t in sorted(weights.items())},
+        }
+    mine["caching_host_allocator_pinned_bytes"] = pinned_process
+    if args.profile and cuda:  # after the hashes: one more resident step under the profiler (not in the figures)
+        from torch.profiler import ProfilerActivity, profile
+
+        s = next((x for x in strategies if x.kind == "resident"), strategies[0])
+        with active(s), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            one_step(s, args.steps)
+        if rank == 0:
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20), flush=True)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, mine)
     if rank == 0:
         import transformers
 
         result = {
-            "mode": args.mode,
-            "patched": patched,
+            "schema": "torchferry.verl-step-runs/1",
             "ray": "stand-in (benchmarks/verl_raystub)" if stubbed else "installed",
-            "env": {"gpu": torch.cuda.get_device_name(device) if cuda else None, "torch": torch.__version__,
+            "env": {"gpu": torch.cuda.get_device_name(gpu) if cuda else None, "torch": torch.__version__,
                     "verl": verl.__version__, "transformers": transformers.__version__, "world_size": world,
-                    "python": sys.version.split()[0], "device": str(device)},
-            "label": args.label or args.mode,
+                    "python": sys.version.split()[0], "device": str(gpu),
+                    "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")},
+            "strategies": [{"label": s.label, "kind": s.kind, "settings": {**base_env, **s.env},
+                            "patched": patched_names.get(s.label, [])} for s in strategies],
             "config": {"steps": args.steps, "seed": args.seed, "lr": args.lr,
                        "shape": "tiny" if args.tiny else args.shape,
                        **dataclasses.asdict(shape), "tokens_per_phase_per_rank": shape.batch_per_rank * (
                            shape.prompt_len + shape.response_len),
                        "attn_implementation": ATTENTION, "full_determinism": True,
-                       "param_offload": args.mode != "resident", "optimizer_offload": args.mode != "resident",
-                       "strategy": args.strategy, "lora": bool(args.lora_rank), "lora_rank": args.lora_rank,
+                       "strategy": args.strategy, "lora": lora, "lora_rank": args.lora_rank,
+                       "phases": ["rollout", "log_prob", *(["ref"] if lora else []), "update",
+                                  *(["weight_sync"] if args.weight_sync else [])],
                        "rollout_stand_in": {"kv_cache_bytes": int(args.rollout_gb * 1e9),
                                             "matmuls_8192_bf16": args.rollout_matmuls},
                        "weight_sync": args.weight_sync,
-                       "torchferry_settings": {k: v for k, v in sorted(os.environ.items())
-                                               if k.startswith("TORCHFERRY_") and k != "TORCHFERRY_COMMIT"},
                        "optimizer": f"{actor_config.optim.optimizer} (lr {actor_config.optim.lr}, "
                                     f"clip_grad {actor_config.optim.clip_grad})",
                        "ppo_mini_batch_size": mini, "model_dir": args.model_dir,
@@ -627,13 +735,18 @@ def cmd_run(args) -> None:
     dist.destroy_process_group()
 
 
-# --------------------------------------------------------------------------------------------- compare
+# --------------------------------------------------------------------------------------------- report
 def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def _view(runs: dict, label: str) -> dict:
+    """One strategy's records, per rank: ``{"per_rank": [...]}`` (what :func:`identical` compares)."""
+    return {"per_rank": [{"rank": r["rank"], **r["strategies"][label]} for r in runs["per_rank"]]}
+
+
 def _transfers(rank_result: dict) -> dict:
-    """Offload / reload seconds, first and steady (median of the later ones).
+    """FSDPEngine.to seconds, first and steady (median of the later ones).
 
     ``offload_s`` / ``reload_s``: update_actor's, of the full state (parameters and AdamW state;
     the first reload with optimizer state is step 2's, the state exists after step 1's update);
@@ -667,17 +780,22 @@ def _bytes_per_step(rank_result: dict) -> dict[str, int | None]:
 
 
 def identical(a: dict, b: dict) -> tuple[dict[str, bool], dict[str, object]]:
-    """Exact comparison of two runs: losses, old log-probs, parameter shards, optimizer state (sha256).
+    """Exact comparison of two strategies' records (:func:`_view`): losses, old (and reference)
+    log-probs, parameter shards, optimizer state, weight-sync buffers (sha256).
 
     Returns:
         ``(same, differing)``: per kind whether all are equal, and what differs (rank:name).
+
+    Raises:
+        ValueError: the two have different numbers of ranks.
     """
-    diffs: dict[str, object] = {"losses": a["per_rank"][0]["losses"] != b["per_rank"][0]["losses"],
-                                "log_probs": [], "params": [], "optimizer_state": []}
     if len(a["per_rank"]) != len(b["per_rank"]):
         raise ValueError(f"the runs have {len(a['per_rank'])} and {len(b['per_rank'])} ranks")
+    diffs: dict[str, object] = {"losses": a["per_rank"][0]["losses"] != b["per_rank"][0]["losses"],
+                                "log_probs": [], "params": [], "optimizer_state": [], "weight_sync": []}
     for ra, rb in zip(a["per_rank"], b["per_rank"]):
-        if ra["log_prob_sha256"] != rb["log_prob_sha256"]:
+        if (ra["log_prob_sha256"], ra.get("ref_log_prob_sha256")) != (rb["log_prob_sha256"],
+                                                                      rb.get("ref_log_prob_sha256")):
             diffs["log_probs"].append(ra["rank"])
         diffs["params"] += [f"rank{ra['rank']}:{n}" for n in ra["params"]
                             if ra["params"][n]["sha256"] != rb["params"].get(n, {}).get("sha256")]
@@ -686,158 +804,146 @@ def identical(a: dict, b: dict) -> tuple[dict[str, bool], dict[str, object]]:
                                      if ra["optimizer_state_sha256"][n] != rb["optimizer_state_sha256"].get(n)]
         if len(ra["optimizer_state_sha256"]) != len(rb["optimizer_state_sha256"]):
             diffs["optimizer_state"].append(f"rank{ra['rank']}: different number of tensors")
+        if ra.get("weight_sync_sha256", {}) != rb.get("weight_sync_sha256", {}):
+            diffs["weight_sync"].append(ra["rank"])
     same = {k: not v for k, v in diffs.items()}
     return same, {k: v for k, v in diffs.items() if v}
 
 
-def _steady(r: dict) -> float | None:
-    """Median step seconds after the first (rank 0), whose reloads come before any state exists."""
-    return _median(r["per_rank"][0]["step_s"][1:])
+def _spread(xs: list[float]) -> dict:
+    return {"median": _median(xs), "min": min(xs) if xs else None, "max": max(xs) if xs else None, "all": xs}
 
 
-def _phase_steady(r: dict) -> dict[str, float]:
-    spans = r["per_rank"][0].get("phase_s", [])[1:]
-    return {k: statistics.median(s[k] for s in spans) for k in (spans[0] if spans else {})}
-
-
-def _exposed(resident: dict, unpatched: dict, torchferry: dict, extra: dict[str, dict] | None = None) -> dict:
-    """What the offload costs a step: each run's median step seconds (rank 0, after the first step)
-    less the resident run's, per phase too, and each torchferry run's against verl's own. The
-    resident run is bit-identical to the others where offloading changes nothing."""
-    if resident.get("mode") != "resident":
-        raise SystemExit(f"error: --resident takes a resident run; got {resident.get('mode')!r}")
-    base = _steady(resident)
-    base_phase = _phase_steady(resident)
-    out: dict = {"what": "median step seconds after the first, less the resident run's (rank 0); per phase: "
-                         "the median of each phase's seconds less the resident run's",
-                 "resident_step_s": base, "resident_step_s_all": resident["per_rank"][0]["step_s"],
-                 "resident_phase_s": base_phase}
-    runs = {"verl": unpatched, "torchferry": torchferry, **(extra or {})}
-    for name, r in runs.items():
-        st = _steady(r)
-        out[f"{name}_step_s"] = st
-        out[f"{name}_step_s_all"] = r["per_rank"][0]["step_s"]
-        out[f"{name}_exposed_s_per_step"] = None if st is None or base is None else st - base
-        ph = _phase_steady(r)
-        out[f"{name}_exposed_s_per_phase"] = {k: ph[k] - base_phase[k] for k in ph if k in base_phase}
-    v = out["verl_exposed_s_per_step"]
-    for name in runs:
-        if name != "verl":
-            t = out[f"{name}_exposed_s_per_step"]
-            out[f"{name}_over_verl"] = t / v if v and t is not None and v > 0 else None
-    out["resident_bit_identical"] = all(identical(unpatched, resident)[0].values())
+def _exposed(views: dict[str, dict], resident: str = "resident") -> dict:
+    """What offload costs a step: per round, each strategy's step seconds less the resident step of
+    the same round (rank 0), over the rounds after the first; per phase too; and each against verl's."""
+    base = views[resident]["per_rank"][0]
+    out: dict = {"what": "per round after the first: the strategy's step seconds less the resident strategy's step "
+                         "of the same round (rank 0); median, min, max over the rounds; per phase: the median of "
+                         "the phase's seconds less the resident's of the same round",
+                 "resident_step_s": _spread(base["step_s"][1:])}
+    for label, v in views.items():
+        if label == resident:
+            continue
+        r0 = v["per_rank"][0]
+        per_round = [a - b for a, b in zip(r0["step_s"][1:], base["step_s"][1:])]
+        phases = {k: _median([a[k] - b[k] for a, b in zip(r0["phase_s"][1:], base["phase_s"][1:])])
+                  for k in (r0["phase_s"][0] if r0["phase_s"] else {})}
+        out[label] = {"step_s": _spread(r0["step_s"][1:]),
+                      "exposed_transfer_s_per_step": _spread(per_round), "exposed_s_per_phase": phases}
+    v = out["verl"]["exposed_transfer_s_per_step"]["median"]
+    for label in out:
+        if isinstance(out[label], dict) and "exposed_transfer_s_per_step" in out[label] and label != "verl":
+            t = out[label]["exposed_transfer_s_per_step"]["median"]
+            out[label]["over_verl"] = t / v if v and t is not None and v > 0 else None
     return out
 
 
-def cmd_compare(args) -> None:
-    a = json.loads(Path(args.runs[0]).read_text())
-    b = json.loads(Path(args.runs[1]).read_text())
-    if (a["mode"], b["mode"]) != ("unpatched", "torchferry"):
-        raise SystemExit(f"error: compare takes the unpatched run, then the torchferry run; got {a['mode']}, {b['mode']}")
-    extra = {}
-    for path in args.extra or []:
-        r = json.loads(Path(path).read_text())
-        if r["mode"] != "torchferry" or r.get("label") in (None, "torchferry", "verl", *extra):
-            raise SystemExit(f"error: --extra takes torchferry runs with a label of their own; {path} is "
-                             f"{r['mode']!r} labelled {r.get('label')!r}")
-        extra[r["label"]] = r
-    world = a["env"]["world_size"]
-    same, differing = identical(a, b)
-    n_params = sum(len(r["params"]) for r in a["per_rank"])
+def report(runs: dict, command: str | None = None) -> dict:
+    """The ``torchferry.verl-step/1`` JSON from a run's records (:func:`cmd_run`)."""
+    labels = [s["label"] for s in runs["strategies"]]
+    kinds = {s["label"]: s["kind"] for s in runs["strategies"]}
+    views = {label: _view(runs, label) for label in labels}
+    world = runs["env"]["world_size"]
 
-    def summary(r: dict) -> dict:
-        r0 = r["per_rank"][0]
+    def summary(label: str) -> dict:
+        r0 = views[label]["per_rank"][0]
         sizes = r0["state_bytes"]
         tr = _transfers(r0)
         state = sizes["params"] + sizes["optimizer"]
-        pinned = r0["pinned_host_bytes"]
+        spec = next(s for s in runs["strategies"] if s["label"] == label)
+        pools = r0["torchferry_pool_bytes"]["pinned"]
         return {
-            **tr,
+            "kind": kinds[label], **tr,
             "offload_GBps_steady": state / tr["offload_s"]["steady"] / 1e9 if tr["offload_s"]["steady"] else None,
             "reload_GBps_steady": state / tr["reload_s"]["steady"] / 1e9 if tr["reload_s"]["steady"] else None,
             "state_bytes": sizes,
-            "pinned_host_bytes": pinned["caching_host_allocator"] + pinned["torchferry_pools"],
-            "pinned_host_bytes_detail": pinned,
-            "peak_gpu_bytes": r0["peak_gpu_bytes"],
-            "losses": r0["losses"],
-            "grad_norms": r0["grad_norms"],
-            "log_prob_sum": r0["log_prob_sum"],
-            "step_s": r0["step_s"],
-            "phase_s": r0.get("phase_s", []),
+            "pinned_host_bytes": pools + (runs["per_rank"][0]["caching_host_allocator_pinned_bytes"]
+                                          if kinds[label] == "verl" else 0),
+            "pinned_host_bytes_detail": {"torchferry_pools": pools, "torchferry_pool_bytes":
+                                         r0["torchferry_pool_bytes"]["host"], "ferries": r0["ferries"]},
+            "peak_gpu_allocated_bytes": max(r0["peak_gpu_allocated"]) if r0["peak_gpu_allocated"] else None,
+            "gpu_allocated_at_step_start_bytes": _median(r0["gpu_allocated_at_start"]),
+            "losses": r0["losses"], "grad_norms": r0["grad_norms"], "log_prob_sum": r0["log_prob_sum"],
+            "step_s": r0["step_s"], "phase_s": r0["phase_s"], "order_in_round": r0["order"],
             "bytes_moved_per_step": _bytes_per_step(r0),
             "weight_sync_bytes": r0.get("weight_sync_bytes", 0),
-            "torchferry_settings": r["config"].get("torchferry_settings", {}),
-            "build_s": r0["build_s"],
-            "patched": r.get("patched", []),
-            "per_rank": [{"rank": x["rank"], **_transfers(x), "state_bytes": x["state_bytes"],
-                          "pinned_host_bytes": x["pinned_host_bytes"], "peak_gpu_bytes": x["peak_gpu_bytes"]}
-                         for x in r["per_rank"]],
+            "torchferry_settings": spec["settings"] if kinds[label] == "torchferry" else {},
+            "build_s": r0["build_s"], "patched": spec["patched"],
+            "per_rank": [{"rank": x["rank"], **_transfers(x), "state_bytes": x["state_bytes"]}
+                         for x in views[label]["per_rank"]],
         }
 
-    env = dict(b["env"])
-    env["command"] = args.command or "bash benchmarks/verl_actor.sh"
+    compared = {label: identical(views["verl"], views[label]) for label in labels if label != "verl"}
+    ferried = [label for label in labels if kinds[label] == "torchferry"]
+    env = dict(runs["env"])
+    env["command"] = command or "bash benchmarks/verl_actor.sh"
     env["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    env["ray"] = b["ray"]
+    env["ray"] = runs["ray"]
     env["torchferry_commit"] = os.environ.get("TORCHFERRY_COMMIT")
-    # How torchferry was set to move state in the torchferry run (TORCHFERRY_OPTIMIZER_AT_STEP, ...).
-    env["torchferry_settings"] = {k: v for k, v in sorted(os.environ.items())
-                                  if k.startswith("TORCHFERRY_") and k != "TORCHFERRY_COMMIT"}
+    r0 = views["verl"]["per_rank"][0]
     out = {
         "schema": SCHEMA,
         "env": env,
         "verl_code": VERL_CODE,
-        "model": b["config"]["model"],
-        "config": {k: v for k, v in b["config"].items() if k not in ("model", "model_dir")},
-        "units": "seconds from the call of verl's FSDPEngine.to until the copies are complete (synchronised); "
-                 "bytes per rank; GB/s = 1e9 B/s; offload/reload_s are update_actor's (parameters + AdamW state), "
-                 "first = step 1, steady = median of the later steps; model_only_* are compute_log_prob's",
-        "runs": {"unpatched": summary(a), "torchferry": summary(b), **{k: summary(r) for k, r in extra.items()}},
-        "bit_identical": all(same.values()) and all(all(identical(a, r)[0].values()) for r in extra.values()),
-        "bit_identical_to_verl": {"torchferry": all(same.values()),
-                                  **{k: all(identical(a, r)[0].values()) for k, r in extra.items()}},
-        "bit_identical_detail": {**same, "compared": {"steps": len(a["per_rank"][0]["losses"]), "ranks": world,
-                                                      "parameter_shards": n_params,
-                                                      "optimizer_state_tensors": sum(len(r["optimizer_state_sha256"])
-                                                                                     for r in a["per_rank"])},
-                                 "differing": differing},
+        "model": runs["config"]["model"],
+        "config": {**{k: v for k, v in runs["config"].items() if k not in ("model", "model_dir")},
+                   "strategies": runs["strategies"], "interleaved": "one process, one actor per strategy; "
+                   "each round runs every strategy's step, the order rotated by one each round"},
+        "units": "seconds; offload_s: from the call of verl's FSDPEngine.to until its copies are complete "
+                 "(synchronised); reload_s: from the call until the compute stream may go on (CUDA events: "
+                 "a reload left to the forward or to optimizer.step() counts only its call); bytes per rank; "
+                 "GB/s = 1e9 B/s; offload/reload_s are update_actor's (parameters + AdamW state), first = "
+                 "step 1, steady = median of the later steps; model_only_* are compute_log_prob's",
+        "runs": {label: summary(label) for label in labels},
+        "bit_identical": all(all(same.values()) for same, _ in compared.values()),
+        "bit_identical_to_verl": {label: all(same.values()) for label, (same, _) in compared.items()},
+        "bit_identical_detail": {
+            label: {**same, "differing": diff} for label, (same, diff) in compared.items()},
+        "compared": {"steps": len(r0["losses"]), "ranks": world,
+                     "parameter_shards": sum(len(x["params"]) for x in views["verl"]["per_rank"]),
+                     "optimizer_state_tensors": sum(len(x["optimizer_state_sha256"]) for x in views["verl"]["per_rank"]),
+                     "weight_sync_tensors": len(r0.get("weight_sync_sha256", {}))},
+        "torchferry_strategies": ferried,
     }
-    if args.resident:
-        out["exposed"] = _exposed(json.loads(Path(args.resident).read_text()), a, b, extra)
-    if a.get("per_rank", [{}])[0].get("weight_sync_sha256"):
-        out["weight_sync_identical"] = {k: r["per_rank"][0]["weight_sync_sha256"] == a["per_rank"][0][
-            "weight_sync_sha256"] for k, r in {"torchferry": b, **extra}.items()}
-    if args.control:
-        c = json.loads(Path(args.control).read_text())
-        c_same, c_diff = identical(a, c)
-        out["determinism_control"] = {"what": "a second unpatched run against the first (verl alone)",
-                                      "bit_identical": all(c_same.values()), **c_same, "differing": c_diff}
+    if "resident" in labels:
+        out["exposed"] = _exposed(views)
+    return out
+
+
+def result_name(out: dict) -> str:
+    """``verl_step_<preset>_<strategy>-<full|lora>-<shape>_<gpu>x<n>_<date>.json``."""
+    c, env = out["config"], out["env"]
     gpu = (env["gpu"] or "cpu").split()[-1].lower()
-    c = out["config"]
     mode = f"{c.get('strategy', 'fsdp2')}-{'lora' if c.get('lora') else 'full'}-{c.get('shape', 'small')}"
-    name = f"verl_step_{out['model']['preset']}_{mode}_{gpu}x{world}_{env['date'][:10]}.json"
-    path = Path(args.out_dir) / name
+    return f"verl_step_{out['model']['preset']}_{mode}_{gpu}x{env['world_size']}_{env['date'][:10]}.json"
+
+
+def cmd_report(args) -> None:
+    out = report(json.loads(Path(args.runs).read_text()), args.command)
+    path = Path(args.out_dir) / result_name(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
 
     def f(x):
         return "-" if x is None else f"{x:.3f}"
 
-    print(f"{'':12} {'offload s first/steady':>24} {'reload s first/steady':>24} {'pinned host GB':>15} "
-          f"{'peak GPU GB':>12}  losses")
+    print(f"{'':12} {'offload s first/steady':>24} {'reload s first/steady':>24} {'pinned host GB':>15}  losses")
     for k, s in out["runs"].items():
-        peak = s["peak_gpu_bytes"]["allocated"]
         print(f"{k:12} {f(s['offload_s']['first']) + ' / ' + f(s['offload_s']['steady']):>24} "
               f"{f(s['reload_s']['first']) + ' / ' + f(s['reload_s']['steady']):>24} "
-              f"{s['pinned_host_bytes'] / 1e9:>15.2f} {('-' if peak is None else f'{peak / 1e9:.2f}'):>12}  "
-              f"{s['losses']}")
-    print(f"bit_identical: {out['bit_identical']} ({same}; to verl: {out['bit_identical_to_verl']})")
+              f"{s['pinned_host_bytes'] / 1e9:>15.2f}  {s['losses']}")
+    print(f"bit_identical: {out['bit_identical']} (to verl: {out['bit_identical_to_verl']})")
     if "exposed" in out:
         ex = out["exposed"]
-        print("exposed s/step: " + ", ".join(f"{k} {f(ex[k + '_exposed_s_per_step'])}" for k in
-                                              ("verl", "torchferry", *extra)) +
-              "; over verl: " + ", ".join(f"{k} {f(ex[k + '_over_verl'])}" for k in ("torchferry", *extra)))
-    if "determinism_control" in out:
-        print(f"determinism control (unpatched twice): bit_identical {out['determinism_control']['bit_identical']}")
+        print("exposed s/step (median [min, max]): " + ", ".join(
+            f"{k} {f(v['exposed_transfer_s_per_step']['median'])} [{f(v['exposed_transfer_s_per_step']['min'])}, "
+            f"{f(v['exposed_transfer_s_per_step']['max'])}]" + (f" = {f(v['over_verl'])}x verl" if "over_verl" in v
+                                                                else "")
+            for k, v in ex.items() if isinstance(v, dict) and "exposed_transfer_s_per_step" in v))
+        for k, v in ex.items():
+            if isinstance(v, dict) and "exposed_s_per_phase" in v:
+                print(f"  {k} per phase: " + ", ".join(f"{p} {f(x)}" for p, x in v["exposed_s_per_phase"].items()))
     print(f"wrote {path}")
 
 
@@ -850,12 +956,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=None, help="override the number of layers")
     p.add_argument("--model-dir", required=True)
     p.add_argument("--seed", type=int, default=0)
-    p = sub.add_parser("run", help="one run under torchrun (unpatched or torchferry)")
-    p.add_argument("--mode", choices=["unpatched", "torchferry", "resident"], required=True,
-                   help="resident: verl unpatched with param_offload and optimizer_offload off (the baseline)")
+    p = sub.add_parser("run", help="every strategy's actor in one process under torchrun, rounds interleaved")
+    p.add_argument("--strategies", nargs="+", default=["resident", "verl", "torchferry"],
+                   help="resident (offload off), verl (its own helpers), torchferry (patch() defaults), "
+                        "LABEL:K=V[,K=V] (torchferry under these settings); default: %(default)s")
     p.add_argument("--model-dir", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--out", required=True, help="the runs' records (JSON; `report` turns them into the result)")
+    p.add_argument("--steps", type=int, default=4, help="rounds: each strategy's steps (default: %(default)s)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--tiny", action="store_true", help="small batches (the CPU check)")
@@ -865,16 +972,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rollout-gb", type=float, default=0.0, help="rollout stand-in: KV-cache GB held")
     p.add_argument("--rollout-matmuls", type=int, default=0, help="rollout stand-in: bf16 8192^3 matmuls")
     p.add_argument("--weight-sync", action="store_true", help="engine.get_per_tensor_param() after update_actor")
-    p.add_argument("--label", default=None, help="the run's name in the comparison (default: the mode)")
-    p = sub.add_parser("compare", help="the runs' JSONs -> the torchferry.verl-step/1 JSON")
-    p.add_argument("runs", nargs=2)
+    p.add_argument("--cublas-workspace", default=None,
+                   help="CUBLAS_WORKSPACE_CONFIG after verl's full_determinism set its own (:16:8), before the "
+                        "first matmul (e.g. :4096:8, also deterministic)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the rounds, one more resident step under torch.profiler (tables printed)")
+    p = sub.add_parser("report", help="a run's records -> the torchferry.verl-step/1 JSON")
+    p.add_argument("runs")
     p.add_argument("--out-dir", required=True)
     p.add_argument("--command", default=None, help="the command to record in env.command")
-    p.add_argument("--control", default=None, help="a second unpatched run: is verl's run alone repeatable?")
-    p.add_argument("--resident", default=None, help="a resident run (no offload): the steps' exposed transfer")
-    p.add_argument("--extra", nargs="*", default=None, help="more torchferry runs, each with its own --label")
     args = ap.parse_args(argv)
-    {"prepare": cmd_prepare, "run": cmd_run, "compare": cmd_compare}[args.cmd](args)
+    {"prepare": cmd_prepare, "run": cmd_run, "report": cmd_report}[args.cmd](args)
 
 
 if __name__ == "__main__":

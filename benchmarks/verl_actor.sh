@@ -1,27 +1,27 @@
 #!/usr/bin/env bash
-# verl 0.9.1's own FSDP2 actor (param_offload + optimizer_offload) on N GPUs: once unpatched, once
-# with torchferry, once resident (no offload: the baseline of "exposed"), same seeds and data,
-# each run a fresh torchrun; then the comparison.
+# verl 0.9.1's own actor (param_offload + optimizer_offload) on N GPUs in a colocated step: resident
+# (offload off: the baseline of "exposed"), verl's own helpers (the seed) and torchferry's, one actor
+# each in one process, rounds interleaved, same seeds and data; then the report.
 #
 #   bash benchmarks/verl_actor.sh OUT [NPROC] [PRESET] [STEPS]
 #
-# OUT gets: verl_step_<preset>_<strategy>-<full|lora>-<shape>_<gpu>x<N>_<date>.json (schema torchferry.verl-step/1; bit_identical
-# compares losses, old log-probs, every parameter shard and optimizer-state tensor exactly),
-# run_unpatched.json, run_torchferry.json and log.txt; if the two runs are not identical, a second
-# unpatched run (run_unpatched_repeat.json) says whether verl's run alone is repeatable
-# ("determinism_control" in the results). NPROC defaults to the number of GPUs (1 on
-# the CPU), PRESET to qwen2.5-1.5b (random init, no download; tiny on a machine without a GPU),
-# STEPS to 4.
+# OUT gets: verl_step_<preset>_<strategy>-<full|lora>-<shape>_<gpu>x<N>_<date>.json (schema
+# torchferry.verl-step/1; bit_identical compares losses, old and reference log-probs, every parameter
+# shard, optimizer-state tensor and weight-sync buffer exactly, against verl's), runs.json (the
+# records it is made from) and log.txt. NPROC defaults to the number of GPUs (1 on the CPU), PRESET to
+# qwen2.5-1.5b (random init, no download; tiny on a machine without a GPU), STEPS (rounds) to 4.
 #
-# What the step holds, from the environment (defaults: verl's FSDP2 actor alone, small batches):
+# What the step holds, from the environment (defaults: verl's FSDP2 actor, small batches):
 #   VERL_ACTOR_SHAPE=small|compute-rich   compute-rich: 16,384 tokens per rank and phase
 #   VERL_ACTOR_STRATEGY=fsdp2|fsdp        verl's actor strategy (fsdp: FSDP1, verl's default)
-#   VERL_ACTOR_LORA_RANK=N                verl's lora_rank (0: full fine-tuning)
+#   VERL_ACTOR_LORA_RANK=N                verl's lora_rank (0: full fine-tuning); adds the reference phase
 #   VERL_ACTOR_ROLLOUT="GB MATMULS"       a rollout stand-in before each step's old_log_prob
 #   VERL_ACTOR_WEIGHT_SYNC=1              engine.get_per_tensor_param() after each update_actor
-#   VERL_ACTOR_RESIDENT=0                 no resident run (no exposed step time then)
-#   VERL_ACTOR_VARIANTS="LABEL:K=V,K=V ..." more torchferry runs, each with these settings
-#                                         (e.g. "at-step:TORCHFERRY_OPTIMIZER_AT_STEP=1")
+#   VERL_ACTOR_RESIDENT=0                 no resident strategy (no exposed step time then)
+#   VERL_ACTOR_VARIANTS="LABEL:K=V,K=V ..." more torchferry strategies, each under these settings
+#                                         (e.g. "plain:TORCHFERRY_LAYERWISE_RELOAD=0,TORCHFERRY_OPTIMIZER_AT_STEP=0")
+#   VERL_ACTOR_CUBLAS_WORKSPACE=:4096:8   CUBLAS_WORKSPACE_CONFIG after verl's full_determinism set :16:8
+#   VERL_ACTOR_PROFILE=1                  one more resident step under torch.profiler (tables in log.txt)
 #
 # verl and what its actor code imports must be importable (pip install -e '.[test]', then
 # pip install --no-deps verl==0.9.1). On a machine without network, TFDEPS_WHEELS=DIR names a folder of
@@ -81,38 +81,17 @@ LOG="$OUT/log.txt"
 if [ ! -f "$MODEL/torchferry_prepare.json" ]; then
   "$PY" benchmarks/verl_actor.py prepare --preset "$PRESET" --model-dir "$MODEL" 2>&1 | tee -a "$LOG"
 fi
-run() {  # MODE OUT_JSON [ARGS...]
-  local mode=$1 out=$2; shift 2
-  "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" benchmarks/verl_actor.py run \
-      --mode "$mode" --model-dir "$MODEL" --steps "$STEPS" --out "$out" "${EXTRA[@]}" "$@" 2>&1 | tee -a "$LOG"
-}
-run unpatched "$OUT/run_unpatched.json"
-run torchferry "$OUT/run_torchferry.json"
-RESIDENT=()
-if [ "${VERL_ACTOR_RESIDENT:-1}" = 1 ]; then  # no offload: what the others' steps cost beyond it
-  run resident "$OUT/run_resident.json"
-  RESIDENT=(--resident "$OUT/run_resident.json")
-fi
-VARIANT_RUNS=()
-for v in ${VERL_ACTOR_VARIANTS:-}; do  # LABEL:K=V,K=V: a torchferry run with these settings
-  label=${v%%:*}
-  IFS=, read -r -a kvs <<<"${v#*:}"
-  (export "${kvs[@]}"; run torchferry "$OUT/run_$label.json" --label "$label")
-  VARIANT_RUNS+=("$OUT/run_$label.json")
-done
+STRATEGIES=(verl torchferry)
+if [ "${VERL_ACTOR_RESIDENT:-1}" = 1 ]; then STRATEGIES=(resident "${STRATEGIES[@]}"); fi
+for v in ${VERL_ACTOR_VARIANTS:-}; do STRATEGIES+=("$v"); done
+if [ -n "${VERL_ACTOR_CUBLAS_WORKSPACE:-}" ]; then EXTRA+=(--cublas-workspace "$VERL_ACTOR_CUBLAS_WORKSPACE"); fi
+if [ "${VERL_ACTOR_PROFILE:-0}" = 1 ]; then EXTRA+=(--profile); fi
+"$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" benchmarks/verl_actor.py run \
+    --strategies "${STRATEGIES[@]}" --model-dir "$MODEL" --steps "$STEPS" --out "$OUT/runs.json" "${EXTRA[@]}" \
+    2>&1 | tee -a "$LOG"
 CMD="bash benchmarks/verl_actor.sh OUT $NPROC $PRESET $STEPS"
 for k in VERL_ACTOR_SHAPE VERL_ACTOR_STRATEGY VERL_ACTOR_LORA_RANK VERL_ACTOR_ROLLOUT VERL_ACTOR_WEIGHT_SYNC \
-         VERL_ACTOR_RESIDENT VERL_ACTOR_VARIANTS; do
+         VERL_ACTOR_RESIDENT VERL_ACTOR_VARIANTS VERL_ACTOR_CUBLAS_WORKSPACE; do
   if [ -n "${!k:-}" ]; then CMD="$k='${!k}' $CMD"; fi
 done
-"$PY" benchmarks/verl_actor.py compare "$OUT/run_unpatched.json" "$OUT/run_torchferry.json" --out-dir "$OUT" \
-    --command "$CMD" ${RESIDENT[@]+"${RESIDENT[@]}"} ${VARIANT_RUNS[@]+--extra "${VARIANT_RUNS[@]}"} 2>&1 | tee -a "$LOG"
-RESULT=$(ls -t "$OUT"/verl_step_*.json | head -1)
-if ! "$PY" -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1]))["bit_identical"])' "$RESULT"; then
-  # Not identical: is verl's own run repeatable? A second unpatched run tells torchferry apart from the kernels.
-  echo "not bit-identical: a second unpatched run, as the determinism control" | tee -a "$LOG"
-  run unpatched "$OUT/run_unpatched_repeat.json"
-  "$PY" benchmarks/verl_actor.py compare "$OUT/run_unpatched.json" "$OUT/run_torchferry.json" --out-dir "$OUT" \
-      --command "$CMD" --control "$OUT/run_unpatched_repeat.json" ${RESIDENT[@]+"${RESIDENT[@]}"} \
-      ${VARIANT_RUNS[@]+--extra "${VARIANT_RUNS[@]}"} 2>&1 | tee -a "$LOG"
-fi
+"$PY" benchmarks/verl_actor.py report "$OUT/runs.json" --out-dir "$OUT" --command "$CMD" 2>&1 | tee -a "$LOG"

@@ -1,6 +1,6 @@
 """GPU tier of issue 15's kinds: what only shows when the device changes (CUDA <-> CPU).
 
-DDP, TP hooks and a frozen FSDP2 parameter over NCCL on 2 GPUs (the CPU tier
+DDP, TP hooks, a frozen FSDP2 parameter and module.to() while off the device over NCCL on 2 GPUs (the CPU tier
 runs the same checks over gloo, where no device changes); device memory back
 at its baseline after close() or a drop; a checkpoint resume while offloaded;
 optimizer state hidden outside ``optimizer.state`` refused; per-slot host
@@ -21,6 +21,7 @@ from tests.cpu.test_integration_ddp_tp import (
     check_ddp_trains_as_without_offload,
     check_tp_hooks_and_optimizer_in_backward,
 )
+from tests.cpu.test_fsdp2_module_to import check_module_to_while_off_device
 from tests.cpu.test_integration_fsdp2 import check_frozen_parameter_keeps_its_grad
 from tests.helpers import assert_same, snapshot
 from tests.spawn import run_spawned
@@ -39,6 +40,10 @@ def _tp(rank, world):
 
 def _frozen(rank, world):
     check_frozen_parameter_keeps_its_grad(rank, world, device=f"cuda:{rank}")
+
+
+def _module_to(rank, world):
+    check_module_to_while_off_device(rank, world, device=f"cuda:{rank}")
 
 
 def _prefetch_state_dict_nccl(rank, world):
@@ -60,10 +65,16 @@ def _prefetch_state_dict_nccl(rank, world):
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("check", [_ddp, _tp, _frozen, _prefetch_state_dict_nccl],
-                         ids=["ddp", "tp_hooks", "frozen_grad", "state_dict_after_prefetch"])
+@pytest.mark.parametrize("check", [_ddp, _tp, _frozen, _prefetch_state_dict_nccl, _module_to],
+                         ids=["ddp", "tp_hooks", "frozen_grad", "state_dict_after_prefetch", "module_to_uneven"])
 def test_two_rank_nccl(check):
     run_spawned(check, world=2, backend="nccl")
+
+
+def test_module_to_while_offloaded_or_prefetching_one_gpu():
+    """[Note: FSDP2's shard buffer after a move] over NCCL on one GPU: the pool views are host
+    memory and the shards device memory, so a stale buffer would all-gather host bytes."""
+    run_spawned(_module_to, world=1, backend="nccl")
 
 
 def _trained(seed=0):

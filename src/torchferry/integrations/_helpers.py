@@ -127,6 +127,7 @@ __all__ = [
     "optimizer_at_step",
     "reset_settings",
     "set_optimizer_at_step",
+    "set_patched_defaults",
     "set_skip_unchanged",
     "skip_unchanged",
 ]
@@ -139,6 +140,7 @@ class _Setting:
     def __init__(self, name: str, env: str, default: bool) -> None:
         self.name, self.env, self.default = name, env, default
         self.value: bool | None = None  # None: the environment
+        self.patched_default: bool | None = None  # an integration's own default while it is patched
 
     def set(self, value: bool | None) -> bool | None:
         check_optional_bool(value, self.name)
@@ -151,7 +153,9 @@ class _Setting:
             self.get()
 
     def get(self) -> bool:
-        return self.value if self.value is not None else env_flag(self.env, self.default)
+        if self.value is not None:
+            return self.value
+        return env_flag(self.env, self.default if self.patched_default is None else self.patched_default)
 
 
 SKIP_ENV = "TORCHFERRY_SKIP_UNCHANGED"
@@ -233,10 +237,20 @@ def apply_settings(**values: bool | None) -> None:
             _SETTINGS[name].set(value)
 
 
+def set_patched_defaults(**defaults: bool) -> None:
+    """The patching integration's own defaults (``optimizer_at_step``, ``layerwise_reload``, ...),
+    used where neither a ``patch()`` argument nor the environment variable says (verl's: [Note:
+    verl's defaults] in ``integrations.verl._patch``); reset by :func:`reset_settings`."""
+    for name, value in defaults.items():
+        check_optional_bool(value, name)
+        _SETTINGS[name].patched_default = value
+
+
 def reset_settings() -> None:
-    """Every setting back to its environment variable (an integration's ``unpatch()``)."""
+    """Every setting back to its environment variable and torchferry's default (an integration's ``unpatch()``)."""
     for setting in _SETTINGS.values():
         setting.set(None)
+        setting.patched_default = None
 
 
 def ferry_for(obj: nn.Module | torch.optim.Optimizer) -> Ferry | None:

@@ -38,7 +38,7 @@ import logging
 import torch
 
 from .._transfer.copies import issue_h2d, undo_allocations
-from .._state.fsdp import local_of
+from .._state.fsdp import local_of, repoint_sharded_data
 from .._state.host_blocks import in_host_pool
 from .._host.layout import HostViews
 from .._state.plan import Plan
@@ -173,6 +173,9 @@ def reconcile(plan: Plan, views: HostViews, parking: Parking, targets: list[obje
             local.data = dev
         for m in moves:
             undo.append(moved(m))
+        # See [Note: FSDP2's shard buffer after a move] (undone with the rest: the buffers then view
+        # device storages the undo releases, as after any offload).
+        repoint_sharded_data(plan.modules, parking.host_locals(back))
     except BaseException:
         for step in reversed(undo):
             step()

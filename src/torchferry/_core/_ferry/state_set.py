@@ -36,7 +36,7 @@ from .._schedules.early import EarlyOffload
 from .._schedules.prefetch import Group, Prefetch, PrefetchRun
 from .._schedules.release import PROGRESS_EVERY, ReleaseSchedule
 from .._schedules.unchanged import UnchangedStorages
-from .._state.fsdp import comm_streams
+from .._state.fsdp import comm_streams, repoint_sharded_data
 from .._state.parking import Parking
 from .._state.plan import Plan, PlanCache, build_plan, fingerprint, refuse_unresizable, storage_bytes
 from .._state.targets import Targets
@@ -319,6 +319,8 @@ class StateSet:
                     stream.wait_event(copies.event)  # pyright: ignore[reportArgumentType]  # an event on a GPU
             parking.to_device(range(len(plan.tensors)))
             move.repointed = True
+            # See [Note: FSDP2's shard buffer after a move].
+            repoint_sharded_data(plan.modules, parking.host_locals(range(len(plan.tensors))))
             self._take_baseline(plan, off.views, swapping=tracks, early=early)
         except BaseException as e:
             move.undo()

@@ -48,7 +48,7 @@ from torch import nn
 
 from .._transfer.copies import transfer_range
 from .._transfer.arena import ReloadArena
-from .._state.fsdp import comm_streams, forward_prefetch_units, versions
+from .._state.fsdp import comm_streams, forward_prefetch_units, repoint_sharded_data, versions
 from .._api.handle import TransferHandle
 from .._host.layout import HostViews
 from .._state.plan import Plan
@@ -405,8 +405,11 @@ class PrefetchRun:
             self.streams.current().wait_event(ev)
             for stream in self._comm:  # FSDP2's all-gather copy-in reads the shard there
                 stream.wait_event(ev)
-        self.parking.to_device(self.groups[gi].tensors)
+        group = self.groups[gi]
+        self.parking.to_device(group.tensors)
         self.resident.add(gi)
+        repoint_sharded_data([group.unit] if group.unit is not None else self.plan.modules,  # see [Note: FSDP2's
+                             self.parking.host_locals(group.tensors))  # shard buffer after a move]
         if self._unchanged is not None:
             ts = self.groups[gi].tensors
             self._unchanged.resident(self.plan, self.views, self.parking.host_versions(ts), ts)

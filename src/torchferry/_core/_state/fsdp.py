@@ -21,6 +21,7 @@ __all__ = [
     "is_dtensor",
     "lazy_init_done",
     "local_of",
+    "repoint_sharded_data",
     "reshard",
     "swap_local",
     "unit_key",
@@ -127,6 +128,72 @@ def lazy_init_done(modules: list[nn.Module]) -> bool:
             if getattr(unit._get_fsdp_state(), "_is_root", None) is None:  # pyright: ignore[reportCallIssue]  # FSDP2 private _get_fsdp_state
                 return False
     return True
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    return sa.device == sb.device and sa.data_ptr() == sb.data_ptr()
+
+
+def repoint_sharded_data(modules: list[nn.Module], host_side: dict[int, torch.Tensor]) -> int:
+    """Makes FSDP2's padded shard buffers view the storages their parameters came back on.
+
+    [Note: FSDP2's shard buffer after a move]
+    FSDP2 all-gathers a unit's parameters from each ``FSDPParam._sharded_param_data``,
+    a 1D view of the padded storage the parameter's local shard is a prefix of. The
+    ferry moves that storage itself (freed and re-allocated in place), so the view
+    stays valid. But ``nn.Module._apply`` on a ``fully_shard``-ed module (any
+    ``module.to(...)``, ``.cpu()``, ``.float()``) calls ``reset_sharded_param()``,
+    which points ``_sharded_param_data`` at whatever the local shard is at that
+    moment: while the state is offloaded, or reloading layer-wise, that is the host
+    view of the pool (a same-device ``to("cpu")`` moves nothing, and verl's LoRA weight
+    sync does exactly that in ``collect_lora_params``), and with an uneven shard a new
+    padded host copy that replaces the local shard too. After the reload the
+    parameter is on the device again, but FSDP2 would gather the stale host bytes:
+    training went on from the weights of the offload, silently (found through verl
+    0.9.1's LoRA actor: the second mini-batch after a weight sync differed from
+    verl's own run; ``tests/cpu/test_fsdp2_module_to.py``). So every reload, whole or
+    unit by unit, re-points each moved parameter's ``_sharded_param_data`` that views
+    the host side it just left (its parked twin's local shard): a view of the padded
+    size over the device storage, or, where that storage is too small for it,
+    ``reset_sharded_param()``, FSDP2's own repair, now that the shard is on the device.
+    A buffer left elsewhere (``p._local_tensor.data = t`` by hand) is left as it is,
+    as FSDP2 would without a ferry.
+
+    Args:
+        modules: the plan's modules (their FSDP2 units are searched).
+        host_side: ``id()`` of each DTensor parameter just given its device impl back ->
+            the host local shard it had (``Parking.host_locals``).
+
+    Returns:
+        How many buffers were re-pointed (0 in the normal cycle).
+    """
+    n = 0
+    if not host_side:
+        return n
+    for m in modules:
+        for unit in fsdp_modules(m):
+            state = unit._get_fsdp_state()  # pyright: ignore[reportCallIssue]  # FSDP2 private _get_fsdp_state
+            for group in ([getattr(state, "_fsdp_param_group", None)]
+                          + list(getattr(state, "_fsdp_param_groups", []) or [])):
+                for fp in getattr(group, "fsdp_params", ()) or ():
+                    host = host_side.get(id(fp.sharded_param))
+                    data = getattr(fp, "_sharded_param_data", None)
+                    if host is None or data is None or not _same_storage(data, host):
+                        continue
+                    local = fp.sharded_param._local_tensor
+                    if _same_storage(data, local) or local.is_meta:
+                        continue
+                    numel = fp.padded_sharded_param_size.numel()
+                    storage = local.untyped_storage()
+                    if local.storage_offset() == 0 and local.is_contiguous() and \
+                            storage.nbytes() >= numel * local.element_size():
+                        fp._sharded_param_data = torch.empty(0, dtype=local.dtype, device=local.device).set_(
+                            storage, 0, (numel,), (1,))
+                    else:
+                        fp.reset_sharded_param()
+                    n += 1
+    return n
 
 
 def fsdp1_offloads_params(module: nn.Module) -> bool:

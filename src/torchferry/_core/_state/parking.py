@@ -156,6 +156,11 @@ class Parking:
                 if twin is None:
                     local = host_locals[i]
                     twin = dtensor_twin(t, local) if dtensor[i] else local
+                elif dtensor[i] and twin._local_tensor is not host_locals[i]:
+                    # FSDP2 replaced the local shard while it was on the host (an uneven shard
+                    # re-padded by module.to(...)): the pool view again ([Note: FSDP2's shard
+                    # buffer after a move] in .fsdp)
+                    twin._local_tensor = host_locals[i]
                 if twin.requires_grad != t.requires_grad:
                     twin.requires_grad_(t.requires_grad)
                 g = t.grad if grad_slot[i] else None
@@ -191,6 +196,12 @@ class Parking:
             self._raise(e, indices, done)
         for i in done:
             self.on_host[i] = False
+
+    def host_locals(self, indices: list[int] | range) -> dict[int, torch.Tensor]:
+        """After :meth:`to_device`: ``id()`` of each DTensor of ``tensors[indices]`` -> the host local
+        shard its twin parks now ([Note: FSDP2's shard buffer after a move] in ``.fsdp``)."""
+        return {id(self.tensors[i]): twin._local_tensor for i in indices
+                if self._dtensor[i] and (twin := self._twins[i]) is not None}
 
     def revert_to_device(self, indices: list[int] | range) -> None:
         """Undoes a :meth:`to_device` of ``indices`` exactly: the objects take their host impls back

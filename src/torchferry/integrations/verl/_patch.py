@@ -62,6 +62,8 @@ _HELPERS: dict[str, tuple[str, ...]] = {
 }
 
 
+VERL_DEFAULTS = {"optimizer_at_step": True, "layerwise_reload": True}
+"""What ``patch()`` turns on where neither its argument nor the environment says ([Note: verl's defaults])."""
 FSDP1_ENV = "TORCHFERRY_VERL_FSDP1"
 _fsdp1: bool | None = None  # patch(fsdp1=...); None: the environment
 
@@ -168,6 +170,7 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
     names = _patcher.patch(import_call_sites=import_engines)
     for engine in engines:  # see [Note: the VeOmni and Automodel helpers] in ._engines
         names += engine.patch(import_call_sites=import_engines)
+    compat.set_patched_defaults(**VERL_DEFAULTS)
     compat.apply_settings(**settings)
     if fsdp1 is not None:
         _fsdp1 = fsdp1

@@ -649,7 +649,14 @@ def cmd_run(args) -> None:
             rec["peak_gpu_allocated"].append(torch.cuda.max_memory_allocated(gpu))
         resolve_timings(s.label)
 
+    t_rounds = time.perf_counter()
     for step in range(args.steps):  # rounds: every strategy one step, the order rotated each round
+        if args.max_round_seconds and step >= 2:  # stop starting rounds past the budget (rank 0 decides)
+            stop = [time.perf_counter() - t_rounds > args.max_round_seconds]
+            dist.broadcast_object_list(stop, src=0)
+            if stop[0]:
+                log(f"stopping after {step} rounds: past --max-round-seconds {args.max_round_seconds}")
+                break
         k = step % len(strategies)
         order = strategies[k:] + strategies[:k]
         for s in order:
@@ -677,9 +684,9 @@ def cmd_run(args) -> None:
         opt_state = {f"{names.get(id(p), '?')}.{k}": _sha(_local(v)) for p, st in engine.optimizer.state.items()
                      for k, v in st.items() if torch.is_tensor(v)}
         ferries = [f for f in (ferry_for(engine.module), ferry_for(engine.optimizer)) if f is not None]
-        weights = rec.pop("rollout_weights")
+        weights = rec["rollout_weights"]
         mine["strategies"][s.label] = {
-            **{k: v for k, v in rec.items()},
+            **{k: v for k, v in rec.items() if k != "rollout_weights"},
             "state_bytes": {"params": _part_bytes(engine, "model"), "optimizer": _part_bytes(engine, "optimizer")},
             "torchferry_pool_bytes": {"pinned": sum(f.pinned_bytes for f in ferries),
                                       "host": sum(f.host_bytes for f in ferries)},
@@ -688,15 +695,6 @@ def cmd_run(args) -> None:
             "weight_sync_sha256": {n: _sha(t) for n, t in sorted(weights.items())},
         }
     mine["caching_host_allocator_pinned_bytes"] = pinned_process
-    if args.profile and cuda:  # after the hashes: one more resident step under the profiler (not in the figures)
-        from torch.profiler import ProfilerActivity, profile
-
-        s = next((x for x in strategies if x.kind == "resident"), strategies[0])
-        with active(s), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            one_step(s, args.steps)
-        if rank == 0:
-            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20), flush=True)
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, mine)
     if rank == 0:
@@ -711,7 +709,7 @@ def cmd_run(args) -> None:
                     "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")},
             "strategies": [{"label": s.label, "kind": s.kind, "settings": {**base_env, **s.env},
                             "patched": patched_names.get(s.label, [])} for s in strategies],
-            "config": {"steps": args.steps, "seed": args.seed, "lr": args.lr,
+            "config": {"steps": len(records[strategies[0].label]["step_s"]), "seed": args.seed, "lr": args.lr,
                        "shape": "tiny" if args.tiny else args.shape,
                        **dataclasses.asdict(shape), "tokens_per_phase_per_rank": shape.batch_per_rank * (
                            shape.prompt_len + shape.response_len),
@@ -731,6 +729,17 @@ def cmd_run(args) -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
         log(f"wrote {args.out}")
+    if args.profile:  # after the records are written: one more resident step under the profiler (not in the figures)
+        from torch.profiler import ProfilerActivity, profile
+
+        s = next((x for x in strategies if x.kind == "resident"), strategies[0])
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with active(s), profile(activities=activities) as prof:
+            one_step(s, len(records[s.label]["step_s"]))
+        if rank == 0 and cuda:
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20), flush=True)
+        if rank == 0:
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -975,6 +984,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cublas-workspace", default=None,
                    help="CUBLAS_WORKSPACE_CONFIG after verl's full_determinism set its own (:16:8), before the "
                         "first matmul (e.g. :4096:8, also deterministic)")
+    p.add_argument("--max-round-seconds", type=float, default=0.0,
+                   help="start no round after this many seconds of rounds (at least 2 run; 0: all --steps)")
     p.add_argument("--profile", action="store_true",
                    help="after the rounds, one more resident step under torch.profiler (tables printed)")
     p = sub.add_parser("report", help="a run's records -> the torchferry.verl-step/1 JSON")

@@ -20,7 +20,9 @@
 #   VERL_ACTOR_RESIDENT=0                 no resident strategy (no exposed step time then)
 #   VERL_ACTOR_VARIANTS="LABEL:K=V,K=V ..." more torchferry strategies, each under these settings
 #                                         (e.g. "plain:TORCHFERRY_LAYERWISE_RELOAD=0,TORCHFERRY_OPTIMIZER_AT_STEP=0")
-#   VERL_ACTOR_CUBLAS_WORKSPACE=:4096:8   CUBLAS_WORKSPACE_CONFIG after verl's full_determinism set :16:8
+#   VERL_ACTOR_CUBLAS_WORKSPACE=:4096:8   CUBLAS_WORKSPACE_CONFIG set after verl's full_determinism set its
+#                                         :16:8 (the default here, also deterministic; empty: verl's :16:8)
+#   VERL_ACTOR_MAX_ROUND_S=S              start no round after S seconds of rounds (at least 2 run)
 #   VERL_ACTOR_PROFILE=1                  one more resident step under torch.profiler (tables in log.txt)
 #
 # verl and what its actor code imports must be importable (pip install -e '.[test]', then
@@ -84,7 +86,9 @@ fi
 STRATEGIES=(verl torchferry)
 if [ "${VERL_ACTOR_RESIDENT:-1}" = 1 ]; then STRATEGIES=(resident "${STRATEGIES[@]}"); fi
 for v in ${VERL_ACTOR_VARIANTS:-}; do STRATEGIES+=("$v"); done
-if [ -n "${VERL_ACTOR_CUBLAS_WORKSPACE:-}" ]; then EXTRA+=(--cublas-workspace "$VERL_ACTOR_CUBLAS_WORKSPACE"); fi
+CUBLAS=${VERL_ACTOR_CUBLAS_WORKSPACE-:4096:8}
+if [ -n "$CUBLAS" ]; then EXTRA+=(--cublas-workspace "$CUBLAS"); fi
+if [ -n "${VERL_ACTOR_MAX_ROUND_S:-}" ]; then EXTRA+=(--max-round-seconds "$VERL_ACTOR_MAX_ROUND_S"); fi
 if [ "${VERL_ACTOR_PROFILE:-0}" = 1 ]; then EXTRA+=(--profile); fi
 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" benchmarks/verl_actor.py run \
     --strategies "${STRATEGIES[@]}" --model-dir "$MODEL" --steps "$STEPS" --out "$OUT/runs.json" "${EXTRA[@]}" \

@@ -729,17 +729,6 @@ def cmd_run(args) -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
         log(f"wrote {args.out}")
-    if args.profile:  # after the records are written: one more resident step under the profiler (not in the figures)
-        from torch.profiler import ProfilerActivity, profile
-
-        s = next((x for x in strategies if x.kind == "resident"), strategies[0])
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with active(s), profile(activities=activities) as prof:
-            one_step(s, len(records[s.label]["step_s"]))
-        if rank == 0 and cuda:
-            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20), flush=True)
-        if rank == 0:
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -838,13 +827,20 @@ def _exposed(views: dict[str, dict], resident: str = "resident") -> dict:
         per_round = [a - b for a, b in zip(r0["step_s"][1:], base["step_s"][1:])]
         phases = {k: _median([a[k] - b[k] for a, b in zip(r0["phase_s"][1:], base["phase_s"][1:])])
                   for k in (r0["phase_s"][0] if r0["phase_s"] else {})}
+        at_calls = [sum(e["seconds"] for e in r0["events"] if e["step"] == st) for st in range(1, len(r0["step_s"]))]
         out[label] = {"step_s": _spread(r0["step_s"][1:]),
-                      "exposed_transfer_s_per_step": _spread(per_round), "exposed_s_per_phase": phases}
-    v = out["verl"]["exposed_transfer_s_per_step"]["median"]
-    for label in out:
-        if isinstance(out[label], dict) and "exposed_transfer_s_per_step" in out[label] and label != "verl":
-            t = out[label]["exposed_transfer_s_per_step"]["median"]
-            out[label]["over_verl"] = t / v if v and t is not None and v > 0 else None
+                      "exposed_transfer_s_per_step": _spread(per_round), "exposed_s_per_phase": phases,
+                      "transfer_at_calls_s_per_step": _spread(at_calls)}
+    out["transfer_at_calls"] = ("per round after the first: the sum of the step's FSDPEngine.to seconds (an offload "
+                                "until its copies are complete, a reload until the compute stream may go on); what a "
+                                "layer-wise reload's units or optimizer.step() wait for later is not in it")
+    for key, ratio in (("exposed_transfer_s_per_step", "over_verl"), ("transfer_at_calls_s_per_step",
+                                                                       "at_calls_over_verl")):
+        v = out["verl"][key]["median"]
+        for label in out:
+            if isinstance(out[label], dict) and key in out[label] and label != "verl":
+                t = out[label][key]["median"]
+                out[label][ratio] = t / v if v and t is not None and v > 0 else None
     return out
 
 
@@ -950,6 +946,11 @@ def cmd_report(args) -> None:
             f"{f(v['exposed_transfer_s_per_step']['max'])}]" + (f" = {f(v['over_verl'])}x verl" if "over_verl" in v
                                                                 else "")
             for k, v in ex.items() if isinstance(v, dict) and "exposed_transfer_s_per_step" in v))
+        print("transfer at FSDPEngine.to s/step (median [min, max]): " + ", ".join(
+            f"{k} {f(v['transfer_at_calls_s_per_step']['median'])} [{f(v['transfer_at_calls_s_per_step']['min'])}, "
+            f"{f(v['transfer_at_calls_s_per_step']['max'])}]" + (f" = {f(v['at_calls_over_verl'])}x verl"
+                                                                 if "at_calls_over_verl" in v else "")
+            for k, v in ex.items() if isinstance(v, dict) and "transfer_at_calls_s_per_step" in v))
         for k, v in ex.items():
             if isinstance(v, dict) and "exposed_s_per_phase" in v:
                 print(f"  {k} per phase: " + ", ".join(f"{p} {f(x)}" for p, x in v["exposed_s_per_phase"].items()))
@@ -986,8 +987,6 @@ def main(argv: list[str] | None = None) -> None:
                         "first matmul (e.g. :4096:8, also deterministic)")
     p.add_argument("--max-round-seconds", type=float, default=0.0,
                    help="start no round after this many seconds of rounds (at least 2 run; 0: all --steps)")
-    p.add_argument("--profile", action="store_true",
-                   help="after the rounds, one more resident step under torch.profiler (tables printed)")
     p = sub.add_parser("report", help="a run's records -> the torchferry.verl-step/1 JSON")
     p.add_argument("runs")
     p.add_argument("--out-dir", required=True)

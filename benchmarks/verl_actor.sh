@@ -23,7 +23,6 @@
 #   VERL_ACTOR_CUBLAS_WORKSPACE=:4096:8   CUBLAS_WORKSPACE_CONFIG set after verl's full_determinism set its
 #                                         :16:8 (the default here, also deterministic; empty: verl's :16:8)
 #   VERL_ACTOR_MAX_ROUND_S=S              start no round after S seconds of rounds (at least 2 run)
-#   VERL_ACTOR_PROFILE=1                  one more resident step under torch.profiler (tables in log.txt)
 #
 # verl and what its actor code imports must be importable (pip install -e '.[test]', then
 # pip install --no-deps verl==0.9.1). On a machine without network, TFDEPS_WHEELS=DIR names a folder of
@@ -89,13 +88,12 @@ for v in ${VERL_ACTOR_VARIANTS:-}; do STRATEGIES+=("$v"); done
 CUBLAS=${VERL_ACTOR_CUBLAS_WORKSPACE-:4096:8}
 if [ -n "$CUBLAS" ]; then EXTRA+=(--cublas-workspace "$CUBLAS"); fi
 if [ -n "${VERL_ACTOR_MAX_ROUND_S:-}" ]; then EXTRA+=(--max-round-seconds "$VERL_ACTOR_MAX_ROUND_S"); fi
-if [ "${VERL_ACTOR_PROFILE:-0}" = 1 ]; then EXTRA+=(--profile); fi
 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" benchmarks/verl_actor.py run \
     --strategies "${STRATEGIES[@]}" --model-dir "$MODEL" --steps "$STEPS" --out "$OUT/runs.json" "${EXTRA[@]}" \
     2>&1 | tee -a "$LOG"
 CMD="bash benchmarks/verl_actor.sh OUT $NPROC $PRESET $STEPS"
 for k in VERL_ACTOR_SHAPE VERL_ACTOR_STRATEGY VERL_ACTOR_LORA_RANK VERL_ACTOR_ROLLOUT VERL_ACTOR_WEIGHT_SYNC \
-         VERL_ACTOR_RESIDENT VERL_ACTOR_VARIANTS VERL_ACTOR_CUBLAS_WORKSPACE; do
+         VERL_ACTOR_RESIDENT VERL_ACTOR_VARIANTS VERL_ACTOR_CUBLAS_WORKSPACE VERL_ACTOR_MAX_ROUND_S; do
   if [ -n "${!k:-}" ]; then CMD="$k='${!k}' $CMD"; fi
 done
 "$PY" benchmarks/verl_actor.py report "$OUT/runs.json" --out-dir "$OUT" --command "$CMD" 2>&1 | tee -a "$LOG"

@@ -1,6 +1,8 @@
 """benchmarks/verl_actor.sh end to end on the CPU (tiny model, 2 gloo ranks): verl 0.9.1's own
-TrainingWorker / FSDP2 engine with param and optimizer offload, unpatched and with torchferry, and
-the torchferry.verl-step/1 JSON it writes. (On GPUs the same command is the real run.)"""
+TrainingWorker / FSDP2 engine with param and optimizer offload, resident, unpatched and with
+torchferry (its defaults, and a variant with layer-wise reload and optimizer_at_step off), one actor
+each in one process, rounds interleaved, and the torchferry.verl-step/1 JSON it writes. (On GPUs the
+same command is the real run.)"""
 
 import copy
 import json
@@ -18,102 +20,129 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import verl_actor  # noqa: E402
 
+PLAIN = "plain:TORCHFERRY_LAYERWISE_RELOAD=0,TORCHFERRY_OPTIMIZER_AT_STEP=0"
+
+
+def _run(out: Path, **env: str) -> dict:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable,
+           "VERL_ACTOR_MODEL_DIR": str(out / "model"), "OMP_NUM_THREADS": "1", **env}
+    for k in ("TORCHFERRY_LAYERWISE_RELOAD", "TORCHFERRY_OPTIMIZER_AT_STEP", "TORCHFERRY_SKIP_UNCHANGED"):
+        env.pop(k, None)  # the torchferry strategy runs patch()'s defaults
+    p = subprocess.run(["bash", "benchmarks/verl_actor.sh", str(out), "2", "tiny", "3"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    return json.loads((out / "runs.json").read_text())
+
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("verl_actor")
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable,
-           "VERL_ACTOR_MODEL_DIR": str(out / "model"), "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(["bash", "benchmarks/verl_actor.sh", str(out), "2", "tiny", "2"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    runs = _run(out, VERL_ACTOR_VARIANTS=PLAIN, VERL_ACTOR_WEIGHT_SYNC="1")
     [path] = out.glob("verl_step_tiny_fsdp2-full-tiny_cpux2_*.json")
-    return out, json.loads(path.read_text())
+    return out, runs, json.loads(path.read_text())
 
 
-def test_unpatched_and_torchferry_runs_are_bit_identical(result):
-    out, r = result
+def _events(runs: dict, label: str, rank: int = 0) -> list[dict]:
+    return runs["per_rank"][rank]["strategies"][label]["events"]
+
+
+def test_every_strategy_is_bit_identical_to_verls_own_run(result):
+    out, runs, r = result
     assert r["schema"] == "torchferry.verl-step/1"
     assert r["env"]["verl"] == "0.9.1" and r["env"]["world_size"] == 2 and r["env"]["gpu"] is None
-    assert r["env"]["command"] == "bash benchmarks/verl_actor.sh OUT 2 tiny 2"
+    assert r["env"]["command"] == (f"VERL_ACTOR_VARIANTS='{PLAIN}' VERL_ACTOR_WEIGHT_SYNC='1' "
+                                   "bash benchmarks/verl_actor.sh OUT 2 tiny 3")
     assert any("TrainingWorker" in line for line in r["verl_code"])
-    assert r["bit_identical"] is True and "determinism_control" not in r
-    d = r["bit_identical_detail"]
-    assert d["compared"] == {"steps": 2, "ranks": 2, "parameter_shards": 2 * 26, "optimizer_state_tensors": 2 * 26 * 3}
-    assert d["differing"] == {}
-    u, t = r["runs"]["unpatched"], r["runs"]["torchferry"]
-    assert u["losses"] == t["losses"] and len(u["losses"]) == 2 and len(u["losses"][0]) == 2  # 2 PPO mini-batches
-    assert all(x == x for step in t["losses"] for x in step)
+    assert [s["label"] for s in r["config"]["strategies"]] == ["resident", "verl", "torchferry", "plain"]
+    assert r["bit_identical"] is True and r["bit_identical_to_verl"] == {"resident": True, "torchferry": True,
+                                                                        "plain": True}
+    assert r["compared"] == {"steps": 3, "ranks": 2, "parameter_shards": 2 * 26, "optimizer_state_tensors": 2 * 26 * 3,
+                             "weight_sync_tensors": 27}  # 26 parameters + the tied lm_head
+    assert all(d["differing"] == {} for d in r["bit_identical_detail"].values())
+    u, t = r["runs"]["verl"], r["runs"]["torchferry"]
+    assert u["losses"] == t["losses"] and len(u["losses"]) == 3 and len(u["losses"][0]) == 2  # 2 PPO mini-batches
+    assert len({str(x) for x in u["losses"]}) == 3  # the steps trained: each step's losses differ
     assert u["patched"] == [] and "verl.workers.engine.fsdp.transformer_impl.offload_fsdp_model_to_cpu" in t["patched"]
+    # rounds interleaved: each strategy took each place in the round order once in the first rounds
+    assert [r["runs"][k]["order_in_round"] for k in ("resident", "verl", "torchferry")] == [[0, 3, 2], [1, 0, 3],
+                                                                                            [2, 1, 0]]
     for s in (u, t):
-        # update_actor moved parameters + AdamW state: offloads at steps 1-2, reloads (with state) at step 2
-        assert len(s["offload_s"]["all"]) == 2 and len(s["reload_s"]["all"]) == 1
-        assert s["offload_s"]["first"] > 0 and s["offload_s"]["steady"] > 0 and s["reload_s"]["first"] > 0
-        assert len(s["model_only_offload_s"]["all"]) == 2 and s["init_offload_s"] > 0
+        # update_actor moved parameters + AdamW state: offloads at steps 1-3, reloads (with state) at steps 2-3
+        assert len(s["offload_s"]["all"]) == 3 and len(s["reload_s"]["all"]) == 2
+        assert s["offload_s"]["first"] > 0 and s["reload_s"]["first"] > 0
+        assert len(s["model_only_offload_s"]["all"]) == 3 and s["init_offload_s"] > 0
         assert s["state_bytes"]["optimizer"] > s["state_bytes"]["params"] > 0
-        assert s["peak_gpu_bytes"] == {"allocated": None, "reserved": None}  # no GPU
-    # torchferry's ferries did the moving (on the CPU: unpinned pools of the state's size)
+        assert s["peak_gpu_allocated_bytes"] is None  # no GPU
     detail = t["pinned_host_bytes_detail"]
     assert len(detail["ferries"]) == 2 and all("residency=HOST" in f for f in detail["ferries"])
     assert detail["torchferry_pool_bytes"] >= sum(t["state_bytes"].values())
-    assert {p.name for p in out.iterdir()} >= {"run_unpatched.json", "run_torchferry.json", "run_resident.json",
-                                               "log.txt"}
-    # The resident run (offload off): the baseline of the steps' exposed transfer; the same math.
+    assert r["runs"]["resident"]["bytes_moved_per_step"] == {"offload": 0, "reload": 0}
+    sizes = u["state_bytes"]  # reloaded before old_log_prob (parameters) and update_actor (both)
+    assert u["bytes_moved_per_step"]["reload"] == 2 * sizes["params"] + sizes["optimizer"]
+    # torchferry's offload after old_log_prob copies nothing: the forward changed no byte
+    assert t["bytes_moved_per_step"]["offload"] < u["bytes_moved_per_step"]["offload"]
+
+
+def test_the_exposed_figures_are_the_per_round_differences(result):
+    _, runs, r = result
     ex = r["exposed"]
-    assert ex["resident_bit_identical"] is True
-    for key in ("resident_step_s", "verl_step_s", "torchferry_step_s"):
-        assert isinstance(ex[key], float) and ex[key] > 0
-    for name in ("verl", "torchferry"):
-        assert ex[f"{name}_exposed_s_per_step"] == pytest.approx(ex[f"{name}_step_s"] - ex["resident_step_s"])
-    events = json.loads((out / "run_torchferry.json").read_text())["per_rank"][0]["events"]
-    assert [e["optimizer_residency_after"] for e in events
-            if e["phase"] == "update" and e["direction"] == "reload" and e["optimizer"]] == ["DEVICE"]
-    assert {e["model_residency_after"] for e in events if e["direction"] == "reload" and e["model"]} == {"DEVICE"}
+    base = runs["per_rank"][0]["strategies"]["resident"]["step_s"][1:]
+    for label in ("verl", "torchferry", "plain"):
+        steps = runs["per_rank"][0]["strategies"][label]["step_s"][1:]
+        per_round = [a - b for a, b in zip(steps, base, strict=True)]
+        assert ex[label]["exposed_transfer_s_per_step"]["all"] == pytest.approx(per_round)
+        at_calls = [sum(e["seconds"] for e in _events(runs, label) if e["step"] == s) for s in (1, 2)]
+        assert ex[label]["transfer_at_calls_s_per_step"]["all"] == pytest.approx(at_calls)
+        assert min(at_calls) > 0
+    assert ex["torchferry"]["at_calls_over_verl"] == pytest.approx(
+        ex["torchferry"]["transfer_at_calls_s_per_step"]["median"]
+        / ex["verl"]["transfer_at_calls_s_per_step"]["median"])
 
 
-def test_compare_reports_what_differs(result):
-    out, _ = result
-    a = json.loads((out / "run_unpatched.json").read_text())
-    b = copy.deepcopy(json.loads((out / "run_torchferry.json").read_text()))
+def test_patch_defaults_leave_the_state_to_the_forward_and_the_step(result):
+    """verl's patch() defaults: the optimizer state comes back only at ``optimizer.step()`` and the
+    parameters unit by unit at their forward; the variant with both off reloads whole."""
+    _, runs, r = result
+    assert r["runs"]["torchferry"]["torchferry_settings"] == {}
+    assert r["runs"]["plain"]["torchferry_settings"] == {"TORCHFERRY_LAYERWISE_RELOAD": "0",
+                                                         "TORCHFERRY_OPTIMIZER_AT_STEP": "0"}
+    for label, model_after, opt_after in (("torchferry", "PREFETCHING", "PREFETCHING"), ("plain", "DEVICE", "DEVICE")):
+        events = _events(runs, label)
+        reloads = [e for e in events if e["direction"] == "reload" and e["model"]]
+        # the first reload comes before FSDP2's lazy init (the first forward), when the units are not known: whole
+        assert {e["model_residency_after"] for e in reloads[1:]} == {model_after}, (label, reloads)
+        assert [e["optimizer_residency_after"] for e in events
+                if e["phase"] == "update" and e["direction"] == "reload" and e["optimizer"]] == [opt_after] * 2
+
+
+def test_report_says_what_differs(result):
+    out, runs, _ = result
+    a = verl_actor._view(runs, "verl")
+    b = copy.deepcopy(verl_actor._view(runs, "torchferry"))
     assert verl_actor.identical(a, b) == ({"losses": True, "log_probs": True, "params": True,
-                                          "optimizer_state": True}, {})
+                                          "optimizer_state": True, "weight_sync": True}, {})
     name = next(iter(b["per_rank"][1]["params"]))
     b["per_rank"][1]["params"][name]["sha256"] = "0" * 64
     b["per_rank"][0]["losses"][1][0] += 1e-7
     same, differing = verl_actor.identical(a, b)
-    assert same == {"losses": False, "log_probs": True, "params": False, "optimizer_state": True}
+    assert same == {"losses": False, "log_probs": True, "params": False, "optimizer_state": True, "weight_sync": True}
     assert differing == {"losses": True, "params": [f"rank1:{name}"]}
-    with pytest.raises(SystemExit, match="--resident takes a resident run; got 'unpatched'"):
-        verl_actor._exposed(a, a, b)
-    with pytest.raises(SystemExit, match="compare takes the unpatched run, then the torchferry run"):
-        verl_actor.main(["compare", str(out / "run_torchferry.json"), str(out / "run_unpatched.json"),
-                         "--out-dir", str(out / "x")])
+    with pytest.raises(SystemExit, match="must have distinct labels and include verl"):
+        verl_actor.parse_strategies(["resident", "torchferry"])
+    with pytest.raises(SystemExit, match="is none of resident, verl, torchferry, LABEL:K=V"):
+        verl_actor.parse_strategies(["verl", "plain:"])
 
 
-def test_verls_actor_stays_bit_identical_with_the_state_waited_for_where_it_is_used(tmp_path):
-    """[Note: optimizer state waited for at step()] and [Note: the helpers' layer-wise reload]
-    through verl's own TrainingWorker: with ``TORCHFERRY_OPTIMIZER_AT_STEP=1`` and
-    ``TORCHFERRY_LAYERWISE_RELOAD=1`` (read by ``patch()`` in the torchferry run) the optimizer
-    state comes back only at ``optimizer.step()`` and the parameters unit by unit at their forward,
-    and the run is still bit-identical to verl's own."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
-           "VERL_ACTOR_MODEL_DIR": str(tmp_path / "model"), "TORCHFERRY_OPTIMIZER_AT_STEP": "1",
-           "TORCHFERRY_LAYERWISE_RELOAD": "1"}
-    p = subprocess.run(["bash", "benchmarks/verl_actor.sh", str(tmp_path), "2", "tiny", "2"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
-    [path] = tmp_path.glob("verl_step_tiny_fsdp2-full-tiny_cpux2_*.json")
+def test_lora_adds_the_reference_phase_and_stays_bit_identical_through_the_weight_sync(tmp_path):
+    """With LoRA the reference log-probs come from the actor with its adapters off (verl's
+    ref_in_actor), and verl's weight sync calls ``model.to("cpu")`` on the FSDP2 model right after
+    ``load_fsdp_model_to_gpu``: with the layer-wise reload on, that is while the state is still on
+    the host ([Note: FSDP2's shard buffer after a move]); the run stays bit-identical to verl's."""
+    runs = _run(tmp_path, VERL_ACTOR_LORA_RANK="4", VERL_ACTOR_WEIGHT_SYNC="1", VERL_ACTOR_RESIDENT="0")
+    [path] = tmp_path.glob("verl_step_tiny_fsdp2-lora-tiny_cpux2_*.json")
     r = json.loads(path.read_text())
-    assert r["env"]["torchferry_settings"].get("TORCHFERRY_OPTIMIZER_AT_STEP") == "1"
-    assert r["env"]["torchferry_settings"].get("TORCHFERRY_LAYERWISE_RELOAD") == "1"
-    assert r["bit_identical"] is True, r.get("bit_identical_detail")
-    assert len(r["runs"]["torchferry"]["reload_s"]["all"]) == 1  # update_actor reloaded the state once
-    events = json.loads((tmp_path / "run_torchferry.json").read_text())["per_rank"][0]["events"]
-    after = [e["optimizer_residency_after"] for e in events
-             if e["phase"] == "update" and e["direction"] == "reload" and e["optimizer"]]
-    assert after == ["PREFETCHING"]  # FSDPEngine.to returned with the state still to come
-    model_after = [e["model_residency_after"] for e in events if e["direction"] == "reload" and e["model"]]
-    # Unit by unit from the second reload on; the first comes before FSDP2's lazy init (the first
-    # forward), when the units are not known yet: whole.
-    assert model_after[0] in ("DEVICE", "PREFETCHING") and len(model_after) >= 3
-    assert set(model_after[1:]) == {"PREFETCHING"}, model_after
+    assert r["config"]["lora"] is True and r["config"]["phases"] == ["rollout", "log_prob", "ref", "update",
+                                                                     "weight_sync"]
+    assert r["bit_identical"] is True, r["bit_identical_detail"]
+    assert all(len(x["ref_log_prob_sha256"]) == 3 for x in verl_actor._view(runs, "torchferry")["per_rank"])
+    assert "exposed" not in r

@@ -126,6 +126,37 @@ def test_verl_patch_sets_it_refuses_bad_values_and_unpatch_resets_it(monkeypatch
         tf_verl.unpatch()
 
 
+@pytest.mark.parametrize("name, env", [("optimizer_at_step", _helpers.OPTIMIZER_AT_STEP_ENV),
+                                       ("layerwise_reload", _helpers.LAYERWISE_ENV)])
+def test_verls_patch_turns_each_on_by_default_and_one_switch_turns_it_off(monkeypatch, name, env):
+    """[Note: verl's defaults]: on under verl's ``patch()`` where neither its argument nor the
+    environment says; ``patch(<name>=False)`` or ``<env>=0`` turns it off; ``unpatch()`` (and the
+    SkyRL integration, which has no such default) leaves torchferry's own default, off."""
+    pytest.importorskip("verl.utils.fsdp_utils", reason="verl not installed")
+    import torchferry.integrations.verl as tf_verl
+
+    get = _helpers.optimizer_at_step if name == "optimizer_at_step" else _helpers.LAYERWISE.get
+    monkeypatch.delenv(env, raising=False)
+    tf_verl.unpatch()
+    try:
+        assert not get()  # torchferry's own default
+        tf_verl.patch(import_engines=False)
+        assert get()  # verl's
+        tf_verl.unpatch()
+        assert not get()
+        tf_verl.patch(import_engines=False, **{name: False})
+        assert not get()
+        tf_verl.unpatch()
+        monkeypatch.setenv(env, "0")
+        tf_verl.patch(import_engines=False)
+        assert not get()
+        tf_verl.unpatch()
+        monkeypatch.setenv(env, "1")
+        assert get()
+    finally:
+        tf_verl.unpatch()
+
+
 def test_the_ray_hooks_pass_the_settings_on():
     from torchferry.integrations._ray_hook import FORWARDED_SETTINGS
 
@@ -133,8 +164,9 @@ def test_the_ray_hooks_pass_the_settings_on():
 
 
 def test_the_layerwise_setting_comes_from_patch_else_the_environment(monkeypatch):
-    """[Note: the helpers' layer-wise reload]: off by default, ``TORCHFERRY_LAYERWISE_RELOAD`` or
-    ``patch(layerwise_reload=...)``, bad values refused with nothing replaced, reset by unpatch()."""
+    """[Note: the helpers' layer-wise reload]: off by default (verl's ``patch()`` aside),
+    ``TORCHFERRY_LAYERWISE_RELOAD`` or ``patch(layerwise_reload=...)``, bad values refused with
+    nothing replaced, reset by unpatch()."""
     pytest.importorskip("verl.utils.fsdp_utils", reason="verl not installed")
     import torchferry.integrations.verl as tf_verl
 

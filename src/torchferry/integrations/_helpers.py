@@ -54,10 +54,11 @@ up: [Note: switch points]), and a step pre-hook completes them before ``optimize
 Until then the state tensors are host tensors viewing the pinned pool, bit-identical to what
 comes back. verl 0.9.1's own actor (``TrainingWorker``, FSDP2, param and optimizer offload) with
 it on stays bit-identical to verl's unpatched run, and its ``FSDPEngine.to`` returns with the
-state still to come (``tests/cpu/test_integration_verl_actor.py``, on the CPU over gloo). Off by
-default until it is measured inside verl's step on a GPU; the caller's code must read no
-optimizer state between the load and the step (verl's and SkyRL's do not: they run forward,
-backward, gradient clipping, then the step).
+state still to come (``tests/cpu/test_integration_verl_actor.py``, on the CPU over gloo; on one
+H200 too, ``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp2-full-compute-rich_h200x1_2026-12-02.json``).
+On under verl's ``patch()`` ([Note: verl's defaults] in ``integrations.verl._patch``), off
+elsewhere; the caller's code must read no optimizer state between the load and the step (verl's
+and SkyRL's do not: they run forward, backward, gradient clipping, then the step).
 
 [Note: the helpers' layer-wise reload]
 With ``layerwise_reload`` on (``patch(layerwise_reload=True)`` of an integration, or
@@ -71,9 +72,12 @@ pinned pool (its bytes exact); ``state_dict()``, an offload and ``optimizer.step
 reload first. It fits phases that start with a forward (verl's compute_log_prob and update_actor,
 whose parameters have no ``.grad`` then: a state holding gradients is reloaded whole); code that
 reads parameters outside a forward right after the load (a ``param.device`` check) sees host
-tensors. verl 0.9.1's own actor with it on stays bit-identical to verl's unpatched run
-(``tests/cpu/test_integration_verl_actor.py``, on the CPU over gloo). Off by default until it is
-measured inside verl's step on a GPU and checked against verl's weight sync.
+tensors; a ``module.to(...)`` there is made good at the reload ([Note: FSDP2's shard buffer after
+a move] in ``torchferry._core._state.fsdp``). verl 0.9.1's own actor with it on stays bit-identical
+to verl's unpatched run, LoRA and its weight sync included (``tests/cpu/test_integration_verl_actor.py``,
+on the CPU over gloo; full fine-tuning with the weight sync on one H200 too:
+``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp2-full-compute-rich_h200x1_2026-12-02.json``). On
+under verl's ``patch()`` ([Note: verl's defaults] in ``integrations.verl._patch``), off elsewhere.
 
 One :class:`~torchferry.Ferry` is kept per model and per optimizer, weakly
 keyed, so it goes away with the object; :func:`ferry_for` returns it.
@@ -206,7 +210,7 @@ def set_optimizer_at_step(value: bool | None) -> bool | None:
 
 def optimizer_at_step() -> bool:
     """The integration's ``patch(optimizer_at_step=...)`` setting, else ``TORCHFERRY_OPTIMIZER_AT_STEP``
-    (``0``, the default, or ``1``).
+    (``0`` or ``1``), else the patching integration's default (verl's: on), else off.
 
     Raises:
         ValueError: ``TORCHFERRY_OPTIMIZER_AT_STEP`` is neither ``0`` nor ``1``.

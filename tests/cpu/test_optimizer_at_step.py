@@ -81,6 +81,30 @@ def test_a_state_dict_before_the_step_completes_the_reload():
             torch.testing.assert_close(got["state"][k][name], t, atol=0, rtol=0)
 
 
+def test_a_checkpoint_loaded_before_the_step_completes_the_reload_and_is_what_the_step_reads():
+    """verl's load_checkpoint calls load_fsdp_optimizer, then optimizer.load_state_dict(): the
+    reload completes first, and the loaded state is the one the step uses."""
+    m, opt = _model_and_opt()
+    _step(m, opt, torch.randn(4, 32))
+    saved = copy.deepcopy(opt.state_dict())
+    ref_m = copy.deepcopy(m)
+    ref_opt = torch.optim.AdamW(ref_m.parameters(), lr=1e-2)
+    ref_opt.load_state_dict(copy.deepcopy(saved))  # its own tensors: load_state_dict keeps the ones it is given
+    _step(m, opt, torch.randn(4, 32))  # the state moves on; the checkpoint brings it back
+    _helpers.set_optimizer_at_step(True)
+    _helpers.offload_fsdp_optimizer(opt)
+    _helpers.load_fsdp_optimizer(opt, "cpu")
+    assert _helpers.ferry_for(opt).residency is Residency.PREFETCHING
+    m.load_state_dict(ref_m.state_dict())
+    opt.load_state_dict(saved)
+    assert _helpers.ferry_for(opt).residency is Residency.DEVICE
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(7))
+    _step(m, opt, x)
+    _step(ref_m, ref_opt, x)
+    for p, q in zip(m.parameters(), ref_m.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)
+
+
 def test_the_setting_comes_from_the_environment_and_a_bad_value_moves_nothing(monkeypatch):
     assert not _helpers.optimizer_at_step()  # off by default
     monkeypatch.setenv(_helpers.OPTIMIZER_AT_STEP_ENV, "1")

@@ -17,7 +17,8 @@ prefetch from there, ``_states_to_forward_prefetch``), gives the unit's
 tensors their device impls back, and issues further groups to keep the
 look-ahead. The tail group is completed by a step pre-hook of each optimizer
 target, so ``optimizer.step()`` cannot run on state still in flight; a
-``state_dict()`` of a target (module or optimizer) completes everything first.
+``state_dict()`` or ``load_state_dict()`` of a target (module or optimizer)
+completes everything first.
 When the last group is resident the hooks are removed. Until its unit runs, a
 group's tensors stay CPU tensors viewing the pool (still correct, just not
 moved yet); ``ferry.reload()`` without prefetch completes everything at once.
@@ -180,11 +181,13 @@ class PrefetchRun:
             for gi, g in enumerate(self.groups):
                 if g.unit is not None:
                     self._hooks.append(g.unit.register_forward_pre_hook(self._unit_hook(gi), prepend=True))
-            for m in self.plan.modules:
+            for m in self.plan.modules:  # a checkpoint saved or loaded here: everything resident first
                 self._hooks.append(m.register_state_dict_pre_hook(self._complete_hook))
+                self._hooks.append(m.register_load_state_dict_pre_hook(self._complete_hook))
             for opt in self.plan.optimizers:
                 self._hooks.append(opt.register_step_pre_hook(self._complete_hook))
                 self._hooks.append(opt.register_state_dict_pre_hook(self._complete_hook))
+                self._hooks.append(opt.register_load_state_dict_pre_hook(self._complete_hook))
             _RUNS.add(id(self), self.finish)
             if self._background:
                 self._issuer = Issuer(self.plan.device, self._issue_windowed, 1, len(self.groups))

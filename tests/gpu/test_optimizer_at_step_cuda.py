@@ -47,6 +47,9 @@ def test_the_optimizer_state_comes_back_at_step_bit_identical():
             assert ferry.residency is Residency.PREFETCHING  # the forward and backward did not wait for it
             opt.step()
             opt.zero_grad(set_to_none=True)
+            # the step waited for the copies on the GPU, not on the host: they may still be in flight
+            assert ferry.residency in (Residency.DEVICE, Residency.H2D_IN_FLIGHT), ferry.residency
+            torch.cuda.synchronize()
             assert ferry.residency is Residency.DEVICE
             assert all(t.is_cuda for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim())
             step(ref_m, ref_opt, x)

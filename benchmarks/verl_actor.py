@@ -564,6 +564,14 @@ def cmd_run(args) -> None:
     ti.FSDPEngine.to = timed_to
 
     shape = _shape(args.tiny, args.shape)
+    if args.micro_batch:  # the same tokens per phase in fewer, larger forward/backward passes
+        shape = dataclasses.replace(shape, micro_batch_per_gpu=args.micro_batch[0],
+                                    log_prob_micro_batch_per_gpu=args.micro_batch[1])
+        per_mini = shape.batch_per_rank // shape.mini_batches
+        if min(args.micro_batch) < 1 or per_mini % shape.micro_batch_per_gpu or \
+                shape.batch_per_rank % shape.log_prob_micro_batch_per_gpu:
+            raise SystemExit(f"error: --micro-batch {args.micro_batch[0]} {args.micro_batch[1]} must divide the "
+                             f"{per_mini} sequences of a PPO mini-batch and the {shape.batch_per_rank} of a phase")
     mini = shape.batch_per_rank * world // shape.mini_batches
     actors: dict[str, tuple] = {}
     for s in strategies:  # each strategy's own actor, built with its helpers in place
@@ -979,6 +987,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shape", choices=SHAPES, default="small", help="the batch per step (default: %(default)s)")
     p.add_argument("--strategy", choices=["fsdp", "fsdp2"], default="fsdp2", help="verl's actor strategy")
     p.add_argument("--lora-rank", type=int, default=0, help="verl's lora_rank (0: full fine-tuning)")
+    p.add_argument("--micro-batch", type=int, nargs=2, default=None, metavar=("TRAIN", "INFER"),
+                   help="sequences per micro-batch in update_actor and in the log-prob phases (default: the shape's)")
     p.add_argument("--rollout-gb", type=float, default=0.0, help="rollout stand-in: KV-cache GB held")
     p.add_argument("--rollout-matmuls", type=int, default=0, help="rollout stand-in: bf16 8192^3 matmuls")
     p.add_argument("--weight-sync", action="store_true", help="engine.get_per_tensor_param() after update_actor")

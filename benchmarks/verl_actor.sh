@@ -15,6 +15,7 @@
 #   VERL_ACTOR_SHAPE=small|compute-rich   compute-rich: 16,384 tokens per rank and phase
 #   VERL_ACTOR_STRATEGY=fsdp2|fsdp        verl's actor strategy (fsdp: FSDP1, verl's default)
 #   VERL_ACTOR_LORA_RANK=N                verl's lora_rank (0: full fine-tuning); adds the reference phase
+#   VERL_ACTOR_MICRO="TRAIN INFER"        sequences per micro-batch in update_actor / the log-prob phases
 #   VERL_ACTOR_ROLLOUT="GB MATMULS"       a rollout stand-in before each step's old_log_prob
 #   VERL_ACTOR_WEIGHT_SYNC=1              engine.get_per_tensor_param() after each update_actor
 #   VERL_ACTOR_RESIDENT=0                 no resident strategy (no exposed step time then)
@@ -74,6 +75,7 @@ if [ -n "${VERL_ACTOR_ROLLOUT:-}" ]; then
   EXTRA+=(--rollout-gb "$GB" --rollout-matmuls "${MM:-0}")
 fi
 if [ "${VERL_ACTOR_WEIGHT_SYNC:-0}" = 1 ]; then EXTRA+=(--weight-sync); fi
+if [ -n "${VERL_ACTOR_MICRO:-}" ]; then read -r MT MI <<<"$VERL_ACTOR_MICRO"; EXTRA+=(--micro-batch "$MT" "${MI:-$MT}"); fi
 MODEL=${VERL_ACTOR_MODEL_DIR:-/tmp/verl_actor_model_$PRESET}
 export TORCHFERRY_COMMIT=${TORCHFERRY_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 
@@ -92,7 +94,7 @@ if [ -n "${VERL_ACTOR_MAX_ROUND_S:-}" ]; then EXTRA+=(--max-round-seconds "$VERL
     --strategies "${STRATEGIES[@]}" --model-dir "$MODEL" --steps "$STEPS" --out "$OUT/runs.json" "${EXTRA[@]}" \
     2>&1 | tee -a "$LOG"
 CMD="bash benchmarks/verl_actor.sh OUT $NPROC $PRESET $STEPS"
-for k in VERL_ACTOR_SHAPE VERL_ACTOR_STRATEGY VERL_ACTOR_LORA_RANK VERL_ACTOR_ROLLOUT VERL_ACTOR_WEIGHT_SYNC \
+for k in VERL_ACTOR_SHAPE VERL_ACTOR_STRATEGY VERL_ACTOR_LORA_RANK VERL_ACTOR_MICRO VERL_ACTOR_ROLLOUT VERL_ACTOR_WEIGHT_SYNC \
          VERL_ACTOR_RESIDENT VERL_ACTOR_VARIANTS VERL_ACTOR_CUBLAS_WORKSPACE VERL_ACTOR_MAX_ROUND_S; do
   if [ -n "${!k:-}" ]; then CMD="$k='${!k}' $CMD"; fi
 done

@@ -17,14 +17,28 @@ import torch
 from tests.helpers import build_uneven, fsdp_params
 from tests.spawn import run_spawned
 
-# (where the state is when module.to() runs, which module, what .to() is given)
-CASES = [
-    ("offloaded", "root", "cpu"),
-    ("offloaded", "unit", "cpu"),
-    ("prefetching", "root", "cpu"),
-    ("prefetching", "unit", "cpu"),
-    ("prefetching", "unit", "float32"),
-]
+def _write(m) -> None:
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(0.5)
+
+
+def _unit_load(m) -> None:
+    m[0].load_state_dict({k: v.detach() * 0.5 for k, v in m[0].state_dict().items()})
+
+
+# What is done to the model while its state is off the device, and to the reference (where the
+# model's tensors are now: the host for the ferried one, the device for the reference; a move to
+# where they are moves nothing, as verl's LoRA weight sync does).
+ACTIONS = {
+    "root.to(here)": lambda m, here: m.to(here),
+    "unit.to(here)": lambda m, here: m[0].to(here),
+    "unit.to(float32)": lambda m, here: m[0].to(torch.float32),
+    "root.to(here), then in-place writes": lambda m, here: (m.to(here), _write(m)),  # FSDP2 re-pads uneven shards
+    "half().float()": lambda m, here: m.half().float(),  # new tensors over rounded bytes
+    "root.to(here), then the unit's load_state_dict": lambda m, here: (m.to(here), _unit_load(m)),
+}
+CASES = [(where, action) for where in ("offloaded", "prefetching") for action in ACTIONS]
 
 
 def check_module_to_while_off_device(rank: int, world: int, device: str = "cpu") -> None:
@@ -38,12 +52,11 @@ def check_module_to_while_off_device(rank: int, world: int, device: str = "cpu")
 
     mesh = init_device_mesh(device.split(":")[0], (world,))
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank)).to(device)
-    for where, which, arg in CASES:
+    for where, action in CASES:
         ref_m, ref_opt = build_uneven(mesh, device)
         m, opt = build_uneven(mesh, device)
         ferry = torchferry.Ferry(m, skip_unchanged=True)
-        target = m if which == "root" else m[0]
-        to_arg = torch.float32 if arg == "float32" else arg
+        act = ACTIONS[action]
         for cycle in range(3):
             for mb in range(2):  # two optimizer steps per reload: the second forward reads the stepped weights
                 losses = []
@@ -53,15 +66,16 @@ def check_module_to_while_off_device(rank: int, world: int, device: str = "cpu")
                     o.step()
                     o.zero_grad(set_to_none=True)
                     losses.append(loss.detach())
-                assert torch.equal(*losses), (where, which, arg, cycle, mb, losses)
+                assert torch.equal(*losses), (where, action, cycle, mb, losses)
             ferry.offload().wait()
+            act(ref_m, device)
             if where == "offloaded":
-                target.to(to_arg)
+                act(m, "cpu")
                 ferry.reload().wait()
             else:
                 ferry.reload(prefetch=True)
                 assert ferry.residency is torchferry.Residency.PREFETCHING, (where, ferry.residency)
-                target.to(to_arg)
+                act(m, "cpu")
                 ferry.offload().wait()  # verl's weight sync offloads again without a forward
                 ferry.reload(prefetch=True)
             if where == "offloaded" or cycle == 2:
@@ -71,8 +85,7 @@ def check_module_to_while_off_device(rank: int, world: int, device: str = "cpu")
             for fp in fsdp_params(m):
                 local = fp.sharded_param._local_tensor
                 assert fp._sharded_param_data.untyped_storage().data_ptr() == local.untyped_storage().data_ptr(), (
-                    where, which, arg, cycle, tuple(local.shape), tuple(fp._sharded_param_data.shape), local.device,
-                    fp._sharded_param_data.device)
+                    where, action, cycle, tuple(local.shape), tuple(fp._sharded_param_data.shape))
                 assert local.device.type == torch.device(device).type
         assert_same(snapshot(ref_m, ref_opt), snapshot(m, opt))
         del ferry
@@ -82,3 +95,38 @@ def test_module_to_while_offloaded_or_prefetching_keeps_training_exact():
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed not available")
     run_spawned(check_module_to_while_off_device, world=2, backend="gloo")
+
+
+def check_write_after_module_to_while_prefetching(rank: int, world: int, device: str = "cpu") -> None:
+    """FSDP2's ``module.to()`` gives each unit a new local shard object over the same pool bytes
+    (its version counter back at 0): a write after it must still be seen as one, the forward must
+    use it ([Note: storage swapped while prefetching])."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import torchferry
+
+    mesh = init_device_mesh(device.split(":")[0], (world,))
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank)).to(device)
+    outs = []
+    for ferried in (False, True):
+        m, opt = build_uneven(mesh, device)
+        m(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ferry = torchferry.Ferry(m) if ferried else None
+        if ferry is not None:
+            ferry.offload().wait()
+            ferry.reload(prefetch=True)
+        m.to("cpu" if ferried else device)
+        _write(m)
+        out = m(x).detach()
+        outs.append((out, [p.full_tensor() for p in m.parameters()]))
+    torch.testing.assert_close(outs[1][0], outs[0][0], atol=0, rtol=0)
+    for a, b in zip(outs[1][1], outs[0][1], strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_a_write_after_module_to_during_a_layerwise_reload_is_not_lost():
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed not available")
+    run_spawned(check_write_after_module_to_while_prefetching, world=2, backend="gloo")

@@ -181,6 +181,28 @@ def test_verls_patch_turns_each_on_by_default_and_one_switch_turns_it_off(monkey
         tf_verl.unpatch()
 
 
+def test_the_ray_hook_passes_a_drivers_patch_arguments_on(monkeypatch):
+    """A driver's ``patch(layerwise_reload=False, ...)`` reaches the workers as the environment
+    variables they read, over the driver's own environment; a runtime_env's own env_vars win."""
+    pytest.importorskip("verl.utils.fsdp_utils", reason="verl not installed")
+    import torchferry.integrations.verl as tf_verl
+
+    monkeypatch.setenv(_helpers.LAYERWISE_ENV, "1")
+    tf_verl.unpatch()
+    try:
+        tf_verl.patch(import_engines=False, layerwise_reload=False, optimizer_at_step=False, fsdp1=False)
+        env = tf_verl.with_worker_setup({})["env_vars"]
+        assert env[_helpers.LAYERWISE_ENV] == "0" and env[_helpers.OPTIMIZER_AT_STEP_ENV] == "0"
+        assert env["TORCHFERRY_VERL_FSDP1"] == "0" and _helpers.SKIP_ENV not in env
+        env = tf_verl.with_worker_setup({"env_vars": {_helpers.LAYERWISE_ENV: "1"}})["env_vars"]
+        assert env[_helpers.LAYERWISE_ENV] == "1"
+        tf_verl.unpatch()
+        assert tf_verl.with_worker_setup({})["env_vars"][_helpers.LAYERWISE_ENV] == "1"  # the environment's
+        assert "TORCHFERRY_VERL_FSDP1" not in tf_verl.with_worker_setup({})["env_vars"]
+    finally:
+        tf_verl.unpatch()
+
+
 def test_the_ray_hooks_pass_the_settings_on():
     from torchferry.integrations._ray_hook import FORWARDED_SETTINGS
 

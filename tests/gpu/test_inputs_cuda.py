@@ -21,7 +21,10 @@ from tests.cpu.test_integration_ddp_tp import (
     check_ddp_trains_as_without_offload,
     check_tp_hooks_and_optimizer_in_backward,
 )
-from tests.cpu.test_fsdp2_module_to import check_module_to_while_off_device
+from tests.cpu.test_fsdp2_module_to import (
+    check_module_to_while_off_device,
+    check_write_after_module_to_while_prefetching,
+)
 from tests.cpu.test_integration_fsdp2 import check_frozen_parameter_keeps_its_grad
 from tests.helpers import assert_same, snapshot
 from tests.spawn import run_spawned
@@ -46,6 +49,10 @@ def _module_to(rank, world):
     check_module_to_while_off_device(rank, world, device=f"cuda:{rank}")
 
 
+def _write_after_to(rank, world):
+    check_write_after_module_to_while_prefetching(rank, world, device=f"cuda:{rank}")
+
+
 def _prefetch_state_dict_nccl(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -65,16 +72,18 @@ def _prefetch_state_dict_nccl(rank, world):
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("check", [_ddp, _tp, _frozen, _prefetch_state_dict_nccl, _module_to],
-                         ids=["ddp", "tp_hooks", "frozen_grad", "state_dict_after_prefetch", "module_to_uneven"])
+@pytest.mark.parametrize("check", [_ddp, _tp, _frozen, _prefetch_state_dict_nccl, _module_to, _write_after_to],
+                         ids=["ddp", "tp_hooks", "frozen_grad", "state_dict_after_prefetch", "module_to_uneven",
+                              "write_after_to_uneven"])
 def test_two_rank_nccl(check):
     run_spawned(check, world=2, backend="nccl")
 
 
-def test_module_to_while_offloaded_or_prefetching_one_gpu():
-    """[Note: FSDP2's shard buffer after a move] over NCCL on one GPU: the pool views are host
-    memory and the shards device memory, so a stale buffer would all-gather host bytes."""
-    run_spawned(_module_to, world=1, backend="nccl")
+@pytest.mark.parametrize("check", [_module_to, _write_after_to], ids=["module_to", "write_after_to"])
+def test_module_to_while_offloaded_or_prefetching_one_gpu(check):
+    """[Note: FSDP2's shard buffer after a move] and [Note: storage swapped while prefetching] over
+    NCCL on one GPU: the pool views are host memory and the shards device memory."""
+    run_spawned(check, world=1, backend="nccl")
 
 
 def _trained(seed=0):

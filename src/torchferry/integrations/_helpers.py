@@ -73,8 +73,11 @@ reload first. It fits phases that start with a forward (verl's compute_log_prob 
 whose parameters have no ``.grad`` then: a state holding gradients is reloaded whole); code that
 reads parameters outside a forward right after the load (a ``param.device`` check) sees host
 tensors; a ``module.to(...)`` there is made good at the reload ([Note: FSDP2's shard buffer after
-a move] in ``torchferry._core._state.fsdp``). verl 0.9.1's own actor with it on stays bit-identical
-to verl's unpatched run, LoRA and its weight sync included (``tests/cpu/test_integration_verl_actor.py``,
+a move] in ``torchferry._core._state.fsdp``). An ``optimizer.load_state_dict()`` there places the
+loaded state on its parameters' device, the host while they wait: load the model's state first
+(which completes its reload; verl's ``load_checkpoint`` does) or call ``ferry_for(model).reload()``.
+verl 0.9.1's own actor with it on stays bit-identical to verl's unpatched run, LoRA and its weight
+sync included (``tests/cpu/test_integration_verl_actor.py``,
 on the CPU over gloo; full fine-tuning with the weight sync on one H200 too:
 ``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp2-full-compute-rich_h200x1_2026-12-02.json``). On
 under verl's ``patch()`` ([Note: verl's defaults] in ``integrations.verl._patch``), off elsewhere.
@@ -106,6 +109,7 @@ offloaded after it is set (a ferry keeps its setting).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -126,9 +130,11 @@ __all__ = [
     "LAYERWISE",
     "LAYERWISE_ENV",
     "OPTIMIZER_AT_STEP_ENV",
+    "CHOICES",
     "apply_settings",
     "check_settings",
     "optimizer_at_step",
+    "patch_choices",
     "reset_settings",
     "set_optimizer_at_step",
     "set_patched_defaults",
@@ -248,6 +254,23 @@ def set_patched_defaults(**defaults: bool) -> None:
     for name, value in defaults.items():
         check_optional_bool(value, name)
         _SETTINGS[name].patched_default = value
+
+
+CHOICES: dict[str, Callable[[], bool | None]] = {}
+"""Environment variable -> an integration's own ``patch()`` choice that is not one of the shared
+settings (verl's ``fsdp1``), for :func:`patch_choices`."""
+
+
+def patch_choices() -> dict[str, str]:
+    """The settings given to an integration's ``patch()`` in this process, as the environment
+    variables a worker reads (``"1"`` / ``"0"``): what the Ray hooks pass on, so a driver's
+    ``patch(layerwise_reload=False)`` reaches the workers as ``TORCHFERRY_LAYERWISE_RELOAD=0``."""
+    out = {s.env: "1" if s.value else "0" for s in _SETTINGS.values() if s.value is not None}
+    for env, choice in CHOICES.items():
+        value = choice()
+        if value is not None:
+            out[env] = "1" if value else "0"
+    return out
 
 
 def reset_settings() -> None:

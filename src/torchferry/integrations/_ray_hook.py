@@ -154,14 +154,21 @@ class WorkerHook:
             The new ``runtime_env``, with ``<env_flag>=1`` in its ``env_vars``, and the driver's
             settings of :data:`FORWARDED_SETTINGS` (``TORCHFERRY_SKIP_UNCHANGED`` ...) that it
             does not set itself (Ray gives workers on other nodes the job's ``env_vars``, not the
-            driver's environment).
+            driver's environment), a driver's ``patch(...)`` arguments taking the place of its
+            environment (``patch(layerwise_reload=False)``: ``TORCHFERRY_LAYERWISE_RELOAD=0``).
         """
         n = self.names
         env = dict(runtime_env or {})
         env_vars = dict(env.get("env_vars") or {})
+        from ._helpers import patch_choices
+
+        theirs_vars = set(env_vars)
         for k in FORWARDED_SETTINGS:  # the driver's settings reach the workers
-            if k in os.environ and k not in env_vars:
+            if k in os.environ and k not in theirs_vars:
                 env_vars[k] = os.environ[k]
+        for k, v in patch_choices().items():  # a driver's patch(...) arguments too, over its environment
+            if k not in theirs_vars:
+                env_vars[k] = v
         env_vars[n.env_flag] = "1"
         theirs = env.get("worker_process_setup_hook")
         if theirs is None or theirs == n.hook_path:

@@ -14,6 +14,7 @@ packed chunks (``_transfer/packing``) are moved as slices of the pool's storage.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import NamedTuple
 
@@ -98,6 +99,17 @@ class HostViews:
         differ = sorted({i for a, b in zip(now, expected, strict=False)
                          for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y})
         return [i for i in differ if not self._slot_moved(i, locals_[i])]
+
+    def moved_among(self, pairs: Iterable[tuple[int, torch.Tensor]]) -> list[int]:
+        """As :meth:`moved_away` for the given ``(index, local tensor)`` pairs only (a layer-wise
+        reload checks one unit's tensors at a time)."""
+        expected = self._expected
+        if expected is None:
+            return []
+        ptrs, shapes, strides, dtypes = expected
+        return [i for i, t in pairs
+                if (t.data_ptr() != ptrs[i] or t.shape != shapes[i] or t.stride() != strides[i]
+                    or t.dtype != dtypes[i]) and not self._slot_moved(i, t)]
 
     def slot_of(self, storage: torch.UntypedStorage) -> int | None:
         """The plan's storage index whose slot ``storage`` is (each slot has a storage of its own),

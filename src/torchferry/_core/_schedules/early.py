@@ -73,7 +73,7 @@ class EarlyOffload:
         self._skip = views.packed | inference
         self._unchanged = unchanged
         self._reload = reload
-        self._versions: dict[int, list[int]] = {}  # group index -> its tensors' versions at copy time
+        self._versions: dict[int, list[object]] = {}  # group index -> its tensors' versions at copy time
         self._copied: dict[int, list[int]] = {}  # group index -> the storages it copied early
         self._hooks: list = []
         self._deferred: list[int] = []  # units done while the reload was still being issued

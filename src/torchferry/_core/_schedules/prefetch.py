@@ -23,6 +23,18 @@ When the last group is resident the hooks are removed. Until its unit runs, a
 group's tensors stay CPU tensors viewing the pool (still correct, just not
 moved yet); ``ferry.reload()`` without prefetch completes everything at once.
 
+[Note: storage swapped while prefetching]
+As while offloaded ([Note: storage swapped while offloaded] in ``_ferry.reconcile``), a tensor
+can be given other bytes between ``reload(prefetch=...)`` and its unit's forward: ``p.data = t``,
+``module.half().float()``, or FSDP2 itself, which on any ``module.to(...)`` of a unit re-pads an
+uneven shard into a new host tensor that later in-place writes then land in (both found by a
+breaker helper: the writes were lost). So making a unit resident first compares each of its
+tensors with the host view the offload gave it (address, shape, stride, dtype); one that moved
+away gets the pool's bytes and then the bytes it holds now (``copy_`` into its planned storage,
+or, for another shape or dtype, ``.data =`` a device copy, as a reconcile does), and the
+baseline of [Note: unchanged storages] is dropped (the next offload copies everything).
+``load_state_dict()`` of a target or of a unit completes the reload first.
+
 Between ``reload(prefetch=...)`` and a unit's forward its tensors are host
 tensors. In-place writes to them there (``p.mul_(2)``) are not lost: version
 counters are recorded when the copies are issued and a group written since is
@@ -49,7 +61,7 @@ from torch import nn
 
 from .._transfer.copies import transfer_range
 from .._transfer.arena import ReloadArena
-from .._state.fsdp import comm_streams, forward_prefetch_units, repoint_sharded_data, versions
+from .._state.fsdp import comm_streams, forward_prefetch_units, local_of, repoint_sharded_data, versions
 from .._api.handle import TransferHandle
 from .._host.layout import HostViews
 from .._state.plan import Plan
@@ -129,7 +141,7 @@ class PrefetchRun:
         self._unchanged = unchanged
         self.issued = 0  # groups issued, in order
         self.events: list[torch.cuda.Event | None] = []
-        self._versions: list[list[int]] = []  # per issued group: its host tensors' versions at issue
+        self._versions: list[list[object]] = []  # per issued group: its host tensors' versions at issue
         self.resident: set[int] = set()
         self._allocated: list[int] = []  # storage indices re-allocated so far
         self._hooks: list = []
@@ -181,6 +193,8 @@ class PrefetchRun:
             for gi, g in enumerate(self.groups):
                 if g.unit is not None:
                     self._hooks.append(g.unit.register_forward_pre_hook(self._unit_hook(gi), prepend=True))
+                    # a unit's own load_state_dict (FSDP2 re-points its shards there): all resident first
+                    self._hooks.append(g.unit.register_load_state_dict_pre_hook(self._complete_hook))
             for m in self.plan.modules:  # a checkpoint saved or loaded here: everything resident first
                 self._hooks.append(m.register_state_dict_pre_hook(self._complete_hook))
                 self._hooks.append(m.register_load_state_dict_pre_hook(self._complete_hook))
@@ -384,7 +398,7 @@ class PrefetchRun:
             pinned = self._pinned[si] = self.views.slots[si].is_pinned()
         return pinned
 
-    def _group_versions(self, gi: int) -> list[int]:
+    def _group_versions(self, gi: int) -> list[object]:
         tensors = self.parking.tensors
         return versions([tensors[i] for i in self.groups[gi].tensors])
 
@@ -409,6 +423,7 @@ class PrefetchRun:
             for stream in self._comm:  # FSDP2's all-gather copy-in reads the shard there
                 stream.wait_event(ev)
         group = self.groups[gi]
+        given = self._given_other_bytes(group)
         self.parking.to_device(group.tensors)
         self.resident.add(gi)
         repoint_sharded_data([group.unit] if group.unit is not None else self.plan.modules,  # see [Note: FSDP2's
@@ -416,3 +431,20 @@ class PrefetchRun:
         if self._unchanged is not None:
             ts = self.groups[gi].tensors
             self._unchanged.resident(self.plan, self.views, self.parking.host_versions(ts), ts)
+            if given:
+                self._unchanged.forget()  # the next offload copies everything
+        for i, new in given.items():  # after the pool's bytes, on the stream that waited for them
+            local = local_of(self.parking.tensors[i])
+            if (new.shape, new.stride(), new.dtype) == (local.shape, local.stride(), local.dtype):
+                local.copy_(new)  # into the storage the ferry planned
+            else:  # another shape or dtype (module.half()): the object takes it to the device, as a reconcile does
+                local.data = new.to(local.device)
+
+    def _given_other_bytes(self, group: Group) -> dict[int, torch.Tensor]:
+        """The group's tensors given other host bytes since the reload began (``module.half().float()``,
+        FSDP2 re-padding an uneven shard on ``module.to()``, ``p.data = t``): index -> the tensor they
+        hold now, whose bytes go to the device instead of the pool's ([Note: storage swapped while
+        prefetching])."""
+        parking = self.parking
+        moved = self.views.moved_among((i, local_of(parking.tensors[i])) for i in group.tensors)
+        return {i: local_of(parking.tensors[i]) for i in moved}

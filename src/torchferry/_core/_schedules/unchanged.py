@@ -173,8 +173,8 @@ class UnchangedStorages:
         self._views: HostViews | None = None
         self._kind: str | None = None  # the hash that took the baseline: compared with itself only
         self._hashes: torch.Tensor | None = None  # [storages, 2] int64 on the device
-        self._versions: dict[int, int] = {}  # tensor index -> version at the baseline
-        self._host_versions: dict[int, int] = {}  # tensor index -> its host twin's version then
+        self._versions: dict[int, object] = {}  # tensor index -> version at the baseline
+        self._host_versions: dict[int, object] = {}  # tensor index -> its host twin's version then
         self._step_seen = False  # an optimizer stepped since the baseline
         self._baseline.clear()
         _STEPS.discard(self._step_key)
@@ -189,7 +189,7 @@ class UnchangedStorages:
         the offload's hash instead of copying it early)."""
         return si in self._baseline
 
-    def reloaded(self, plan: Plan, views: HostViews, sources: list[torch.Tensor], host_versions: list[int],
+    def reloaded(self, plan: Plan, views: HostViews, sources: list[torch.Tensor], host_versions: list[object],
                  early: list[int] | None = None) -> None:
         """Takes a new baseline after a whole-set reload: the current stream waited for its copies
         and no kernel was queued since. ``host_versions``: per ``plan.tensors`` entry, its host
@@ -265,7 +265,7 @@ class UnchangedStorages:
             logger.warning("torchferry: could not hash the reloaded state; the next offload copies all of it",
                            exc_info=True)
 
-    def resident(self, plan: Plan, views: HostViews, host_versions: list[int],
+    def resident(self, plan: Plan, views: HostViews, host_versions: list[object],
                  tensors: Iterable[int] | None = None) -> None:
         """Records the version counters of ``tensors`` (all of ``plan``'s if ``None``), now resident,
         and ``host_versions``, their host twins' (same order)."""
@@ -276,7 +276,7 @@ class UnchangedStorages:
         self._host_versions.update(zip(ts, host_versions, strict=False))
 
     @torch.inference_mode(False)
-    def take(self, plan: Plan, views: HostViews, sources: list[torch.Tensor], host_versions: list[int],
+    def take(self, plan: Plan, views: HostViews, sources: list[torch.Tensor], host_versions: list[object],
              rewritten: Iterable[int] = ()) -> set[int]:
         """Storage indices whose pool slots still hold their exact bytes (consumes the baseline).
 

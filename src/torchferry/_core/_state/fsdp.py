@@ -205,23 +205,29 @@ def fsdp1_offloads_params(module: nn.Module) -> bool:
                for m in FullyShardedDataParallel.fsdp_modules(module))
 
 
-def versions(tensors: list[torch.Tensor]) -> list[int]:
-    """Version counters (bumped by every in-place write) of tensors, DTensor local shards included.
+def versions(tensors: list[torch.Tensor]) -> list[object]:
+    """Version counters (bumped by every in-place write) of tensors, DTensor local shards included:
+    compare them with ``==`` only.
 
     A DTensor's in-place ops bump the outer counter (``zero_``, ``mul_``) or
     neither (the ``_foreach_`` ops, which optimizers use): both are read, and
-    optimizer steps are caught apart (step pre-hooks). Inference tensors have
-    no counter: they count as 0 (callers that must see their writes exclude them).
+    optimizer steps are caught apart (step pre-hooks). A DTensor's entry is the
+    pair of counters and its local shard's ``id()``: FSDP2's ``module.to(...)``
+    gives a unit a new local shard object over the same bytes, whose counter
+    starts again at 0, so a sum of the two could come out equal after a write
+    (found by a breaker helper: a write after ``module.to()`` during a layer-wise
+    reload was not copied again). Inference tensors have no counter: they count
+    as 0 (callers that must see their writes exclude them).
     """
-    out = []
+    out: list[object] = []
     for t in tensors:
         if t.is_inference():
             out.append(0)
             continue
-        v = t._version
         if type(t) not in _PLAIN:
             local = getattr(t, "_local_tensor", None)
-            if local is not None and not local.is_inference():
-                v += local._version
-        out.append(v)
+            if local is not None:
+                out.append((t._version, 0 if local.is_inference() else local._version, id(local)))
+                continue
+        out.append(t._version)
     return out

@@ -130,3 +130,43 @@ def test_a_write_after_module_to_during_a_layerwise_reload_is_not_lost():
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed not available")
     run_spawned(check_write_after_module_to_while_prefetching, world=2, backend="gloo")
+
+
+def check_load_state_dict_of_a_root_unit_while_prefetching(rank: int, world: int, device: str = "cpu") -> None:
+    """A root that holds parameters of its own is a unit and the ferry's target: its
+    ``load_state_dict`` during a layer-wise reload completes the reload once (one hook per
+    module: the first removed the others while torch iterated them, "OrderedDict mutated during
+    iteration", found by a breaker helper) and loads what a run without a ferry loads."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import torchferry
+
+    mesh = init_device_mesh(device.split(":")[0], (world,))
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank)).to(device)
+    outs = []
+    for ferried in (False, True):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(16, 11), nn.ReLU(), nn.Linear(11, 3)).to(device)
+        fully_shard(m[0], mesh=mesh)
+        fully_shard(m, mesh=mesh)  # the root keeps m[2]'s parameters
+        m(x).sum().backward()
+        m.zero_grad(set_to_none=True)
+        sd = {k: v.detach() * 0.5 for k, v in m.state_dict().items()}
+        ferry = torchferry.Ferry(m) if ferried else None
+        if ferry is not None:
+            ferry.offload().wait()
+            ferry.reload(prefetch=True)
+            assert ferry.residency is torchferry.Residency.PREFETCHING
+        m.load_state_dict(sd)
+        if ferry is not None:
+            assert ferry.residency in (torchferry.Residency.DEVICE, torchferry.Residency.H2D_IN_FLIGHT)
+        outs.append(m(x).detach())
+    torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
+
+
+def test_load_state_dict_of_a_root_unit_while_prefetching():
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed not available")
+    run_spawned(check_load_state_dict_of_a_root_unit_while_prefetching, world=2, backend="gloo")

@@ -22,6 +22,7 @@ from tests.cpu.test_integration_ddp_tp import (
     check_tp_hooks_and_optimizer_in_backward,
 )
 from tests.cpu.test_fsdp2_module_to import (
+    check_load_state_dict_of_a_root_unit_while_prefetching,
     check_module_to_while_off_device,
     check_write_after_module_to_while_prefetching,
 )
@@ -53,6 +54,10 @@ def _write_after_to(rank, world):
     check_write_after_module_to_while_prefetching(rank, world, device=f"cuda:{rank}")
 
 
+def _root_unit_load(rank, world):
+    check_load_state_dict_of_a_root_unit_while_prefetching(rank, world, device=f"cuda:{rank}")
+
+
 def _prefetch_state_dict_nccl(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -79,7 +84,8 @@ def test_two_rank_nccl(check):
     run_spawned(check, world=2, backend="nccl")
 
 
-@pytest.mark.parametrize("check", [_module_to, _write_after_to], ids=["module_to", "write_after_to"])
+@pytest.mark.parametrize("check", [_module_to, _write_after_to, _root_unit_load],
+                         ids=["module_to", "write_after_to", "root_unit_load_state_dict"])
 def test_module_to_while_offloaded_or_prefetching_one_gpu(check):
     """[Note: FSDP2's shard buffer after a move] and [Note: storage swapped while prefetching] over
     NCCL on one GPU: the pool views are host memory and the shards device memory."""

@@ -190,11 +190,14 @@ class PrefetchRun:
                 self._issue_ahead(0)
             if self.arena is not None:
                 self.arena.seal(self.plan.storages)
+            targets = {id(m) for m in self.plan.modules}
             for gi, g in enumerate(self.groups):
                 if g.unit is not None:
                     self._hooks.append(g.unit.register_forward_pre_hook(self._unit_hook(gi), prepend=True))
-                    # a unit's own load_state_dict (FSDP2 re-points its shards there): all resident first
-                    self._hooks.append(g.unit.register_load_state_dict_pre_hook(self._complete_hook))
+                    if id(g.unit) not in targets:  # a target's own hook follows (one per module: the hook
+                        # that completes removes them all while torch iterates that module's hooks)
+                        # a unit's own load_state_dict (FSDP2 re-points its shards there): all resident first
+                        self._hooks.append(g.unit.register_load_state_dict_pre_hook(self._complete_hook))
             for m in self.plan.modules:  # a checkpoint saved or loaded here: everything resident first
                 self._hooks.append(m.register_state_dict_pre_hook(self._complete_hook))
                 self._hooks.append(m.register_load_state_dict_pre_hook(self._complete_hook))

@@ -52,7 +52,8 @@ Measured around verl's code, not inside it: ``FSDPEngine.to`` is timed (synchron
 call, a phase boundary; an offload until its copies are complete, synchronised; a reload from the
 call until the compute stream may go on, by CUDA events, with no synchronisation after it, so a
 reload left to the forward overlaps it as in verl's trainer), and after the last round each rank
-hashes (sha256) every local parameter shard, optimizer-state tensor and weight-sync buffer. The
+compares every local parameter shard, optimizer-state tensor and weight-sync buffer of each
+strategy with verl's, byte for byte, in the process (log-probs by sha256 per step). The
 ``resident`` strategy (verl with ``param_offload`` and ``optimizer_offload`` off) is the baseline
 of ``exposed``: per round, each strategy's step seconds less the resident step of the same round,
 which is what offloading costs a step even where its copies hide behind compute.
@@ -347,6 +348,45 @@ def _batch(step: int, rank: int, shape: _Shape, vocab: int, seed: int):
                      "prompts": prompts, "responses": responses, "response_mask": response_mask},
                     batch_size=[b])
     return td, advantages
+
+
+def _same_bytes(a, b, device) -> bool:
+    """Whether two tensors hold the same bytes (shape, dtype and every bit; compared on ``device``)."""
+    import torch
+
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.numel() == 0:
+        return True
+    a = a.detach().to(device).contiguous().reshape(-1).view(torch.uint8)
+    b = b.detach().to(device).contiguous().reshape(-1).view(torch.uint8)
+    return torch.equal(a, b)
+
+
+def _against(ref_engine, engine, ref_weights: dict, weights: dict, device) -> dict:
+    """This rank's local parameter shards, optimizer-state tensors and weight-sync buffers of
+    ``engine`` against ``ref_engine``'s (verl's own run, in the same process), exactly: the names
+    that differ, and how many were compared."""
+    import torch
+
+    ref_params = dict(ref_engine.module.named_parameters())
+    params = dict(engine.module.named_parameters())
+    out: dict = {"params": sorted(set(ref_params) ^ set(params)), "optimizer_state": [], "weight_sync": []}
+    out["params"] += [n for n, p in params.items() if n in ref_params
+                      and not _same_bytes(_local(p), _local(ref_params[n]), device)]
+
+    def state(e) -> dict:
+        names = {id(p): n for n, p in e.module.named_parameters()}
+        return {f"{names.get(id(p), '?')}.{k}": v for p, st in e.optimizer.state.items()
+                for k, v in st.items() if torch.is_tensor(v)}
+
+    ref_state, st = state(ref_engine), state(engine)
+    out["optimizer_state"] = sorted(set(ref_state) ^ set(st)) + [
+        n for n, v in st.items() if n in ref_state and not _same_bytes(_local(v), _local(ref_state[n]), device)]
+    out["weight_sync"] = sorted(set(ref_weights) ^ set(weights)) + [
+        n for n, t in weights.items() if n in ref_weights and not _same_bytes(t, ref_weights[n], device)]
+    out["compared"] = {"params": len(params), "optimizer_state": len(st), "weight_sync": len(weights)}
+    return out
 
 
 def _sha(t) -> str:
@@ -681,26 +721,20 @@ def cmd_run(args) -> None:
         hs = torch.cuda.host_memory_stats()
         pinned_process = int(hs.get("reserved_bytes.current", hs.get("allocated_bytes.current", 0)))
     mine: dict = {"rank": rank, "strategies": {}}
+    ref_engine = actors["verl"][0].engine
+    ref_weights = records["verl"]["rollout_weights"]
     for s in strategies:
         actor, _ = actors[s.label]
         engine, rec = actor.engine, records[s.label]
-        # The state after the steps (offloaded by verl's update_actor exit): exact hashes per local shard.
-        names = {id(p): n for n, p in engine.module.named_parameters()}
-        params = {n: {"sha256": _sha(_local(p)), "sum": float(_local(p).double().sum()),
-                      "device": _local(p).device.type, "numel": _local(p).numel()}
-                  for n, p in engine.module.named_parameters()}
-        opt_state = {f"{names.get(id(p), '?')}.{k}": _sha(_local(v)) for p, st in engine.optimizer.state.items()
-                     for k, v in st.items() if torch.is_tensor(v)}
         ferries = [f for f in (ferry_for(engine.module), ferry_for(engine.optimizer)) if f is not None]
-        weights = rec["rollout_weights"]
         mine["strategies"][s.label] = {
             **{k: v for k, v in rec.items() if k != "rollout_weights"},
             "state_bytes": {"params": _part_bytes(engine, "model"), "optimizer": _part_bytes(engine, "optimizer")},
             "torchferry_pool_bytes": {"pinned": sum(f.pinned_bytes for f in ferries),
                                       "host": sum(f.host_bytes for f in ferries)},
             "ferries": [repr(f) for f in ferries],
-            "params": params, "optimizer_state_sha256": opt_state,
-            "weight_sync_sha256": {n: _sha(t) for n, t in sorted(weights.items())},
+            # The state after the steps (offloaded by verl's update_actor exit), byte for byte against verl's.
+            "against_verl": _against(ref_engine, engine, ref_weights, rec["rollout_weights"], gpu),
         }
     mine["caching_host_allocator_pinned_bytes"] = pinned_process
     gathered: list = [None] * world
@@ -786,8 +820,9 @@ def _bytes_per_step(rank_result: dict) -> dict[str, int | None]:
 
 
 def identical(a: dict, b: dict) -> tuple[dict[str, bool], dict[str, object]]:
-    """Exact comparison of two strategies' records (:func:`_view`): losses, old (and reference)
-    log-probs, parameter shards, optimizer state, weight-sync buffers (sha256).
+    """Exact comparison of a strategy's records (:func:`_view`) with verl's (``a``): losses, old
+    (and reference) log-probs (sha256), and ``b``'s parameter shards, optimizer state and
+    weight-sync buffers, compared byte for byte in the run against verl's (``against_verl``).
 
     Returns:
         ``(same, differing)``: per kind whether all are equal, and what differs (rank:name).
@@ -799,19 +834,12 @@ def identical(a: dict, b: dict) -> tuple[dict[str, bool], dict[str, object]]:
         raise ValueError(f"the runs have {len(a['per_rank'])} and {len(b['per_rank'])} ranks")
     diffs: dict[str, object] = {"losses": a["per_rank"][0]["losses"] != b["per_rank"][0]["losses"],
                                 "log_probs": [], "params": [], "optimizer_state": [], "weight_sync": []}
-    for ra, rb in zip(a["per_rank"], b["per_rank"]):
+    for ra, rb in zip(a["per_rank"], b["per_rank"], strict=True):
         if (ra["log_prob_sha256"], ra.get("ref_log_prob_sha256")) != (rb["log_prob_sha256"],
                                                                       rb.get("ref_log_prob_sha256")):
             diffs["log_probs"].append(ra["rank"])
-        diffs["params"] += [f"rank{ra['rank']}:{n}" for n in ra["params"]
-                            if ra["params"][n]["sha256"] != rb["params"].get(n, {}).get("sha256")]
-        diffs["params"] += [f"rank{rb['rank']}:{n} (missing)" for n in rb["params"] if n not in ra["params"]]
-        diffs["optimizer_state"] += [f"rank{ra['rank']}:{n}" for n in ra["optimizer_state_sha256"]
-                                     if ra["optimizer_state_sha256"][n] != rb["optimizer_state_sha256"].get(n)]
-        if len(ra["optimizer_state_sha256"]) != len(rb["optimizer_state_sha256"]):
-            diffs["optimizer_state"].append(f"rank{ra['rank']}: different number of tensors")
-        if ra.get("weight_sync_sha256", {}) != rb.get("weight_sync_sha256", {}):
-            diffs["weight_sync"].append(ra["rank"])
+        for kind in ("params", "optimizer_state", "weight_sync"):
+            diffs[kind] += [f"rank{rb['rank']}:{n}" for n in rb["against_verl"][kind]]
     same = {k: not v for k, v in diffs.items()}
     return same, {k: v for k, v in diffs.items() if v}
 
@@ -914,9 +942,10 @@ def report(runs: dict, command: str | None = None) -> dict:
         "bit_identical_detail": {
             label: {**same, "differing": diff} for label, (same, diff) in compared.items()},
         "compared": {"steps": len(r0["losses"]), "ranks": world,
-                     "parameter_shards": sum(len(x["params"]) for x in views["verl"]["per_rank"]),
-                     "optimizer_state_tensors": sum(len(x["optimizer_state_sha256"]) for x in views["verl"]["per_rank"]),
-                     "weight_sync_tensors": len(r0.get("weight_sync_sha256", {}))},
+                     "parameter_shards": sum(x["against_verl"]["compared"]["params"] for x in views["verl"]["per_rank"]),
+                     "optimizer_state_tensors": sum(x["against_verl"]["compared"]["optimizer_state"]
+                                                    for x in views["verl"]["per_rank"]),
+                     "weight_sync_tensors": r0["against_verl"]["compared"]["weight_sync"]},
         "torchferry_strategies": ferried,
     }
     if "resident" in labels:

@@ -121,12 +121,18 @@ def test_report_says_what_differs(result):
     b = copy.deepcopy(verl_actor._view(runs, "torchferry"))
     assert verl_actor.identical(a, b) == ({"losses": True, "log_probs": True, "params": True,
                                           "optimizer_state": True, "weight_sync": True}, {})
-    name = next(iter(b["per_rank"][1]["params"]))
-    b["per_rank"][1]["params"][name]["sha256"] = "0" * 64
+    name = "layers.0.mlp.up_proj.weight"
+    b["per_rank"][1]["against_verl"]["params"].append(name)
     b["per_rank"][0]["losses"][1][0] += 1e-7
     same, differing = verl_actor.identical(a, b)
     assert same == {"losses": False, "log_probs": True, "params": False, "optimizer_state": True, "weight_sync": True}
     assert differing == {"losses": True, "params": [f"rank1:{name}"]}
+    import torch  # byte for byte: -0.0 is not 0.0, a NaN is itself
+
+    assert not verl_actor._same_bytes(torch.tensor([0.0]), torch.tensor([-0.0]), "cpu")
+    assert verl_actor._same_bytes(torch.tensor([float("nan")]), torch.tensor([float("nan")]), "cpu")
+    assert not verl_actor._same_bytes(torch.zeros(2), torch.zeros(1, 2), "cpu")
+    assert verl_actor._same_bytes(torch.tensor(3.0), torch.tensor(3.0), "cpu")  # AdamW's 0-dim step
     with pytest.raises(SystemExit, match="must have distinct labels and include verl"):
         verl_actor.parse_strategies(["resident", "torchferry"])
     with pytest.raises(SystemExit, match="is none of resident, verl, torchferry, LABEL:K=V"):

@@ -91,12 +91,6 @@ def check_module_to_while_off_device(rank: int, world: int, device: str = "cpu")
         del ferry
 
 
-def test_module_to_while_offloaded_or_prefetching_keeps_training_exact():
-    if not torch.distributed.is_available():
-        pytest.skip("torch.distributed not available")
-    run_spawned(check_module_to_while_off_device, world=2, backend="gloo")
-
-
 def check_write_after_module_to_while_prefetching(rank: int, world: int, device: str = "cpu") -> None:
     """FSDP2's ``module.to()`` gives each unit a new local shard object over the same pool bytes
     (its version counter back at 0): a write after it must still be seen as one, the forward must
@@ -124,12 +118,6 @@ def check_write_after_module_to_while_prefetching(rank: int, world: int, device:
     torch.testing.assert_close(outs[1][0], outs[0][0], atol=0, rtol=0)
     for a, b in zip(outs[1][1], outs[0][1], strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
-
-
-def test_a_write_after_module_to_during_a_layerwise_reload_is_not_lost():
-    if not torch.distributed.is_available():
-        pytest.skip("torch.distributed not available")
-    run_spawned(check_write_after_module_to_while_prefetching, world=2, backend="gloo")
 
 
 def check_load_state_dict_of_a_root_unit_while_prefetching(rank: int, world: int, device: str = "cpu") -> None:
@@ -166,7 +154,11 @@ def check_load_state_dict_of_a_root_unit_while_prefetching(rank: int, world: int
     torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
 
 
-def test_load_state_dict_of_a_root_unit_while_prefetching():
+@pytest.mark.parametrize("check", [check_module_to_while_off_device, check_write_after_module_to_while_prefetching,
+                                   check_load_state_dict_of_a_root_unit_while_prefetching],
+                         ids=["module_to_keeps_training_exact", "write_after_module_to_is_not_lost",
+                              "root_unit_load_state_dict"])
+def test_fsdp2_off_the_device_two_ranks_gloo(check):
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed not available")
-    run_spawned(check_load_state_dict_of_a_root_unit_while_prefetching, world=2, backend="gloo")
+    run_spawned(check, world=2, backend="gloo")

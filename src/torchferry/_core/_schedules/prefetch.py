@@ -194,9 +194,10 @@ class PrefetchRun:
             for gi, g in enumerate(self.groups):
                 if g.unit is not None:
                     self._hooks.append(g.unit.register_forward_pre_hook(self._unit_hook(gi), prepend=True))
-                    if id(g.unit) not in targets:  # a target's own hook follows (one per module: the hook
-                        # that completes removes them all while torch iterates that module's hooks)
-                        # a unit's own load_state_dict (FSDP2 re-points its shards there): all resident first
+                    # A unit's own load_state_dict completes the reload first; one such hook per module
+                    # (a target gets its own below): the one that completes removes the others while
+                    # torch iterates that module's hooks.
+                    if id(g.unit) not in targets:
                         self._hooks.append(g.unit.register_load_state_dict_pre_hook(self._complete_hook))
             for m in self.plan.modules:  # a checkpoint saved or loaded here: everything resident first
                 self._hooks.append(m.register_state_dict_pre_hook(self._complete_hook))

@@ -21,6 +21,7 @@ __all__ = [
     "is_dtensor",
     "lazy_init_done",
     "local_of",
+    "param_groups",
     "repoint_sharded_data",
     "reshard",
     "swap_local",
@@ -80,6 +81,16 @@ def reshard(modules: list[nn.Module]) -> None:
             unit.reshard()  # pyright: ignore[reportCallIssue]  # nn.Module attributes (FSDP2 methods, Hugging Face submodules/config) type as Tensor | Module in torch's stubs
 
 
+def param_groups(state: object) -> list:
+    """An ``FSDPState``'s ``FSDPParamGroup``s, each once (torch 2.11: ``_fsdp_param_group``, one or
+    ``None``; ``_fsdp_param_groups`` from 2.12)."""
+    out: dict[int, object] = {}
+    for group in [getattr(state, "_fsdp_param_group", None), *(getattr(state, "_fsdp_param_groups", None) or ())]:
+        if group is not None:
+            out.setdefault(id(group), group)
+    return list(out.values())
+
+
 def forward_prefetch_units(unit: nn.Module) -> list[nn.Module]:
     """The units whose all-gather FSDP2 issues from ``unit``'s pre-forward (explicit prefetch)."""
     try:
@@ -89,10 +100,8 @@ def forward_prefetch_units(unit: nn.Module) -> list[nn.Module]:
     out: list[nn.Module] = []
     for other in getattr(state, "_states_to_forward_prefetch", []) or []:
         out.extend(getattr(other, "_modules", ()) or ())  # the FSDPState's modules
-        for group in ([getattr(other, "_fsdp_param_group", None)]
-                      + list(getattr(other, "_fsdp_param_groups", []) or [])):
-            if group is not None:
-                out.extend(getattr(group, "modules", ()) or ())
+        for group in param_groups(other):
+            out.extend(getattr(group, "modules", ()) or ())
     return out
 
 
@@ -174,8 +183,7 @@ def repoint_sharded_data(modules: list[nn.Module], host_side: dict[int, torch.Te
     for m in modules:
         for unit in fsdp_modules(m):
             state = unit._get_fsdp_state()  # pyright: ignore[reportCallIssue]  # FSDP2 private _get_fsdp_state
-            for group in ([getattr(state, "_fsdp_param_group", None)]
-                          + list(getattr(state, "_fsdp_param_groups", []) or [])):
+            for group in param_groups(state):
                 for fp in getattr(group, "fsdp_params", ()) or ():
                     host = host_side.get(id(fp.sharded_param))
                     data = getattr(fp, "_sharded_param_data", None)

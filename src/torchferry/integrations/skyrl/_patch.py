@@ -63,10 +63,9 @@ _HELPERS: dict[str, tuple[str, ...]] = {
 def _fsdp_keeps_params_on_host(model: nn.Module) -> bool:
     """Whether an FSDP2 unit under ``model`` has a ``CPUOffloadPolicy`` (FSDP2 keeps its shards on the host).
 
-    Reads FSDP2's private ``FSDPState`` param groups (torch 2.11-2.13: ``_fsdp_param_group``,
-    ``_fsdp_param_groups`` from 2.12), as ``torchferry._core._state.fsdp`` does for its reads.
+    Reads FSDP2's private ``FSDPState`` param groups through ``torchferry._core._state.fsdp``.
     """
-    from torchferry._core._state.fsdp import fsdp_modules
+    from torchferry._core._state.fsdp import fsdp_modules, param_groups
 
     units = fsdp_modules(model)
     if not units:
@@ -75,11 +74,7 @@ def _fsdp_keeps_params_on_host(model: nn.Module) -> bool:
 
     for unit in units:
         state = unit._get_fsdp_state()  # pyright: ignore[reportCallIssue]  # FSDP2 private _get_fsdp_state
-        groups = list(getattr(state, "_fsdp_param_groups", None) or [])
-        one = getattr(state, "_fsdp_param_group", None)
-        if one is not None:
-            groups.append(one)
-        if any(isinstance(getattr(g, "offload_policy", None), CPUOffloadPolicy) for g in groups):
+        if any(isinstance(getattr(g, "offload_policy", None), CPUOffloadPolicy) for g in param_groups(state)):
             return True
     return False
 

@@ -24,6 +24,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from types import ModuleType
 
+from ..._core._state.fsdp import param_groups
 from .. import _helpers as compat
 from .._patching import HelperSet, Patcher
 
@@ -38,10 +39,8 @@ def _idle_and_resharded(model) -> None:
         state = _get_module_fsdp_state(module)
         if state is None:
             continue
-        groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.12; 2.11: one group
-        for group in groups if groups is not None else [getattr(state, "_fsdp_param_group", None)]:
-            if group is not None:
-                group._training_state = TrainingState.IDLE
+        for group in param_groups(state):
+            group._training_state = TrainingState.IDLE
     if callable(getattr(model, "reshard", None)):
         model.reshard()
 

@@ -452,6 +452,32 @@ def _weight_sync(engine, into: dict) -> int:
     return n
 
 
+LOGPROB_ROWS = 2048  # rows per log_softmax in the chunked log-probs (verl's entropy chunk size)
+
+
+def _logprobs_chunked(logits, labels, inplace_backward: bool = True):
+    """The bench's stand-in for ``verl.utils.torch_functional.logprobs_from_logits`` in verl's FSDP
+    engine, for every strategy alike: ``log_softmax`` over ``LOGPROB_ROWS`` rows at a time, then each
+    row's label entry. ``logits``: (N, vocab) or (..., vocab); ``labels``: the leading shape, int64;
+    returns the log-probs in ``labels``' shape and ``logits``' dtype.
+
+    Why: without flash-attn's cross-entropy kernel (not installed here, and turned off by verl's
+    ``full_determinism``, ``VERL_DISABLE_FLASH_ATTN_CE=1``) verl falls back to
+    ``logprobs_from_logits_v2``, which runs one ``log_softmax`` per token in a Python loop. Measured on
+    one H200 (a compute-rich update_actor of Qwen2.5-1.5B, resident, torch 2.11): 472,510 kernels a step,
+    3.2 s of kernel time against 13.3 s of wall under the profiler, host-bound, and step times spread by
+    2-4 s, more than the transfers this bench measures. Same maths per row (``log_softmax`` over the
+    vocabulary, deterministic); a verl user with flash-attn installed gets one fused kernel instead.
+    """
+    import torch
+
+    rows = logits.reshape(-1, logits.shape[-1])
+    index = labels.reshape(-1, 1)
+    out = [torch.log_softmax(rows[i:i + LOGPROB_ROWS], dim=-1).gather(-1, index[i:i + LOGPROB_ROWS]).squeeze(-1)
+           for i in range(0, rows.shape[0], LOGPROB_ROWS)]
+    return (torch.cat(out) if out else rows.new_empty(0)).view(labels.shape)
+
+
 @dataclasses.dataclass
 class Strategy:
     """One way of running the actor: ``resident`` (verl with param_offload and optimizer_offload off),
@@ -602,6 +628,8 @@ def cmd_run(args) -> None:
                 e["seconds"] = max(start.elapsed_time(end) / 1e3, 0.0)
 
     ti.FSDPEngine.to = timed_to
+    if args.logprobs == "chunked":  # see _logprobs_chunked: the same for every strategy
+        ti.logprobs_from_logits = _logprobs_chunked
 
     shape = _shape(args.tiny, args.shape)
     if args.micro_batch:  # the same tokens per phase in fewer, larger forward/backward passes
@@ -756,6 +784,9 @@ def cmd_run(args) -> None:
                        **dataclasses.asdict(shape), "tokens_per_phase_per_rank": shape.batch_per_rank * (
                            shape.prompt_len + shape.response_len),
                        "attn_implementation": ATTENTION, "full_determinism": True,
+                       "logprobs": (f"chunked: log_softmax over {LOGPROB_ROWS} rows at a time (the bench's "
+                                    "_logprobs_chunked)" if args.logprobs == "chunked" else
+                                    "verl: logprobs_from_logits_v2, one log_softmax per token"),
                        "strategy": args.strategy, "lora": lora, "lora_rank": args.lora_rank,
                        "phases": ["rollout", "log_prob", *(["ref"] if lora else []), "update",
                                   *(["weight_sync"] if args.weight_sync else [])],
@@ -1024,6 +1055,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cublas-workspace", default=None,
                    help="CUBLAS_WORKSPACE_CONFIG after verl's full_determinism set its own (:16:8), before the "
                         "first matmul (e.g. :4096:8, also deterministic)")
+    p.add_argument("--logprobs", choices=["chunked", "verl"], default="chunked",
+                   help="log-probs in verl's FSDP engine: chunked (the bench's, one log_softmax per 2048 rows) or "
+                        "verl (its fallback without flash-attn: one per token, host-bound); default: %(default)s")
     p.add_argument("--max-round-seconds", type=float, default=0.0,
                    help="start no round after this many seconds of rounds (at least 2 run; 0: all --steps)")
     p = sub.add_parser("report", help="a run's records -> the torchferry.verl-step/1 JSON")

@@ -24,6 +24,9 @@
 #   VERL_ACTOR_CUBLAS_WORKSPACE=:4096:8   CUBLAS_WORKSPACE_CONFIG set after verl's full_determinism set its
 #                                         :16:8 (the default here, also deterministic; empty: verl's :16:8)
 #   VERL_ACTOR_MAX_ROUND_S=S              start no round after S seconds of rounds (at least 2 run)
+#   VERL_ACTOR_LOGPROBS=chunked|verl      log-probs in verl's engine: chunked (default: one log_softmax per
+#                                         2048 rows) or verl's own fallback without flash-attn (one per token:
+#                                         host-bound, a step's time spread by seconds; see _logprobs_chunked)
 #
 # verl and what its actor code imports must be importable (pip install -e '.[test]', then
 # pip install --no-deps verl==0.9.1). On a machine without network, TFDEPS_WHEELS=DIR names a folder of
@@ -90,12 +93,13 @@ for v in ${VERL_ACTOR_VARIANTS:-}; do STRATEGIES+=("$v"); done
 CUBLAS=${VERL_ACTOR_CUBLAS_WORKSPACE-:4096:8}
 if [ -n "$CUBLAS" ]; then EXTRA+=(--cublas-workspace "$CUBLAS"); fi
 if [ -n "${VERL_ACTOR_MAX_ROUND_S:-}" ]; then EXTRA+=(--max-round-seconds "$VERL_ACTOR_MAX_ROUND_S"); fi
+if [ -n "${VERL_ACTOR_LOGPROBS:-}" ]; then EXTRA+=(--logprobs "$VERL_ACTOR_LOGPROBS"); fi
 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" benchmarks/verl_actor.py run \
     --strategies "${STRATEGIES[@]}" --model-dir "$MODEL" --steps "$STEPS" --out "$OUT/runs.json" "${EXTRA[@]}" \
     2>&1 | tee -a "$LOG"
 CMD="bash benchmarks/verl_actor.sh OUT $NPROC $PRESET $STEPS"
 for k in VERL_ACTOR_SHAPE VERL_ACTOR_STRATEGY VERL_ACTOR_LORA_RANK VERL_ACTOR_MICRO VERL_ACTOR_ROLLOUT VERL_ACTOR_WEIGHT_SYNC \
-         VERL_ACTOR_RESIDENT VERL_ACTOR_VARIANTS VERL_ACTOR_CUBLAS_WORKSPACE VERL_ACTOR_MAX_ROUND_S; do
+         VERL_ACTOR_RESIDENT VERL_ACTOR_VARIANTS VERL_ACTOR_CUBLAS_WORKSPACE VERL_ACTOR_MAX_ROUND_S VERL_ACTOR_LOGPROBS; do
   if [ -n "${!k:-}" ]; then CMD="$k='${!k}' $CMD"; fi
 done
 "$PY" benchmarks/verl_actor.py report "$OUT/runs.json" --out-dir "$OUT" --command "$CMD" 2>&1 | tee -a "$LOG"

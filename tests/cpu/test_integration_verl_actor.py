@@ -152,3 +152,23 @@ def test_lora_adds_the_reference_phase_and_stays_bit_identical_through_the_weigh
     assert r["bit_identical"] is True, r["bit_identical_detail"]
     assert all(len(x["ref_log_prob_sha256"]) == 3 for x in verl_actor._view(runs, "torchferry")["per_rank"])
     assert "exposed" not in r
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_chunked_logprobs_match_verls_row_by_row_fallback(dtype):
+    """The bench's chunked log-probs give verl's row-wise fallback's values, past a chunk's end too:
+    bf16 bit for bit (both take log_softmax per row), fp32 to rounding (verl's takes x - logsumexp)."""
+    import torch
+    from verl.utils.torch_functional import logprobs_from_logits_v2
+
+    g = torch.Generator().manual_seed(0)
+    rows = verl_actor.LOGPROB_ROWS + 37
+    logits = (torch.randn(rows, 97, generator=g) * 4).to(getattr(torch, dtype))
+    labels = torch.randint(0, 97, (rows,), generator=g)
+    got = verl_actor._logprobs_chunked(logits, labels)
+    want = logprobs_from_logits_v2(logits, labels)
+    assert got.shape == (rows,) and got.dtype == logits.dtype
+    exact = {"atol": 0, "rtol": 0} if dtype == "bfloat16" else {}
+    torch.testing.assert_close(got, want, **exact)
+    # the (batch, seq) layout keeps its shape
+    assert verl_actor._logprobs_chunked(logits.view(1, rows, 97), labels.view(1, rows)).shape == (1, rows)

@@ -433,23 +433,32 @@ def _rollout_stand_in(device, kv_bytes: int, matmuls: int) -> None:
     del kv
 
 
-def _weight_sync(engine, into: dict) -> int:
-    """verl's weight sync without vLLM: ``engine.get_per_tensor_param()`` (what
-    ``ActorRolloutRefWorker.update_weights`` reads; with ``param_offload`` it reads the offloaded
-    parameters back per tensor) consumed into device buffers of the rollout's weight size
-    (``into``: name -> bf16 tensor, allocated on the first sync and kept, as the rollout's weights).
-    Returns the bytes written."""
+def _weight_sync(engine, into: dict, first: bool, device) -> int:
+    """verl's weight sync without vLLM (``ActorRolloutRefWorker.update_weights``, verl 0.9.1):
+    ``engine.get_per_tensor_param(layered_summon=False, base_sync_done=True)`` consumed into device
+    buffers of the rollout's weight size (``into``: name -> bf16 tensor on ``device``, allocated on
+    first use and kept, as the rollout's weights; verl hands the adapters over on the host). With LoRA that yields the adapters only, and on the ``first``
+    sync the base goes first (``base_sync_done=False``), as verl does once with its default
+    ``rollout.load_format: dummy``; without LoRA both calls yield every parameter (with
+    ``param_offload`` read back from the host per tensor). Returns the bytes written."""
     import torch
 
-    per_tensor, _ = engine.get_per_tensor_param()
+    def consume(per_tensor) -> int:
+        n = 0
+        for name, t in per_tensor:
+            dst = into.get(name)
+            if dst is None:
+                dst = into[name] = torch.empty(t.shape, dtype=torch.bfloat16, device=device)
+            dst.copy_(t, non_blocking=True)
+            n += dst.numel() * dst.element_size()
+        return n
+
+    per_tensor, peft_config = engine.get_per_tensor_param(layered_summon=False, base_sync_done=True)
     n = 0
-    for name, t in per_tensor:
-        dst = into.get(name)
-        if dst is None:
-            dst = into[name] = torch.empty(t.shape, dtype=torch.bfloat16, device=t.device)
-        dst.copy_(t, non_blocking=True)
-        n += dst.numel() * dst.element_size()
-    return n
+    if peft_config is not None and first:  # update_weights' do_lora_base_sync
+        base, _ = engine.get_per_tensor_param(layered_summon=False, base_sync_done=False)
+        n += consume(base)
+    return n + consume(per_tensor)
 
 
 LOGPROB_ROWS = 2048  # rows per log_softmax in the chunked log-probs (verl's entropy chunk size)
@@ -713,7 +722,7 @@ def cmd_run(args) -> None:
         marks["update"] = time.perf_counter()
         if args.weight_sync:  # ActorRolloutRefWorker.update_weights, after update_actor
             current["phase"] = "weight_sync"
-            rec["weight_sync_bytes"] = _weight_sync(engine, rec["rollout_weights"])
+            rec["weight_sync_bytes"] = _weight_sync(engine, rec["rollout_weights"], first=step == 0, device=gpu)
             sync()
         marks["weight_sync"] = time.perf_counter()
         rec["step_s"].append(time.perf_counter() - t_step)

@@ -141,9 +141,10 @@ def test_report_says_what_differs(result):
 
 def test_lora_adds_the_reference_phase_and_stays_bit_identical_through_the_weight_sync(tmp_path):
     """With LoRA the reference log-probs come from the actor with its adapters off (verl's
-    ref_in_actor), and verl's weight sync calls ``model.to("cpu")`` on the FSDP2 model right after
-    ``load_fsdp_model_to_gpu``: with the layer-wise reload on, that is while the state is still on
-    the host ([Note: FSDP2's shard buffer after a move]); the run stays bit-identical to verl's."""
+    ref_in_actor), and verl's first weight sync (the base, ``base_sync_done=False``) calls
+    ``model.to("cpu")`` on the FSDP2 model right after ``load_fsdp_model_to_gpu``: with the layer-wise
+    reload on, that is while the state is still on the host ([Note: FSDP2's shard buffer after a
+    move]); later syncs send the adapters only. The run stays bit-identical to verl's."""
     runs = _run(tmp_path, VERL_ACTOR_LORA_RANK="4", VERL_ACTOR_WEIGHT_SYNC="1", VERL_ACTOR_RESIDENT="0")
     [path] = tmp_path.glob("verl_step_tiny_fsdp2-lora-tiny_cpux2_*.json")
     r = json.loads(path.read_text())
@@ -152,6 +153,8 @@ def test_lora_adds_the_reference_phase_and_stays_bit_identical_through_the_weigh
     assert r["bit_identical"] is True, r["bit_identical_detail"]
     assert all(len(x["ref_log_prob_sha256"]) == 3 for x in verl_actor._view(runs, "torchferry")["per_rank"])
     assert "exposed" not in r
+    for x in verl_actor._view(runs, "torchferry")["per_rank"]:  # the last step's sync: the adapters, in bf16
+        assert 0 < x["weight_sync_bytes"] < x["state_bytes"]["params"] / 4, x["weight_sync_bytes"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -477,9 +477,17 @@ def _logprobs_chunked(logits, labels, inplace_backward: bool = True):
     3.2 s of kernel time against 13.3 s of wall under the profiler, host-bound, and step times spread by
     2-4 s, more than the transfers this bench measures. Same maths per row (``log_softmax`` over the
     vocabulary, deterministic); a verl user with flash-attn installed gets one fused kernel instead.
+    (The kernel counts are from a profiler probe whose output is not kept; the spread is the f70690e
+    run, ``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp2-full-compute-rich_h200x1_2026-12-02.json``.)
+
+    Raises:
+        ValueError: ``labels`` does not name one entry per row of ``logits``.
     """
     import torch
 
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"labels of shape {tuple(labels.shape)} for logits of shape {tuple(logits.shape)}: "
+                         "one label per row of logits expected")
     rows = logits.reshape(-1, logits.shape[-1])
     index = labels.reshape(-1, 1)
     out = [torch.log_softmax(rows[i:i + LOGPROB_ROWS], dim=-1).gather(-1, index[i:i + LOGPROB_ROWS]).squeeze(-1)
@@ -672,6 +680,7 @@ def cmd_run(args) -> None:
     for r in records.values():
         r.update(losses=[], grad_norms=[], log_prob_sha256=[], log_prob_sum=[], ref_log_prob_sha256=[],
                  step_s=[], phase_s=[], gpu_allocated_at_start=[], peak_gpu_allocated=[], weight_sync_bytes=0,
+                 weight_sync_bytes_per_step=[],
                  rollout_weights={}, order=[])
 
     def one_step(s: Strategy, step: int) -> None:
@@ -723,6 +732,7 @@ def cmd_run(args) -> None:
         if args.weight_sync:  # ActorRolloutRefWorker.update_weights, after update_actor
             current["phase"] = "weight_sync"
             rec["weight_sync_bytes"] = _weight_sync(engine, rec["rollout_weights"], first=step == 0, device=gpu)
+            rec["weight_sync_bytes_per_step"].append(rec["weight_sync_bytes"])  # LoRA: the first with the base
             sync()
         marks["weight_sync"] = time.perf_counter()
         rec["step_s"].append(time.perf_counter() - t_step)
@@ -785,7 +795,8 @@ def cmd_run(args) -> None:
             "env": {"gpu": torch.cuda.get_device_name(gpu) if cuda else None, "torch": torch.__version__,
                     "verl": verl.__version__, "transformers": transformers.__version__, "world_size": world,
                     "python": sys.version.split()[0], "device": str(gpu),
-                    "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")},
+                    "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+                    "flash_attn_installed": importlib.util.find_spec("flash_attn") is not None},
             "strategies": [{"label": s.label, "kind": s.kind, "settings": {**base_env, **s.env},
                             "patched": patched_names.get(s.label, [])} for s in strategies],
             "config": {"steps": len(records[strategies[0].label]["step_s"]), "seed": args.seed, "lr": args.lr,
@@ -948,7 +959,8 @@ def report(runs: dict, command: str | None = None) -> dict:
             "losses": r0["losses"], "grad_norms": r0["grad_norms"], "log_prob_sum": r0["log_prob_sum"],
             "step_s": r0["step_s"], "phase_s": r0["phase_s"], "order_in_round": r0["order"],
             "bytes_moved_per_step": _bytes_per_step(r0),
-            "weight_sync_bytes": r0.get("weight_sync_bytes", 0),
+            "weight_sync_bytes": r0.get("weight_sync_bytes", 0),  # the last sync's bf16 rollout bytes
+            "weight_sync_bytes_per_step": r0.get("weight_sync_bytes_per_step", []),
             "torchferry_settings": spec["settings"] if kinds[label] == "torchferry" else {},
             "build_s": r0["build_s"], "patched": spec["patched"],
             "per_rank": [{"rank": x["rank"], **_transfers(x), "state_bytes": x["state_bytes"]}
@@ -1060,7 +1072,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="sequences per micro-batch in update_actor and in the log-prob phases (default: the shape's)")
     p.add_argument("--rollout-gb", type=float, default=0.0, help="rollout stand-in: KV-cache GB held")
     p.add_argument("--rollout-matmuls", type=int, default=0, help="rollout stand-in: bf16 8192^3 matmuls")
-    p.add_argument("--weight-sync", action="store_true", help="engine.get_per_tensor_param() after update_actor")
+    p.add_argument("--weight-sync", action="store_true", help="verl's weight sync after update_actor, as update_weights does it (see _weight_sync)")
     p.add_argument("--cublas-workspace", default=None,
                    help="CUBLAS_WORKSPACE_CONFIG after verl's full_determinism set its own (:16:8), before the "
                         "first matmul (e.g. :4096:8, also deterministic)")

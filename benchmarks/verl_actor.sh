@@ -17,7 +17,9 @@
 #   VERL_ACTOR_LORA_RANK=N                verl's lora_rank (0: full fine-tuning); adds the reference phase
 #   VERL_ACTOR_MICRO="TRAIN INFER"        sequences per micro-batch in update_actor / the log-prob phases
 #   VERL_ACTOR_ROLLOUT="GB MATMULS"       a rollout stand-in before each step's old_log_prob
-#   VERL_ACTOR_WEIGHT_SYNC=1              engine.get_per_tensor_param() after each update_actor
+#   VERL_ACTOR_WEIGHT_SYNC=1              verl's weight sync after each update_actor, as update_weights:
+#                                         get_per_tensor_param(base_sync_done=True) (LoRA: the adapters; the
+#                                         base on the first sync only) into device buffers
 #   VERL_ACTOR_RESIDENT=0                 no resident strategy (no exposed step time then)
 #   VERL_ACTOR_VARIANTS="LABEL:K=V,K=V ..." more torchferry strategies, each under these settings
 #                                         (e.g. "plain:TORCHFERRY_LAYERWISE_RELOAD=0,TORCHFERRY_OPTIMIZER_AT_STEP=0")

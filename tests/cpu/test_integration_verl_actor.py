@@ -153,8 +153,13 @@ def test_lora_adds_the_reference_phase_and_stays_bit_identical_through_the_weigh
     assert r["bit_identical"] is True, r["bit_identical_detail"]
     assert all(len(x["ref_log_prob_sha256"]) == 3 for x in verl_actor._view(runs, "torchferry")["per_rank"])
     assert "exposed" not in r
-    for x in verl_actor._view(runs, "torchferry")["per_rank"]:  # the last step's sync: the adapters, in bf16
-        assert 0 < x["weight_sync_bytes"] < x["state_bytes"]["params"] / 4, x["weight_sync_bytes"]
+    for x in verl_actor._view(runs, "torchferry")["per_rank"]:  # the base on the first sync, then the adapters
+        first, *later = x["weight_sync_bytes_per_step"]
+        assert len(later) == 2 and all(0 < b < x["state_bytes"]["params"] / 4 < first for b in later), (first, later)
+    # the base's buffers are among those compared with verl's: one per parameter of a rank (summed over
+    # the ranks in parameter_shards) and the tied lm_head; the adapters alone would be about half
+    c = r["compared"]
+    assert c["weight_sync_tensors"] == c["parameter_shards"] // c["ranks"] + 1, c
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -173,5 +178,7 @@ def test_chunked_logprobs_match_verls_row_by_row_fallback(dtype):
     assert got.shape == (rows,) and got.dtype == logits.dtype
     exact = {"atol": 0, "rtol": 0} if dtype == "bfloat16" else {}
     torch.testing.assert_close(got, want, **exact)
-    # the (batch, seq) layout keeps its shape
+    # the (batch, seq) layout keeps its shape; labels that do not match the rows are refused
     assert verl_actor._logprobs_chunked(logits.view(1, rows, 97), labels.view(1, rows)).shape == (1, rows)
+    with pytest.raises(ValueError, match="one label per row"):
+        verl_actor._logprobs_chunked(logits.view(1, rows, 97), labels)

@@ -326,18 +326,23 @@ def test_forward_only_offloads_copy_nothing_unless_switched_off(setting):
     run_spawned(functools.partial(_forward_only_offloads_copy_nothing, setting=setting))
 
 
+def _skyrls(name: str) -> bool:
+    """A setting as SkyRL's replacements read it ([Note: each integration's settings])."""
+    return _helpers.settings_of("skyrl")[name]
+
+
 def test_the_skip_setting_comes_from_patch_else_the_environment(monkeypatch):
     monkeypatch.delenv(_helpers.SKIP_ENV, raising=False)
-    assert _helpers.skip_unchanged()
+    assert _skyrls("skip_unchanged")
     monkeypatch.setenv(_helpers.SKIP_ENV, "0")
-    assert not _helpers.skip_unchanged()
+    assert not _skyrls("skip_unchanged")
     tf_skyrl.patch(skip_unchanged=True)
-    assert _helpers.skip_unchanged()  # patch()'s argument over the environment
+    assert _skyrls("skip_unchanged")  # patch()'s argument over the environment
     tf_skyrl.unpatch()
-    assert not _helpers.skip_unchanged()
+    assert not _skyrls("skip_unchanged")
     monkeypatch.setenv(_helpers.SKIP_ENV, "yes")
     with pytest.raises(ValueError, match="TORCHFERRY_SKIP_UNCHANGED must be 0 or 1, got 'yes'"):
-        _helpers.skip_unchanged()
+        _skyrls("skip_unchanged")
     m = nn.Linear(4, 4)
     with pytest.raises(ValueError, match="TORCHFERRY_SKIP_UNCHANGED"):
         tf_skyrl.offload_fsdp2_model_to_cpu(m)
@@ -358,22 +363,22 @@ def test_a_second_patch_keeps_the_first_ones_skip_choice_and_only_a_patched_inte
     monkeypatch.delenv(_helpers.SKIP_ENV, raising=False)
     tf_skyrl.patch(skip_unchanged=False)
     tf_skyrl.patch()  # idempotent: the choice stays
-    assert not _helpers.skip_unchanged()
-    tf_verl.unpatch()  # verl was never patched: the shared setting stays
-    assert not _helpers.skip_unchanged()
+    assert not _skyrls("skip_unchanged")
+    tf_verl.unpatch()  # verl was never patched: SkyRL's setting stays
+    assert not _skyrls("skip_unchanged")
     tf_skyrl.patch(skip_unchanged=True)  # an explicit choice replaces it
-    assert _helpers.skip_unchanged()
+    assert _skyrls("skip_unchanged")
     tf_skyrl.unpatch()
-    assert _helpers._skip.value is None and _helpers.skip_unchanged()
+    assert _helpers._skip.choice("skyrl") is None and _skyrls("skip_unchanged")
 
 
 def test_the_optimizer_at_step_setting_comes_from_patch_and_unpatch_resets_it(monkeypatch):
-    """[Note: optimizer state waited for at step()]: one setting for the verl and SkyRL helpers."""
+    """[Note: optimizer state waited for at step()]: SkyRL's own choice, forgotten by its unpatch()."""
     monkeypatch.delenv(_helpers.OPTIMIZER_AT_STEP_ENV, raising=False)
     with pytest.raises(TypeError, match="optimizer_at_step must be True, False or None, got str 'x'"):
         tf_skyrl.patch(optimizer_at_step="x")  # type: ignore[arg-type]
     assert not tf_skyrl.is_patched()
     tf_skyrl.patch(optimizer_at_step=True)
-    assert _helpers.optimizer_at_step()
+    assert _skyrls("optimizer_at_step")
     tf_skyrl.unpatch()
-    assert not _helpers.optimizer_at_step()
+    assert not _skyrls("optimizer_at_step")

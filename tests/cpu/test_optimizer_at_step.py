@@ -126,6 +126,48 @@ def test_the_setting_comes_from_the_environment_and_a_bad_value_moves_nothing(mo
         _helpers.set_optimizer_at_step(1)  # type: ignore[arg-type]
 
 
+def _verls(name: str) -> bool:
+    """A setting as verl's replacements read it ([Note: each integration's settings])."""
+    return _helpers.settings_of("verl")[name]
+
+
+def test_verl_and_skyrl_patched_in_one_process_keep_their_own_settings(monkeypatch):
+    """[Note: each integration's settings]: verl's defaults do not reach SkyRL's helpers, each
+    integration's choices stay its own, one's unpatch() leaves the other's, each Ray hook forwards
+    its own, and a replacement reads its integration's settings while it runs."""
+    pytest.importorskip("verl.utils.fsdp_utils", reason="verl not installed")
+    import torchferry.integrations.verl as tf_verl
+    from verl.utils import fsdp_utils
+
+    for env in (_helpers.LAYERWISE_ENV, _helpers.SKIP_ENV):
+        monkeypatch.delenv(env, raising=False)
+    tf_verl.unpatch()
+    try:
+        tf_verl.patch(import_engines=False, skip_unchanged=False)
+        _helpers.apply_settings("skyrl", layerwise_reload=True)  # as SkyRL's patch(layerwise_reload=True)
+        assert _helpers.settings_of("verl") == {"skip_unchanged": False, "optimizer_at_step": True,
+                                                "layerwise_reload": True}
+        assert _helpers.settings_of("skyrl") == {"skip_unchanged": True, "optimizer_at_step": False,
+                                                 "layerwise_reload": True}
+        assert not _helpers.optimizer_at_step() and _helpers.skip_unchanged()  # outside both: torchferry's
+        m, opt = _model_and_opt()
+        _step(m, opt, torch.randn(4, 32))
+        for load, at_step in ((fsdp_utils.load_fsdp_optimizer, True), (_helpers.load_fsdp_optimizer, False)):
+            _helpers.offload_fsdp_optimizer(opt)
+            load(opt, "cpu")  # verl's replacement: verl's default; the helper called directly: off
+            assert _helpers.ferry_for(opt).residency is (Residency.PREFETCHING if at_step else Residency.DEVICE)
+            _step(m, opt, torch.randn(4, 32))
+        env = tf_verl.with_worker_setup({})["env_vars"]
+        assert env[_helpers.SKIP_ENV] == "0" and _helpers.LAYERWISE_ENV not in env
+        assert _helpers.patch_choices("skyrl") == {_helpers.LAYERWISE_ENV: "1"}
+        tf_verl.unpatch()
+        assert _helpers.settings_of("skyrl")["layerwise_reload"] and not _verls("layerwise_reload")
+        assert _verls("skip_unchanged")
+    finally:
+        tf_verl.unpatch()
+        _helpers.reset_settings("skyrl")
+
+
 def test_verl_patch_sets_it_refuses_bad_values_and_unpatch_resets_it(monkeypatch):
     pytest.importorskip("verl.utils.fsdp_utils", reason="verl not installed")
     import torchferry.integrations.verl as tf_verl
@@ -141,11 +183,11 @@ def test_verl_patch_sets_it_refuses_bad_values_and_unpatch_resets_it(monkeypatch
         assert not tf_verl.is_patched()
         monkeypatch.delenv(_helpers.OPTIMIZER_AT_STEP_ENV)
         tf_verl.patch(import_engines=False, optimizer_at_step=True)
-        assert _helpers.optimizer_at_step()
+        assert _verls("optimizer_at_step")
         tf_verl.patch(import_engines=False)  # idempotent: the choice stays
-        assert _helpers.optimizer_at_step()
+        assert _verls("optimizer_at_step")
         tf_verl.unpatch()
-        assert not _helpers.optimizer_at_step()
+        assert not _verls("optimizer_at_step")
     finally:
         tf_verl.unpatch()
 
@@ -159,7 +201,9 @@ def test_verls_patch_turns_each_on_by_default_and_one_switch_turns_it_off(monkey
     pytest.importorskip("verl.utils.fsdp_utils", reason="verl not installed")
     import torchferry.integrations.verl as tf_verl
 
-    get = _helpers.optimizer_at_step if name == "optimizer_at_step" else _helpers.LAYERWISE.get
+    def get() -> bool:
+        return _verls(name)
+
     monkeypatch.delenv(env, raising=False)
     tf_verl.unpatch()
     try:
@@ -220,9 +264,9 @@ def test_the_layerwise_setting_comes_from_patch_else_the_environment(monkeypatch
     tf_verl.unpatch()
     before = _helpers.LAYERWISE.set(None)
     try:
-        assert not _helpers.LAYERWISE.get()
+        assert not _verls("layerwise_reload")
         monkeypatch.setenv(_helpers.LAYERWISE_ENV, "1")
-        assert _helpers.LAYERWISE.get()
+        assert _verls("layerwise_reload")
         monkeypatch.setenv(_helpers.LAYERWISE_ENV, "on")
         with pytest.raises(ValueError, match="TORCHFERRY_LAYERWISE_RELOAD must be 0 or 1, got 'on'"):
             tf_verl.patch(import_engines=False)
@@ -232,9 +276,9 @@ def test_the_layerwise_setting_comes_from_patch_else_the_environment(monkeypatch
             tf_verl.patch(import_engines=False, layerwise_reload=1)  # type: ignore[arg-type]
         assert not tf_verl.is_patched()
         tf_verl.patch(import_engines=False, layerwise_reload=True)
-        assert _helpers.LAYERWISE.get()
+        assert _verls("layerwise_reload")
         tf_verl.unpatch()
-        assert not _helpers.LAYERWISE.get()
+        assert not _verls("layerwise_reload")
     finally:
         tf_verl.unpatch()
         _helpers.LAYERWISE.set(before)

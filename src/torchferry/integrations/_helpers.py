@@ -119,6 +119,7 @@ from .._core._ferry.ferry import Ferry
 from .._core._api.handle import TransferHandle
 from .._core._state.targets import inner_optimizers
 from .._core._transfer.switch import whole_copies
+from ._patching import ACTIVE
 
 __all__ = [
     "SKIP_ENV",
@@ -139,33 +140,58 @@ __all__ = [
     "set_optimizer_at_step",
     "set_patched_defaults",
     "set_skip_unchanged",
+    "settings_of",
     "skip_unchanged",
 ]
 
 _ferries: weakref.WeakKeyDictionary[object, Ferry] = weakref.WeakKeyDictionary()
 
+# [Note: each integration's settings]
+# verl's and SkyRL's replacements call these same helpers, but each integration's ``patch()``
+# arguments and defaults are its own: verl's ``patch()`` turns ``layerwise_reload`` and
+# ``optimizer_at_step`` on by default, SkyRL's leaves them off, and with both patched in one
+# process neither may change what the other's helpers do, nor may one's ``unpatch()`` forget the
+# other's choices. So a setting keeps, per integration, its ``patch()`` choice and its default,
+# and every replacement a ``Patcher`` installs runs with ``_patching.ACTIVE`` naming its
+# integration: the helper reads that integration's choice, else a value set for every caller
+# (``set_optimizer_at_step(...)``, ``LAYERWISE.set(...)``, for direct use), else the
+# environment variable (one per process, shared) over that integration's default. A helper
+# called directly (``torchferry.integrations.verl.offload_fsdp2_model_to_cpu``) runs outside any
+# integration: the value for every caller, else the environment over torchferry's default. The
+# Ray hook forwards the choices of its own integration. ``tests/cpu/test_optimizer_at_step.py``
+# patches both in one process.
 class _Setting:
-    """One of the helpers' switches: an integration's ``patch()`` value, else an environment flag."""
+    """One of the helpers' switches, per integration ([Note: each integration's settings]): the
+    running integration's ``patch()`` value, else a value set for every caller (``set()``), else
+    the environment flag with the running integration's own default, else torchferry's."""
 
     def __init__(self, name: str, env: str, default: bool) -> None:
         self.name, self.env, self.default = name, env, default
-        self.value: bool | None = None  # None: the environment
-        self.patched_default: bool | None = None  # an integration's own default while it is patched
+        self.value: bool | None = None  # set(): for every caller (None: none)
+        self.chosen: dict[str, bool] = {}  # an integration's patch(name=...)
+        self.patched_defaults: dict[str, bool] = {}  # an integration's own defaults while it is patched
 
     def set(self, value: bool | None) -> bool | None:
         check_optional_bool(value, self.name)
         before, self.value = self.value, value
         return before
 
-    def check(self, value: bool | None) -> None:
+    def check(self, value: bool | None, integration: str) -> None:
         check_optional_bool(value, self.name)
-        if value is None and self.value is None:
-            self.get()
+        if value is None and self.value is None and integration not in self.chosen:
+            env_flag(self.env, self.default)  # read by integration's helpers: a bad value fails here
+
+    def choice(self, integration: str) -> bool | None:
+        """What ``integration``'s ``patch()`` chose (``None``: it did not say)."""
+        return self.chosen.get(integration)
 
     def get(self) -> bool:
+        who = ACTIVE.get()
+        if who is not None and who in self.chosen:
+            return self.chosen[who]
         if self.value is not None:
             return self.value
-        return env_flag(self.env, self.default if self.patched_default is None else self.patched_default)
+        return env_flag(self.env, self.patched_defaults.get(who, self.default) if who is not None else self.default)
 
 
 SKIP_ENV = "TORCHFERRY_SKIP_UNCHANGED"
@@ -227,7 +253,7 @@ def optimizer_at_step() -> bool:
 _SETTINGS = {"skip_unchanged": _skip, "optimizer_at_step": _at_step, "layerwise_reload": LAYERWISE}
 
 
-def check_settings(**values: bool | None) -> None:
+def check_settings(integration: str, **values: bool | None) -> None:
     """Raises what setting each of ``values`` (``skip_unchanged``, ``optimizer_at_step``,
     ``layerwise_reload``) would, or for ``None`` what reading its environment variable would: an
     integration's ``patch()`` checks first, replacing nothing on an error.
@@ -237,23 +263,40 @@ def check_settings(**values: bool | None) -> None:
         ValueError: a value is ``None`` and its environment variable is neither ``0`` nor ``1``.
     """
     for name, value in values.items():
-        _SETTINGS[name].check(value)
+        _SETTINGS[name].check(value, integration)
 
 
-def apply_settings(**values: bool | None) -> None:
-    """Sets each of ``values`` that is not ``None`` (``None`` keeps an earlier ``patch()``'s choice)."""
+def settings_of(integration: str) -> dict[str, bool]:
+    """Each setting (``skip_unchanged``, ``optimizer_at_step``, ``layerwise_reload``) as
+    ``integration``'s replacements read it now ([Note: each integration's settings]).
+
+    Raises:
+        ValueError: an environment variable it reads is neither ``0`` nor ``1``.
+    """
+    token = ACTIVE.set(integration)
+    try:
+        return {name: setting.get() for name, setting in _SETTINGS.items()}
+    finally:
+        ACTIVE.reset(token)
+
+
+def apply_settings(integration: str, **values: bool | None) -> None:
+    """``integration``'s ``patch()`` choices: sets each of ``values`` that is not ``None`` (``None``
+    keeps an earlier ``patch()``'s choice) for its own replacements only ([Note: each
+    integration's settings])."""
     for name, value in values.items():
         if value is not None:
-            _SETTINGS[name].set(value)
+            check_optional_bool(value, name)
+            _SETTINGS[name].chosen[integration] = value
 
 
-def set_patched_defaults(**defaults: bool) -> None:
-    """The patching integration's own defaults (``optimizer_at_step``, ``layerwise_reload``, ...),
-    used where neither a ``patch()`` argument nor the environment variable says (verl's: [Note:
-    verl's defaults] in ``integrations.verl._patch``); reset by :func:`reset_settings`."""
+def set_patched_defaults(integration: str, **defaults: bool) -> None:
+    """``integration``'s own defaults (``optimizer_at_step``, ``layerwise_reload``, ...), used by its
+    replacements where neither its ``patch()`` argument nor the environment variable says (verl's:
+    [Note: verl's defaults] in ``integrations.verl._patch``); reset by :func:`reset_settings`."""
     for name, value in defaults.items():
         check_optional_bool(value, name)
-        _SETTINGS[name].patched_default = value
+        _SETTINGS[name].patched_defaults[integration] = value
 
 
 CHOICES: dict[str, Callable[[], bool | None]] = {}
@@ -261,11 +304,17 @@ CHOICES: dict[str, Callable[[], bool | None]] = {}
 settings (verl's ``fsdp1``), for :func:`patch_choices`."""
 
 
-def patch_choices() -> dict[str, str]:
-    """The settings given to an integration's ``patch()`` in this process, as the environment
-    variables a worker reads (``"1"`` / ``"0"``): what the Ray hooks pass on, so a driver's
-    ``patch(layerwise_reload=False)`` reaches the workers as ``TORCHFERRY_LAYERWISE_RELOAD=0``."""
-    out = {s.env: "1" if s.value else "0" for s in _SETTINGS.values() if s.value is not None}
+def patch_choices(integration: str) -> dict[str, str]:
+    """The settings given to ``integration``'s ``patch()`` in this process (or set for every
+    caller), as the environment variables a worker reads (``"1"`` / ``"0"``): what its Ray hook
+    passes on, so a driver's ``patch(layerwise_reload=False)`` reaches the workers as
+    ``TORCHFERRY_LAYERWISE_RELOAD=0``."""
+    out = {}
+    for setting in _SETTINGS.values():
+        value = setting.choice(integration)
+        value = setting.value if value is None else value
+        if value is not None:
+            out[setting.env] = "1" if value else "0"
     for env, choice in CHOICES.items():
         value = choice()
         if value is not None:
@@ -273,11 +322,11 @@ def patch_choices() -> dict[str, str]:
     return out
 
 
-def reset_settings() -> None:
-    """Every setting back to its environment variable and torchferry's default (an integration's ``unpatch()``)."""
+def reset_settings(integration: str) -> None:
+    """``integration``'s choices and defaults forgotten (its ``unpatch()``); another integration's stay."""
     for setting in _SETTINGS.values():
-        setting.set(None)
-        setting.patched_default = None
+        setting.chosen.pop(integration, None)
+        setting.patched_defaults.pop(integration, None)
 
 
 def ferry_for(obj: nn.Module | torch.optim.Optimizer) -> Ferry | None:

@@ -31,6 +31,7 @@ integration's ``unpatch()`` from restoring another's names.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import importlib
 import inspect
@@ -39,7 +40,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 
-__all__ = ["HelperSet", "Patcher"]
+__all__ = ["ACTIVE", "HelperSet", "Patcher"]
+
+ACTIVE: contextvars.ContextVar[str | None] = contextvars.ContextVar("torchferry_integration", default=None)
+"""The integration whose replacement is running (``"verl"``, ``"skyrl"``; set by the wrappers
+:class:`Patcher` installs, ``None`` outside them): whose ``patch()`` settings the shared helpers
+read ([Note: each integration's settings] in ``integrations._helpers``)."""
 
 Replacements = Callable[[ModuleType, Mapping[str, Callable]], Mapping[str, Callable]]
 """``(helper module, {name: framework's original}) -> {name: replacement}``, one per helper."""
@@ -195,9 +201,15 @@ class Patcher:
     def _tagged(self, fn: Callable, original: Callable) -> Callable:
         """A wrapper of ``fn`` that remembers ``original`` ([Note: replacements remember their originals])."""
 
+        integration = self.helper_set.integration
+
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            return fn(*args, **kwargs)
+            token = ACTIVE.set(integration)  # see [Note: each integration's settings]
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                ACTIVE.reset(token)
 
         wrapper.__torchferry_original__ = original  # type: ignore[attr-defined]
         wrapper.__torchferry_integration__ = self.helper_set.integration  # type: ignore[attr-defined]

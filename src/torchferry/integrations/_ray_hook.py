@@ -166,7 +166,7 @@ class WorkerHook:
         for k in FORWARDED_SETTINGS:  # the driver's settings reach the workers
             if k in os.environ and k not in theirs_vars:
                 env_vars[k] = os.environ[k]
-        for k, v in patch_choices().items():  # a driver's patch(...) arguments too, over its environment
+        for k, v in patch_choices(n.framework).items():  # a driver's patch(...) arguments too, over its environment
             if k not in theirs_vars:
                 env_vars[k] = v
         env_vars[n.env_flag] = "1"

@@ -144,17 +144,18 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
             after a forward-only phase (the reference, a policy offloaded for another role)
             copies nothing ([Note: the helpers skip unchanged storages] in
             ``integrations._helpers``); ``None`` (default): an earlier ``patch()``'s choice,
-            else ``TORCHFERRY_SKIP_UNCHANGED``, on unless ``0``. One setting for the verl and
-            SkyRL integrations (their helpers are the same), reset by ``unpatch()``.
+            else ``TORCHFERRY_SKIP_UNCHANGED``, on unless ``0``. SkyRL's own (the verl
+            integration's choice does not reach SkyRL's helpers: [Note: each integration's
+            settings] in ``integrations._helpers``), forgotten by ``unpatch()``.
         optimizer_at_step: whether ``load_fsdp_optimizer`` leaves the optimizer state's copies
             to ``optimizer.step()``, behind the forward and backward before it ([Note: optimizer
             state waited for at step()] in ``integrations._helpers``); ``None`` (default): an
             earlier ``patch()``'s choice, else ``TORCHFERRY_OPTIMIZER_AT_STEP``, off unless ``1``.
-            Shared with the verl integration, reset by ``unpatch()``.
+            SkyRL's own, forgotten by ``unpatch()``.
         layerwise_reload: whether ``load_fsdp2_model_to_gpu`` reloads the FSDP2 units in forward
             order, each forward waiting only for its own ([Note: the helpers' layer-wise reload] in
             ``integrations._helpers``); ``None`` (default): an earlier ``patch()``'s choice, else
-            ``TORCHFERRY_LAYERWISE_RELOAD``, off unless ``1``. Shared, reset by ``unpatch()``.
+            ``TORCHFERRY_LAYERWISE_RELOAD``, off unless ``1``. SkyRL's own, forgotten by ``unpatch()``.
 
     Returns:
         The ``module.attribute`` names replaced.
@@ -174,7 +175,7 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
                         f"got {type(import_call_sites).__name__} {import_call_sites!r}")
     settings = {"skip_unchanged": skip_unchanged, "optimizer_at_step": optimizer_at_step,
                 "layerwise_reload": layerwise_reload}
-    helpers.check_settings(**settings)  # a bad value or environment: nothing replaced
+    helpers.check_settings("skyrl", **settings)  # a bad value or environment: nothing replaced
     try:
         names = _patcher.patch(import_call_sites=import_call_sites)
     except RuntimeError as e:
@@ -182,12 +183,12 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
             raise RuntimeError(f"{e}; SkyRL 0.4.0 needs Python >= 3.12 (this is "
                                f"{sys.version_info.major}.{sys.version_info.minor})") from e
         raise
-    helpers.apply_settings(**settings)
+    helpers.apply_settings("skyrl", **settings)
     return names
 
 
 def unpatch() -> None:
     """Puts SkyRL's own helpers back, also in SkyRL modules imported after :func:`patch`. Idempotent."""
     if is_patched():
-        helpers.reset_settings()
+        helpers.reset_settings("skyrl")
     _patcher.unpatch()

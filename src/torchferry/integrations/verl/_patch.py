@@ -155,9 +155,9 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
             an offload after a forward-only phase copies nothing ([Note: the
             helpers skip unchanged storages] in ``integrations._helpers``);
             ``None`` (default): an earlier ``patch()``'s choice, else
-            ``TORCHFERRY_SKIP_UNCHANGED``, on unless ``0``. One setting for the
-            verl and SkyRL integrations (their helpers are the same), reset by
-            ``unpatch()``.
+            ``TORCHFERRY_SKIP_UNCHANGED``, on unless ``0``. verl's own (it does
+            not reach SkyRL's helpers: [Note: each integration's settings] in
+            ``integrations._helpers``), forgotten by ``unpatch()``.
         fsdp1: whether FSDP1 models go through torchferry too ([Note: FSDP1 models
             through torchferry]); ``None`` (default): an earlier ``patch()``'s
             choice, else ``TORCHFERRY_VERL_FSDP1``, on unless ``0``.
@@ -165,12 +165,12 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
             to ``optimizer.step()``, behind update_actor's forward and backward ([Note: optimizer
             state waited for at step()] in ``integrations._helpers``); ``None`` (default): an
             earlier ``patch()``'s choice, else ``TORCHFERRY_OPTIMIZER_AT_STEP``, on unless ``0``
-            ([Note: verl's defaults]). Shared with the SkyRL integration, reset by ``unpatch()``.
+            ([Note: verl's defaults]). verl's own, forgotten by ``unpatch()``.
         layerwise_reload: whether ``load_fsdp2_model_to_gpu`` reloads the FSDP2 units in forward
             order, each forward waiting only for its own ([Note: the helpers' layer-wise reload] in
             ``integrations._helpers``); ``None`` (default): an earlier ``patch()``'s choice, else
-            ``TORCHFERRY_LAYERWISE_RELOAD``, on unless ``0`` ([Note: verl's defaults]). Shared,
-            reset by ``unpatch()``.
+            ``TORCHFERRY_LAYERWISE_RELOAD``, on unless ``0`` ([Note: verl's defaults]). verl's
+            own, forgotten by ``unpatch()``.
 
     Returns:
         The ``module.attribute`` names replaced.
@@ -187,7 +187,7 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
     global _fsdp1
     settings = {"skip_unchanged": skip_unchanged, "optimizer_at_step": optimizer_at_step,
                 "layerwise_reload": layerwise_reload}
-    compat.check_settings(**settings)  # a bad value or environment: nothing replaced
+    compat.check_settings("verl", **settings)  # a bad value or environment: nothing replaced
     check_optional_bool(fsdp1, "patch(fsdp1=...)")
     if fsdp1 is None and _fsdp1 is None:
         fsdp1_through_torchferry()
@@ -195,8 +195,8 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
     names = _patcher.patch(import_call_sites=import_engines)
     for engine in engines:  # see [Note: the VeOmni and Automodel helpers] in ._engines
         names += engine.patch(import_call_sites=import_engines)
-    compat.set_patched_defaults(**VERL_DEFAULTS)
-    compat.apply_settings(**settings)
+    compat.set_patched_defaults("verl", **VERL_DEFAULTS)
+    compat.apply_settings("verl", **settings)
     if fsdp1 is not None:
         _fsdp1 = fsdp1
     return names
@@ -206,7 +206,7 @@ def unpatch() -> None:
     """Puts verl's own helpers back, also in verl modules imported after :func:`patch`. Idempotent."""
     global _fsdp1
     if is_patched():
-        compat.reset_settings()
+        compat.reset_settings("verl")
         _fsdp1 = None
     _patcher.unpatch()
     for engine in ENGINE_PATCHERS.values():

@@ -143,7 +143,7 @@ def test_verl_and_skyrl_patched_in_one_process_keep_their_own_settings(monkeypat
         monkeypatch.delenv(env, raising=False)
     tf_verl.unpatch()
     try:
-        tf_verl.patch(import_engines=False, skip_unchanged=False)
+        tf_verl.patch(import_engines=False, skip_unchanged=False, fsdp1=False)
         _helpers.apply_settings("skyrl", layerwise_reload=True)  # as SkyRL's patch(layerwise_reload=True)
         assert _helpers.settings_of("verl") == {"skip_unchanged": False, "optimizer_at_step": True,
                                                 "layerwise_reload": True}
@@ -158,8 +158,9 @@ def test_verl_and_skyrl_patched_in_one_process_keep_their_own_settings(monkeypat
             assert _helpers.ferry_for(opt).residency is (Residency.PREFETCHING if at_step else Residency.DEVICE)
             _step(m, opt, torch.randn(4, 32))
         env = tf_verl.with_worker_setup({})["env_vars"]
-        assert env[_helpers.SKIP_ENV] == "0" and _helpers.LAYERWISE_ENV not in env
-        assert _helpers.patch_choices("skyrl") == {_helpers.LAYERWISE_ENV: "1"}
+        assert env[_helpers.SKIP_ENV] == "0" and env["TORCHFERRY_VERL_FSDP1"] == "0"
+        assert _helpers.LAYERWISE_ENV not in env
+        assert _helpers.patch_choices("skyrl") == {_helpers.LAYERWISE_ENV: "1"}  # not verl's fsdp1 either
         tf_verl.unpatch()
         assert _helpers.settings_of("skyrl")["layerwise_reload"] and not _verls("layerwise_reload")
         assert _verls("skip_unchanged")

@@ -158,7 +158,9 @@ _ferries: weakref.WeakKeyDictionary[object, Ferry] = weakref.WeakKeyDictionary()
 # environment variable (one per process, shared) over that integration's default. A helper
 # called directly (``torchferry.integrations.verl.offload_fsdp2_model_to_cpu``) runs outside any
 # integration: the value for every caller, else the environment over torchferry's default. The
-# Ray hook forwards the choices of its own integration. ``tests/cpu/test_optimizer_at_step.py``
+# Ray hook forwards the choices of its own integration. A value set for every caller
+# (``set_*()``) ranks below an integration's explicit choice inside its replacements, and an
+# ``unpatch()`` forgets only its own integration's choices. ``tests/cpu/test_optimizer_at_step.py``
 # patches both in one process.
 class _Setting:
     """One of the helpers' switches, per integration ([Note: each integration's settings]): the
@@ -201,12 +203,15 @@ _at_step = _Setting("optimizer_at_step", OPTIMIZER_AT_STEP_ENV, False)
 LAYERWISE_ENV = "TORCHFERRY_LAYERWISE_RELOAD"
 LAYERWISE = _Setting("layerwise_reload", LAYERWISE_ENV, False)
 """Whether :func:`load_fsdp2_model_to_gpu` reloads layer-wise ([Note: the helpers' layer-wise reload]):
-``.set(value)`` (an integration's ``patch(layerwise_reload=...)``; ``None``: the environment),
-``.check(value)``, ``.get()``; ``TypeError`` / ``ValueError`` as for the other settings."""
+``.set(value)`` (a value for every caller below an integration's own ``patch()`` choice; ``None``:
+none), ``.get()`` (as the running integration reads it: [Note: each integration's settings]);
+``TypeError`` / ``ValueError`` as for the other settings."""
 
 
 def set_skip_unchanged(value: bool | None) -> bool | None:
-    """What models' new ferries use ([Note: the helpers skip unchanged storages]); ``None``: the environment.
+    """What models' new ferries use ([Note: the helpers skip unchanged storages]), for every caller
+    below an integration's own ``patch()`` choice ([Note: each integration's settings]); ``None``:
+    no such value (the environment).
 
     Returns:
         The setting before.
@@ -218,7 +223,8 @@ def set_skip_unchanged(value: bool | None) -> bool | None:
 
 
 def skip_unchanged() -> bool:
-    """Whether a model's new ferry skips unchanged storages: the integration's ``patch()`` setting, else
+    """Whether a model's new ferry skips unchanged storages: the running integration's ``patch()``
+    choice (inside its replacements), else :func:`set_skip_unchanged`'s value, else
     ``TORCHFERRY_SKIP_UNCHANGED`` (``1``, the default, or ``0``).
 
     Raises:
@@ -229,7 +235,8 @@ def skip_unchanged() -> bool:
 
 def set_optimizer_at_step(value: bool | None) -> bool | None:
     """Whether :func:`load_fsdp_optimizer` leaves the state's copies to ``optimizer.step()``
-    ([Note: optimizer state waited for at step()]); ``None``: the environment.
+    ([Note: optimizer state waited for at step()]), for every caller below an integration's own
+    ``patch()`` choice ([Note: each integration's settings]); ``None``: no such value.
 
     Returns:
         The setting before.
@@ -241,8 +248,9 @@ def set_optimizer_at_step(value: bool | None) -> bool | None:
 
 
 def optimizer_at_step() -> bool:
-    """The integration's ``patch(optimizer_at_step=...)`` setting, else ``TORCHFERRY_OPTIMIZER_AT_STEP``
-    (``0`` or ``1``), else the patching integration's default (verl's: on), else off.
+    """The running integration's ``patch(optimizer_at_step=...)`` choice (inside its replacements),
+    else :func:`set_optimizer_at_step`'s value, else ``TORCHFERRY_OPTIMIZER_AT_STEP`` (``0`` or
+    ``1``), else that integration's default (verl's: on), else off.
 
     Raises:
         ValueError: ``TORCHFERRY_OPTIMIZER_AT_STEP`` is neither ``0`` nor ``1``.
@@ -299,9 +307,9 @@ def set_patched_defaults(integration: str, **defaults: bool) -> None:
         _SETTINGS[name].patched_defaults[integration] = value
 
 
-CHOICES: dict[str, Callable[[], bool | None]] = {}
-"""Environment variable -> an integration's own ``patch()`` choice that is not one of the shared
-settings (verl's ``fsdp1``), for :func:`patch_choices`."""
+CHOICES: dict[str, tuple[str, Callable[[], bool | None]]] = {}
+"""Environment variable -> (the integration, its own ``patch()`` choice that is not one of the
+three settings: verl's ``fsdp1``), for :func:`patch_choices` of that integration."""
 
 
 def patch_choices(integration: str) -> dict[str, str]:
@@ -315,7 +323,9 @@ def patch_choices(integration: str) -> dict[str, str]:
         value = setting.value if value is None else value
         if value is not None:
             out[setting.env] = "1" if value else "0"
-    for env, choice in CHOICES.items():
+    for env, (owner, choice) in CHOICES.items():
+        if owner != integration:
+            continue
         value = choice()
         if value is not None:
             out[env] = "1" if value else "0"

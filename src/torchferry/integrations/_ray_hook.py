@@ -43,6 +43,8 @@ class HookNames:
 
     framework: str
     """The framework as a user knows it (log messages)."""
+    integration: str
+    """The integration's name (``HelperSet.integration``): whose ``patch()`` choices the hook forwards."""
     module: str
     """The helper module whose import triggers the patch."""
     hook_path: str
@@ -166,7 +168,7 @@ class WorkerHook:
         for k in FORWARDED_SETTINGS:  # the driver's settings reach the workers
             if k in os.environ and k not in theirs_vars:
                 env_vars[k] = os.environ[k]
-        for k, v in patch_choices(n.framework).items():  # a driver's patch(...) arguments too, over its environment
+        for k, v in patch_choices(n.integration).items():  # a driver's patch(...) arguments too, over its environment
             if k not in theirs_vars:
                 env_vars[k] = v
         env_vars[n.env_flag] = "1"

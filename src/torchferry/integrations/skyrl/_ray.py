@@ -43,8 +43,8 @@ ENV_FLAG = "TORCHFERRY_SKYRL"
 """Set to ``"1"`` in the job's ``env_vars`` by :func:`with_worker_setup`; ``"0"`` makes the hook do nothing."""
 
 _hook = WorkerHook(
-    HookNames(framework="skyrl", module=_FSDP_UTILS, hook_path=HOOK_PATH, env_flag=ENV_FLAG,
-              next_hook_env="TORCHFERRY_SKYRL_NEXT_HOOK"),
+    HookNames(framework="skyrl", integration="skyrl", module=_FSDP_UTILS, hook_path=HOOK_PATH,
+              env_flag=ENV_FLAG, next_hook_env="TORCHFERRY_SKYRL_NEXT_HOOK"),
     # Modules imported later (fsdp_strategy) bind the patched names by their own `from ... import`.
     patch=lambda: patch(import_call_sites=False),
     is_patched=is_patched,

@@ -99,7 +99,7 @@ def fsdp1_through_torchferry() -> bool:
     return _fsdp1 if _fsdp1 is not None else env_flag(FSDP1_ENV, True)
 
 
-compat.CHOICES[FSDP1_ENV] = lambda: _fsdp1  # the Ray hook passes a driver's patch(fsdp1=...) on
+compat.CHOICES[FSDP1_ENV] = ("verl", lambda: _fsdp1)  # the Ray hook passes a driver's patch(fsdp1=...) on
 
 
 def _replacements(fsdp_utils: ModuleType, original: Mapping[str, Callable]) -> dict[str, Callable]:

@@ -36,8 +36,8 @@ ENV_FLAG = "TORCHFERRY_VERL"
 """Set to ``"1"`` in the job's ``env_vars`` by :func:`with_worker_setup`; ``"0"`` makes the hook do nothing."""
 
 _hook = WorkerHook(
-    HookNames(framework="verl", module=_FSDP_UTILS, hook_path=HOOK_PATH, env_flag=ENV_FLAG,
-              next_hook_env="TORCHFERRY_VERL_NEXT_HOOK"),
+    HookNames(framework="verl", integration="verl", module=_FSDP_UTILS, hook_path=HOOK_PATH,
+              env_flag=ENV_FLAG, next_hook_env="TORCHFERRY_VERL_NEXT_HOOK"),
     patch=patch,
     is_patched=is_patched,
 )

@@ -154,13 +154,11 @@ _ferries: weakref.WeakKeyDictionary[object, Ferry] = weakref.WeakKeyDictionary()
 # other's choices. So a setting keeps, per integration, its ``patch()`` choice and its default,
 # and every replacement a ``Patcher`` installs runs with ``_patching.ACTIVE`` naming its
 # integration: the helper reads that integration's choice, else a value set for every caller
-# (``set_optimizer_at_step(...)``, ``LAYERWISE.set(...)``, for direct use), else the
-# environment variable (one per process, shared) over that integration's default. A helper
-# called directly (``torchferry.integrations.verl.offload_fsdp2_model_to_cpu``) runs outside any
-# integration: the value for every caller, else the environment over torchferry's default. The
-# Ray hook forwards the choices of its own integration. A value set for every caller
-# (``set_*()``) ranks below an integration's explicit choice inside its replacements, and an
-# ``unpatch()`` forgets only its own integration's choices. ``tests/cpu/test_optimizer_at_step.py``
+# (``set_optimizer_at_step(...)``, ``LAYERWISE.set(...)``), else the environment variable (one
+# per process, shared) over that integration's default. A helper called directly
+# (``torchferry.integrations.verl.offload_fsdp2_model_to_cpu``) runs outside any integration,
+# so torchferry's default stands in for the integration's. An ``unpatch()`` forgets only its own
+# integration's choices; each Ray hook forwards its own. ``tests/cpu/test_optimizer_at_step.py``
 # patches both in one process.
 class _Setting:
     """One of the helpers' switches, per integration ([Note: each integration's settings]): the

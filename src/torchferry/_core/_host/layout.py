@@ -91,18 +91,13 @@ class HostViews:
         no longer views its slot as the offload left it: address, shape, stride or dtype changed
         (``p.data = t``, ``p.set_(t)``); see [Note: storage swapped while offloaded]."""
         expected = self._expected
-        if expected is None:
+        if expected is None or _signature(locals_) == expected:  # the common case, at C speed
             return []
-        now = _signature(locals_)
-        if now == expected:
-            return []
-        differ = sorted({i for a, b in zip(now, expected, strict=False)
-                         for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y})
-        return [i for i in differ if not self._slot_moved(i, locals_[i])]
+        return self.moved_among(enumerate(locals_))
 
     def moved_among(self, pairs: Iterable[tuple[int, torch.Tensor]]) -> list[int]:
-        """As :meth:`moved_away` for the given ``(index, local tensor)`` pairs only (a layer-wise
-        reload checks one unit's tensors at a time)."""
+        """As :meth:`moved_away` for the given ``(index, local tensor)`` pairs only, in their order
+        (a layer-wise reload checks one unit's tensors at a time)."""
         expected = self._expected
         if expected is None:
             return []

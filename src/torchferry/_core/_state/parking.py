@@ -197,13 +197,6 @@ class Parking:
         for i in done:
             self.on_host[i] = False
 
-    def parked_local(self, i: int) -> torch.Tensor:
-        """The plain tensor of ``tensors[i]``'s parked twin (while on the host: its device local shard)."""
-        twin = self._twins[i]
-        if twin is None:
-            raise AssertionError(f"torchferry: {self.names[i]} has no parked twin")
-        return twin._local_tensor if self._dtensor[i] else twin
-
     def host_locals(self, indices: list[int] | range) -> dict[int, torch.Tensor]:
         """After :meth:`to_device`: ``id()`` of each DTensor of ``tensors[indices]`` -> the host local
         shard its twin parks now ([Note: FSDP2's shard buffer after a move] in ``.fsdp``)."""

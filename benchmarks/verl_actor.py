@@ -223,8 +223,10 @@ def cmd_prepare(args) -> None:
         model = transformers.Qwen2ForCausalLM(cfg)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)  # verl loads it as fp32
     n = sum(x.numel() for x in model.parameters())
+    synced = sum(v.numel() for v in model.state_dict().values())  # what the weight sync yields (tied: twice)
     (out / "torchferry_prepare.json").write_text(json.dumps({"preset": args.preset, "params": n, "seed": args.seed,
-                                                             "layers": cfg.num_hidden_layers}))
+                                                             "layers": cfg.num_hidden_layers,
+                                                             "state_dict_numel": synced}))
     print(f"prepare: {args.preset} ({n / 1e9:.3f} B parameters, {cfg.num_hidden_layers} layers) in {out} "
           f"({time.perf_counter() - t:.1f} s)", flush=True)
 
@@ -412,25 +414,77 @@ def _part_bytes(engine, part: str) -> int:
                for v in st.values() if torch.is_tensor(v))
 
 
-def _rollout_stand_in(device, kv_bytes: int, matmuls: int) -> None:
-    """What a colocated rollout does to the GPU between update_actor and the next old_log_prob,
-    without vLLM: holds a KV-cache-sized allocation (``kv_bytes``) while ``matmuls`` bf16
-    8192 x 8192 matmuls run (a forward-only generation's compute), then returns it and waits, as
-    ``generate_sequences`` returns its tokens to the host."""
+class RolloutStandIn:
+    """verl's colocated rollout (``BaseRollout``: ``async resume(tags)``, ``async release()``) without
+    vLLM: its weights are the weight sync's bf16 device buffers (``weights``: name -> tensor, written by
+    :func:`_weight_sync`), its KV cache a ``kv_bytes`` allocation, its generation ``matmuls`` bf16
+    8192 x 8192 matmuls (a forward-only generation's compute) on operands inside the KV cache's bytes
+    (vLLM's activations are within its ``gpu_memory_utilization`` too).
+
+    The order of a verl step (``PPOTrainer._step_once``, verl 0.9.1): ``update_weights`` (``resume(["weights"])``,
+    the sync, ``resume(["kv_cache"])``), ``generate_sequences``, the driver's ``sleep_replicas`` (:meth:`sleep`:
+    the worker's code does not see it), then the training phases. Here the KV cache wakes at the start of
+    the next step's rollout, so that it is held only while this strategy runs (the others' steps sit between).
+    """
+
+    def __init__(self, device, kv_bytes: int, matmuls: int) -> None:
+        self.device, self.kv_bytes, self.matmuls = device, kv_bytes, matmuls
+        self.weights: dict = {}
+        self.kv = None
+
+    async def resume(self, tags) -> None:
+        import torch
+
+        if "kv_cache" in tags and self.kv is None and self.kv_bytes:
+            self.kv = torch.empty(self.kv_bytes, dtype=torch.uint8, device=self.device)
+        # "weights": the sync allocates its buffers on first use after a sleep
+
+    async def release(self) -> None:
+        self.sleep()
+
+    def sleep(self) -> None:
+        """The driver's ``sleep_replicas``: KV cache and weights freed (vLLM's sleep)."""
+        self.kv = None
+        self.weights.clear()
+
+    def generate(self) -> None:
+        """The generation's compute, then a wait, as ``generate_sequences`` returns its tokens to the host."""
+        import torch
+
+        if self.matmuls:
+            n = 8192 if self.device.type == "cuda" else 128  # the CPU check: that it runs
+            g = torch.Generator(device=self.device).manual_seed(0)
+            if self.kv is not None and self.kv.numel() >= 4 * n * n:  # inside the KV cache's memory, as vLLM's
+                a, out = self.kv[:4 * n * n].view(torch.bfloat16).view(2, n, n).unbind(0)  # activations are
+            else:
+                a, out = torch.empty(2, n, n, dtype=torch.bfloat16, device=self.device).unbind(0)
+            a.normal_(generator=g)
+            for _ in range(self.matmuls):
+                torch.matmul(a, a, out=out)
+            del a, out
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def gpu_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [*self.weights.values(), *([self.kv] if self.kv is not None
+                                                                                    else [])])
+
+
+def _gpu_bytes(engine, rollout: RolloutStandIn) -> int:
+    """Device bytes this strategy holds: its parameters, gradients, buffers and optimizer state where they
+    are on the GPU (each storage once), and its rollout's."""
     import torch
 
-    kv = torch.empty(kv_bytes, dtype=torch.uint8, device=device) if kv_bytes else None
-    if matmuls:
-        n = 8192 if device.type == "cuda" else 128  # the CPU check: that it runs
-        g = torch.Generator(device=device).manual_seed(0)
-        a = torch.randn(n, n, dtype=torch.bfloat16, device=device, generator=g)
-        out = torch.empty_like(a)
-        for _ in range(matmuls):
-            torch.matmul(a, a, out=out)
-        del a, out
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    del kv
+    seen: dict[int, int] = {}
+    tensors = [*engine.module.parameters(), *engine.module.buffers()]
+    tensors += [p.grad for p in engine.module.parameters() if p.grad is not None]
+    if engine.optimizer is not None:
+        tensors += [v for st in engine.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    for t in tensors:
+        st = _local(t).untyped_storage()
+        if _local(t).device.type == "cuda" and st.nbytes():
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values()) + rollout.gpu_bytes()
 
 
 def _weight_sync(engine, into: dict, first: bool, device) -> int:
@@ -495,6 +549,32 @@ def _logprobs_chunked(logits, labels, inplace_backward: bool = True):
     return (torch.cat(out) if out else rows.new_empty(0)).view(labels.shape)
 
 
+BUDGETS = {
+    "tight": "too small to hold everything at once: the rollout (weights and KV cache) with the optimizer state and "
+             "half of the parameters' bytes (so a set must leave for the rollout: the dock evicts the parameters, "
+             "the fewest bytes to bring back), and update_actor's phase (parameters, optimizer state, gradients and "
+             "activations)",
+    "roomy": "twice everything at once (the rollout, parameters, gradients and optimizer state): nothing need move",
+}
+
+
+def dock_budget(kind: str, params: int, world: int, kv_bytes: int, weights_bytes: int) -> int:
+    """The dock strategy's budget on each rank (bytes), from the model's parameter count and the rollout
+    stand-in's KV cache (see :data:`BUDGETS`): fp32 parameters and gradients (4 bytes a parameter, sharded over
+    ``world`` ranks), AdamW's two fp32 moments (8 bytes), the rollout's bf16 weights (``weights_bytes``, whole
+    on each rank). Tight: KV + weights + half the parameters + the optimizer state; roomy: twice the sum of all.
+
+    Raises:
+        ValueError: an unknown ``kind``.
+    """
+    if kind not in BUDGETS:
+        raise ValueError(f"budget kind {kind!r} is none of {sorted(BUDGETS)}")
+    p, o, w = 4 * params // world, 8 * params // world, weights_bytes
+    if kind == "tight":
+        return kv_bytes + w + p // 2 + o
+    return 2 * (kv_bytes + w + 2 * p + o)
+
+
 @dataclasses.dataclass
 class Strategy:
     """One way of running the actor: ``resident`` (verl with param_offload and optimizer_offload off),
@@ -536,6 +616,7 @@ def _settings_env() -> dict[str, str]:
 
 def cmd_run(args) -> None:
     stubbed = _use_ray_stub_if_needed()
+    import asyncio
     import contextlib
 
     import torch
@@ -569,10 +650,25 @@ def cmd_run(args) -> None:
     from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
     import torchferry.integrations.verl as tf_verl
-    from torchferry.integrations.verl import ferry_for
+    from torchferry.integrations.verl import docked, dock_rollout, ferry_for
 
     strategies = parse_strategies(args.strategies)
     kinds = {s.label: s.kind for s in strategies}
+    with_dock = {s.label for s in strategies if s.env.get("TORCHFERRY_VERL_DOCK", "0") not in ("", "0")}
+    prepared = json.loads((Path(args.model_dir) / "torchferry_prepare.json").read_text())
+    weights_bytes = 2 * prepared.get("state_dict_numel", prepared["params"])  # the stand-in rollout's bf16 weights
+    docks: dict[str, dict] = {}  # label -> its budget: patch(dock=...) keeps one dock per budget
+    for s in strategies:  # TORCHFERRY_VERL_DOCK=tight|roomy: the budget from the sizes (dock_budget)
+        if s.label in with_dock:
+            kind = s.env["TORCHFERRY_VERL_DOCK"] if s.env["TORCHFERRY_VERL_DOCK"] in BUDGETS else None
+            if kind:
+                s.env["TORCHFERRY_VERL_DOCK"] = str(dock_budget(kind, prepared["params"], world,
+                                                                int(args.rollout_gb * 1e9), weights_bytes))
+                log(f"{s.label}: a {kind} budget of {int(s.env['TORCHFERRY_VERL_DOCK']) / 1e9:.3f} GB")
+            docks[s.label] = {"budget": kind, "budget_why": BUDGETS.get(kind or ""),
+                              "TORCHFERRY_VERL_DOCK": s.env["TORCHFERRY_VERL_DOCK"]}
+    if len({d["TORCHFERRY_VERL_DOCK"] for d in docks.values()}) < len(docks):
+        raise SystemExit(f"error: dock strategies {sorted(docks)} share a budget, so they would share one dock")
     if not cuda:
         _cpu_engine_to_by_direction()
     base_env = _settings_env()
@@ -673,6 +769,11 @@ def cmd_run(args) -> None:
         log(f"{s.label}: {type(actor).__name__} / {type(actor.engine).__name__} built in "
             f"{records[s.label]['build_s']:.1f} s, "
             f"{sum(p.numel() for p in actor.engine.module.parameters()) / 1e9:.3f} B parameters")
+    rollouts = {s.label: RolloutStandIn(gpu, int(args.rollout_gb * 1e9), args.rollout_matmuls) for s in strategies}
+    for label in with_dock:  # its weights (the sync's bf16 bytes) and KV cache become the dock's claimants
+        s = next(x for x in strategies if x.label == label)
+        with active(s):
+            dock_rollout(rollouts[label], weights_bytes, int(args.rollout_gb * 1e9))
     if args.cublas_workspace:  # before any matmul of the process: torch reads it at its first cuBLAS call
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = args.cublas_workspace
     vocab = actors[strategies[0].label][0].engine.module.config.vocab_size
@@ -680,21 +781,30 @@ def cmd_run(args) -> None:
     for r in records.values():
         r.update(losses=[], grad_norms=[], log_prob_sha256=[], log_prob_sum=[], ref_log_prob_sha256=[],
                  step_s=[], phase_s=[], gpu_allocated_at_start=[], peak_gpu_allocated=[], weight_sync_bytes=0,
-                 weight_sync_bytes_per_step=[],
-                 rollout_weights={}, order=[])
+                 weight_sync_bytes_per_step=[], peak_own_gpu_bytes=[], dock_steps=[], order=[])
 
     def one_step(s: Strategy, step: int) -> None:
         actor, actor_config = actors[s.label]
-        engine, rec = actor.engine, records[s.label]
+        engine, rec, rollout = actor.engine, records[s.label], rollouts[s.label]
         current.update(label=s.label, step=step)
+        vd = docked()
+        others = 0  # device bytes of the other strategies (where their last step left them)
         if cuda:
+            sync()
             torch.cuda.reset_peak_memory_stats(gpu)
+            if vd is not None:
+                vd.take_peak()
             rec["gpu_allocated_at_start"].append(torch.cuda.memory_allocated(gpu))
+            others = rec["gpu_allocated_at_start"][-1] - _gpu_bytes(engine, rollout)
+        stats0 = vd.dock.stats if vd is not None and vd.dock is not None else None
+        seq0 = vd.dock.moves[-1].seq + 1 if vd is not None and vd.dock is not None and vd.dock.moves else 0
         t_step = time.perf_counter()
         marks = {}
-        if args.rollout_gb or args.rollout_matmuls:
+        if args.rollout_gb or args.rollout_matmuls:  # the KV cache wakes, the generation, the driver's sleep
             current["phase"] = "rollout"
-            _rollout_stand_in(gpu, int(args.rollout_gb * 1e9), args.rollout_matmuls)
+            asyncio.run(rollout.resume(["kv_cache"]))
+            rollout.generate()
+            rollout.sleep()
         marks["rollout"] = time.perf_counter()
         batch, advantages = _batch(step, rank, shape, vocab, args.seed)
         # compute_log_prob (the trainer's _compute_old_log_prob -> ActorRolloutRefWorker.compute_log_prob)
@@ -731,17 +841,31 @@ def cmd_run(args) -> None:
         marks["update"] = time.perf_counter()
         if args.weight_sync:  # ActorRolloutRefWorker.update_weights, after update_actor
             current["phase"] = "weight_sync"
-            rec["weight_sync_bytes"] = _weight_sync(engine, rec["rollout_weights"], first=step == 0, device=gpu)
+            asyncio.run(rollout.resume(["weights"]))
+            rec["weight_sync_bytes"] = _weight_sync(engine, rollout.weights, first=step == 0, device=gpu)
             rec["weight_sync_bytes_per_step"].append(rec["weight_sync_bytes"])  # LoRA: the first with the base
+            sync()
+        if vd is not None and vd.dock is not None:  # the step ends when the dock's copies are complete
+            vd.dock.wait()
             sync()
         marks["weight_sync"] = time.perf_counter()
         rec["step_s"].append(time.perf_counter() - t_step)
+        if vd is not None and vd.dock is not None:
+            st = vd.dock.stats
+            rec["dock_steps"].append({
+                "bytes_loaded": st.bytes_loaded - (stats0.bytes_loaded if stats0 else 0),
+                "bytes_evicted": st.bytes_evicted - (stats0.bytes_evicted if stats0 else 0),
+                "moves": [{"at_s": m.at - t_step, "kind": m.kind, "name": m.name, "bytes": m.nbytes,
+                           "background": m.background} for m in vd.dock.moves if m.seq >= seq0],
+                "marks_s": {k: t - t_step for k, t in marks.items()}, "resident_bytes_after": vd.dock.resident_bytes})
         prev, spans = t_step, {}
         for k, t in marks.items():
             spans[k], prev = t - prev, t
         rec["phase_s"].append(spans)
         if cuda:
-            rec["peak_gpu_allocated"].append(torch.cuda.max_memory_allocated(gpu))
+            peak = max(torch.cuda.max_memory_allocated(gpu), vd.take_peak() if vd is not None else 0)
+            rec["peak_gpu_allocated"].append(peak)
+            rec["peak_own_gpu_bytes"].append(peak - others)  # this strategy's own peak in its step
         resolve_timings(s.label)
 
     t_rounds = time.perf_counter()
@@ -769,20 +893,28 @@ def cmd_run(args) -> None:
         pinned_process = int(hs.get("reserved_bytes.current", hs.get("allocated_bytes.current", 0)))
     mine: dict = {"rank": rank, "strategies": {}}
     ref_engine = actors["verl"][0].engine
-    ref_weights = records["verl"]["rollout_weights"]
+    ref_weights = rollouts["verl"].weights
     for s in strategies:
         actor, _ = actors[s.label]
         engine, rec = actor.engine, records[s.label]
         ferries = [f for f in (ferry_for(engine.module), ferry_for(engine.optimizer)) if f is not None]
         mine["strategies"][s.label] = {
-            **{k: v for k, v in rec.items() if k != "rollout_weights"},
+            **rec,
             "state_bytes": {"params": _part_bytes(engine, "model"), "optimizer": _part_bytes(engine, "optimizer")},
             "torchferry_pool_bytes": {"pinned": sum(f.pinned_bytes for f in ferries),
                                       "host": sum(f.host_bytes for f in ferries)},
             "ferries": [repr(f) for f in ferries],
             # The state after the steps (offloaded by verl's update_actor exit), byte for byte against verl's.
-            "against_verl": _against(ref_engine, engine, ref_weights, rec["rollout_weights"], gpu),
+            "against_verl": _against(ref_engine, engine, ref_weights, rollouts[s.label].weights, gpu),
         }
+        if s.label in with_dock:
+            with active(s):
+                vd = docked()
+                mine["strategies"][s.label]["dock"] = None if vd is None or vd.dock is None else {
+                    "budget_bytes": vd.dock.budget_bytes, "budget": os.environ.get("TORCHFERRY_VERL_DOCK"),
+                    "stats": dataclasses.asdict(vd.dock.stats),
+                    "workspace_bytes": {e.workspace[m]: b for e in vd.engines.values() for m, b in e.measured.items()},
+                    "phase_log": [[event, list(names)] for event, names in list(vd.phase_log)[-40:]]}
     mine["caching_host_allocator_pinned_bytes"] = pinned_process
     gathered: list = [None] * world
     dist.all_gather_object(gathered, mine)
@@ -813,6 +945,7 @@ def cmd_run(args) -> None:
                        "rollout_stand_in": {"kv_cache_bytes": int(args.rollout_gb * 1e9),
                                             "matmuls_8192_bf16": args.rollout_matmuls},
                        "weight_sync": args.weight_sync,
+                       "docks": docks,
                        "optimizer": f"{actor_config.optim.optimizer} (lr {actor_config.optim.lr}, "
                                     f"clip_grad {actor_config.optim.clip_grad})",
                        "ppo_mini_batch_size": mini, "model_dir": args.model_dir,
@@ -868,6 +1001,14 @@ def _bytes_per_step(rank_result: dict) -> dict[str, int | None]:
                for s in steps]
         out[direction] = int(statistics.median(per)) if per else None
     return out
+
+
+def _dock_bytes_per_step(rank_result: dict) -> dict[str, int | None]:
+    """A dock strategy's bytes per step (median over the steps after the first): its evictions (offload)
+    and loads (reload), prefetches included, from the dock's counts."""
+    steps = rank_result["dock_steps"][1:]
+    return {"offload": int(statistics.median([x["bytes_evicted"] for x in steps])) if steps else None,
+            "reload": int(statistics.median([x["bytes_loaded"] for x in steps])) if steps else None}
 
 
 def identical(a: dict, b: dict) -> tuple[dict[str, bool], dict[str, object]]:
@@ -958,7 +1099,8 @@ def report(runs: dict, command: str | None = None) -> dict:
             "gpu_allocated_at_step_start_bytes": _median(r0["gpu_allocated_at_start"]),
             "losses": r0["losses"], "grad_norms": r0["grad_norms"], "log_prob_sum": r0["log_prob_sum"],
             "step_s": r0["step_s"], "phase_s": r0["phase_s"], "order_in_round": r0["order"],
-            "bytes_moved_per_step": _bytes_per_step(r0),
+            "bytes_moved_per_step": _bytes_per_step(r0) if "dock" not in r0 else _dock_bytes_per_step(r0),
+            "peak_own_gpu_bytes": max(r0["peak_own_gpu_bytes"]) if r0.get("peak_own_gpu_bytes") else None,
             "weight_sync_bytes": r0.get("weight_sync_bytes", 0),  # the last sync's bf16 rollout bytes
             "weight_sync_bytes_per_step": r0.get("weight_sync_bytes_per_step", []),
             "torchferry_settings": spec["settings"] if kinds[label] == "torchferry" else {},
@@ -1002,6 +1144,28 @@ def report(runs: dict, command: str | None = None) -> dict:
     }
     if "resident" in labels:
         out["exposed"] = _exposed(views)
+    out["strategies"] = {}
+    for label in labels:  # per strategy, what the issue of the dock asks for: its peak against its budget
+        ranks = views[label]["per_rank"]
+        peaks = [max(x["peak_own_gpu_bytes"]) for x in ranks if x.get("peak_own_gpu_bytes")]
+        entry: dict = {"kind": kinds[label], "peak_gpu_bytes": max(peaks) if peaks else None,
+                       "bytes_moved_per_step": out["runs"][label]["bytes_moved_per_step"]}
+        ex = out.get("exposed", {}).get(label)
+        if isinstance(ex, dict):
+            entry["exposed_transfer_s_per_step"] = ex["exposed_transfer_s_per_step"]["median"]
+            entry["exposed_over_verl"] = ex.get("over_verl")
+        dock = ranks[0].get("dock")
+        if dock:
+            entry.update(budget_bytes=dock["budget_bytes"], budget=dock["budget"],
+                         within_budget=entry["peak_gpu_bytes"] is not None and all(
+                             p <= x["dock"]["budget_bytes"] for p, x in zip(peaks, ranks, strict=True)),
+                         dock_stats=dock["stats"], dock_phase_log=dock["phase_log"],
+                         dock_steps=ranks[0]["dock_steps"])
+        out["strategies"][label] = entry
+    out["strategies_what"] = ("peak_gpu_bytes: the largest over the steps and ranks of the device's peak allocated "
+                              "bytes in the strategy's step less the other strategies' bytes at its start (each "
+                              "strategy's own); budget_bytes: the dock's budget (TORCHFERRY_VERL_DOCK); dock_steps: "
+                              "per step, the dock's moves (issued at at_s after the step's start) and bytes")
     return out
 
 
@@ -1013,11 +1177,36 @@ def result_name(out: dict) -> str:
     return f"verl_step_{out['model']['preset']}_{mode}_{gpu}x{env['world_size']}_{env['date'][:10]}.json"
 
 
+def per_dock(out: dict) -> dict[str, dict]:
+    """One result per dock strategy of a run (``config.docks``): the run's JSON with that strategy as
+    ``strategies["torchferry+dock"]`` (the other dock strategies left out of ``strategies``) and its
+    budget as ``config.budget`` (tight / roomy), ``config.budget_bytes``, ``config.budget_why``; keyed by
+    the file-name suffix ``dock-<budget>``."""
+    docks = out["config"].get("docks") or {}
+    results = {}
+    for label, d in docks.items():
+        def one(table: dict, label: str = label) -> dict:  # this dock strategy as torchferry+dock, no other
+            return {("torchferry+dock" if k == label else k): v for k, v in table.items()
+                    if k == label or k not in docks}
+
+        config = {**out["config"], "budget": d["budget"], "budget_why": d["budget_why"],
+                  "budget_bytes": out["strategies"][label].get("budget_bytes"), "dock_strategy": label}
+        res = {**out, "config": config}
+        for key in ("strategies", "runs", "bit_identical_to_verl", "bit_identical_detail", "exposed"):
+            if key in out:
+                res[key] = one(out[key])
+        results[f"dock-{d['budget'] or d['TORCHFERRY_VERL_DOCK']}"] = res
+    return results
+
+
 def cmd_report(args) -> None:
     out = report(json.loads(Path(args.runs).read_text()), args.command)
     path = Path(args.out_dir) / result_name(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
+    for suffix, one in per_dock(out).items():
+        name = result_name(out).replace(".json", f"_{suffix}.json")
+        (Path(args.out_dir) / name).write_text(json.dumps(one, indent=1))
 
     def f(x):
         return "-" if x is None else f"{x:.3f}"
@@ -1044,6 +1233,49 @@ def cmd_report(args) -> None:
             if isinstance(v, dict) and "exposed_s_per_phase" in v:
                 print(f"  {k} per phase: " + ", ".join(f"{p} {f(x)}" for p, x in v["exposed_s_per_phase"].items()))
     print(f"wrote {path}")
+
+
+def cmd_timeline(args) -> None:
+    """A PNG of what a dock strategy moved and when: per result (``..._dock-<budget>.json``), its last step's
+    phases (from ``dock_steps[-1].marks_s``) and the dock's moves issued in it (loads H2D, evictions D2H;
+    the marker at the issue time, the label the set and its GB, "bg" for a prefetch)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = [json.loads(Path(p).read_text()) for p in args.results]
+    fig, axes = plt.subplots(len(results), 1, figsize=(11, 2.3 * len(results)), squeeze=False)
+    colors = {"rollout": "#bbbbbb", "log_prob": "#9ecae1", "ref": "#c6dbef", "update": "#6baed6",
+              "weight_sync": "#fdae6b"}
+    for ax, res in zip(axes[:, 0], results, strict=True):
+        st = res["strategies"]["torchferry+dock"]["dock_steps"][-1]
+        prev = 0.0
+        for phase, end in st["marks_s"].items():
+            ax.barh(2, end - prev, left=prev, color=colors.get(phase, "#dddddd"), edgecolor="white")
+            if end - prev > 0.15:
+                ax.text((prev + end) / 2, 2, phase, ha="center", va="center", fontsize=8)
+            prev = end
+        for m in st["moves"]:
+            if m["kind"] not in ("load", "evict"):
+                continue
+            row = 1 if m["kind"] == "load" else 0
+            ax.plot(m["at_s"], row, marker=">" if row else "<", color="tab:blue" if row else "tab:orange")
+            ax.text(m["at_s"], row + 0.28, f"{m['name'].split('.', 1)[1]} {m['bytes'] / 1e9:.1f} GB"
+                    + (" bg" if m["background"] else ""), fontsize=7, ha="left")
+        if not any(m["kind"] in ("load", "evict") for m in st["moves"]):
+            ax.text(0.02, 0.5, "no state moved", fontsize=8)
+        c = res["config"]
+        ax.set_yticks([0, 1, 2], ["D2H (evict)", "H2D (load)", "phase"])
+        ax.set_ylim(-0.6, 2.6)
+        ax.set_title(f"{c['budget']} budget, {c['budget_bytes'] / 1e9:.1f} GB: moves issued in the last step "
+                     f"(step {len(res['strategies']['torchferry+dock']['dock_steps']) - 1})", fontsize=9)
+    axes[-1, 0].set_xlabel("seconds from the step's start")
+    fig.suptitle(f"verl under a Dock ({results[0]['model']['preset']}, {results[0]['env']['gpu']}, commit "
+                 f"{results[0]['env'].get('torchferry_commit')})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+    print(f"wrote {args.out}")
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -1085,8 +1317,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("runs")
     p.add_argument("--out-dir", required=True)
     p.add_argument("--command", default=None, help="the command to record in env.command")
+    p = sub.add_parser("timeline", help="a PNG of a dock strategy's moves in its last step")
+    p.add_argument("results", nargs="+", help="the per-budget results (..._dock-<budget>.json)")
+    p.add_argument("--out", required=True, help="the PNG")
     args = ap.parse_args(argv)
-    {"prepare": cmd_prepare, "run": cmd_run, "report": cmd_report}[args.cmd](args)
+    {"prepare": cmd_prepare, "run": cmd_run, "report": cmd_report, "timeline": cmd_timeline}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,10 @@
 #   VERL_ACTOR_CUBLAS_WORKSPACE=:4096:8   CUBLAS_WORKSPACE_CONFIG set after verl's full_determinism set its
 #                                         :16:8 (the default here, also deterministic; empty: verl's :16:8)
 #   VERL_ACTOR_MAX_ROUND_S=S              start no round after S seconds of rounds (at least 2 run)
+#   VERL_ACTOR_DOCK="tight roomy"         adds torchferry+dock-<budget> for each budget (tight, roomy: from the
+#                                         model's and the rollout's sizes, see dock_budget; or bytes):
+#                                         patch(dock=...) under it; the report also writes one JSON per budget
+#                                         (..._dock-<budget>.json, that strategy as strategies["torchferry+dock"])
 #   VERL_ACTOR_LOGPROBS=chunked|verl      log-probs in verl's engine: chunked (default: one log_softmax per
 #                                         2048 rows) or verl's own fallback without flash-attn (one per token:
 #                                         host-bound, a step's time spread by seconds; see _logprobs_chunked)
@@ -92,6 +96,7 @@ fi
 STRATEGIES=(verl torchferry)
 if [ "${VERL_ACTOR_RESIDENT:-1}" = 1 ]; then STRATEGIES=(resident "${STRATEGIES[@]}"); fi
 for v in ${VERL_ACTOR_VARIANTS:-}; do STRATEGIES+=("$v"); done
+for b in ${VERL_ACTOR_DOCK:-}; do STRATEGIES+=("torchferry+dock-$b:TORCHFERRY_VERL_DOCK=$b"); done
 CUBLAS=${VERL_ACTOR_CUBLAS_WORKSPACE-:4096:8}
 if [ -n "$CUBLAS" ]; then EXTRA+=(--cublas-workspace "$CUBLAS"); fi
 if [ -n "${VERL_ACTOR_MAX_ROUND_S:-}" ]; then EXTRA+=(--max-round-seconds "$VERL_ACTOR_MAX_ROUND_S"); fi
@@ -101,7 +106,7 @@ if [ -n "${VERL_ACTOR_LOGPROBS:-}" ]; then EXTRA+=(--logprobs "$VERL_ACTOR_LOGPR
     2>&1 | tee -a "$LOG"
 CMD="bash benchmarks/verl_actor.sh OUT $NPROC $PRESET $STEPS"
 for k in VERL_ACTOR_SHAPE VERL_ACTOR_STRATEGY VERL_ACTOR_LORA_RANK VERL_ACTOR_MICRO VERL_ACTOR_ROLLOUT VERL_ACTOR_WEIGHT_SYNC \
-         VERL_ACTOR_RESIDENT VERL_ACTOR_VARIANTS VERL_ACTOR_CUBLAS_WORKSPACE VERL_ACTOR_MAX_ROUND_S VERL_ACTOR_LOGPROBS; do
+         VERL_ACTOR_RESIDENT VERL_ACTOR_VARIANTS VERL_ACTOR_CUBLAS_WORKSPACE VERL_ACTOR_MAX_ROUND_S VERL_ACTOR_LOGPROBS VERL_ACTOR_DOCK; do
   if [ -n "${!k:-}" ]; then CMD="$k='${!k}' $CMD"; fi
 done
 "$PY" benchmarks/verl_actor.py report "$OUT/runs.json" --out-dir "$OUT" --command "$CMD" 2>&1 | tee -a "$LOG"

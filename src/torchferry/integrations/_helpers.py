@@ -305,7 +305,7 @@ def set_patched_defaults(integration: str, **defaults: bool) -> None:
         _SETTINGS[name].patched_defaults[integration] = value
 
 
-CHOICES: dict[str, tuple[str, Callable[[], bool | None]]] = {}
+CHOICES: dict[str, tuple[str, Callable[[], bool | str | None]]] = {}
 """Environment variable -> (the integration, its own ``patch()`` choice that is not one of the
 three settings: verl's ``fsdp1``), for :func:`patch_choices` of that integration."""
 
@@ -326,7 +326,7 @@ def patch_choices(integration: str) -> dict[str, str]:
             continue
         value = choice()
         if value is not None:
-            out[env] = "1" if value else "0"
+            out[env] = value if isinstance(value, str) else "1" if value else "0"
     return out
 
 
@@ -335,6 +335,16 @@ def reset_settings(integration: str) -> None:
     for setting in _SETTINGS.values():
         setting.chosen.pop(integration, None)
         setting.patched_defaults.pop(integration, None)
+
+
+DOCK_ROUTER = None
+"""verl's dock mode while patched (``integrations.verl._dock.VerlDock``): the helpers leave a ferry it
+holds to it, a load making the set resident, an offload doing nothing ([Note: verl under a Dock])."""
+
+
+def _docked(ferry: Ferry | None) -> bool:
+    router = DOCK_ROUTER
+    return ferry is not None and router is not None and router.holds(ferry)
 
 
 def ferry_for(obj: nn.Module | torch.optim.Optimizer) -> Ferry | None:
@@ -388,6 +398,8 @@ def offload_fsdp2_model_to_cpu(model: nn.Module, empty_cache: bool = True) -> No
         RuntimeError: host memory could not be allocated or pinned (the model
             stays on the GPU, unchanged).
     """
+    if _docked(_ferries.get(model)):
+        return  # the dock evicts it when the room is needed
     ferry = _get_or_make(model)
     with whole_copies():  # the caller's stream waits: [Note: whole copies where the caller waits]
         handle = ferry.offload()
@@ -407,6 +419,9 @@ def load_fsdp2_model_to_gpu(model: nn.Module) -> None:
     """
     ferry = _ferries.get(model)
     if ferry is None:
+        return
+    if _docked(ferry):
+        DOCK_ROUTER.load_docked(ferry)  # type: ignore[union-attr]
         return
     if LAYERWISE.get():  # see [Note: the helpers' layer-wise reload]
         ferry.reload(prefetch=True)  # beside the forward: with switch points
@@ -433,7 +448,7 @@ def offload_fsdp_optimizer(optimizer: torch.optim.Optimizer) -> None:
     ([Note: the verl helpers order the caller's stream]). A no-op for an
     optimizer without state (before its first step), as in the seed.
     """
-    if not _has_state(optimizer):
+    if not _has_state(optimizer) or _docked(_ferries.get(optimizer)):
         return
     ferry = _get_or_make(optimizer)
     with whole_copies():  # the caller's stream waits: [Note: whole copies where the caller waits]
@@ -469,6 +484,9 @@ def load_fsdp_optimizer(optimizer: torch.optim.Optimizer, device_id: int | str |
             f"torchferry: load_fsdp_optimizer(device_id={device_id!r}) but the state "
             f"was offloaded from {ferry.device}; it reloads where it came from"
         )
+    if _docked(ferry):
+        DOCK_ROUTER.load_docked(ferry)  # type: ignore[union-attr]
+        return
     if optimizer_at_step():
         ferry.reload(prefetch=True)  # beside the caller's compute: with switch points
         return

@@ -5,6 +5,7 @@ In a process of your own::
     import torchferry.integrations.verl as tf_verl
     tf_verl.patch()      # verl's offload_fsdp_model_to_cpu & co. now go through torchferry
     tf_verl.unpatch()    # verl's own helpers again
+    tf_verl.patch(dock=0.6)  # the trainer under a Dock of 0.6 of the GPU: state stays while it fits
 
 For verl's trainer, whose FSDP workers are Ray actors (each its own process)::
 
@@ -21,6 +22,7 @@ The drop-in helpers themselves (same names and signatures as verl's, one
 their older import path.
 """
 
+from ._dock import dock_rollout, docked
 from ._patch import is_patched, patch, unpatch
 from ._ray import ENV_FLAG, HOOK_PATH, patch_when_imported, ray_worker_setup, with_worker_setup
 from .helpers import (
@@ -34,6 +36,8 @@ from .helpers import (
 __all__ = [
     "ENV_FLAG",
     "HOOK_PATH",
+    "dock_rollout",
+    "docked",
     "ferry_for",
     "is_patched",
     "load_fsdp2_model_to_gpu",

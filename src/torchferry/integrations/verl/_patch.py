@@ -65,6 +65,7 @@ from ..._core._api.args import check_optional_bool, env_flag
 from ..._core._state.fsdp import fsdp1_offloads_params
 from .. import _helpers as compat
 from .._patching import HelperSet, Patcher
+from ._dock_patch import DOCK_ENV, DockPatch, budget_spec, verl_targets
 from ._engines import ENGINE_PATCHERS, importable_patchers
 
 __all__ = ["is_patched", "patch", "unpatch"]
@@ -100,6 +101,9 @@ def fsdp1_through_torchferry() -> bool:
 
 
 compat.CHOICES[FSDP1_ENV] = ("verl", lambda: _fsdp1)  # the Ray hook passes a driver's patch(fsdp1=...) on
+_dock_patch = DockPatch()
+_dock_choice: str | None = None  # patch(dock=...) as the Ray hook passes it on
+compat.CHOICES[DOCK_ENV] = ("verl", lambda: _dock_choice)
 
 
 def _replacements(fsdp_utils: ModuleType, original: Mapping[str, Callable]) -> dict[str, Callable]:
@@ -140,7 +144,7 @@ def is_patched() -> bool:
 
 def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
           fsdp1: bool | None = None, optimizer_at_step: bool | None = None,
-          layerwise_reload: bool | None = None) -> list[str]:
+          layerwise_reload: bool | None = None, dock: int | float | str | None = None) -> list[str]:
     """Routes verl's FSDP2 model and optimizer offload helpers through torchferry.
 
     Idempotent.
@@ -171,6 +175,11 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
             ``integrations._helpers``); ``None`` (default): an earlier ``patch()``'s choice, else
             ``TORCHFERRY_LAYERWISE_RELOAD``, on unless ``0`` ([Note: verl's defaults]). verl's
             own, forgotten by ``unpatch()``.
+        dock: a GPU budget for verl's trainer under a :class:`~torchferry.Dock` ([Note: verl under a
+            Dock] in ``integrations.verl._dock``): an int (bytes) or a float in (0, 1] (a fraction of
+            the device's memory); ``None`` (default): ``TORCHFERRY_VERL_DOCK`` (the same, as text;
+            unset or ``0``: no dock). The actor's and critic's parameters and optimizer state then
+            stay resident while they fit and move behind compute when they must.
 
     Returns:
         The ``module.attribute`` names replaced.
@@ -178,19 +187,24 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
     Raises:
         TypeError: ``skip_unchanged``, ``fsdp1``, ``optimizer_at_step`` or ``layerwise_reload`` is neither
             ``None`` nor a bool.
+        ValueError: ``dock`` or ``TORCHFERRY_VERL_DOCK`` is not a budget (bytes > 0 or a fraction in (0, 1]).
         ValueError: ``TORCHFERRY_SKIP_UNCHANGED``, ``TORCHFERRY_VERL_FSDP1`` or
             ``TORCHFERRY_OPTIMIZER_AT_STEP`` or ``TORCHFERRY_LAYERWISE_RELOAD`` is neither ``0`` nor ``1``.
         RuntimeError: verl is not importable, or one of its helpers is missing
             or has other parameters than this integration was written for
-            (nothing is replaced then).
+            (nothing is replaced then); with a dock, verl is not 0.9.x or the engine context,
+            the worker or the engine it replaces changed.
     """
-    global _fsdp1
+    global _fsdp1, _dock_choice
     settings = {"skip_unchanged": skip_unchanged, "optimizer_at_step": optimizer_at_step,
                 "layerwise_reload": layerwise_reload}
     compat.check_settings("verl", **settings)  # a bad value or environment: nothing replaced
     check_optional_bool(fsdp1, "patch(fsdp1=...)")
     if fsdp1 is None and _fsdp1 is None:
         fsdp1_through_torchferry()
+    budget = budget_spec(dock)  # a bad budget: nothing replaced
+    if budget is not None:
+        verl_targets()  # checked before anything is replaced
     engines = importable_patchers()  # checked before anything is replaced
     names = _patcher.patch(import_call_sites=import_engines)
     for engine in engines:  # see [Note: the VeOmni and Automodel helpers] in ._engines
@@ -199,15 +213,23 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
     compat.apply_settings("verl", **settings)
     if fsdp1 is not None:
         _fsdp1 = fsdp1
+    if budget is not None:
+        _dock_patch.patch(budget)
+        if dock is not None:
+            _dock_choice = str(budget)
+        names += ["verl.workers.engine.base.BaseEngineCtx.__enter__", "verl.workers.engine.base.BaseEngineCtx.__exit__",
+                  "verl.workers.engine_workers.ActorRolloutRefWorker.init_model"]
     return names
 
 
 def unpatch() -> None:
     """Puts verl's own helpers back, also in verl modules imported after :func:`patch`. Idempotent."""
-    global _fsdp1
+    global _fsdp1, _dock_choice
     if is_patched():
         compat.reset_settings("verl")
         _fsdp1 = None
+    _dock_patch.unpatch()
+    _dock_choice = None
     _patcher.unpatch()
     for engine in ENGINE_PATCHERS.values():
         engine.unpatch()

@@ -1,0 +1,393 @@
+"""verl's trainer under a :class:`~torchferry.Dock`: ``patch(dock=budget)``.
+
+[Note: verl under a Dock]
+With a budget (``patch(dock=...)`` or ``TORCHFERRY_VERL_DOCK``, which the Ray hook passes on;
+bytes, or a fraction of the device's memory), verl's train/eval contexts (``BaseEngineCtx``, whose
+``__enter__`` / ``__exit__`` call ``FSDPEngine.to``) ask one dock per process instead of moving:
+
+* each FSDP engine that offloads (``param_offload`` / ``optimizer_offload``; not a
+  ``forward_only`` one, which verl keeps under FSDP2's ``CPUOffloadPolicy``) has state sets
+  ``engine<N>.params`` (its model's ferry: parameters, gradients, buffers) and
+  ``engine<N>.optimizer`` (the optimizer's, once it has state), registered at its first phase;
+* entering a phase acquires its sets and a byte-count claimant ``engine<N>.workspace.<mode>``
+  for what the phase allocates besides them (activations, gradients, temporaries), so
+  idle sets leave only as far as the budget needs; leaving releases them: they stay resident
+  until the room is needed (eviction is lazy, [Note: choosing victims]);
+* the workspace is measured: its first phase of each mode counts the whole rest of the budget
+  (every idle set leaves), then the peak the phase allocated above what it held at its start
+  (``torch.cuda.max_memory_allocated``: the device's peak statistics are reset at each phase
+  entry) less what the sets grew by in it (AdamW's state made by the first step), plus 10%, the
+  largest seen so far;
+* the rollout's weights and KV cache are claimants ``rollout.weights`` / ``rollout.kv_cache``,
+  woken at ``rollout.resume(tags)`` (:func:`dock_rollout`, applied to the worker's rollout
+  after ``ActorRolloutRefWorker.init_model``), so the dock evicts before the engine maps its
+  memory (with ``empty_cache()``: vLLM and SGLang allocate outside PyTorch); which sets leave
+  is the dock's choice (the fewest bytes to bring back before their next use, [Note: choosing
+  victims]);
+* what the worker cannot see, the driver putting the rollout to sleep (verl's colocated
+  trainer does it before each training phase, ``sleep_replicas``), is inferred: at the next
+  phase entry the rollout's claimants count as asleep;
+* once one full step was seen (from a phase back to its first phase), its order of phases
+  becomes the dock's schedule (:meth:`~torchferry.Dock.plan`): victims are chosen by when
+  they are needed next, and each phase starts bringing in the next (``prefetch_next``): the
+  optimizer state behind old_log_prob's compute, its D2H behind the weight sync;
+* verl's other calls of the helpers (``update_weights``' offload, LoRA's staging, checkpoints)
+  leave a docked set where the dock has it (a load makes it resident).
+
+Not reached: the reference model under ``CPUOffloadPolicy`` (verl moves it with FSDP2's own
+hooks), engines with ``disable_auto_offload``. Wrong budgets and unknown verl versions fail at
+``patch()``; a phase whose sets and workspace exceed the budget raises before verl's code runs,
+naming what did not fit.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import deque
+from typing import Any
+
+import torch
+
+from ..._core._dock.dock import Dock
+from ..._core._ferry.ferry import Ferry
+from .. import _helpers as compat
+
+__all__ = ["VerlDock", "dock_rollout", "docked"]
+
+logger = logging.getLogger("torchferry")
+
+WORKSPACE_MARGIN = 0.10  # a phase's workspace claimant: its largest measured peak plus this fraction
+ROLLOUT_WEIGHTS, ROLLOUT_KV = "rollout.weights", "rollout.kv_cache"
+_TAGS = {"weights": ROLLOUT_WEIGHTS, "kv_cache": ROLLOUT_KV}
+
+
+def dock_rollout(rollout: Any, weights_bytes: int, kv_cache_bytes: int) -> Any:
+    """Makes a rollout's memory claimants of the process's verl dock: ``rollout.resume(tags)``
+    first makes room for ``rollout.weights`` (``weights_bytes``) and / or ``rollout.kv_cache``
+    (``kv_cache_bytes``), then resumes; ``rollout.release()`` marks both asleep (the next phase
+    entry does too: [Note: verl under a Dock]). Applied to the worker's rollout by ``patch(dock=...)``;
+    call it on a rollout of your own. A no-op without a dock.
+
+    Args:
+        rollout: an object with ``async resume(tags)`` and ``async release()`` (verl's ``BaseRollout``).
+        weights_bytes: bytes its weights take on this device (>= 0).
+        kv_cache_bytes: bytes its KV cache takes (>= 0).
+
+    Returns:
+        ``rollout``, its ``resume`` / ``release`` wrapped (on the instance).
+
+    Raises:
+        ValueError: a byte count that is not an int >= 0.
+        TypeError: ``rollout`` lacks ``resume`` or ``release``.
+    """
+    for what, n in (("weights_bytes", weights_bytes), ("kv_cache_bytes", kv_cache_bytes)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"torchferry: dock_rollout: {what} must be an int >= 0 (bytes), got {n!r}")
+    if not callable(getattr(rollout, "resume", None)) or not callable(getattr(rollout, "release", None)):
+        raise TypeError(f"torchferry: dock_rollout: {type(rollout).__name__} has no resume(tags) / release()")
+    if getattr(rollout, "_torchferry_docked", False):
+        return rollout
+    resume, release = rollout.resume, rollout.release
+
+    async def resume_docked(tags, *args, **kwargs):
+        mode = ACTIVE
+        if mode is not None:
+            mode.rollout_wakes([t for t in tags if t in _TAGS], {"weights": weights_bytes, "kv_cache": kv_cache_bytes})
+        return await resume(tags, *args, **kwargs)
+
+    async def release_docked(*args, **kwargs):
+        out = await release(*args, **kwargs)
+        if ACTIVE is not None:  # its memory is free once release() returns
+            ACTIVE.rollout_asleep()
+        return out
+
+    rollout.resume, rollout.release = resume_docked, release_docked
+    rollout._torchferry_docked = True
+    return rollout
+
+
+class _Engine:
+    """One FSDP engine's names in the dock."""
+
+    def __init__(self, index: int) -> None:
+        tag = f"engine{index}"
+        self.params, self.optimizer = f"{tag}.params", f"{tag}.optimizer"
+        self.workspace = {"eval": f"{tag}.workspace.eval", "train": f"{tag}.workspace.train"}
+        self.measured: dict[str, int] = {}  # mode -> largest workspace seen, bytes
+        self.open: dict[str, Any] = {}  # while in a phase: the names held, the start
+
+
+class VerlDock:
+    """The process's dock over verl's engines ([Note: verl under a Dock])."""
+
+    def __init__(self, budget: int | float) -> None:
+        self.budget = budget
+        self.dock: Dock | None = None
+        self.engines: weakref.WeakKeyDictionary[Any, _Engine] = weakref.WeakKeyDictionary()
+        self.awake: set[str] = set()  # rollout claimants woken since the last phase entry
+        self.cycle: list[frozenset[str]] = []  # phases seen since the last change of names
+        self.planned = False
+        self.phase_log: deque[tuple[str, tuple[str, ...]]] = deque(maxlen=256)  # (event, names), the latest
+        self.peak_seen = 0  # torch.cuda.max_memory_allocated before each reset of it, bytes (take_peak)
+        DOCKS.add(self)
+
+    # --------------------------------------------------------------- the dock and its names
+    def _dock_on(self, device: torch.device) -> Dock:
+        if self.dock is None:
+            budget = self.budget
+            if isinstance(budget, float):
+                if device.type != "cuda":
+                    raise ValueError(f"torchferry: verl dock: a fractional budget ({budget}) needs a GPU; "
+                                     f"give bytes on {device}")
+                budget = int(budget * torch.cuda.get_device_properties(device).total_memory)
+            self.dock = Dock(budget, device=device)
+        return self.dock
+
+    def _names_changed(self) -> None:
+        """A set or claimant added: a schedule planned without it is learnt again."""
+        if self.planned:
+            self.cycle, self.planned = [], False
+            if self.dock is not None:
+                self.dock.plan(None)
+
+    def _record(self, names: tuple[str, ...]) -> None:
+        """Learns the step's order of phases ([Note: verl under a Dock]): a cycle closes when its first
+        phase comes again after at least one other phase."""
+        phase = frozenset(names)
+        if self.cycle and phase == self.cycle[0] and len(set(self.cycle)) > 1 and not self.planned:
+            assert self.dock is not None
+            self.dock.plan(list(self.cycle))
+            self.planned = True
+        if not self.planned:
+            self.cycle.append(phase)
+
+    def holds(self, ferry: Ferry) -> bool:
+        """Whether ``ferry`` is one of the dock's sets (the helpers then leave it to the dock)."""
+        d = self.dock
+        return d is not None and any(d.ferry(n) is ferry for n in self._set_names())
+
+    def _set_names(self) -> list[str]:
+        d = self.dock
+        if d is None:
+            return []
+        out = []
+        for e in list(self.engines.values()):
+            for n in (e.params, e.optimizer):
+                try:
+                    d.ferry(n)
+                except ValueError:
+                    continue
+                out.append(n)
+        return out
+
+    def forget(self, ferry: Ferry) -> None:
+        """Drops ``ferry``'s set (it stays where it is), for a dock of another budget to take it.
+
+        Raises:
+            RuntimeError: a phase of this dock holds it.
+        """
+        name = self._name_of(ferry)
+        if name is not None and self.dock is not None:
+            self.dock.remove(name)
+            self._names_changed()
+
+    def _name_of(self, ferry: Ferry) -> str | None:
+        d = self.dock
+        for n in self._set_names():
+            if d is not None and d.ferry(n) is ferry:
+                return n
+        return None
+
+    def load_docked(self, ferry: Ferry) -> None:
+        """A helper's load of a docked set outside a phase: resident when it returns (stays, lazily)."""
+        name = self._name_of(ferry)
+        assert self.dock is not None and name is not None
+        if name in self.dock.in_use:
+            self.dock.require(name)
+            return
+        self.dock.acquire(name)
+        self.dock.release(name)
+
+    # --------------------------------------------------------------------- phases
+    def enter(self, engine: Any, mode: str, model: bool, optimizer: bool) -> None:
+        """A train/eval context's entry: the engine's sets and its workspace acquired."""
+        e = self.engines.get(engine)
+        if e is None:
+            e = self.engines[engine] = _Engine(len(self.engines))
+        device = _device_of(engine)
+        dock = self._dock_on(device)
+        self.rollout_asleep()  # the driver slept it before this phase: [Note: verl under a Dock]
+        names: list[str] = []
+        try:
+            if model:
+                names.append(self._ensure_set(dock, e.params, engine.module))
+            if optimizer and engine.optimizer is not None and compat._has_state(engine.optimizer):
+                names.append(self._ensure_set(dock, e.optimizer, engine.optimizer))
+            self._size_workspace(dock, e, mode, names)
+            names.append(e.workspace[mode])
+            dock.acquire(*names)
+        except (ValueError, RuntimeError) as err:  # nothing acquired: verl's code has not run
+            raise type(err)(f"torchferry: verl dock: the {mode} phase of {e.params.split('.')[0]} does not fit "
+                            f"its budget: {err}") from err
+        try:
+            self._record(tuple(names))
+            started = dock.prefetch_next() if self.planned else ()
+        except BaseException:  # Ctrl-C or out of memory starting a prefetch: the phase does not open
+            dock.release(*names)
+            raise
+        start = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        if device.type == "cuda":
+            self.peak_seen = max(self.peak_seen, torch.cuda.max_memory_allocated(device))
+            torch.cuda.reset_peak_memory_stats(device)
+        e.open[mode] = (tuple(names), start, bool(started), self._state_bytes(dock, e))
+        self.phase_log.append(("enter", tuple(names)))
+
+    def leave(self, engine: Any, mode: str) -> None:
+        """A train/eval context's exit: the workspace measured, the sets released (they stay resident
+        while the budget allows), the next phase's sets started."""
+        e = self.engines.get(engine)
+        if e is None or mode not in e.open or self.dock is None:
+            return
+        dock = self.dock
+        names, start, prefetched, state0 = e.open.pop(mode)
+        device = _device_of(engine)
+        if engine.optimizer is not None and compat._has_state(engine.optimizer):  # after the first step
+            self._ensure_set(dock, e.optimizer, engine.optimizer)
+            if e.optimizer not in names and self.cycle:  # this phase holds it from now on
+                self.cycle[-1] = self.cycle[-1] | {e.optimizer}
+        if device.type != "cuda":  # no device memory to share: nothing to measure
+            e.measured.setdefault(mode, 0)
+        elif not prefetched:  # a prefetch's allocations are not the phase's
+            # the sets' own growth (AdamW's state made by the first step, gradients kept) is not workspace
+            grown = max(0, self._state_bytes(dock, e) - state0)
+            peak = torch.cuda.max_memory_allocated(device) - start - grown
+            e.measured[mode] = max(e.measured.get(mode, 0), int(peak))
+        dock.release(*names)
+        self._size_workspace(dock, e, mode, [])  # measured now: what prefetches until its next entry plan with
+        self.phase_log.append(("leave", names))
+        if self.planned:
+            dock.prefetch_next()
+
+    def _state_bytes(self, dock: Dock, e: _Engine) -> int:
+        """Bytes the engine's registered sets count now."""
+        return sum(dock.nbytes(n) for n in self._set_names() if n in (e.params, e.optimizer))
+
+    def take_peak(self) -> int:
+        """The device's peak allocated bytes since the last call (``torch.cuda.max_memory_allocated``,
+        which each phase entry resets to measure the phase's workspace; 0 without a GPU dock)."""
+        d = self.dock
+        if d is None or d.device is None or d.device.type != "cuda":
+            return 0
+        peak, self.peak_seen = max(self.peak_seen, torch.cuda.max_memory_allocated(d.device)), 0
+        return peak
+
+    def _ensure_set(self, dock: Dock, name: str, obj: Any) -> str:
+        try:
+            dock.ferry(name)
+            return name
+        except ValueError:
+            pass
+        ferry = compat._get_or_make(obj)
+        for other in list(DOCKS):  # a dock of another budget (patch(dock=...) changed) lets it go
+            if other is not self and other.holds(ferry):
+                other.forget(ferry)
+        dock.add(name, ferry)
+        self._names_changed()
+        return name
+
+    def _size_workspace(self, dock: Dock, e: _Engine, mode: str, sets: list[str]) -> None:
+        """The workspace claimant: the rest of the budget until measured, then the largest measure plus
+        :data:`WORKSPACE_MARGIN` (at most the budget: more would never fit)."""
+        name = e.workspace[mode]
+        if mode in e.measured:
+            want = min(int(e.measured[mode] * (1 + WORKSPACE_MARGIN)), dock.budget_bytes)
+        else:
+            want = max(0, dock.budget_bytes - sum(dock.nbytes(n) for n in sets))
+        try:
+            have = dock.nbytes(name)
+        except ValueError:
+            dock.add_claimant(name, want)
+            self._names_changed()
+            return
+        if have != want:
+            dock.remove(name)
+            dock.add_claimant(name, want)
+
+    # --------------------------------------------------------------------- rollout
+    def rollout_wakes(self, tags: list[str], nbytes: dict[str, int]) -> None:
+        """``rollout.resume(tags)``: room made for each tag's claimant, which stays awake until the
+        rollout sleeps (``release()`` or the next phase entry)."""
+        if not tags:
+            return
+        if self.dock is None:
+            if not torch.cuda.is_available():
+                return  # no phase has run and no GPU: nothing to count yet
+            self._dock_on(torch.device("cuda", torch.cuda.current_device()))
+        dock = self.dock
+        assert dock is not None
+        for tag in tags:
+            name = _TAGS[tag]
+            try:
+                have = dock.nbytes(name)
+            except ValueError:
+                have = None
+            if have != nbytes[tag]:
+                if have is not None:
+                    self.rollout_asleep()
+                    dock.remove(name)
+                dock.add_claimant(name, nbytes[tag], sleep=_nothing, wake=_nothing, empty_cache=True)
+                self._names_changed()
+        for tag in tags:  # one phase per tag: resume(["weights"]) and resume(["kv_cache"]) come apart
+            name = _TAGS[tag]
+            if name in self.awake:
+                continue
+            try:
+                dock.acquire(name)
+            except (ValueError, RuntimeError) as err:
+                raise type(err)(f"torchferry: verl dock: the rollout's {tag} do not fit the budget: {err}") from err
+            self.awake.add(name)
+            self._record((name,))
+            self.phase_log.append(("rollout", (name,)))
+            if self.planned:
+                dock.prefetch_next()
+
+    def rollout_asleep(self) -> None:
+        """The rollout's claimants asleep: their bytes no longer count."""
+        if self.dock is None or not self.awake:
+            return
+        names = tuple(sorted(self.awake))
+        self.awake.clear()
+        self.dock.release(*names)
+        self.dock.evict(*names)
+
+
+def _nothing() -> None:
+    """The rollout's own resume / the driver's sleep move its memory; the dock only counts it."""
+
+
+def _device_of(engine: Any) -> torch.device:
+    ferry = compat.ferry_for(engine.module)
+    if ferry is not None:
+        return ferry.device
+    for p in engine.module.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if local.device.type != "meta":
+            return local.device
+    return torch.device("cpu")
+
+
+DOCKS: weakref.WeakSet[VerlDock] = weakref.WeakSet()
+"""Every dock made in this process, one per budget (``unpatch()`` keeps them: ``._dock_patch.DockPatch``)."""
+
+ACTIVE: VerlDock | None = None
+"""The process's dock mode while ``patch(dock=...)`` holds ([Note: verl under a Dock])."""
+
+
+def docked() -> VerlDock | None:
+    """The process's verl dock while ``patch(dock=...)`` holds, else ``None``: its :class:`~torchferry.Dock`
+    (``.dock``: ``stats``, ``moves``, ``resident_bytes``), the phases it saw (``.phase_log``) and
+    :meth:`VerlDock.take_peak`."""
+    return ACTIVE
+
+

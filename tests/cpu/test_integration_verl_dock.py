@@ -1,0 +1,210 @@
+"""``torchferry.integrations.verl.patch(dock=...)`` against verl 0.9.1: the budget read and checked at
+``patch()`` (nothing replaced on an error), the Ray hook passing it on, and verl's own actor (its
+TrainingWorker / FSDP2 engine, param and optimizer offload on) under a dock in the bench's colocated
+step (``benchmarks/verl_actor.sh``, tiny model, 2 gloo ranks): bit-identical to verl's own helpers, the
+order of moves in a step under a tight budget, none under a roomy one. ``check_dock_run`` is also
+the GPU test's (tests/gpu/test_verl_dock_cuda.py), where the peak is measured too."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("verl.workers.engine_workers", reason="verl's actor code and what it imports are not installed")
+pytest.importorskip("hydra")
+
+import torchferry.integrations.verl as tf_verl  # noqa: E402
+from torchferry.integrations import _helpers as compat  # noqa: E402
+from torchferry.integrations.verl import _dock  # noqa: E402
+from torchferry.integrations.verl._dock_patch import DOCK_ENV, parse_budget  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import verl_actor  # noqa: E402
+
+from verl.workers import engine_workers  # noqa: E402
+from verl.workers.engine import base  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    monkeypatch.delenv(DOCK_ENV, raising=False)
+    tf_verl.unpatch()
+    yield
+    tf_verl.unpatch()
+
+
+def _originals():
+    return (base.BaseEngineCtx.__dict__["__enter__"], base.BaseEngineCtx.__dict__["__exit__"],
+            engine_workers.ActorRolloutRefWorker.__dict__["init_model"])
+
+
+@pytest.mark.parametrize("value,expected", [(None, None), (0, None), ("", None), ("0", None), (12345, 12345),
+                                            ("12345", 12345), (0.5, 0.5), ("0.25", 0.25), (1.0, 1.0)])
+def test_a_budget_is_bytes_or_a_fraction_of_the_device(value, expected):
+    assert parse_budget(value, "x") == expected
+
+
+@pytest.mark.parametrize("value", [True, -1, 1.5, 0.0, float("nan"), "lots", "-3", [1]])
+def test_a_bad_budget_fails_at_patch_with_nothing_replaced(value):
+    before = _originals()
+    with pytest.raises(ValueError, match="dock budget|give bytes") as e:
+        tf_verl.patch(dock=value)
+    assert "\n" not in str(e.value)
+    assert _originals() == before and not tf_verl.is_patched() and _dock.ACTIVE is None
+
+
+def test_a_bad_budget_in_the_environment_fails_at_patch_naming_it(monkeypatch):
+    monkeypatch.setenv(DOCK_ENV, "half")
+    with pytest.raises(ValueError, match=DOCK_ENV):
+        tf_verl.patch()
+    assert not tf_verl.is_patched() and _dock.ACTIVE is None
+
+
+def test_an_unknown_verl_version_fails_at_patch_with_nothing_replaced(monkeypatch):
+    import verl
+
+    monkeypatch.setattr(verl, "__version__", "0.10.0")
+    before = _originals()
+    with pytest.raises(RuntimeError, match="verl 0.9.x, this is verl 0.10.0"):
+        tf_verl.patch(dock=10**9)
+    assert _originals() == before and not tf_verl.is_patched()
+
+
+def test_a_changed_engine_context_fails_at_patch(monkeypatch):
+    monkeypatch.setattr(base.BaseEngineCtx, "__exit__", lambda self, a, b: None)
+    with pytest.raises(RuntimeError, match="BaseEngineCtx.__exit__ takes"):
+        tf_verl.patch(dock=10**9)
+    assert not tf_verl.is_patched()
+
+
+def test_patch_replaces_the_context_and_unpatch_puts_it_back():
+    before = _originals()
+    names = tf_verl.patch(dock=10**9)
+    assert "verl.workers.engine.base.BaseEngineCtx.__enter__" in names
+    assert _originals() != before and _dock.ACTIVE is not None and compat.DOCK_ROUTER is _dock.ACTIVE
+    assert _dock.ACTIVE.budget == 10**9
+    assert compat.patch_choices("verl")[DOCK_ENV] == str(10**9)  # what the Ray hook passes on
+    kept = _dock.ACTIVE
+    tf_verl.unpatch()
+    assert _originals() == before and _dock.ACTIVE is None and compat.DOCK_ROUTER is None
+    tf_verl.patch(dock=10**9)  # the same budget: the same dock, its sets where it left them
+    assert _dock.ACTIVE is kept
+    tf_verl.unpatch()
+    tf_verl.patch(dock=2 * 10**9)  # another budget: its own dock; the first is kept for its budget
+    assert _dock.ACTIVE is not kept and _dock.ACTIVE.budget == 2 * 10**9 and kept in _dock.DOCKS
+
+
+def test_without_a_dock_nothing_of_it_is_replaced():
+    before = _originals()
+    tf_verl.patch()
+    assert _originals() == before and _dock.ACTIVE is None and DOCK_ENV not in compat.patch_choices("verl")
+
+
+def test_the_ray_hook_forwards_the_budget():
+    from torchferry.integrations._ray_hook import FORWARDED_SETTINGS
+
+    assert DOCK_ENV in FORWARDED_SETTINGS
+
+
+def test_dock_rollout_checks_its_arguments():
+    class Rollout:
+        async def resume(self, tags):
+            return tags
+
+        async def release(self):
+            return None
+
+    with pytest.raises(ValueError, match="weights_bytes must be an int >= 0"):
+        tf_verl.dock_rollout(Rollout(), -1, 0)
+    with pytest.raises(TypeError, match="no resume"):
+        tf_verl.dock_rollout(object(), 1, 1)
+    r = Rollout()
+    assert tf_verl.dock_rollout(r, 1, 1) is r and tf_verl.dock_rollout(r, 1, 1) is r  # once
+
+
+def test_the_bench_budgets_are_what_they_say():
+    n, world, kv, w = 1000, 2, 10**6, 2400
+    p, o = 4 * n // world, 8 * n // world
+    tight = verl_actor.dock_budget("tight", n, world, kv, w)
+    assert tight == kv + w + p // 2 + o
+    assert tight < kv + w + p + o  # the rollout does not fit with all the state: a set must leave
+    assert verl_actor.dock_budget("roomy", n, world, kv, w) == 2 * (kv + w + 2 * p + o)
+    with pytest.raises(ValueError, match="none of"):
+        verl_actor.dock_budget("loose", n, world, kv, w)
+
+
+# ---------------------------------------------------------------------------- verl's actor under the dock
+def run_dock_bench(out: Path, nproc: str, preset: str, rollout: str, cpu: bool) -> dict[str, dict]:
+    """``benchmarks/verl_actor.sh`` with verl, torchferry and a dock strategy under a tight and a roomy
+    budget (``VERL_ACTOR_DOCK="tight roomy"``), 4 rounds, the weight sync on; returns the per-budget
+    JSONs (``tight``, ``roomy``)."""
+    env = {**os.environ, "PYTHON": sys.executable, "VERL_ACTOR_MODEL_DIR": str(out / "model"),
+           "OMP_NUM_THREADS": "1", "VERL_ACTOR_RESIDENT": "0", "VERL_ACTOR_WEIGHT_SYNC": "1",
+           "VERL_ACTOR_ROLLOUT": rollout, "VERL_ACTOR_DOCK": "tight roomy"}
+    if cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    for k in ("TORCHFERRY_LAYERWISE_RELOAD", "TORCHFERRY_OPTIMIZER_AT_STEP", "TORCHFERRY_SKIP_UNCHANGED", DOCK_ENV):
+        env.pop(k, None)
+    p = subprocess.run(["bash", "benchmarks/verl_actor.sh", str(out), nproc, preset, "4"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    return {kind: json.loads(next(out.glob(f"verl_step_*_dock-{kind}.json")).read_text())
+            for kind in ("tight", "roomy")}
+
+
+def check_dock_run(result: dict, kind: str, gpu: bool) -> None:
+    """What a dock run must show: bit-identical to verl; tight: per step after the second, the parameters
+    leave once, when the rollout's KV cache wakes (the fewest bytes: the optimizer state is twice theirs),
+    and come back once, for old_log_prob, the optimizer state never moves; roomy: nothing moves after the
+    first step; on a GPU, the peak within the budget."""
+    assert result["bit_identical_to_verl"]["torchferry+dock"] is True, result["bit_identical_detail"]
+    s = result["strategies"]["torchferry+dock"]
+    assert result["config"]["budget"] == kind and s["budget_bytes"] == result["config"]["budget_bytes"]
+    steps = s["dock_steps"]
+    assert len(steps) == 4
+    p_bytes = result["runs"]["torchferry+dock"]["state_bytes"]["params"]
+    for st in steps[2:]:  # the schedule is learnt over the first two
+        sets = [m for m in st["moves"] if m["kind"] in ("load", "evict")]
+        if kind == "roomy":
+            assert sets == [], st["moves"]
+            continue
+        assert [(m["kind"], m["name"].split(".")[1]) for m in sets] == [("evict", "params"), ("load", "params")]
+        evict, load = sets
+        assert 0 <= evict["at_s"] <= st["marks_s"]["rollout"]  # the KV cache's wake, before it is allocated
+        assert st["marks_s"]["rollout"] <= load["at_s"] <= st["marks_s"]["log_prob"]
+        assert st["bytes_loaded"] == st["bytes_evicted"] and 0 < st["bytes_evicted"] <= p_bytes * 1.01
+    if gpu:
+        assert s["within_budget"] is True and 0 < s["peak_gpu_bytes"] <= s["budget_bytes"], s["peak_gpu_bytes"]
+
+
+def test_verls_actor_under_the_dock(tmp_path):
+    results = run_dock_bench(tmp_path, "2", "tiny", "0.001 2", cpu=True)
+    for kind, result in results.items():
+        check_dock_run(result, kind, gpu=False)
+    assert results["tight"]["config"]["budget_bytes"] < results["roomy"]["config"]["budget_bytes"]
+    png = tmp_path / "timeline.png"  # the docs' timeline, from the per-budget results
+    files = sorted(str(p) for p in tmp_path.glob("verl_step_*_dock-*.json"))
+    subprocess.run([sys.executable, "benchmarks/verl_actor.py", "timeline", *files, "--out", str(png)], cwd=ROOT,
+                   check=True, capture_output=True)
+    assert png.stat().st_size > 10_000
+
+
+def test_a_phase_that_cannot_fit_is_refused_before_verls_code_runs():
+    import torch
+
+    class Engine:  # what VerlDock reads of verl's FSDPEngine: its module and optimizer
+        module = torch.nn.Linear(64, 64)
+        optimizer = None
+
+    engine = Engine()
+    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    vd = _dock.VerlDock(1000)
+    with pytest.raises(ValueError, match=r"the eval phase of engine0 does not fit its budget: .*'engine0.params'") as e:
+        vd.enter(engine, "eval", model=True, optimizer=False)
+    assert "\n" not in str(e.value) and vd.dock is not None and not vd.dock.in_use
+    assert all(torch.equal(v, engine.module.state_dict()[k]) for k, v in before.items())
+    vd.leave(engine, "eval")  # verl's __exit__ after a refused __enter__ does not run; a stray one is a no-op

@@ -5,13 +5,18 @@ step (``benchmarks/verl_actor.sh``, tiny model, 2 gloo ranks): bit-identical to 
 order of moves in a step under a tight budget, none under a roomy one. ``check_dock_run`` is also
 the GPU test's (tests/gpu/test_verl_dock_cuda.py), where the peak is measured too."""
 
+import asyncio
+import gc
 import json
 import os
+import types
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("verl.workers.engine_workers", reason="verl's actor code and what it imports are not installed")
 pytest.importorskip("hydra")
@@ -31,10 +36,14 @@ from verl.workers.engine import base  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
+    from torchferry.integrations.verl import _patch
+
     monkeypatch.delenv(DOCK_ENV, raising=False)
     tf_verl.unpatch()
+    _patch._dock_patch.kept.clear()  # each test's docks its own
     yield
     tf_verl.unpatch()
+    _patch._dock_patch.kept.clear()
 
 
 def _originals():
@@ -42,13 +51,17 @@ def _originals():
             engine_workers.ActorRolloutRefWorker.__dict__["init_model"])
 
 
-@pytest.mark.parametrize("value,expected", [(None, None), (0, None), ("", None), ("0", None), (12345, 12345),
-                                            ("12345", 12345), (0.5, 0.5), ("0.25", 0.25), (1.0, 1.0)])
+@pytest.mark.parametrize("value,expected", [
+    (None, None), (0, None), ("", None), ("0", None), (0.0, None), ("0.0", None), (2**21, 2**21),
+    ("2097152", 2**21), (0.5, 0.5), ("0.25", 0.25), (1.0, 1.0), (40e9, 40 * 10**9), ("40e9", 40 * 10**9),
+    (np.int64(2**30), 2**30), (np.float32(0.5), 0.5)])
 def test_a_budget_is_bytes_or_a_fraction_of_the_device(value, expected):
-    assert parse_budget(value, "x") == expected
+    got = parse_budget(value, "x")
+    assert got == expected and type(got) is type(expected)
 
 
-@pytest.mark.parametrize("value", [True, -1, 1.5, 0.0, float("nan"), "lots", "-3", [1]])
+@pytest.mark.parametrize("value", [True, -1, 1, "1", 12345, 1.5, 2.5e9 + 0.5, float("nan"), float("inf"), "lots",
+                                   "-3", [1], b"5"])
 def test_a_bad_budget_fails_at_patch_with_nothing_replaced(value):
     before = _originals()
     with pytest.raises(ValueError, match="dock budget|give bytes") as e:
@@ -203,8 +216,118 @@ def test_a_phase_that_cannot_fit_is_refused_before_verls_code_runs():
     engine = Engine()
     before = {k: v.clone() for k, v in engine.module.state_dict().items()}
     vd = _dock.VerlDock(1000)
-    with pytest.raises(ValueError, match=r"the eval phase of engine0 does not fit its budget: .*'engine0.params'") as e:
+    with pytest.raises(ValueError, match=r"the eval phase of engine0 does not fit its budget .*'engine0.params'") as e:
         vd.enter(engine, "eval", model=True, optimizer=False)
     assert "\n" not in str(e.value) and vd.dock is not None and not vd.dock.in_use
     assert all(torch.equal(v, engine.module.state_dict()[k]) for k, v in before.items())
     vd.leave(engine, "eval")  # verl's __exit__ after a refused __enter__ does not run; a stray one is a no-op
+
+
+def _engine():
+    """What the patched context reads of verl's FSDPEngine, on the CPU: its module, optimizer and offload flags."""
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    e = object.__new__(FSDPEngine)
+    e.module = torch.nn.Linear(64, 64)
+    e.optimizer = torch.optim.AdamW(e.module.parameters())
+    e._is_offload_param = e._is_offload_optimizer = True
+    e.mode = None
+    e.engine_config = types.SimpleNamespace(forward_only=False)
+    return e
+
+
+def _train_step(e):
+    e.module(torch.ones(2, 64)).sum().backward()
+    e.optimizer.step()
+
+
+def test_a_first_step_whose_optimizer_state_cannot_fit_is_refused_before_it_runs():
+    tf_verl.patch(dock=2**21)  # the parameters fit, AdamW's two moments beside them do not
+    e = _engine()
+    e.module = torch.nn.Linear(512, 512)
+    e.optimizer = torch.optim.AdamW(e.module.parameters())
+    before = {k: v.clone() for k, v in e.module.state_dict().items()}
+    with pytest.raises(ValueError, match="engine0.optimizer would hold about .*AdamW's two moments"):
+        with base.BaseEngineCtx(e, "train"):
+            _train_step(e)
+    assert all(torch.equal(v, e.module.state_dict()[k]) for k, v in before.items())  # verl's step never ran
+    assert not tf_verl.docked().dock.in_use and e.mode is None
+
+
+def test_nested_contexts_of_a_mode_release_everything_at_the_outer_exit():
+    tf_verl.patch(dock=10**8)
+    e = _engine()
+    with base.BaseEngineCtx(e, "eval"):
+        with base.BaseEngineCtx(e, "eval"):
+            pass
+        assert tf_verl.docked().dock.in_use
+    assert not tf_verl.docked().dock.in_use
+
+
+def test_engine_names_are_not_reused_and_a_collected_engines_sets_leave():
+    tf_verl.patch(dock=10**8)
+    vd = tf_verl.docked()
+    e0, e1 = _engine(), _engine()
+    for e in (e0, e1):
+        with base.BaseEngineCtx(e, "eval"):
+            pass
+    del e0
+    gc.collect()
+    e2 = _engine()
+    with base.BaseEngineCtx(e2, "eval"):
+        pass
+    assert vd.engines[e2].params == "engine2.params" and vd.engines[e1].params == "engine1.params"
+    assert vd.dock.ferry("engine2.params") is not vd.dock.ferry("engine1.params")
+    with pytest.raises(ValueError):
+        vd.dock.ferry("engine0.params")  # gone with its engine
+
+
+def test_unpatch_inside_a_phase_leaves_nothing_in_use():
+    tf_verl.patch(dock=10**8)
+    vd, e = tf_verl.docked(), _engine()
+    ctx = base.BaseEngineCtx(e, "eval")
+    ctx.__enter__()
+    tf_verl.unpatch()
+    assert not vd.dock.in_use
+
+
+def test_patching_another_budget_takes_that_budgets_dock_and_zero_switches_it_off():
+    tf_verl.patch(dock=0.5)
+    half = tf_verl.docked()
+    tf_verl.patch(dock=0.7)
+    assert tf_verl.docked() is not half and tf_verl.docked().budget == 0.7
+    assert compat.patch_choices("verl")[DOCK_ENV] == "0.7"
+    tf_verl.unpatch()
+    tf_verl.patch(dock=0.5)
+    assert tf_verl.docked() is half and half.budget == 0.5
+    tf_verl.patch(dock=2**21)
+    tf_verl.patch(dock=1.0)
+    assert tf_verl.docked().budget == 1.0 and isinstance(tf_verl.docked().budget, float)
+    tf_verl.patch(dock=0)
+    assert tf_verl.docked() is None and compat.patch_choices("verl")[DOCK_ENV] == "0"
+    assert base.BaseEngineCtx.__dict__["__enter__"] is _originals()[0]
+
+
+def test_dock_rollout_refuses_a_synchronous_rollout_and_a_str_of_tags():
+    class Sync:
+        def resume(self, tags):
+            return tags
+
+        def release(self):
+            return None
+
+    with pytest.raises(TypeError, match="must be async"):
+        tf_verl.dock_rollout(Sync(), 1, 1)
+
+    class Rollout:
+        async def resume(self, tags):
+            return tags
+
+        async def release(self):
+            return None
+
+    r = tf_verl.dock_rollout(Rollout(), 1, 1)
+    with pytest.raises(TypeError, match="tags is a list of str"):
+        asyncio.run(r.resume("weights"))
+    tf_verl.dock_rollout(r, 5, 7)  # again: the new byte counts
+    assert r._torchferry_dock_bytes == {"weights": 5, "kv_cache": 7}

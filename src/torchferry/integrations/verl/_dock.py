@@ -42,6 +42,7 @@ naming what did not fit.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import weakref
 from collections import deque
@@ -67,10 +68,13 @@ def dock_rollout(rollout: Any, weights_bytes: int, kv_cache_bytes: int) -> Any:
     first makes room for ``rollout.weights`` (``weights_bytes``) and / or ``rollout.kv_cache``
     (``kv_cache_bytes``), then resumes; ``rollout.release()`` marks both asleep (the next phase
     entry does too: [Note: verl under a Dock]). Applied to the worker's rollout by ``patch(dock=...)``;
-    call it on a rollout of your own. A no-op without a dock.
+    call it on a rollout of your own; called again, it takes the new byte counts. A no-op without a
+    dock. A ``resume`` that raises leaves its claimants counted until the next phase entry (its memory
+    may be half mapped).
 
     Args:
-        rollout: an object with ``async resume(tags)`` and ``async release()`` (verl's ``BaseRollout``).
+        rollout: an object with ``async resume(tags)`` (``tags``: a list of ``"weights"`` /
+            ``"kv_cache"``) and ``async release()`` (verl's ``BaseRollout``).
         weights_bytes: bytes its weights take on this device (>= 0).
         kv_cache_bytes: bytes its KV cache takes (>= 0).
 
@@ -79,21 +83,30 @@ def dock_rollout(rollout: Any, weights_bytes: int, kv_cache_bytes: int) -> Any:
 
     Raises:
         ValueError: a byte count that is not an int >= 0.
-        TypeError: ``rollout`` lacks ``resume`` or ``release``.
+        TypeError: ``rollout`` lacks ``resume`` or ``release``, or they are not ``async``; later, a
+            ``resume(tags)`` whose ``tags`` is a str, not a list.
     """
     for what, n in (("weights_bytes", weights_bytes), ("kv_cache_bytes", kv_cache_bytes)):
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"torchferry: dock_rollout: {what} must be an int >= 0 (bytes), got {n!r}")
     if not callable(getattr(rollout, "resume", None)) or not callable(getattr(rollout, "release", None)):
         raise TypeError(f"torchferry: dock_rollout: {type(rollout).__name__} has no resume(tags) / release()")
-    if getattr(rollout, "_torchferry_docked", False):
+    sizes = getattr(rollout, "_torchferry_dock_bytes", None)
+    if sizes is not None:  # wrapped already: the new counts
+        sizes.update(weights=weights_bytes, kv_cache=kv_cache_bytes)
         return rollout
     resume, release = rollout.resume, rollout.release
+    if not (inspect.iscoroutinefunction(resume) and inspect.iscoroutinefunction(release)):
+        raise TypeError(f"torchferry: dock_rollout: {type(rollout).__name__}.resume / release must be async "
+                        "(verl's BaseRollout's are)")
+    sizes = {"weights": weights_bytes, "kv_cache": kv_cache_bytes}
 
     async def resume_docked(tags, *args, **kwargs):
+        if isinstance(tags, str):
+            raise TypeError(f"torchferry: resume(tags={tags!r}): tags is a list of str, e.g. [{tags!r}]")
         mode = ACTIVE
         if mode is not None:
-            mode.rollout_wakes([t for t in tags if t in _TAGS], {"weights": weights_bytes, "kv_cache": kv_cache_bytes})
+            mode.rollout_wakes([t for t in tags if t in _TAGS], dict(sizes))
         return await resume(tags, *args, **kwargs)
 
     async def release_docked(*args, **kwargs):
@@ -103,7 +116,7 @@ def dock_rollout(rollout: Any, weights_bytes: int, kv_cache_bytes: int) -> Any:
         return out
 
     rollout.resume, rollout.release = resume_docked, release_docked
-    rollout._torchferry_docked = True
+    rollout._torchferry_dock_bytes = sizes
     return rollout
 
 
@@ -111,11 +124,12 @@ class _Engine:
     """One FSDP engine's names in the dock."""
 
     def __init__(self, index: int) -> None:
-        tag = f"engine{index}"
+        self.tag = tag = f"engine{index}"
         self.params, self.optimizer = f"{tag}.params", f"{tag}.optimizer"
         self.workspace = {"eval": f"{tag}.workspace.eval", "train": f"{tag}.workspace.train"}
         self.measured: dict[str, int] = {}  # mode -> largest workspace seen, bytes
         self.open: dict[str, Any] = {}  # while in a phase: the names held, the start
+        self.depth: dict[str, int] = {}  # mode -> contexts of it entered inside the open one
 
 
 class VerlDock:
@@ -130,6 +144,7 @@ class VerlDock:
         self.planned = False
         self.phase_log: deque[tuple[str, tuple[str, ...]]] = deque(maxlen=256)  # (event, names), the latest
         self.peak_seen = 0  # torch.cuda.max_memory_allocated before each reset of it, bytes (take_peak)
+        self._next_index = 0  # engine<N>: never reused, also after an engine is collected
         DOCKS.add(self)
 
     # --------------------------------------------------------------- the dock and its names
@@ -140,7 +155,11 @@ class VerlDock:
                 if device.type != "cuda":
                     raise ValueError(f"torchferry: verl dock: a fractional budget ({budget}) needs a GPU; "
                                      f"give bytes on {device}")
-                budget = int(budget * torch.cuda.get_device_properties(device).total_memory)
+                total = torch.cuda.get_device_properties(device).total_memory
+                budget = int(budget * total)
+                if budget < 1 << 20:
+                    raise ValueError(f"torchferry: verl dock: the budget {self.budget} of {device}'s {total} bytes "
+                                     f"is {budget} bytes: give a larger fraction or bytes")
             self.dock = Dock(budget, device=device)
         return self.dock
 
@@ -203,10 +222,14 @@ class VerlDock:
         """A helper's load of a docked set outside a phase: resident when it returns (stays, lazily)."""
         name = self._name_of(ferry)
         assert self.dock is not None and name is not None
-        if name in self.dock.in_use:
-            self.dock.require(name)
-            return
-        self.dock.acquire(name)
+        try:
+            if name in self.dock.in_use:
+                self.dock.require(name)
+                return
+            self.dock.acquire(name)
+        except (ValueError, RuntimeError) as err:
+            raise type(err)(f"torchferry: verl dock: verl's load of {name} outside a phase does not fit the budget "
+                            f"(TORCHFERRY_VERL_DOCK / patch(dock=...)): {err}") from err
         self.dock.release(name)
 
     # --------------------------------------------------------------------- phases
@@ -214,7 +237,12 @@ class VerlDock:
         """A train/eval context's entry: the engine's sets and its workspace acquired."""
         e = self.engines.get(engine)
         if e is None:
-            e = self.engines[engine] = _Engine(len(self.engines))
+            e = self.engines[engine] = _Engine(self._next_index)
+            self._next_index += 1
+            weakref.finalize(engine, self._forget_engine, (e.params, e.optimizer, *e.workspace.values()))
+        if mode in e.open:  # a context of the same mode inside the open one: nothing more to hold
+            e.depth[mode] = e.depth.get(mode, 0) + 1
+            return
         device = _device_of(engine)
         dock = self._dock_on(device)
         self.rollout_asleep()  # the driver slept it before this phase: [Note: verl under a Dock]
@@ -224,12 +252,14 @@ class VerlDock:
                 names.append(self._ensure_set(dock, e.params, engine.module))
             if optimizer and engine.optimizer is not None and compat._has_state(engine.optimizer):
                 names.append(self._ensure_set(dock, e.optimizer, engine.optimizer))
+            elif optimizer and engine.optimizer is not None:  # its first step makes the state: will it fit?
+                self._check_first_step(dock, e, engine.optimizer, names)
             self._size_workspace(dock, e, mode, names)
             names.append(e.workspace[mode])
             dock.acquire(*names)
         except (ValueError, RuntimeError) as err:  # nothing acquired: verl's code has not run
-            raise type(err)(f"torchferry: verl dock: the {mode} phase of {e.params.split('.')[0]} does not fit "
-                            f"its budget: {err}") from err
+            raise type(err)(f"torchferry: verl dock: the {mode} phase of {e.tag} does not fit its budget "
+                            f"(TORCHFERRY_VERL_DOCK / patch(dock=...)): {err}") from err
         try:
             self._record(tuple(names))
             started = dock.prefetch_next() if self.planned else ()
@@ -245,29 +275,75 @@ class VerlDock:
 
     def leave(self, engine: Any, mode: str) -> None:
         """A train/eval context's exit: the workspace measured, the sets released (they stay resident
-        while the budget allows), the next phase's sets started."""
+        while the budget allows), the next phase's sets started.
+
+        Raises:
+            ValueError: the optimizer state its first step made can never fit the budget (the phase's
+                names are released first; the next train phase is refused before verl's code runs).
+        """
         e = self.engines.get(engine)
         if e is None or mode not in e.open or self.dock is None:
+            return
+        if e.depth.get(mode, 0):  # a nested context of the same mode: the outer one leaves
+            e.depth[mode] -= 1
             return
         dock = self.dock
         names, start, prefetched, state0 = e.open.pop(mode)
         device = _device_of(engine)
-        if engine.optimizer is not None and compat._has_state(engine.optimizer):  # after the first step
-            self._ensure_set(dock, e.optimizer, engine.optimizer)
-            if e.optimizer not in names and self.cycle:  # this phase holds it from now on
-                self.cycle[-1] = self.cycle[-1] | {e.optimizer}
-        if device.type != "cuda":  # no device memory to share: nothing to measure
-            e.measured.setdefault(mode, 0)
-        elif not prefetched:  # a prefetch's allocations are not the phase's
-            # the sets' own growth (AdamW's state made by the first step, gradients kept) is not workspace
-            grown = max(0, self._state_bytes(dock, e) - state0)
-            peak = torch.cuda.max_memory_allocated(device) - start - grown
-            e.measured[mode] = max(e.measured.get(mode, 0), int(peak))
-        dock.release(*names)
+        try:
+            if engine.optimizer is not None and compat._has_state(engine.optimizer):  # after the first step
+                self._ensure_set(dock, e.optimizer, engine.optimizer)
+                if e.optimizer not in names and self.cycle:  # this phase holds it from now on
+                    self.cycle[-1] = self.cycle[-1] | {e.optimizer}
+            if device.type != "cuda":  # no device memory to share: nothing to measure
+                e.measured.setdefault(mode, 0)
+            elif not prefetched:  # a prefetch's allocations are not the phase's
+                # the sets' own growth (AdamW's state made by the first step, gradients kept) is not workspace
+                grown = max(0, self._state_bytes(dock, e) - state0)
+                peak = torch.cuda.max_memory_allocated(device) - start - grown
+                e.measured[mode] = max(e.measured.get(mode, 0), int(peak))
+        except ValueError as err:
+            raise ValueError(f"torchferry: verl dock: after the {mode} phase of {e.tag}: {err}") from err
+        finally:
+            dock.release(*names)
         self._size_workspace(dock, e, mode, [])  # measured now: what prefetches until its next entry plan with
         self.phase_log.append(("leave", names))
         if self.planned:
             dock.prefetch_next()
+
+    def close_phases(self) -> None:
+        """Releases every phase still open (``unpatch()`` inside a phase: verl's own ``__exit__`` ends it)."""
+        for e in list(self.engines.values()):
+            for mode in list(e.open):
+                names = e.open.pop(mode)[0]
+                e.depth.pop(mode, None)
+                if self.dock is not None:
+                    self.dock.release(*names)
+
+    def _forget_engine(self, names: tuple[str, ...]) -> None:
+        """An engine was garbage-collected: its sets and workspaces leave the dock (their ferries with them)."""
+        d = self.dock
+        for n in names:
+            try:
+                if d is not None and n not in d.in_use:
+                    d.remove(n)
+            except ValueError:  # never registered
+                pass
+        self._names_changed()
+
+    def _check_first_step(self, dock: Dock, e: _Engine, optimizer: Any, sets: list[str]) -> None:
+        """Refuses a first train phase whose Adam / AdamW state (two moments of each parameter's dtype) would not
+        fit the budget beside the phase's sets: better before verl's step than after it."""
+        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            return
+        moments = 2 * sum(_local(p).numel() * _local(p).element_size() for g in optimizer.param_groups
+                          for p in g["params"] if p.requires_grad)
+        held = sum(dock.nbytes(n) for n in sets)
+        if held + moments > dock.budget_bytes:
+            raise ValueError(f"{e.optimizer} would hold about {moments} bytes after the first step "
+                             f"({type(optimizer).__name__}'s two moments) beside {held} bytes of "
+                             f"{', '.join(sets) or 'nothing'}, more than the budget of {dock.budget_bytes} bytes; "
+                             "raise TORCHFERRY_VERL_DOCK / patch(dock=...)")
 
     def _state_bytes(self, dock: Dock, e: _Engine) -> int:
         """Bytes the engine's registered sets count now."""
@@ -328,6 +404,11 @@ class VerlDock:
         assert dock is not None
         for tag in tags:
             name = _TAGS[tag]
+            if nbytes[tag] > dock.budget_bytes:  # checked before anything changes
+                raise ValueError(f"torchferry: verl dock: the rollout's {tag} take {nbytes[tag]} bytes, more than the "
+                                 f"budget of {dock.budget_bytes} bytes: the budget (TORCHFERRY_VERL_DOCK / "
+                                 "patch(dock=...)) must hold the rollout's memory (gpu_memory_utilization of the "
+                                 "device) and what stays beside it")
             try:
                 have = dock.nbytes(name)
             except ValueError:
@@ -364,6 +445,10 @@ class VerlDock:
 
 def _nothing() -> None:
     """The rollout's own resume / the driver's sleep move its memory; the dock only counts it."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _device_of(engine: Any) -> torch.device:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -22,22 +23,25 @@ logger = logging.getLogger("torchferry")
 DOCK_ENV = "TORCHFERRY_VERL_DOCK"
 
 
+MIN_BUDGET_BYTES = 1 << 20  # below this a byte count is a slip (TORCHFERRY_VERL_DOCK=1 read as "on"), not a budget
+
+
 def parse_budget(value: object, where: str) -> int | float | None:
-    """A dock budget: an int > 0 (bytes), a float in (0, 1] (a fraction of the device's memory), or
-    ``None`` / ``0`` / ``""`` / ``"0"`` (no dock). A str is read as either number.
+    """A dock budget: bytes (an integer >= :data:`MIN_BUDGET_BYTES`, or a whole float above 1 such as
+    ``40e9``), a fraction of the device's memory (a float in (0, 1]), or ``None`` / ``0`` / ``0.0`` /
+    ``""`` (no dock). A str is read as either number; numpy numbers count as ints and floats.
 
     Raises:
-        ValueError: anything else, naming ``where``.
+        ValueError: anything else, naming ``where`` (a bool, a negative or non-finite number, a non-whole
+            float above 1, fewer than :data:`MIN_BUDGET_BYTES` bytes).
     """
-    if value is None or isinstance(value, bool):
-        if value is None:
-            return None
-        raise ValueError(f"torchferry: {where}: give bytes (an int > 0) or a fraction of the device's memory "
-                         f"(a float in (0, 1]), not {value!r}")
+    hint = "give bytes (e.g. 40000000000 or 40e9) or a fraction of the device's memory (a float in (0, 1], e.g. 0.6)"
+    if value is None:
+        return None
     raw = value
     if isinstance(value, str):
         text = value.strip()
-        if text in ("", "0"):
+        if text == "":
             return None
         try:
             value = int(text)
@@ -46,14 +50,24 @@ def parse_budget(value: object, where: str) -> int | float | None:
                 value = float(text)
             except ValueError:
                 value = None
-    if isinstance(value, int) and value == 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"torchferry: {where}: {raw!r} is not a dock budget: {hint}")
+    if isinstance(value, numbers.Integral):
+        n = int(value)
+        if n == 0:
+            return None
+        if n >= MIN_BUDGET_BYTES:
+            return n
+        why = "1 is one byte, not 'on': 1.0 is the whole device" if n == 1 else f"{n} bytes is no GPU budget"
+        raise ValueError(f"torchferry: {where}: {raw!r} is not a dock budget ({why}): {hint}")
+    x = float(value)
+    if x == 0.0:
         return None
-    if isinstance(value, int) and value > 0:
-        return value
-    if isinstance(value, float) and math.isfinite(value) and 0.0 < value <= 1.0:
-        return value
-    raise ValueError(f"torchferry: {where}: {raw!r} is not a dock budget: give bytes (an int > 0) or a fraction "
-                     "of the device's memory (a float in (0, 1])")
+    if math.isfinite(x) and 0.0 < x <= 1.0:
+        return x
+    if math.isfinite(x) and x >= MIN_BUDGET_BYTES and x.is_integer():
+        return int(x)
+    raise ValueError(f"torchferry: {where}: {raw!r} is not a dock budget: {hint}")
 
 
 def budget_spec(choice: object) -> int | float | None:
@@ -132,18 +146,18 @@ class DockPatch:
 
     def __init__(self) -> None:
         self.saved: list[tuple[type, str, Any]] = []
-        self.kept: dict[int | float, VerlDock] = {}  # budget -> its dock, also after unpatch()
+        self.kept: dict[tuple[str, int | float], VerlDock] = {}  # budget -> its dock, also after unpatch()
+
+    def _take(self, budget: int | float) -> None:
+        key = (type(budget).__name__, budget)  # 1 (a byte) and 1.0 (the device) are two budgets
+        if key not in self.kept:
+            self.kept[key] = VerlDock(budget)
+        _dock.ACTIVE = compat.DOCK_ROUTER = self.kept[key]
 
     def patch(self, budget: int | float) -> None:
         targets = verl_targets()  # raises before anything is replaced
-        if self.saved:  # patched already: a new budget applies while no dock was made
-            active = _dock.ACTIVE
-            assert active is not None
-            if active.dock is None:
-                active.budget = budget
-            elif budget != active.budget:
-                logger.warning("torchferry: verl dock: the dock of budget %s exists; patch(dock=%s) keeps it",
-                               active.budget, budget)
+        if self.saved:  # patched already: the dock of this budget from now on
+            self._take(budget)
             return
         ctx, worker, engine_cls = targets["ctx"], targets["worker"], targets["engine"]
         enter, exit_, init_model = ctx.__enter__, ctx.__exit__, worker.init_model
@@ -168,8 +182,10 @@ class DockPatch:
                 return exit_(c, exc_type, exc_val, exc_tb)
             active = _dock.ACTIVE
             assert active is not None
-            active.leave(c.engine, c.mode)
-            c.engine.mode = None
+            try:
+                active.leave(c.engine, c.mode)
+            finally:
+                c.engine.mode = None
 
         def init_model_docked(w, *args, **kwargs):
             out = init_model(w, *args, **kwargs)
@@ -183,12 +199,12 @@ class DockPatch:
             self.saved.append((cls, name, cls.__dict__[name]))
             fn.__wrapped__ = cls.__dict__[name]  # type: ignore[attr-defined]
             setattr(cls, name, fn)
-        if budget not in self.kept:
-            self.kept[budget] = VerlDock(budget)
-        _dock.ACTIVE = compat.DOCK_ROUTER = self.kept[budget]
+        self._take(budget)
 
     def unpatch(self) -> None:
         for cls, name, fn in reversed(self.saved):
             setattr(cls, name, fn)
         self.saved.clear()
+        if _dock.ACTIVE is not None:  # a phase still open now exits through verl's own code
+            _dock.ACTIVE.close_phases()
         _dock.ACTIVE = compat.DOCK_ROUTER = None  # the dock is kept as it is, the rollout's claimants too

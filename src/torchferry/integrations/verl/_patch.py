@@ -65,6 +65,7 @@ from ..._core._api.args import check_optional_bool, env_flag
 from ..._core._state.fsdp import fsdp1_offloads_params
 from .. import _helpers as compat
 from .._patching import HelperSet, Patcher
+from . import _dock
 from ._dock_patch import DOCK_ENV, DockPatch, budget_spec, verl_targets
 from ._engines import ENGINE_PATCHERS, importable_patchers
 
@@ -176,10 +177,13 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
             ``TORCHFERRY_LAYERWISE_RELOAD``, on unless ``0`` ([Note: verl's defaults]). verl's
             own, forgotten by ``unpatch()``.
         dock: a GPU budget for verl's trainer under a :class:`~torchferry.Dock` ([Note: verl under a
-            Dock] in ``integrations.verl._dock``): an int (bytes) or a float in (0, 1] (a fraction of
-            the device's memory); ``None`` (default): ``TORCHFERRY_VERL_DOCK`` (the same, as text;
-            unset or ``0``: no dock). The actor's and critic's parameters and optimizer state then
-            stay resident while they fit and move behind compute when they must.
+            Dock] in ``integrations.verl._dock``): bytes (at least 1 MiB; ``40e9`` too) or a float in
+            (0, 1] (a fraction of the device's memory); ``0``: no dock (one made by an earlier
+            ``patch()`` is switched off); ``None`` (default): ``TORCHFERRY_VERL_DOCK`` (the same, as
+            text; unset or ``0``: no dock), else an earlier ``patch()``'s dock. The actor's and
+            critic's parameters and optimizer state then stay resident while they fit and move when
+            they must. The budget must hold the rollout's memory (vLLM's ``gpu_memory_utilization``
+            of the device) and what a phase needs besides it.
 
     Returns:
         The ``module.attribute`` names replaced.
@@ -187,7 +191,7 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
     Raises:
         TypeError: ``skip_unchanged``, ``fsdp1``, ``optimizer_at_step`` or ``layerwise_reload`` is neither
             ``None`` nor a bool.
-        ValueError: ``dock`` or ``TORCHFERRY_VERL_DOCK`` is not a budget (bytes > 0 or a fraction in (0, 1]).
+        ValueError: ``dock`` or ``TORCHFERRY_VERL_DOCK`` is not a budget (see ``_dock_patch.parse_budget``).
         ValueError: ``TORCHFERRY_SKIP_UNCHANGED``, ``TORCHFERRY_VERL_FSDP1`` or
             ``TORCHFERRY_OPTIMIZER_AT_STEP`` or ``TORCHFERRY_LAYERWISE_RELOAD`` is neither ``0`` nor ``1``.
         RuntimeError: verl is not importable, or one of its helpers is missing
@@ -217,6 +221,10 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
         _dock_patch.patch(budget)
         if dock is not None:
             _dock_choice = str(budget)
+    elif dock is not None:  # patch(dock=0): no dock from now on, in the Ray workers too
+        _dock_patch.unpatch()
+        _dock_choice = "0"
+    if _dock.ACTIVE is not None:
         names += ["verl.workers.engine.base.BaseEngineCtx.__enter__", "verl.workers.engine.base.BaseEngineCtx.__exit__",
                   "verl.workers.engine_workers.ActorRolloutRefWorker.init_model"]
     return names

@@ -52,6 +52,7 @@ import torch
 
 from ..._core._dock.dock import Dock
 from ..._core._ferry.ferry import Ferry
+from ..._core._state.fsdp import local_of
 from .. import _helpers as compat
 
 __all__ = ["VerlDock", "dock_rollout", "docked"]
@@ -145,6 +146,7 @@ class VerlDock:
         self.phase_log: deque[tuple[str, tuple[str, ...]]] = deque(maxlen=256)  # (event, names), the latest
         self.peak_seen = 0  # torch.cuda.max_memory_allocated before each reset of it, bytes (take_peak)
         self._next_index = 0  # engine<N>: never reused, also after an engine is collected
+        self.sets: dict[str, Ferry] = {}  # the state sets registered in the dock: name -> its ferry
         DOCKS.add(self)
 
     # --------------------------------------------------------------- the dock and its names
@@ -183,22 +185,10 @@ class VerlDock:
 
     def holds(self, ferry: Ferry) -> bool:
         """Whether ``ferry`` is one of the dock's sets (the helpers then leave it to the dock)."""
-        d = self.dock
-        return d is not None and any(d.ferry(n) is ferry for n in self._set_names())
+        return self._name_of(ferry) is not None
 
-    def _set_names(self) -> list[str]:
-        d = self.dock
-        if d is None:
-            return []
-        out = []
-        for e in list(self.engines.values()):
-            for n in (e.params, e.optimizer):
-                try:
-                    d.ferry(n)
-                except ValueError:
-                    continue
-                out.append(n)
-        return out
+    def _name_of(self, ferry: Ferry) -> str | None:
+        return next((n for n, f in self.sets.items() if f is ferry), None)
 
     def forget(self, ferry: Ferry) -> None:
         """Drops ``ferry``'s set (it stays where it is), for a dock of another budget to take it.
@@ -209,14 +199,8 @@ class VerlDock:
         name = self._name_of(ferry)
         if name is not None and self.dock is not None:
             self.dock.remove(name)
+            del self.sets[name]
             self._names_changed()
-
-    def _name_of(self, ferry: Ferry) -> str | None:
-        d = self.dock
-        for n in self._set_names():
-            if d is not None and d.ferry(n) is ferry:
-                return n
-        return None
 
     def load_docked(self, ferry: Ferry) -> None:
         """A helper's load of a docked set outside a phase: resident when it returns (stays, lazily)."""
@@ -270,7 +254,7 @@ class VerlDock:
         if device.type == "cuda":
             self.peak_seen = max(self.peak_seen, torch.cuda.max_memory_allocated(device))
             torch.cuda.reset_peak_memory_stats(device)
-        e.open[mode] = (tuple(names), start, bool(started), self._state_bytes(dock, e))
+        e.open[mode] = (tuple(names), start, bool(started), self._state_bytes(dock, e), device)
         self.phase_log.append(("enter", tuple(names)))
 
     def leave(self, engine: Any, mode: str) -> None:
@@ -288,8 +272,7 @@ class VerlDock:
             e.depth[mode] -= 1
             return
         dock = self.dock
-        names, start, prefetched, state0 = e.open.pop(mode)
-        device = _device_of(engine)
+        names, start, prefetched, state0, device = e.open.pop(mode)
         try:
             if engine.optimizer is not None and compat._has_state(engine.optimizer):  # after the first step
                 self._ensure_set(dock, e.optimizer, engine.optimizer)
@@ -327,6 +310,7 @@ class VerlDock:
             try:
                 if d is not None and n not in d.in_use:
                     d.remove(n)
+                    self.sets.pop(n, None)
             except ValueError:  # never registered
                 pass
         self._names_changed()
@@ -336,7 +320,7 @@ class VerlDock:
         fit the budget beside the phase's sets: better before verl's step than after it."""
         if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             return
-        moments = 2 * sum(_local(p).numel() * _local(p).element_size() for g in optimizer.param_groups
+        moments = 2 * sum(local_of(p).numel() * local_of(p).element_size() for g in optimizer.param_groups
                           for p in g["params"] if p.requires_grad)
         held = sum(dock.nbytes(n) for n in sets)
         if held + moments > dock.budget_bytes:
@@ -347,7 +331,7 @@ class VerlDock:
 
     def _state_bytes(self, dock: Dock, e: _Engine) -> int:
         """Bytes the engine's registered sets count now."""
-        return sum(dock.nbytes(n) for n in self._set_names() if n in (e.params, e.optimizer))
+        return sum(dock.nbytes(n) for n in (e.params, e.optimizer) if n in self.sets)
 
     def take_peak(self) -> int:
         """The device's peak allocated bytes since the last call (``torch.cuda.max_memory_allocated``,
@@ -359,16 +343,14 @@ class VerlDock:
         return peak
 
     def _ensure_set(self, dock: Dock, name: str, obj: Any) -> str:
-        try:
-            dock.ferry(name)
+        if name in self.sets:
             return name
-        except ValueError:
-            pass
         ferry = compat._get_or_make(obj)
         for other in list(DOCKS):  # a dock of another budget (patch(dock=...) changed) lets it go
             if other is not self and other.holds(ferry):
                 other.forget(ferry)
         dock.add(name, ferry)
+        self.sets[name] = ferry
         self._names_changed()
         return name
 
@@ -447,16 +429,12 @@ def _nothing() -> None:
     """The rollout's own resume / the driver's sleep move its memory; the dock only counts it."""
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _device_of(engine: Any) -> torch.device:
     ferry = compat.ferry_for(engine.module)
     if ferry is not None:
         return ferry.device
     for p in engine.module.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
+        local = local_of(p)
         if local.device.type != "meta":
             return local.device
     return torch.device("cpu")

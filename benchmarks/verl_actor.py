@@ -71,6 +71,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import hashlib
 import importlib.util
 import json
@@ -80,6 +81,9 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from verl_isolate import StepProbe, Turns, context_bytes, fingerprint  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -352,43 +356,64 @@ def _batch(step: int, rank: int, shape: _Shape, vocab: int, seed: int):
     return td, advantages
 
 
-def _same_bytes(a, b, device) -> bool:
-    """Whether two tensors hold the same bytes (shape, dtype and every bit; compared on ``device``)."""
+def fingerprints(engine, weights: dict, device) -> dict[str, dict[str, str]]:
+    """This rank's local parameter shards, optimizer-state tensors and weight-sync buffers of ``engine``
+    (and its rollout's ``weights``), each as :func:`verl_isolate.fingerprint` (exact, computed on ``device``)."""
     import torch
 
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.numel() == 0:
-        return True
-    a = a.detach().to(device).contiguous().reshape(-1).view(torch.uint8)
-    b = b.detach().to(device).contiguous().reshape(-1).view(torch.uint8)
-    return torch.equal(a, b)
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    return {
+        "params": {n: fingerprint(_local(p), device) for n, p in engine.module.named_parameters()},
+        "optimizer_state": {f"{names.get(id(p), '?')}.{k}": fingerprint(_local(v), device)
+                            for p, st in engine.optimizer.state.items() for k, v in st.items() if torch.is_tensor(v)},
+        "weight_sync": {n: fingerprint(t, device) for n, t in weights.items()},
+    }
 
 
-def _against(ref_engine, engine, ref_weights: dict, weights: dict, device) -> dict:
-    """This rank's local parameter shards, optimizer-state tensors and weight-sync buffers of
-    ``engine`` against ``ref_engine``'s (verl's own run, in the same process), exactly: the names
-    that differ, and how many were compared."""
-    import torch
-
-    ref_params = dict(ref_engine.module.named_parameters())
-    params = dict(engine.module.named_parameters())
-    out: dict = {"params": sorted(set(ref_params) ^ set(params)), "optimizer_state": [], "weight_sync": []}
-    out["params"] += [n for n, p in params.items() if n in ref_params
-                      and not _same_bytes(_local(p), _local(ref_params[n]), device)]
-
-    def state(e) -> dict:
-        names = {id(p): n for n, p in e.module.named_parameters()}
-        return {f"{names.get(id(p), '?')}.{k}": v for p, st in e.optimizer.state.items()
-                for k, v in st.items() if torch.is_tensor(v)}
-
-    ref_state, st = state(ref_engine), state(engine)
-    out["optimizer_state"] = sorted(set(ref_state) ^ set(st)) + [
-        n for n, v in st.items() if n in ref_state and not _same_bytes(_local(v), _local(ref_state[n]), device)]
-    out["weight_sync"] = sorted(set(ref_weights) ^ set(weights)) + [
-        n for n, t in weights.items() if n in ref_weights and not _same_bytes(t, ref_weights[n], device)]
-    out["compared"] = {"params": len(params), "optimizer_state": len(st), "weight_sync": len(weights)}
+def against(ref: dict[str, dict[str, str]], got: dict[str, dict[str, str]]) -> dict:
+    """``got``'s fingerprints (:func:`fingerprints`) against verl's (``ref``): per kind the names that differ
+    or that only one of them has, and how many were compared."""
+    out: dict = {}
+    for kind in ("params", "optimizer_state", "weight_sync"):
+        a, b = ref[kind], got[kind]
+        out[kind] = sorted(set(a) ^ set(b)) + sorted(n for n in b if n in a and a[n] != b[n])
+    out["compared"] = {kind: len(got[kind]) for kind in ("params", "optimizer_state", "weight_sync")}
     return out
+
+
+def merge_runs(parts: list[dict]) -> dict:
+    """The records of one run from its processes' records (one per strategy, ``run --own``; or one
+    process's of every strategy): strategies in the run's order, per rank every strategy's records, and
+    each strategy's ``against_verl`` from the fingerprints.
+
+    Raises:
+        ValueError: the parts disagree on the ranks or the strategies, or verl's records are missing.
+    """
+    order = [s["label"] for s in parts[0]["strategies_all"]]
+    specs = {s["label"]: s for part in parts for s in part["strategies"]}
+    if sorted(specs) != sorted(order) or any([s["label"] for s in p["strategies_all"]] != order for p in parts):
+        raise ValueError(f"the parts hold strategies {sorted(specs)}, the run names {order}")
+    worlds = {len(p["per_rank"]) for p in parts}
+    if len(worlds) != 1:
+        raise ValueError(f"the parts have different numbers of ranks: {sorted(worlds)}")
+    per_rank = []
+    for rank in range(worlds.pop()):
+        merged: dict = {"rank": rank, "strategies": {}}
+        for p in parts:
+            r = p["per_rank"][rank]
+            merged["strategies"].update(r["strategies"])
+            merged.setdefault("caching_host_allocator_pinned_bytes", {}).update(
+                {label: r["caching_host_allocator_pinned_bytes"] for label in r["strategies"]})
+        if "verl" not in merged["strategies"]:
+            raise ValueError("verl's records are missing: it is the reference of against_verl")
+        ref = merged["strategies"]["verl"]["fingerprints"]
+        for rec in merged["strategies"].values():
+            rec["against_verl"] = against(ref, rec["fingerprints"])
+        per_rank.append(merged)
+    base = parts[0]
+    steps = min(p["config"]["steps"] for p in parts)
+    return {**base, "strategies": [specs[label] for label in order], "per_rank": per_rank,
+            "config": {**base["config"], "steps": steps, "processes": len(parts)}}
 
 
 def _sha(t) -> str:
@@ -653,6 +678,13 @@ def cmd_run(args) -> None:
     from torchferry.integrations.verl import docked, dock_rollout, ferry_for
 
     strategies = parse_strategies(args.strategies)
+    if args.own and args.own not in {s.label for s in strategies}:
+        raise SystemExit(f"error: --own {args.own!r} is not among the strategies {[s.label for s in strategies]}")
+    # [Note: one process per strategy]: with --own this process builds and steps that strategy alone,
+    # taking its turns with the other strategies' processes through --turns.
+    own = [s for s in strategies if not args.own or s.label == args.own]
+    turns = Turns(args.turns, rank)
+    isolated = bool(args.own)
     kinds = {s.label: s.kind for s in strategies}
     with_dock = {s.label for s in strategies if s.env.get("TORCHFERRY_VERL_DOCK", "0") not in ("", "0")}
     prepared = json.loads((Path(args.model_dir) / "torchferry_prepare.json").read_text())
@@ -755,7 +787,8 @@ def cmd_run(args) -> None:
                              f"{per_mini} sequences of a PPO mini-batch and the {shape.batch_per_rank} of a phase")
     mini = shape.batch_per_rank * world // shape.mini_batches
     actors: dict[str, tuple] = {}
-    for s in strategies:  # each strategy's own actor, built with its helpers in place
+    for s in own:  # each strategy's own actor, built with its helpers in place
+        turns.wait(strategies.index(s))
         cfg = _verl_config(args.model_dir, shape, world, args.lr, offload=s.kind != "resident",
                            strategy=args.strategy, lora_rank=args.lora_rank)
         current.update(label=s.label, phase="init", step=-1)
@@ -769,19 +802,25 @@ def cmd_run(args) -> None:
         log(f"{s.label}: {type(actor).__name__} / {type(actor.engine).__name__} built in "
             f"{records[s.label]['build_s']:.1f} s, "
             f"{sum(p.numel() for p in actor.engine.module.parameters()) / 1e9:.3f} B parameters")
-    rollouts = {s.label: RolloutStandIn(gpu, int(args.rollout_gb * 1e9), args.rollout_matmuls) for s in strategies}
-    for label in with_dock:  # its weights (the sync's bf16 bytes) and KV cache become the dock's claimants
+        if cuda:  # what the build left cached is not the steps' (verl's own init empties the cache too)
+            torch.cuda.empty_cache()
+        turns.done(strategies.index(s))
+    rollouts = {s.label: RolloutStandIn(gpu, int(args.rollout_gb * 1e9), args.rollout_matmuls) for s in own}
+    for label in with_dock & {s.label for s in own}:  # its weights (the sync's bf16 bytes) and KV cache become the dock's claimants
         s = next(x for x in strategies if x.label == label)
         with active(s):
             dock_rollout(rollouts[label], weights_bytes, int(args.rollout_gb * 1e9))
     if args.cublas_workspace:  # before any matmul of the process: torch reads it at its first cuBLAS call
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = args.cublas_workspace
-    vocab = actors[strategies[0].label][0].engine.module.config.vocab_size
+    vocab = actors[own[0].label][0].engine.module.config.vocab_size
+    probe = StepProbe(gpu)
+    ctx = context_bytes(gpu) if cuda else None  # the CUDA context: outside the allocator, held all along
     lora = bool(args.lora_rank)
     for r in records.values():
         r.update(losses=[], grad_norms=[], log_prob_sha256=[], log_prob_sum=[], ref_log_prob_sha256=[],
                  step_s=[], phase_s=[], gpu_allocated_at_start=[], peak_gpu_allocated=[], weight_sync_bytes=0,
-                 weight_sync_bytes_per_step=[], peak_own_gpu_bytes=[], dock_steps=[], order=[])
+                 weight_sync_bytes_per_step=[], peak_own_gpu_bytes=[], dock_steps=[], order=[],
+                 phase_peak_gpu_bytes=[], at_rollout_wake=[], probe=[], context_bytes=ctx)
 
     def one_step(s: Strategy, step: int) -> None:
         actor, actor_config = actors[s.label]
@@ -798,6 +837,22 @@ def cmd_run(args) -> None:
             others = rec["gpu_allocated_at_start"][-1] - _gpu_bytes(engine, rollout)
         stats0 = vd.dock.stats if vd is not None and vd.dock is not None else None
         seq0 = vd.dock.moves[-1].seq + 1 if vd is not None and vd.dock is not None and vd.dock.moves else 0
+        peaks: dict[str, int] = {}
+
+        def peak(phase: str) -> None:  # the phase's peak allocated bytes of this strategy's own, then a new phase
+            if cuda:
+                peaks[phase] = max(torch.cuda.max_memory_allocated(gpu), vd.take_peak() if vd is not None else 0) \
+                    - others
+                torch.cuda.reset_peak_memory_stats(gpu)
+
+        if cuda:  # what the rollout finds when it wakes: the device's free bytes (another process's included)
+            free, total = torch.cuda.mem_get_info(gpu)  # and this process's bytes held (allocator + context)
+            rec["at_rollout_wake"].append({
+                "device_free_bytes": free, "device_total_bytes": total,
+                "allocated_bytes": torch.cuda.memory_allocated(gpu) - others,
+                "reserved_bytes": torch.cuda.memory_reserved(gpu),
+                "free_alone_bytes": total - torch.cuda.memory_reserved(gpu) - (ctx or 0) if isolated else None})
+        probe.begin()
         t_step = time.perf_counter()
         marks = {}
         if args.rollout_gb or args.rollout_matmuls:  # the KV cache wakes, the generation, the driver's sleep
@@ -806,6 +861,7 @@ def cmd_run(args) -> None:
             rollout.generate()
             rollout.sleep()
         marks["rollout"] = time.perf_counter()
+        peak("rollout")
         batch, advantages = _batch(step, rank, shape, vocab, args.seed)
         # compute_log_prob (the trainer's _compute_old_log_prob -> ActorRolloutRefWorker.compute_log_prob)
         current["phase"] = "log_prob"
@@ -817,6 +873,7 @@ def cmd_run(args) -> None:
         rec["log_prob_sha256"].append(_sha(old_log_probs))
         rec["log_prob_sum"].append(float(old_log_probs.double().sum()))
         marks["log_prob"] = time.perf_counter()
+        peak("log_prob")
         if lora:  # ref_in_actor: the reference is the actor with its adapters off (_compute_ref_log_prob)
             current["phase"] = "ref"
             td = left_right_2_no_padding(batch.clone())
@@ -825,6 +882,7 @@ def cmd_run(args) -> None:
             out = actor.infer_batch(td)
             rec["ref_log_prob_sha256"].append(_sha(no_padding_2_padding(tu.get(out, "log_probs"), td).float()))
             marks["ref"] = time.perf_counter()
+            peak("ref")
         # update_actor (the trainer's _update_actor -> ActorRolloutRefWorker.update_actor)
         current["phase"] = "update"
         upd = batch.clone()
@@ -839,6 +897,7 @@ def cmd_run(args) -> None:
         rec["losses"].append([float(x) for x in metrics["loss"]])
         rec["grad_norms"].append([float(x) for x in metrics.get("grad_norm", [])])
         marks["update"] = time.perf_counter()
+        peak("update")
         if args.weight_sync:  # ActorRolloutRefWorker.update_weights, after update_actor
             current["phase"] = "weight_sync"
             asyncio.run(rollout.resume(["weights"]))
@@ -850,6 +909,10 @@ def cmd_run(args) -> None:
             sync()
         marks["weight_sync"] = time.perf_counter()
         rec["step_s"].append(time.perf_counter() - t_step)
+        rec["probe"].append(probe.end())
+        if args.weight_sync or vd is not None:
+            peak("weight_sync")
+        rec["phase_peak_gpu_bytes"].append(peaks)
         if vd is not None and vd.dock is not None:
             st = vd.dock.stats
             rec["dock_steps"].append({
@@ -862,29 +925,49 @@ def cmd_run(args) -> None:
         for k, t in marks.items():
             spans[k], prev = t - prev, t
         rec["phase_s"].append(spans)
-        if cuda:
-            peak = max(torch.cuda.max_memory_allocated(gpu), vd.take_peak() if vd is not None else 0)
-            rec["peak_gpu_allocated"].append(peak)
-            rec["peak_own_gpu_bytes"].append(peak - others)  # this strategy's own peak in its step
+        if cuda:  # the step's peak: the largest of its phases'
+            rec["peak_gpu_allocated"].append(max(peaks.values()) + others)
+            rec["peak_own_gpu_bytes"].append(max(peaks.values()))  # this strategy's own peak in its step
         resolve_timings(s.label)
 
     t_rounds = time.perf_counter()
+    n = len(strategies)
     for step in range(args.steps):  # rounds: every strategy one step, the order rotated each round
-        if args.max_round_seconds and step >= 2:  # stop starting rounds past the budget (rank 0 decides)
+        k = step % n
+        order = strategies[k:] + strategies[:k]
+        mine_now = [s for s in order if s in own]
+        first = turns.folder is not None and order[0] in own
+        if turns.folder is None and args.max_round_seconds and step >= 2:  # one process: rank 0 decides
             stop = [time.perf_counter() - t_rounds > args.max_round_seconds]
             dist.broadcast_object_list(stop, src=0)
             if stop[0]:
                 log(f"stopping after {step} rounds: past --max-round-seconds {args.max_round_seconds}")
                 break
-        k = step % len(strategies)
-        order = strategies[k:] + strategies[:k]
-        for s in order:
+        stopped = False
+        for s in mine_now:
+            ticket = n + step * n + order.index(s)
+            turns.wait(ticket)
+            if first and s is order[0]:  # the round's first turn: stop starting rounds past the budget
+                turns.decide_stop(step, args.max_round_seconds)
+            if isolated:
+                dist.barrier()  # every rank read the same stop
+            if turns.stop_round() is not None and turns.stop_round() <= step:
+                stopped = True
+                turns.done(ticket)
+                break
             with active(s):
                 one_step(s, step)
             records[s.label]["order"].append(order.index(s))
+            gc.collect()  # between turns, not inside the next strategy's step (the probe counts what is left)
+            if isolated:
+                dist.barrier()
+            turns.done(ticket)
+        if stopped:
+            log(f"stopping after {step} rounds: past --max-round-seconds {args.max_round_seconds}")
+            break
         log(f"round {step + 1}/{args.steps}: " + ", ".join(
             f"{s.label} {records[s.label]['step_s'][-1]:.2f} s (loss {records[s.label]['losses'][-1]})"
-            for s in order))
+            for s in mine_now))
 
     sync()
     pinned_process = 0
@@ -892,9 +975,7 @@ def cmd_run(args) -> None:
         hs = torch.cuda.host_memory_stats()
         pinned_process = int(hs.get("reserved_bytes.current", hs.get("allocated_bytes.current", 0)))
     mine: dict = {"rank": rank, "strategies": {}}
-    ref_engine = actors["verl"][0].engine
-    ref_weights = rollouts["verl"].weights
-    for s in strategies:
+    for s in own:
         actor, _ = actors[s.label]
         engine, rec = actor.engine, records[s.label]
         ferries = [f for f in (ferry_for(engine.module), ferry_for(engine.optimizer)) if f is not None]
@@ -904,8 +985,9 @@ def cmd_run(args) -> None:
             "torchferry_pool_bytes": {"pinned": sum(f.pinned_bytes for f in ferries),
                                       "host": sum(f.host_bytes for f in ferries)},
             "ferries": [repr(f) for f in ferries],
-            # The state after the steps (offloaded by verl's update_actor exit), byte for byte against verl's.
-            "against_verl": _against(ref_engine, engine, ref_weights, rollouts[s.label].weights, gpu),
+            # The state after the steps (offloaded by verl's update_actor exit), fingerprinted exactly; compared
+            # with verl's by against_verl once every strategy's records are together (merge_runs).
+            "fingerprints": fingerprints(engine, rollouts[s.label].weights, gpu),
         }
         if s.label in with_dock:
             with active(s):
@@ -930,8 +1012,9 @@ def cmd_run(args) -> None:
                     "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
                     "flash_attn_installed": importlib.util.find_spec("flash_attn") is not None},
             "strategies": [{"label": s.label, "kind": s.kind, "settings": {**base_env, **s.env},
-                            "patched": patched_names.get(s.label, [])} for s in strategies],
-            "config": {"steps": len(records[strategies[0].label]["step_s"]), "seed": args.seed, "lr": args.lr,
+                            "patched": patched_names.get(s.label, [])} for s in own],
+            "strategies_all": [{"label": s.label, "kind": s.kind} for s in strategies],
+            "config": {"steps": len(records[own[0].label]["step_s"]), "seed": args.seed, "lr": args.lr,
                        "shape": "tiny" if args.tiny else args.shape,
                        **dataclasses.asdict(shape), "tokens_per_phase_per_rank": shape.batch_per_rank * (
                            shape.prompt_len + shape.response_len),
@@ -1044,10 +1127,14 @@ def _exposed(views: dict[str, dict], resident: str = "resident") -> dict:
     """What offload costs a step: per round, each strategy's step seconds less the resident step of
     the same round (rank 0), over the rounds after the first; per phase too; and each against verl's."""
     base = views[resident]["per_rank"][0]
+    rs = base["step_s"][1:]
     out: dict = {"what": "per round after the first: the strategy's step seconds less the resident strategy's step "
                          "of the same round (rank 0); median, min, max over the rounds; per phase: the median of "
                          "the phase's seconds less the resident's of the same round",
-                 "resident_step_s": _spread(base["step_s"][1:])}
+                 "resident_step_s": _spread(rs),
+                 "resident_step_spread": (max(rs) - min(rs)) / _median(rs) if rs else None,
+                 "resident_phase_s": {k: _spread([p[k] for p in base["phase_s"][1:]])
+                                      for k in (base["phase_s"][0] if base["phase_s"] else {})}}
     for label, v in views.items():
         if label == resident:
             continue
@@ -1056,9 +1143,21 @@ def _exposed(views: dict[str, dict], resident: str = "resident") -> dict:
         phases = {k: _median([a[k] - b[k] for a, b in zip(r0["phase_s"][1:], base["phase_s"][1:])])
                   for k in (r0["phase_s"][0] if r0["phase_s"] else {})}
         at_calls = [sum(e["seconds"] for e in r0["events"] if e["step"] == st) for st in range(1, len(r0["step_s"]))]
+        at_phase = {k: _median([sum(e["seconds"] for e in r0["events"] if e["step"] == st and e["phase"] == k)
+                                for st in range(1, len(r0["step_s"]))]) for k in phases}
+        host_phase = {k: _median([sum(e["host_s"] for e in r0["events"] if e["step"] == st and e["phase"] == k)
+                                  for st in range(1, len(r0["step_s"]))]) for k in phases}
         out[label] = {"step_s": _spread(r0["step_s"][1:]),
                       "exposed_transfer_s_per_step": _spread(per_round), "exposed_s_per_phase": phases,
-                      "transfer_at_calls_s_per_step": _spread(at_calls)}
+                      "exposed_s_per_phase_per_round": [
+                          {k: a[k] - b[k] for k in a} for a, b in zip(r0["phase_s"][1:], base["phase_s"][1:])],
+                      "transfer_at_calls_s_per_step": _spread(at_calls), "transfer_at_calls_s_per_phase": at_phase,
+                      "host_s_in_calls_per_phase": host_phase}
+    out["attribution"] = ("exposed_s_per_phase (the phase less the resident's of the same round) beside "
+                          "transfer_at_calls_s_per_phase (the phase's FSDPEngine.to seconds, as transfer_at_calls) and "
+                          "host_s_in_calls_per_phase (the host's seconds inside those calls): where the first exceeds "
+                          "the second, the phase waited on transfers after its calls returned (a layer-wise reload's "
+                          "units, optimizer_at_step's state) or ran slower beside them")
     out["transfer_at_calls"] = ("per round after the first: the sum of the step's FSDPEngine.to seconds (an offload "
                                 "until its copies are complete, a reload until the compute stream may go on); what a "
                                 "layer-wise reload's units or optimizer.step() wait for later is not in it")
@@ -1091,7 +1190,7 @@ def report(runs: dict, command: str | None = None) -> dict:
             "offload_GBps_steady": state / tr["offload_s"]["steady"] / 1e9 if tr["offload_s"]["steady"] else None,
             "reload_GBps_steady": state / tr["reload_s"]["steady"] / 1e9 if tr["reload_s"]["steady"] else None,
             "state_bytes": sizes,
-            "pinned_host_bytes": pools + (runs["per_rank"][0]["caching_host_allocator_pinned_bytes"]
+            "pinned_host_bytes": pools + (runs["per_rank"][0]["caching_host_allocator_pinned_bytes"][label]
                                           if kinds[label] == "verl" else 0),
             "pinned_host_bytes_detail": {"torchferry_pools": pools, "torchferry_pool_bytes":
                                          r0["torchferry_pool_bytes"]["host"], "ferries": r0["ferries"]},
@@ -1123,8 +1222,11 @@ def report(runs: dict, command: str | None = None) -> dict:
         "verl_code": VERL_CODE,
         "model": runs["config"]["model"],
         "config": {**{k: v for k, v in runs["config"].items() if k not in ("model", "model_dir")},
-                   "strategies": runs["strategies"], "interleaved": "one process, one actor per strategy; "
-                   "each round runs every strategy's step, the order rotated by one each round"},
+                   "strategies": runs["strategies"], "interleaved": (
+                       "one process per strategy ([Note: one process per strategy] in benchmarks/verl_isolate.py), "
+                       "taking turns: " if runs["config"].get("processes", 1) > 1 else
+                       "one process, one actor per strategy; ") + "each round runs every strategy's step, the order "
+                   "rotated by one each round"},
         "units": "seconds; offload_s: from the call of verl's FSDPEngine.to until its copies are complete "
                  "(synchronised); reload_s: from the call until the compute stream may go on (CUDA events: "
                  "a reload left to the forward or to optimizer.step() counts only its call); bytes per rank; "
@@ -1149,7 +1251,7 @@ def report(runs: dict, command: str | None = None) -> dict:
         ranks = views[label]["per_rank"]
         peaks = [max(x["peak_own_gpu_bytes"]) for x in ranks if x.get("peak_own_gpu_bytes")]
         entry: dict = {"kind": kinds[label], "peak_gpu_bytes": max(peaks) if peaks else None,
-                       "bytes_moved_per_step": out["runs"][label]["bytes_moved_per_step"]}
+                       "bytes_moved_per_step": out["runs"][label]["bytes_moved_per_step"], **_memory(ranks[0])}
         ex = out.get("exposed", {}).get(label)
         if isinstance(ex, dict):
             entry["exposed_transfer_s_per_step"] = ex["exposed_transfer_s_per_step"]["median"]
@@ -1163,10 +1265,63 @@ def report(runs: dict, command: str | None = None) -> dict:
                          dock_steps=ranks[0]["dock_steps"])
         out["strategies"][label] = entry
     out["strategies_what"] = ("peak_gpu_bytes: the largest over the steps and ranks of the device's peak allocated "
-                              "bytes in the strategy's step less the other strategies' bytes at its start (each "
-                              "strategy's own); budget_bytes: the dock's budget (TORCHFERRY_VERL_DOCK); dock_steps: "
-                              "per step, the dock's moves (issued at at_s after the step's start) and bytes")
+                              "bytes in the strategy's step (its own: its process's, or, in one process, less the "
+                              "other strategies' bytes at its start); phase_peak_gpu_bytes: per phase, the median over "
+                              "the rounds after the first of that phase's peak allocated bytes (rank 0); "
+                              "free_at_rollout_wake_bytes: the median over the rounds after the first, at the start of "
+                              "the step before the rollout's KV cache is allocated, of the device's bytes less what "
+                              "the strategy's process holds (the caching allocator's reserved bytes and its CUDA "
+                              "context, NVML): what a rollout engine allocating outside PyTorch's allocator finds "
+                              "free beside this strategy alone; device_free_at_rollout_wake_bytes: "
+                              "torch.cuda.mem_get_info()'s free bytes then (other processes' bytes included); "
+                              "probe_per_step: the allocator's retries, the garbage collector's seconds, the "
+                              "process's CPU seconds and the SM clock per step; budget_bytes: the dock's budget "
+                              "(TORCHFERRY_VERL_DOCK); dock_steps: per step, the dock's moves (issued at at_s after "
+                              "the step's start) and bytes")
+    out["bars"] = bars(out)
     return out
+
+
+def _memory(r0: dict) -> dict:
+    """A strategy's device memory per phase and at the rollout's wake (rank 0, rounds after the first)."""
+    later = r0.get("phase_peak_gpu_bytes", [])[1:]
+    wakes = r0.get("at_rollout_wake", [])[1:]
+    alone = [w["free_alone_bytes"] for w in wakes if w.get("free_alone_bytes") is not None]
+    return {"phase_peak_gpu_bytes": {k: int(statistics.median([p[k] for p in later if k in p]))
+                                     for k in (later[0] if later else {})},
+            "phase_peak_gpu_bytes_per_round": r0.get("phase_peak_gpu_bytes", []),
+            "free_at_rollout_wake_bytes": int(statistics.median(alone)) if alone else None,
+            "device_free_at_rollout_wake_bytes": int(statistics.median([w["device_free_bytes"] for w in wakes]))
+            if wakes else None,
+            "at_rollout_wake_per_round": r0.get("at_rollout_wake", []), "context_bytes": r0.get("context_bytes"),
+            "probe_per_step": r0.get("probe", [])}
+
+
+def bars(out: dict) -> dict:
+    """Issue 45's bars, decided from this run alone: the resident step's spread (max - min over the median,
+    <= 0.05), each strategy's exposed transfer over verl's (median, and its worst round against verl's best),
+    and its device memory against verl's (free at the rollout's wake >= verl's; no phase's peak above verl's
+    by more than 1%). ``None`` where the run lacks what a bar needs."""
+    ex, st = out.get("exposed") or {}, out["strategies"]
+    res: dict = {"resident_step_spread": ex.get("resident_step_spread")}
+    v = ex.get("verl", {}).get("exposed_transfer_s_per_step") if ex else None
+    vmem = st.get("verl", {})
+    for label, entry in st.items():
+        if label in ("verl", "resident"):
+            continue
+        e = ex.get(label, {}).get("exposed_transfer_s_per_step") if ex else None
+        row: dict = {}
+        if e and v and v["median"] and v["min"]:
+            row["exposed_over_verl"] = e["median"] / v["median"]
+            row["worst_round_over_verl_best"] = e["max"] / v["min"] if v["min"] > 0 else None
+        free, vfree = entry.get("free_at_rollout_wake_bytes"), vmem.get("free_at_rollout_wake_bytes")
+        row["free_at_wake_ge_verl"] = None if free is None or vfree is None else free >= vfree
+        peaks, vpeaks = entry.get("phase_peak_gpu_bytes") or {}, vmem.get("phase_peak_gpu_bytes") or {}
+        row["phase_peak_over_verl"] = {k: peaks[k] / vpeaks[k] for k in peaks if vpeaks.get(k)}
+        row["no_phase_above_verl_by_1pct"] = all(x <= 1.01 for x in row["phase_peak_over_verl"].values()) \
+            if row["phase_peak_over_verl"] else None
+        res[label] = row
+    return res
 
 
 def result_name(out: dict) -> str:
@@ -1200,7 +1355,10 @@ def per_dock(out: dict) -> dict[str, dict]:
 
 
 def cmd_report(args) -> None:
-    out = report(json.loads(Path(args.runs).read_text()), args.command)
+    runs = merge_runs([json.loads(Path(p).read_text()) for p in args.runs])
+    if len(args.runs) > 1:  # the merged records beside the result, as one process writes them
+        (Path(args.out_dir) / "runs.json").write_text(json.dumps(runs, indent=1))
+    out = report(runs, args.command)
     path = Path(args.out_dir) / result_name(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
@@ -1313,8 +1471,12 @@ def main(argv: list[str] | None = None) -> None:
                         "verl (its fallback without flash-attn: one per token, host-bound); default: %(default)s")
     p.add_argument("--max-round-seconds", type=float, default=0.0,
                    help="start no round after this many seconds of rounds (at least 2 run; 0: all --steps)")
+    p.add_argument("--own", default=None, metavar="LABEL",
+                   help="build and step this strategy alone, taking turns with the other strategies' processes "
+                        "through --turns ([Note: one process per strategy]); default: every strategy here")
+    p.add_argument("--turns", default=None, metavar="DIR", help="the folder the processes take turns through")
     p = sub.add_parser("report", help="a run's records -> the torchferry.verl-step/1 JSON")
-    p.add_argument("runs")
+    p.add_argument("runs", nargs="+", help="the run's records: one file per process (run --own), or one")
     p.add_argument("--out-dir", required=True)
     p.add_argument("--command", default=None, help="the command to record in env.command")
     p = sub.add_parser("timeline", help="a PNG of a dock strategy's moves in its last step")

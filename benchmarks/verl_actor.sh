@@ -30,6 +30,8 @@
 #                                         model's and the rollout's sizes, see dock_budget; or bytes):
 #                                         patch(dock=...) under it; the report also writes one JSON per budget
 #                                         (..._dock-<budget>.json, that strategy as strategies["torchferry+dock"])
+#   VERL_ACTOR_ISOLATE=1|0                1 (default): each strategy in a process of its own, the processes taking
+#                                         turns step by step (benchmarks/verl_isolate.py); 0: all in one process
 #   VERL_ACTOR_LOGPROBS=chunked|verl      log-probs in verl's engine: chunked (default: one log_softmax per
 #                                         2048 rows) or verl's own fallback without flash-attn (one per token:
 #                                         host-bound, a step's time spread by seconds; see _logprobs_chunked)
@@ -101,12 +103,31 @@ CUBLAS=${VERL_ACTOR_CUBLAS_WORKSPACE-:4096:8}
 if [ -n "$CUBLAS" ]; then EXTRA+=(--cublas-workspace "$CUBLAS"); fi
 if [ -n "${VERL_ACTOR_MAX_ROUND_S:-}" ]; then EXTRA+=(--max-round-seconds "$VERL_ACTOR_MAX_ROUND_S"); fi
 if [ -n "${VERL_ACTOR_LOGPROBS:-}" ]; then EXTRA+=(--logprobs "$VERL_ACTOR_LOGPROBS"); fi
-"$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" benchmarks/verl_actor.py run \
-    --strategies "${STRATEGIES[@]}" --model-dir "$MODEL" --steps "$STEPS" --out "$OUT/runs.json" "${EXTRA[@]}" \
-    2>&1 | tee -a "$LOG"
+RUN=(benchmarks/verl_actor.py run --strategies "${STRATEGIES[@]}" --model-dir "$MODEL" --steps "$STEPS" "${EXTRA[@]}")
+if [ "${VERL_ACTOR_ISOLATE:-1}" = 1 ]; then
+  # One process (group) per strategy, taking turns through $TURNS ([Note: one process per strategy]).
+  TURNS=$(mktemp -d)  # the turn file and each process's records (merged into OUT/runs.json by the report)
+  pids=(); parts=()
+  for i in "${!STRATEGIES[@]}"; do
+    label=${STRATEGIES[$i]%%:*}
+    "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" "${RUN[@]}" --own "$label" \
+        --turns "$TURNS" --out "$TURNS/runs.$i.json" > >(sed -u "s/^/[$label] /" | tee -a "$LOG") 2>&1 &
+    pids+=($!); parts+=("$TURNS/runs.$i.json")
+  done
+  failed=0
+  for pid in "${pids[@]}"; do
+    if ! wait "$pid"; then failed=1; echo "a strategy's process failed" > "$TURNS/failed"; fi
+  done
+  if [ "$failed" = 1 ]; then echo "error: a strategy's process failed (see $LOG)" >&2; exit 1; fi
+else
+  "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" "${RUN[@]}" --out "$OUT/runs.json" \
+      2>&1 | tee -a "$LOG"
+  parts=("$OUT/runs.json")
+fi
 CMD="bash benchmarks/verl_actor.sh OUT $NPROC $PRESET $STEPS"
 for k in VERL_ACTOR_SHAPE VERL_ACTOR_STRATEGY VERL_ACTOR_LORA_RANK VERL_ACTOR_MICRO VERL_ACTOR_ROLLOUT VERL_ACTOR_WEIGHT_SYNC \
-         VERL_ACTOR_RESIDENT VERL_ACTOR_VARIANTS VERL_ACTOR_CUBLAS_WORKSPACE VERL_ACTOR_MAX_ROUND_S VERL_ACTOR_LOGPROBS VERL_ACTOR_DOCK; do
+         VERL_ACTOR_RESIDENT VERL_ACTOR_VARIANTS VERL_ACTOR_CUBLAS_WORKSPACE VERL_ACTOR_MAX_ROUND_S VERL_ACTOR_LOGPROBS \
+         VERL_ACTOR_DOCK VERL_ACTOR_ISOLATE; do
   if [ -n "${!k:-}" ]; then CMD="$k='${!k}' $CMD"; fi
 done
-"$PY" benchmarks/verl_actor.py report "$OUT/runs.json" --out-dir "$OUT" --command "$CMD" 2>&1 | tee -a "$LOG"
+"$PY" benchmarks/verl_actor.py report "${parts[@]}" --out-dir "$OUT" --command "$CMD" 2>&1 | tee -a "$LOG"

@@ -1,0 +1,193 @@
+"""The verl step bench's strategies in processes of their own: turn-taking, exact fingerprints of the
+final state (compared across processes), and what a step leaves on the device.
+
+[Note: one process per strategy]
+Run in one process, the strategies shared one caching allocator: several 25 GB actors of Qwen2.5-1.5B
+(parameters, gradients, AdamW state) reached 121 GB allocated of the H200's 141, each step's allocation
+pattern depended on what the previous strategy left cached, and one strategy's peak could only be
+estimated by subtracting the others' bytes. The resident step spread 3.3-4.7 s over rounds and the free
+memory at the rollout's wake alternated by 27 GB round by round (``../shared`` anchors of issue 45;
+measured again by this script's one-process mode, ``VERL_ACTOR_ISOLATE=0``). So each strategy runs in a
+process of its own (its own CUDA context and caching allocator, as a colocated worker has), the
+processes take turns through a folder (:class:`Turns`: one step at a time, the order rotated each round,
+as before), and everything a process allocates is its strategy's.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from pathlib import Path
+
+__all__ = ["Turns", "fingerprint", "StepProbe", "context_bytes"]
+
+_C = 0x2545F4914F6CDD1D  # odd multiplier of the word index (< 2**63: an int64)
+_MASK = (1 << 64) - 1
+_CHUNK = 1 << 28  # bytes compared per device chunk
+
+
+class Turns:
+    """One process's side of the turn-taking (``--turns DIR``): ticket ``t`` runs once the folder's
+    ``turn`` file reads ``t``; :meth:`done` moves it on. Builds take tickets ``0..n-1``; round ``r``'s
+    step at position ``p`` of that round's order takes ``n + r * n + p``.
+
+    Args:
+        folder: the shared folder (created by the launcher; ``None``: one process, no turns).
+        rank: this process's rank in its strategy's process group (rank 0 writes).
+        timeout_s: seconds to wait for a turn before giving up.
+
+    Raises:
+        SystemExit: another process failed (the launcher wrote ``failed``) or the wait timed out.
+    """
+
+    def __init__(self, folder: str | None, rank: int, timeout_s: float = 1800.0) -> None:
+        self.folder = Path(folder) if folder else None
+        self.rank, self.timeout_s = rank, timeout_s
+
+    def _read(self, name: str) -> str | None:
+        assert self.folder is not None
+        try:
+            return (self.folder / name).read_text()
+        except FileNotFoundError:
+            return None
+
+    def _write(self, name: str, text: str) -> None:
+        assert self.folder is not None
+        tmp = self.folder / f".{name}.{os.getpid()}"
+        tmp.write_text(text)
+        os.replace(tmp, self.folder / name)
+
+    def wait(self, ticket: int) -> None:
+        if self.folder is None:
+            return
+        t0 = time.monotonic()
+        while (self._read("turn") or "0").strip() != str(ticket):
+            if (self.folder / "failed").exists():
+                raise SystemExit(f"error: another strategy's process failed (see {self.folder / 'failed'})")
+            if time.monotonic() - t0 > self.timeout_s:
+                raise SystemExit(f"error: no turn {ticket} after {self.timeout_s:.0f} s of waiting")
+            time.sleep(0.002)
+
+    def done(self, ticket: int) -> None:
+        if self.folder is not None and self.rank == 0:
+            self._write("turn", str(ticket + 1))
+
+    def stop_round(self) -> int | None:
+        """The round the processes stop before (``--max-round-seconds``), once one was decided."""
+        if self.folder is None:
+            return None
+        text = self._read("stop")
+        return int(text) if text else None
+
+    def decide_stop(self, round_: int, max_round_s: float) -> bool:
+        """At the first ticket of ``round_``: past ``max_round_s`` seconds of rounds (at least 2 run),
+        no process starts round ``round_`` (written for the others; rank 0 decides)."""
+        if self.folder is None or self.rank != 0:
+            return False
+        if round_ == 0:
+            self._write("rounds_t0", repr(time.time()))
+            return False
+        started = float(self._read("rounds_t0") or time.time())
+        if round_ >= 2 and max_round_s and time.time() - started > max_round_s:
+            self._write("stop", str(round_))
+            return True
+        return False
+
+
+def fingerprint(t, device) -> str:
+    """An exact fingerprint of a tensor's bytes: dtype, shape and two 64-bit sums over its 8-byte words
+    (the plain sum and the sum weighted by an odd multiple of each word's index, both modulo 2**64),
+    computed on ``device`` in 256 MiB chunks (host tensors are copied there first). Equal bytes give
+    equal fingerprints; a change of any word changes the weighted sum unless the changes cancel, which
+    for differing bytes of real runs has a chance near 2**-64 (not a cryptographic hash). Comparing two
+    processes' states this way costs a few seconds where sha256 on the host took the run's last minute.
+    """
+    import torch
+
+    t = t.detach()
+    head = f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+    if t.numel() == 0:
+        return head
+    b = t.contiguous().reshape(-1).view(torch.uint8)
+    s1 = s2 = 0
+    for off in range(0, b.numel(), _CHUNK):
+        c = b[off:off + _CHUNK].to(device)
+        pad = (-c.numel()) % 8
+        if pad:
+            c = torch.cat([c, c.new_zeros(pad)])
+        w = c.view(torch.int64)
+        k = torch.arange(off // 8, off // 8 + w.numel(), device=device, dtype=torch.int64).mul_(_C).add_(1)
+        s1 = (s1 + int(w.sum())) & _MASK
+        s2 = (s2 + int((w * k).sum())) & _MASK  # not in place: w may be the tensor itself
+    return f"{head}:{s1:016x}{s2:016x}"
+
+
+def context_bytes(device) -> int | None:
+    """Device bytes this process holds outside the caching allocator (its CUDA context), from NVML's
+    per-process figure less the allocator's reserved bytes; ``None`` where NVML does not tell."""
+    import torch
+
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device() if device.index is None else device.index)
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+            if p.pid == os.getpid() and p.usedGpuMemory:
+                return int(p.usedGpuMemory) - torch.cuda.memory_reserved(device)
+    except Exception:  # NVML missing or not answering for this process (a container's pid namespace)
+        return None
+    return None
+
+
+class StepProbe:
+    """What a step costs besides its work, per step: the caching allocator's retries (a retry frees the
+    whole cache and synchronises), the garbage collector's collections and seconds, the process's CPU
+    seconds, and the SM clock at the step's end (NVML; ``None`` where it does not answer)."""
+
+    def __init__(self, device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._gc_s = 0.0
+        self._gc_n = 0
+        self._gc_t0: float | None = None
+        gc.callbacks.append(self._on_gc)
+        self._nvml = None
+        if self.cuda:
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(device.index or 0))
+            except Exception:  # NVML not there: no clock readings
+                self._nvml = None
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif self._gc_t0 is not None:
+            self._gc_s += time.perf_counter() - self._gc_t0
+            self._gc_n += 1
+            self._gc_t0 = None
+
+    def _retries(self) -> int:
+        import torch
+
+        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)) if self.cuda else 0
+
+    def begin(self) -> None:
+        self._at = (self._retries(), self._gc_s, self._gc_n, time.process_time())
+
+    def end(self) -> dict:
+        r0, g0, n0, c0 = self._at
+        out = {"alloc_retries": self._retries() - r0, "gc_s": self._gc_s - g0, "gc_collections": self._gc_n - n0,
+               "cpu_s": time.process_time() - c0, "sm_clock_mhz": None, "clocks_throttle_reasons": None}
+        if self._nvml is not None:
+            nv, h = self._nvml
+            try:
+                out["sm_clock_mhz"] = int(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))
+                out["clocks_throttle_reasons"] = int(nv.nvmlDeviceGetCurrentClocksEventReasons(h))
+            except Exception:  # an older NVML binding or driver: the clock alone
+                out["clocks_throttle_reasons"] = None
+        return out

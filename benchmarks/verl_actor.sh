@@ -115,8 +115,8 @@ if [ "${VERL_ACTOR_ISOLATE:-1}" = 1 ]; then
     pids+=($!); parts+=("$TURNS/runs.$i.json")
   done
   failed=0
-  for pid in "${pids[@]}"; do
-    if ! wait "$pid"; then failed=1; echo "a strategy's process failed" > "$TURNS/failed"; fi
+  for _ in "${pids[@]}"; do  # as each ends: a failed one stops the others' waiting for their turns
+    if ! wait -n "${pids[@]}"; then failed=1; echo "a strategy's process failed" > "$TURNS/failed"; fi
   done
   if [ "$failed" = 1 ]; then echo "error: a strategy's process failed (see $LOG)" >&2; exit 1; fi
 else

@@ -115,8 +115,9 @@ if [ "${VERL_ACTOR_ISOLATE:-1}" = 1 ]; then
     pids+=($!); parts+=("$TURNS/runs.$i.json")
   done
   failed=0
-  for _ in "${pids[@]}"; do  # as each ends: a failed one stops the others' waiting for their turns
-    if ! wait -n "${pids[@]}"; then failed=1; echo "a strategy's process failed" > "$TURNS/failed"; fi
+  while [ "${#pids[@]}" -gt 0 ]; do  # as each ends: a failed one stops the others' waiting for their turns
+    wait -n -p ended "${pids[@]}" || { failed=1; echo "a strategy's process failed" > "$TURNS/failed"; }
+    left=(); for p in "${pids[@]}"; do [ "$p" = "$ended" ] || left+=("$p"); done; pids=("${left[@]}")
   done
   if [ "$failed" = 1 ]; then echo "error: a strategy's process failed (see $LOG)" >&2; exit 1; fi
 else

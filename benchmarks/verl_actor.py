@@ -660,6 +660,7 @@ def cmd_run(args) -> None:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     gpu = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    ctx = context_bytes(gpu) if cuda else None  # the CUDA context (and NCCL's), before the allocator holds any
 
     def sync() -> None:
         if cuda:
@@ -814,7 +815,6 @@ def cmd_run(args) -> None:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = args.cublas_workspace
     vocab = actors[own[0].label][0].engine.module.config.vocab_size
     probe = StepProbe(gpu)
-    ctx = context_bytes(gpu) if cuda else None  # the CUDA context: outside the allocator, held all along
     lora = bool(args.lora_rank)
     for r in records.values():
         r.update(losses=[], grad_norms=[], log_prob_sha256=[], log_prob_sum=[], ref_log_prob_sha256=[],
@@ -959,6 +959,8 @@ def cmd_run(args) -> None:
                 one_step(s, step)
             records[s.label]["order"].append(order.index(s))
             gc.collect()  # between turns, not inside the next strategy's step (the probe counts what is left)
+            if isolated and cuda:  # what this process cached goes back before the next strategy's turn, as a
+                torch.cuda.empty_cache()  # colocated role's would before the rollout wakes (else: OOM beside it)
             if isolated:
                 dist.barrier()
             turns.done(ticket)

@@ -135,7 +135,8 @@ def context_bytes(device) -> int | None:
         h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device() if device.index is None else device.index)
         for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
             if p.pid == os.getpid() and p.usedGpuMemory:
-                return int(p.usedGpuMemory) - torch.cuda.memory_reserved(device)
+                held = int(p.usedGpuMemory) - torch.cuda.memory_reserved(device)
+                return held if held >= 0 else None
     except Exception:  # NVML missing or not answering for this process (a container's pid namespace)
         return None
     return None

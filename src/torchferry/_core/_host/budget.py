@@ -35,7 +35,9 @@ import tempfile
 import threading
 from collections.abc import Iterator
 
-__all__ = ["HostBudgetError", "NodeLedger", "budget_from_env", "meminfo"]
+from .._api.env import env_bytes
+
+__all__ = ["HostBudgetError", "NodeLedger", "budget_from_env", "meminfo", "reserve_from_env"]
 
 _RESERVE_FRACTION = 0.05
 
@@ -77,22 +79,22 @@ def meminfo() -> dict[str, int]:
     return out
 
 
-def _env_bytes(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value in (None, ""):
-        return None
-    try:
-        n = int(float(value))
-    except (ValueError, OverflowError):  # "lots", "inf", "nan"
-        raise ValueError(f"torchferry: {name}={value!r} is not a number of bytes") from None
-    if n < 0:
-        raise ValueError(f"torchferry: {name}={value!r} must be >= 0")
-    return n
-
-
 def budget_from_env() -> int | None:
-    """``TORCHFERRY_HOST_BUDGET_BYTES`` (bytes all pools of the node may hold), or ``None``."""
-    return _env_bytes("TORCHFERRY_HOST_BUDGET_BYTES")
+    """``TORCHFERRY_HOST_BUDGET_BYTES`` (bytes all pools of the node may hold), or ``None``.
+
+    Raises:
+        ValueError: not a byte count (``_api/env.env_bytes``).
+    """
+    return env_bytes("TORCHFERRY_HOST_BUDGET_BYTES")
+
+
+def reserve_from_env() -> int | None:
+    """``TORCHFERRY_HOST_RESERVE_BYTES`` (bytes of ``MemAvailable`` left to everything else), or ``None``.
+
+    Raises:
+        ValueError: not a byte count (``_api/env.env_bytes``).
+    """
+    return env_bytes("TORCHFERRY_HOST_RESERVE_BYTES")
 
 
 def _alive(pid: int) -> bool:
@@ -184,7 +186,7 @@ class NodeLedger:
                 needed and available and how to lower the need.
         """
         info = meminfo()
-        reserve = _env_bytes("TORCHFERRY_HOST_RESERVE_BYTES")
+        reserve = reserve_from_env()
         if reserve is None:
             reserve = int(_RESERVE_FRACTION * info.get("MemTotal", 0))
         me = str(os.getpid())

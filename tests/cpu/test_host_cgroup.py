@@ -100,7 +100,7 @@ def test_v1_limit_less_usage_and_its_huge_no_limit(tmp_path, monkeypatch):
     node.files("memory/process_api", memory_limit_in_bytes=V1_UNLIMITED, memory_usage_in_bytes=str(GiB))
     leaf = node.files("memory/process_api/abc", memory_limit_in_bytes=str(4 * GiB),
                       memory_usage_in_bytes=str(GiB))
-    node.files("", memory_max=str(GiB), memory_current=str(GiB))  # the v2 tree is not read while v1 holds the memory controller
+    node.files("", memory_max=str(GiB), memory_current=str(GiB))  # v2 is not read while v1 holds memory
     assert cgroup_memory() == CgroupMemory(3 * GiB, 4 * GiB, GiB, str(leaf / "memory.limit_in_bytes"),
                                            str(leaf / "memory.usage_in_bytes"), 1)
     with pytest.raises(HostBudgetError, match=rf"only {3 * GiB} bytes .* \(cgroup v1 {leaf}/memory.limit_in_bytes"):

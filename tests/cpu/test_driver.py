@@ -18,8 +18,8 @@ def test_copies_by_pointer_are_on_unless_switched_off(monkeypatch):
     assert driver.enabled()
 
 
-@pytest.mark.parametrize("bad", ["yes", "2", "true"])
+@pytest.mark.parametrize("bad", ["maybe", "2", "enabled"])
 def test_a_bad_setting_is_refused_naming_it(monkeypatch, bad):
     monkeypatch.setenv(driver.DRIVER_ENV, bad)
-    with pytest.raises(ValueError, match=f"TORCHFERRY_DRIVER_COPIES must be 0 or 1, got '{bad}'"):
+    with pytest.raises(ValueError, match=f"TORCHFERRY_DRIVER_COPIES must be on .* got '{bad}'"):
         driver.enabled()

@@ -194,3 +194,51 @@ def test_budget_inf_and_a_ledger_of_another_shape(tmp_path, monkeypatch):
         ferry.reload()
         ferry.close()
         assert torch.equal(t, torch.ones(10))
+
+
+@pytest.mark.parametrize("pid, entry", [
+    ("99999999999", {"held": 1 << 30, "pending": 0}),  # os.kill() raised OverflowError on every offload
+    ("4194305", {"held": 1, "pending": 0}),  # above Linux's largest pid_max
+    ("0", {"held": 1}),
+    ("-12", {"held": 1}),
+    ("abc", {"held": 1}),
+    (str(os.getpid()), {"held": "lots", "pending": 0}),
+    (str(os.getpid()), {"held": -5}),
+    (str(os.getpid()), {"held": True}),
+    (str(os.getpid()), [1, 2]),
+])
+def test_a_corrupt_ledger_entry_is_skipped_with_a_warning(caplog, pid, entry):
+    """Issue 46 item 5: a ledger entry with pid 99999999999 made every offload raise OverflowError."""
+    import logging
+
+    ledger = NodeLedger()
+    with open(ledger.path, "w") as f:
+        json.dump({pid: entry, str(os.getppid()): {"held": 7, "pending": 0}}, f)  # beside a live, valid one
+    t = torch.arange(100.0)
+    ferry = Ferry(t)
+    with caplog.at_level(logging.WARNING, logger="torchferry"):
+        ferry.offload()
+    assert f"skipped a corrupt entry of the host ledger {ledger.path}: {pid!r}" in caplog.text
+    ferry.reload()
+    assert torch.equal(t, torch.arange(100.0))
+    usage = NodeLedger().usage()
+    assert usage[str(os.getppid())] == {"held": 7, "pending": 0}  # the valid entry is kept
+    assert usage[str(os.getpid())] == {"held": ferry.host_bytes, "pending": 0}  # the corrupt one was dropped
+    with open(ledger.path) as f:
+        assert pid not in json.load(f) or pid == str(os.getpid())
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="torchferry"):
+        ferry.offload()  # once dropped, no more warnings
+    assert "corrupt" not in caplog.text
+    ferry.reload()
+
+
+def test_a_torn_ledger_is_started_over_with_a_warning(caplog):
+    import logging
+
+    ledger = NodeLedger()
+    with open(ledger.path, "w") as f:
+        f.write('{"12": {"held"')
+    with caplog.at_level(logging.WARNING, logger="torchferry"):
+        assert ledger.usage() == {}
+    assert f"the host ledger {ledger.path} is not JSON" in caplog.text

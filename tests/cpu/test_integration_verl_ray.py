@@ -69,13 +69,36 @@ def test_hook_patches_right_after_verl_imports_fsdp_utils_and_not_before():
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]
 
 
-def test_hook_does_nothing_when_switched_off():
+@pytest.mark.parametrize("off", ["0", " False ", "no", "OFF"])  # issue 46 item 4: only "0" switched it off
+def test_hook_does_nothing_when_switched_off(off):
     code = (
-        "import os; os.environ['TORCHFERRY_VERL'] = '0'\n"
+        f"import os; os.environ['TORCHFERRY_VERL'] = {off!r}\n"
         "from torchferry.integrations.verl import ray_worker_setup, is_patched\n"
         "ray_worker_setup()\n"
         "import verl.utils.fsdp_utils\n"
         "assert not is_patched(); print('ok')\n"
+    )
+    p = _fresh(code)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]
+
+
+def test_a_bad_dock_budget_fails_every_import_of_verls_helpers():
+    """Issue 46 item 4: the first import raised, a second one succeeded with verl unpatched."""
+    code = (
+        "import os; os.environ['TORCHFERRY_VERL_DOCK'] = 'lots'\n"
+        "from torchferry.integrations.verl import ray_worker_setup, is_patched\n"
+        "ray_worker_setup()\n"
+        "for attempt in range(3):\n"
+        "    try:\n"
+        "        import verl.utils.fsdp_utils\n"
+        "    except ValueError as e:\n"
+        "        assert \"TORCHFERRY_VERL_DOCK: 'lots' is not a dock budget\" in str(e), e\n"
+        "    else:\n"
+        "        raise AssertionError(f'import {attempt} succeeded, patched: {is_patched()}')\n"
+        "    assert not is_patched()\n"
+        "os.environ['TORCHFERRY_VERL_DOCK'] = ''  # the setting fixed: the next import patches\n"
+        "import verl.utils.fsdp_utils\n"
+        "assert is_patched(); print('ok')\n"
     )
     p = _fresh(code)
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]

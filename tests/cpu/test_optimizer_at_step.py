@@ -115,8 +115,8 @@ def test_the_setting_comes_from_the_environment_and_a_bad_value_moves_nothing(mo
     m, opt = _model_and_opt()
     _step(m, opt, torch.randn(4, 32))
     _helpers.offload_fsdp_optimizer(opt)
-    monkeypatch.setenv(_helpers.OPTIMIZER_AT_STEP_ENV, "yes")
-    with pytest.raises(ValueError, match="TORCHFERRY_OPTIMIZER_AT_STEP must be 0 or 1, got 'yes'"):
+    monkeypatch.setenv(_helpers.OPTIMIZER_AT_STEP_ENV, "maybe")
+    with pytest.raises(ValueError, match="TORCHFERRY_OPTIMIZER_AT_STEP must be on .* got 'maybe'"):
         _helpers.load_fsdp_optimizer(opt, "cpu")
     assert _helpers.ferry_for(opt).residency is Residency.HOST  # nothing moved
     monkeypatch.setenv(_helpers.OPTIMIZER_AT_STEP_ENV, "0")
@@ -179,7 +179,7 @@ def test_verl_patch_sets_it_refuses_bad_values_and_unpatch_resets_it(monkeypatch
             tf_verl.patch(import_engines=False, optimizer_at_step="on")  # type: ignore[arg-type]
         assert not tf_verl.is_patched()
         monkeypatch.setenv(_helpers.OPTIMIZER_AT_STEP_ENV, "2")
-        with pytest.raises(ValueError, match="TORCHFERRY_OPTIMIZER_AT_STEP must be 0 or 1, got '2'"):
+        with pytest.raises(ValueError, match="TORCHFERRY_OPTIMIZER_AT_STEP must be on .* got '2'"):
             tf_verl.patch(import_engines=False)
         assert not tf_verl.is_patched()
         monkeypatch.delenv(_helpers.OPTIMIZER_AT_STEP_ENV)
@@ -268,8 +268,8 @@ def test_the_layerwise_setting_comes_from_patch_else_the_environment(monkeypatch
         assert not _verls("layerwise_reload")
         monkeypatch.setenv(_helpers.LAYERWISE_ENV, "1")
         assert _verls("layerwise_reload")
-        monkeypatch.setenv(_helpers.LAYERWISE_ENV, "on")
-        with pytest.raises(ValueError, match="TORCHFERRY_LAYERWISE_RELOAD must be 0 or 1, got 'on'"):
+        monkeypatch.setenv(_helpers.LAYERWISE_ENV, "sometimes")
+        with pytest.raises(ValueError, match="TORCHFERRY_LAYERWISE_RELOAD must be on .* got 'sometimes'"):
             tf_verl.patch(import_engines=False)
         assert not tf_verl.is_patched()
         monkeypatch.delenv(_helpers.LAYERWISE_ENV)

@@ -180,6 +180,17 @@ def _assert_equal(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -
 KINDS = ["parameter", "grad", "buffer", "optimizer state"]
 
 
+def _cycles_exact_then_steps(ferry: Ferry, m: nn.Module, opt: torch.optim.Optimizer, want: dict) -> None:
+    """Two offload/reload cycles bring back ``want`` exactly, and the model still trains."""
+    for _ in range(2):
+        ferry.offload()
+        ferry.reload()
+        _assert_equal(want, snapshot(m, opt))
+    m(IDS).backward()
+    opt.step()
+
+
+
 @pytest.mark.parametrize("which", KINDS)
 def test_a_numpy_view_of_offloaded_state_does_not_block_reload_or_later_cycles(which):
     """Reproduces issue item 5 as reported: ``np.asarray`` of an offloaded tensor (it views the
@@ -202,12 +213,7 @@ def test_a_numpy_view_of_offloaded_state_does_not_block_reload_or_later_cycles(w
     _assert_equal(want, snapshot(m, opt))
     del view
     gc.collect()
-    for _ in range(2):
-        ferry.offload()
-        ferry.reload()
-        _assert_equal(want, snapshot(m, opt))
-    m(IDS).backward()
-    opt.step()
+    _cycles_exact_then_steps(ferry, m, opt, want)
 
 
 @pytest.mark.parametrize("which", KINDS)
@@ -226,7 +232,8 @@ def test_a_numpy_view_of_resident_state_is_refused_before_anything_moves(which):
     t, name = _numpy_target(m, opt, which)
     before = t.detach().clone()
     view = t.detach().numpy()
-    msg = rf"^torchferry: the storage of \S*{re.escape(name)} cannot be resized \(a NumPy array was made of it"
+    msg = (rf"^torchferry: the storage of \S*{re.escape(name)} cannot be resized, so its memory cannot be released; "
+           r"nothing was moved\. PyTorch marks a storage so for .*a NumPy array made of it \(t\.numpy\(\)")
     with pytest.raises(NotImplementedError, match=msg) as info:
         ferry.offload()
     assert "\n" not in str(info.value)
@@ -246,6 +253,42 @@ def test_a_numpy_view_of_resident_state_is_refused_before_anything_moves(which):
         _assert_equal(want, snapshot(m, opt))
     m(IDS).backward()
     opt.step()
+
+
+def test_optimizer_state_loaded_from_torch_load_is_refused_naming_the_load(tmp_path):
+    """Reproduces issue 46 item 5: on a CPU ferry, ``optimizer.load_state_dict(torch.load(...))`` keeps
+    torch.load's storages, which are not resizable, and the next offload's refusal blamed "a NumPy
+    array". It names the load first now, and the fix it gives works."""
+    m, opt = trained()
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    ferry = Ferry(m, opt, device="cpu")
+    ferry.offload()
+    ferry.reload()
+    opt.load_state_dict(torch.load(tmp_path / "opt.pt"))
+    want = snapshot(m, opt)
+    msg = (r"^torchferry: the storage of optimizer\.state\[0\]\['\w+'\] cannot be resized, so its memory cannot "
+           r"be released; nothing was moved\. PyTorch marks a storage so for optimizer state loaded with "
+           r"optimizer\.load_state_dict\(torch\.load\(\.\.\.\)\): torch\.load's storages are not resizable.*"
+           r"Fix: load a copy that owns its memory: optimizer\.load_state_dict\(copy\.deepcopy\(torch\.load")
+    for _ in range(2):  # refused every time, the state intact and resident
+        with pytest.raises(NotImplementedError, match=msg):
+            ferry.offload()
+        assert ferry.residency is Residency.DEVICE
+        _assert_equal(want, snapshot(m, opt))
+    import copy
+
+    opt.load_state_dict(copy.deepcopy(torch.load(tmp_path / "opt.pt")))  # the way out the message names
+    _cycles_exact_then_steps(ferry, m, opt, want)
+
+
+def test_parameters_assigned_from_torch_load_are_refused_naming_the_load(tmp_path):
+    m = nn.Linear(4, 4)
+    torch.save(m.state_dict(), tmp_path / "m.pt")
+    m.load_state_dict(torch.load(tmp_path / "m.pt"), assign=True)
+    with pytest.raises(NotImplementedError, match=r"storage of Linear\.(weight|bias) cannot be resized.* for a "
+                                                  r"parameter or buffer loaded with module\.load_state_dict\("
+                                                  r"torch\.load\(\.\.\.\), assign=True\)"):
+        Ferry(m, device="cpu")
 
 
 def test_a_numpy_view_made_while_offloaded_is_refused_before_the_reload_allocates():

@@ -114,7 +114,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .._core._api.args import check_optional_bool, env_flag
+from .._core._api.args import check_optional_bool
+from .._core._api.env import env_flag
 from .._core._ferry.ferry import Ferry
 from .._core._api.handle import TransferHandle
 from .._core._state.targets import inner_optimizers
@@ -223,10 +224,10 @@ def set_skip_unchanged(value: bool | None) -> bool | None:
 def skip_unchanged() -> bool:
     """Whether a model's new ferry skips unchanged storages: the running integration's ``patch()``
     choice (inside its replacements), else :func:`set_skip_unchanged`'s value, else
-    ``TORCHFERRY_SKIP_UNCHANGED`` (``1``, the default, or ``0``).
+    ``TORCHFERRY_SKIP_UNCHANGED`` (on, the default, or off).
 
     Raises:
-        ValueError: ``TORCHFERRY_SKIP_UNCHANGED`` is neither ``0`` nor ``1``.
+        ValueError: ``TORCHFERRY_SKIP_UNCHANGED`` is neither on nor off.
     """
     return _skip.get()
 
@@ -247,11 +248,11 @@ def set_optimizer_at_step(value: bool | None) -> bool | None:
 
 def optimizer_at_step() -> bool:
     """The running integration's ``patch(optimizer_at_step=...)`` choice (inside its replacements),
-    else :func:`set_optimizer_at_step`'s value, else ``TORCHFERRY_OPTIMIZER_AT_STEP`` (``0`` or
-    ``1``), else that integration's default (verl's: on), else off.
+    else :func:`set_optimizer_at_step`'s value, else ``TORCHFERRY_OPTIMIZER_AT_STEP`` (on or
+    off), else that integration's default (verl's: on), else off.
 
     Raises:
-        ValueError: ``TORCHFERRY_OPTIMIZER_AT_STEP`` is neither ``0`` nor ``1``.
+        ValueError: ``TORCHFERRY_OPTIMIZER_AT_STEP`` is neither on nor off.
     """
     return _at_step.get()
 
@@ -266,7 +267,7 @@ def check_settings(integration: str, **values: bool | None) -> None:
 
     Raises:
         TypeError: a value is neither ``None`` nor a bool.
-        ValueError: a value is ``None`` and its environment variable is neither ``0`` nor ``1``.
+        ValueError: a value is ``None`` and its environment variable is neither on nor off.
     """
     for name, value in values.items():
         _SETTINGS[name].check(value, integration)
@@ -277,7 +278,7 @@ def settings_of(integration: str) -> dict[str, bool]:
     ``integration``'s replacements read it now ([Note: each integration's settings]).
 
     Raises:
-        ValueError: an environment variable it reads is neither ``0`` nor ``1``.
+        ValueError: an environment variable it reads is neither on nor off.
     """
     token = ACTIVE.set(integration)
     try:

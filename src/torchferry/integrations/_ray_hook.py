@@ -25,6 +25,8 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from .._core._api.env import env_flag
+
 __all__ = ["FORWARDED_SETTINGS", "HookNames", "WorkerHook"]
 
 # The driver's settings a worker should see too: how torchferry moves state, the same on every node.
@@ -50,13 +52,22 @@ class HookNames:
     hook_path: str
     """The import path of the module-level hook function (Ray takes the hook by this name)."""
     env_flag: str
-    """Set to ``"1"`` by :meth:`WorkerHook.with_worker_setup`; ``"0"`` makes the hook do nothing."""
+    """Set to ``"1"`` by :meth:`WorkerHook.with_worker_setup`; off (``0``, ``false``, ``no``, ``off``) makes the
+    hook do nothing; another value than on or off fails the hook."""
     next_hook_env: str
     """Names a hook of the user's own (``module.function``), run after torchferry's."""
 
 
+# [Note: a failed patch fails every import]
+# The patch runs inside the helper module's import, right after its code. When it raises (a bad
+# TORCHFERRY_VERL_DOCK in the worker's environment), Python's import drops the half-made module
+# from ``sys.modules``, so a second ``import`` runs the module again. The finder was removed before
+# the patch ran, so that second import found no finder, succeeded and left the framework unpatched:
+# the job ran without torchferry, silently. The finder goes back on ``sys.meta_path`` when the patch
+# raises, so every later import of the module runs the patch again and raises again.
 class _PatchAfterExec(importlib.abc.Loader):
-    """Wraps the loader of the helper module: runs it, then the patch (once)."""
+    """Wraps the loader of the helper module: runs it, then the patch (once it succeeds:
+    [Note: a failed patch fails every import])."""
 
     def __init__(self, inner: importlib.abc.Loader, finder: _PatchOnImport) -> None:
         self._inner, self._finder = inner, finder
@@ -67,7 +78,11 @@ class _PatchAfterExec(importlib.abc.Loader):
     def exec_module(self, module) -> None:
         self._inner.exec_module(module)
         self._finder.remove()
-        self._finder.on_import()
+        try:
+            self._finder.on_import()
+        except BaseException:
+            self._finder.install()  # see [Note: a failed patch fails every import]
+            raise
 
     def __getattr__(self, name: str):  # get_source, is_package, ... of the real loader
         return getattr(self._inner, name)
@@ -89,6 +104,10 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
                     spec.loader = _PatchAfterExec(spec.loader, self)
                 return spec
         return None
+
+    def install(self) -> None:
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
 
     def remove(self) -> None:
         with contextlib.suppress(ValueError):
@@ -122,20 +141,22 @@ class WorkerHook:
             self._patch()
             return
         if not any(isinstance(f, _PatchOnImport) and f.module == self.names.module for f in sys.meta_path):
-            sys.meta_path.insert(0, _PatchOnImport(self.names.module, self._patch))
+            _PatchOnImport(self.names.module, self._patch).install()
 
     def ray_worker_setup(self) -> None:
         """The hook: :meth:`patch_when_imported` in this process, then the user's next hook.
 
-        Does nothing of torchferry's when the ``env_flag`` variable is ``"0"``; the hook named
+        Does nothing of torchferry's when the ``env_flag`` variable is off (``0``, ``false``, ``no``,
+        ``off``, any case: [Note: one parser for the environment]); the hook named
         in ``next_hook_env`` (one :meth:`with_worker_setup` found in the ``runtime_env``) runs
         either way.
 
         Raises:
             RuntimeError: as the integration's ``patch()``.
+            ValueError: the ``env_flag`` variable is neither on nor off.
         """
         n = self.names
-        if os.environ.get(n.env_flag, "1") != "0":
+        if env_flag(n.env_flag, True):  # [Note: one parser for the environment]
             self.patch_when_imported()
             logger.debug("torchferry: %s's offload helpers are routed through torchferry in pid %d",
                          n.framework, os.getpid())

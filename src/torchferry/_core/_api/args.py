@@ -9,9 +9,9 @@ imports torch only.
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from .env import env_flag, env_int  # re-exported: [Note: one parser for the environment]
 
 __all__ = ["check_bool", "check_bytes", "check_callable", "check_device", "check_optional_bool", "check_stream",
            "env_flag", "env_int", "shown"]
@@ -79,39 +79,6 @@ def check_optional_bool(value: object, what: str) -> None:
     """
     if value is not None and not isinstance(value, bool):
         raise TypeError(f"torchferry: {what} must be True, False or None, got {shown(value)}")
-
-
-def env_flag(name: str, default: bool) -> bool:
-    """The environment variable ``name`` as a switch: ``1`` or ``0`` (spaces ignored), ``default`` if unset or empty.
-
-    Raises:
-        ValueError: anything else, naming the variable and the value.
-    """
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    if raw not in ("0", "1"):
-        raise ValueError(f"torchferry: {name} must be 0 or 1, got {raw!r}")
-    return raw == "1"
-
-
-def env_int(name: str, default: int, *, hi: int | None = None, says: str) -> int:
-    """The environment variable ``name`` as an integer in ``[0, hi]`` (no bound above if ``hi`` is
-    ``None``), ``default`` if unset or empty.
-
-    Raises:
-        ValueError: not such an integer: ``"torchferry: {name} must be {says}, got {raw!r}"``.
-    """
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0 or (hi is not None and value > hi):
-        raise ValueError(f"torchferry: {name} must be {says}, got {raw!r}")
-    return value
 
 
 def check_callable(value: object, what: str) -> None:

@@ -15,13 +15,13 @@ from .._api.args import check_bool, check_bytes, check_device
 from .._api.handle import TransferHandle, done_future
 from .._api.residency import Residency
 from .._api.stats import StatsRecorder, TransferStats
-from .._host.budget import budget_from_env
 from .._schedules.prefetch import Group, Prefetch, PrefetchRun, prefetch_groups
 from .._schedules.release import ReleaseSchedule
 from .._state.plan import build_plan
 from .._state.targets import Targets
 from .._state.tree import tree_memo
 from .._transfer.copies import transfer_range
+from .environment import check_environment
 from .gc import gc_paused
 from .guards import OffloadGuards, dropped
 from .interrupts import interrupts_deferred
@@ -58,7 +58,7 @@ class Ferry:
 
     Raises:
         ValueError: no targets, tensors on several devices, a ``device`` string torch does not
-            know (``"gpu"``), or a negative or non-integer byte count.
+            know (``"gpu"``), a negative or non-integer byte count, or a bad ``TORCHFERRY_*`` setting.
         TypeError: a target that is not a module, optimizer or tensor; ``device`` not a str, int
             or ``torch.device``; ``pin_ahead`` or ``skip_unchanged`` not a bool.
         NotImplementedError: meta, nested, non-strided, quantized tensors, tensor subclasses other
@@ -90,7 +90,7 @@ class Ferry:
         # No tensor yet (an optimizer before its first step), no device: decided at the first offload.
         fixed = device is not None or bool(plan.tensors)
         self._set = StateSet(self._targets, plan.device if fixed else None, max_pinned_bytes=max_pinned_bytes,
-                             host_budget_bytes=budget_from_env() if host_budget_bytes is None else host_budget_bytes,
+                             host_budget_bytes=check_environment(host_budget_bytes),
                              skip_unchanged=skip_unchanged)
         ref = weakref.ref(self)
         self._guards = OffloadGuards(lambda: repr(ref()) if ref() is not None else "Ferry(dropped)")

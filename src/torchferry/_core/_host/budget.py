@@ -19,7 +19,12 @@ exited are dropped. A request is granted when
   ``Ferry(host_budget_bytes=)``), and
 - the request fits in ``MemAvailable`` minus the other processes' pending
   bytes minus a reserve for everything else (``TORCHFERRY_HOST_RESERVE_BYTES``,
-  default 5% of ``MemTotal``).
+  default 5% of ``MemTotal``), and
+- the request fits in the memory cgroup's limit less its usage, minus the other
+  processes' pending bytes ([Note: the container's memory limit] in
+  ``_host/node_memory``: inside a container ``/proc/meminfo`` shows the host).
+
+The smallest of these is the one a refusal names.
 
 The lock is held only to check and record, not while pages are touched and
 pinned, so ranks pin in parallel.
@@ -30,12 +35,22 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import tempfile
 import threading
 from collections.abc import Iterator
 
-__all__ = ["HostBudgetError", "NodeLedger", "budget_from_env", "meminfo"]
+from .._api.env import env_bytes
+from .node_memory import cgroup_memory, meminfo
+
+__all__ = ["HostBudgetError", "NodeLedger", "budget_from_env", "meminfo", "reserve_from_env"]
+
+logger = logging.getLogger("torchferry")
+
+# A ledger entry's pid above this is corrupt: Linux's pid_max is at most 2^22 (PID_MAX_LIMIT, proc(5)
+# on /proc/sys/kernel/pid_max); os.kill() of a larger number raised OverflowError on every offload.
+_PID_MAX = 1 << 22
 
 _RESERVE_FRACTION = 0.05
 
@@ -62,37 +77,22 @@ class HostBudgetError(RuntimeError):
         self.available = available
 
 
-def meminfo() -> dict[str, int]:
-    """``/proc/meminfo`` in bytes (``{}`` where it cannot be read, e.g. not Linux)."""
-    out: dict[str, int] = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                parts = rest.split()
-                if parts:
-                    out[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-    except OSError:
-        pass
-    return out
-
-
-def _env_bytes(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value in (None, ""):
-        return None
-    try:
-        n = int(float(value))
-    except (ValueError, OverflowError):  # "lots", "inf", "nan"
-        raise ValueError(f"torchferry: {name}={value!r} is not a number of bytes") from None
-    if n < 0:
-        raise ValueError(f"torchferry: {name}={value!r} must be >= 0")
-    return n
-
-
 def budget_from_env() -> int | None:
-    """``TORCHFERRY_HOST_BUDGET_BYTES`` (bytes all pools of the node may hold), or ``None``."""
-    return _env_bytes("TORCHFERRY_HOST_BUDGET_BYTES")
+    """``TORCHFERRY_HOST_BUDGET_BYTES`` (bytes all pools of the node may hold), or ``None``.
+
+    Raises:
+        ValueError: not a byte count (``_api/env.env_bytes``).
+    """
+    return env_bytes("TORCHFERRY_HOST_BUDGET_BYTES")
+
+
+def reserve_from_env() -> int | None:
+    """``TORCHFERRY_HOST_RESERVE_BYTES`` (bytes of ``MemAvailable`` left to everything else), or ``None``.
+
+    Raises:
+        ValueError: not a byte count (``_api/env.env_bytes``).
+    """
+    return env_bytes("TORCHFERRY_HOST_RESERVE_BYTES")
 
 
 def _alive(pid: int) -> bool:
@@ -103,6 +103,38 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _valid(pid: object, entry: object) -> bool:
+    """Whether a ledger entry is one this module writes: a pid in ``[1, _PID_MAX]`` mapped to a dict
+    whose ``held`` and ``pending`` (when there) are byte counts >= 0."""
+    if not (isinstance(pid, str) and pid.isdigit() and 0 < int(pid) <= _PID_MAX and isinstance(entry, dict)):
+        return False
+    return all(type(entry.get(k, 0)) is int and entry.get(k, 0) >= 0 for k in ("held", "pending"))
+
+
+def _live_entries(raw: bytes, path: str) -> dict[str, dict[str, int]]:
+    """The ledger's entries of live processes; a corrupt file or entry is skipped with a warning (and
+    dropped when the ledger is written back), a dead process's entry silently."""
+    try:
+        entries = json.loads(raw) if raw else {}
+    except ValueError:  # a torn file from a killed writer
+        logger.warning("torchferry: the host ledger %s is not JSON (a writer killed mid-write?); starting it over",
+                       path)
+        return {}
+    if not isinstance(entries, dict):
+        logger.warning("torchferry: the host ledger %s holds a %s, not a ledger; starting it over",
+                       path, type(entries).__name__)
+        return {}
+    out = {}
+    for pid, e in entries.items():
+        if not _valid(pid, e):
+            logger.warning("torchferry: skipped a corrupt entry of the host ledger %s: %.200r: %.200r (a pid in "
+                           "[1, %d] mapping to byte counts 'held' and 'pending' >= 0 expected); it is dropped",
+                           path, pid, e, _PID_MAX)
+        elif _alive(int(pid)):
+            out[pid] = e
+    return out
 
 
 class NodeLedger:
@@ -137,14 +169,7 @@ class NodeLedger:
                     raw = b""
                     while chunk := os.read(fd, 1 << 16):
                         raw += chunk
-                    try:
-                        entries = json.loads(raw) if raw else {}
-                    except ValueError:
-                        entries = {}  # a torn file from a killed writer: start over
-                    if not isinstance(entries, dict):
-                        entries = {}  # not a ledger: start over
-                    entries = {pid: e for pid, e in entries.items()
-                               if pid.isdigit() and isinstance(e, dict) and _alive(int(pid))}
+                    entries = _live_entries(raw, self.path)
                     self._apply_deferred(entries)
                     yield entries
                     self._apply_deferred(entries)
@@ -179,29 +204,40 @@ class NodeLedger:
             what: the allocation, for the error message.
 
         Raises:
-            HostBudgetError: the budget or the node's free memory cannot hold
-                ``nbytes``; nothing is recorded. The message names the bytes
-                needed and available and how to lower the need.
+            HostBudgetError: the smallest of the budget, the node's free memory and the memory
+                cgroup's room cannot hold ``nbytes``; nothing is recorded. The message names that
+                limit, the bytes needed and available and how to lower the need.
         """
         info = meminfo()
-        reserve = _env_bytes("TORCHFERRY_HOST_RESERVE_BYTES")
+        cgroup = cgroup_memory()
+        reserve = reserve_from_env()
         if reserve is None:
             reserve = int(_RESERVE_FRACTION * info.get("MemTotal", 0))
         me = str(os.getpid())
         with self._locked() as entries:
             others_pending = sum(e.get("pending", 0) for pid, e in entries.items() if pid != me)
             used = sum(e.get("held", 0) + e.get("pending", 0) for e in entries.values())
-            limits = []
+            limits = []  # (bytes available, the limit as a message names it, how to raise it)
             if budget is not None:
                 limits.append((budget - used, f"the node's host budget of {budget} bytes "
                                f"({used} already held or being allocated by {len(entries)} process(es) "
-                               "of this node)"))
+                               "of this node)", "raise the budget (TORCHFERRY_HOST_BUDGET_BYTES, "
+                               "Ferry(host_budget_bytes=...)) if the node really has the memory"))
             if "MemAvailable" in info:
                 free = info["MemAvailable"] - others_pending - reserve
                 limits.append((free, f"the node's free memory (MemAvailable {info['MemAvailable']} bytes, "
                                f"less {others_pending} being allocated by other processes and a reserve "
-                               f"of {reserve} bytes)"))
-            for available, source in limits:
+                               f"of {reserve} bytes)", "lower the reserve (TORCHFERRY_HOST_RESERVE_BYTES) "
+                               "if the node really has the memory"))
+            if cgroup is not None:
+                limits.append((cgroup.headroom - others_pending,
+                               f"the container's memory limit (cgroup v{cgroup.version} {cgroup.limit_file} "
+                               f"{cgroup.limit} bytes, less {cgroup.usage} bytes in use in "
+                               f"{cgroup.usage_file} and {others_pending} being allocated by other "
+                               "processes; past it the kernel's OOM killer ends the process)",
+                               "raise the container's memory limit (the pod's, Ray's or Slurm's)"))
+            if limits:
+                available, source, hint = min(limits, key=lambda limit: limit[0])
                 if nbytes > available:
                     available = max(available, 0)
                     raise HostBudgetError(
@@ -209,9 +245,7 @@ class NodeLedger:
                         f"but only {available} bytes ({available / 1e9:.2f} GB) are available within "
                         f"{source}. Nothing was allocated and the state is where it was. Lower the need: "
                         "ferry.release_host() returns an idle ferry's pool, fewer or smaller ferries per "
-                        "rank (e.g. keep the optimizer state resident); or raise the budget "
-                        "(TORCHFERRY_HOST_BUDGET_BYTES, Ferry(host_budget_bytes=...)) or lower the reserve "
-                        "(TORCHFERRY_HOST_RESERVE_BYTES) if the node really has the memory. "
+                        f"rank (e.g. keep the optimizer state resident); or {hint}. "
                         "(Ferry(max_pinned_bytes=...) pins less, but the pool still needs the host memory.)",
                         needed=nbytes, available=available,
                     )

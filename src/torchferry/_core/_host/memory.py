@@ -24,6 +24,7 @@ import torch
 
 from .._state.host_blocks import in_host_pool
 from .._state.host_blocks import live_blocks as _live
+from .node_memory import meminfo
 
 __all__ = ["HostBuffer", "available_host_bytes", "host_page_report", "in_host_pool"]
 
@@ -36,14 +37,7 @@ _CUDA_HOST_REGISTER_PORTABLE = 0x01
 
 def available_host_bytes() -> int | None:
     """``MemAvailable`` from ``/proc/meminfo`` in bytes, or ``None`` if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return meminfo().get("MemAvailable")
 
 
 def _describe_available() -> str:

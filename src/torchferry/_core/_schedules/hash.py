@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
+from .._api.env import env_choice
 from .hash_rows import int64_on
 from .._host.slots import PackChunk
 
-__all__ = ["HASH_ENV", "HASH_PIECE", "LANES", "hash_bytes", "hash_kind", "hash_packed", "hash_storages",
+__all__ = ["HASH_ENV", "HASH_PIECE", "LANES", "hash_bytes", "hash_choice", "hash_kind", "hash_packed", "hash_storages",
            "stage_storages"]
 
 logger = logging.getLogger("torchferry")
@@ -153,9 +153,19 @@ def _triton_usable() -> bool:
     return True
 
 
+def hash_choice() -> str:
+    """``TORCHFERRY_HASH``: ``"auto"`` (unset or empty; also ``"triton"``: the kernel where it imports) or
+    ``"torch"`` (the torch ops everywhere), any case.
+
+    Raises:
+        ValueError: another value ([Note: one parser for the environment]).
+    """
+    return env_choice(HASH_ENV, ("auto", "triton", "torch"), "auto")
+
+
 def hash_kind(device: torch.device) -> str:
     """``"triton"`` on a CUDA device where Triton imports (unless ``TORCHFERRY_HASH=torch``), else ``"torch"``."""
-    if device.type == "cuda" and os.environ.get(HASH_ENV, "") != "torch" and _triton_usable():
+    if device.type == "cuda" and hash_choice() != "torch" and _triton_usable():
         return "triton"
     return "torch"
 

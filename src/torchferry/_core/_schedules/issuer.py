@@ -61,7 +61,7 @@ from collections.abc import Callable
 
 import torch
 
-from .._api.args import env_int
+from .._api.env import env_int
 
 __all__ = ["ISSUE_POLL_S", "ISSUE_WINDOW_BYTES", "REFILL_ENV", "Issuer", "refill_bytes_from_env", "wait_target"]
 

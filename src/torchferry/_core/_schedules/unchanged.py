@@ -103,13 +103,13 @@ next offload copies everything.
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
 
+from .._api.env import env_flag
 from .._state.fsdp import versions
 from .hash import hash_kind, hash_storages, stage_storages
 from .hash_rows import int64_on
@@ -117,11 +117,22 @@ from .._host.layout import HostViews
 from .._state.plan import Plan
 from .step_hooks import GlobalStepHook
 
-__all__ = ["VERIFY_ENV", "UnchangedStorages"]
+__all__ = ["VERIFY_ENV", "UnchangedStorages", "verify_skips"]
 
 logger = logging.getLogger("torchferry")
 
 VERIFY_ENV = "TORCHFERRY_VERIFY_SKIPS"
+
+
+def verify_skips() -> bool:
+    """``TORCHFERRY_VERIFY_SKIPS`` (tests; off by default): compare every storage judged unchanged with its
+    pool slot. A switch as [Note: one parser for the environment] reads it.
+
+    Raises:
+        ValueError: neither on nor off.
+    """
+    return env_flag(VERIFY_ENV, False)
+
 
 # Any optimizer step marks the trainable storages of every baseline as written.
 _STEPS = GlobalStepHook()
@@ -312,7 +323,7 @@ class UnchangedStorages:
             logger.warning("torchferry: could not hash the state at offload; it is copied in full", exc_info=True)
             return set()
         same = {si for si, e in zip(cand, equal, strict=False) if e}
-        if os.environ.get(VERIFY_ENV, "0") not in ("", "0"):
+        if verify_skips():
             _verify(plan, views, sources, same, rules)
         return same
 

@@ -30,6 +30,17 @@ offloaded* of an alias the ferry does not know (using it is undefined: its
 memory is released) leaves a device storage that can never be allocated
 again: a plain ``reload()`` refuses it by name (:func:`refuse_unresizable`)
 before allocating anything, and the state stays on the host.
+
+NumPy is not the only cause, and the refusal must not blame it for the others
+(issue 46 item 5): ``torch.load`` builds every storage it reads without an
+allocator and not resizable, and ``optimizer.load_state_dict()`` keeps a
+loaded tensor as it is when it already has its parameter's device and dtype
+(``_process_value_according_to_param_policy`` in ``torch/optim/optimizer.py``),
+which on a ferry whose device is the CPU is always; ``module.load_state_dict(...,
+assign=True)`` does the same with parameters. Nothing on a storage tells these
+causes apart, so :func:`_unresizable` names the one that fits what the tensor
+is (optimizer state, a module's, a tensor) first, and ``copy.deepcopy`` of the
+loaded state as the fix (its tensors get storages of their own).
 """
 
 from __future__ import annotations
@@ -215,6 +226,29 @@ def resolve_device(found: list[tuple[str, torch.Tensor, torch.Tensor]], device: 
     return device
 
 
+def _unresizable(name: str, target: type) -> NotImplementedError:
+    """The refusal of a storage that is not resizable, its likeliest cause first for a tensor found in
+    a ``target`` of this type ([Note: NumPy views mark storages not resizable])."""
+    numpy = ("a NumPy array made of it (t.numpy(), np.asarray(t)), which PyTorch never undoes, or memory "
+             "borrowed from NumPy or DLPack (torch.from_numpy, torch.from_dlpack)")
+    if issubclass(target, torch.optim.Optimizer):
+        cause = ("optimizer state loaded with optimizer.load_state_dict(torch.load(...)): torch.load's storages "
+                 "are not resizable, and the optimizer keeps the loaded tensors as they are where they already have "
+                 f"their parameter's device and dtype (on a CPU ferry, all of them) and its step counters; or {numpy}")
+        fix = ("load a copy that owns its memory: optimizer.load_state_dict(copy.deepcopy(torch.load(...))), "
+               "or replace the tensor with t.clone() in optimizer.state")
+    elif issubclass(target, nn.Module):
+        cause = ("a parameter or buffer loaded with module.load_state_dict(torch.load(...), assign=True) "
+                 f"(torch.load's storages are not resizable), or {numpy}")
+        fix = "give it memory of its own (p.data = p.data.clone(), or load_state_dict without assign=True)"
+    else:
+        cause = f"{numpy}, or a tensor read by torch.load (whose storages are not resizable)"
+        fix = "give it memory of its own (t.data = t.data.clone())"
+    return NotImplementedError(f"torchferry: the storage of {name} cannot be resized, so its memory cannot be "
+                               f"released; nothing was moved. PyTorch marks a storage so for {cause}. Fix: {fix}, "
+                               "then offload again")
+
+
 def build_plan(targets: Sequence[object], device: torch.device | str | None = None) -> Plan:
     """Collects and deduplicates the storages behind ``targets``.
 
@@ -239,11 +273,11 @@ def build_plan(targets: Sequence[object], device: torch.device | str | None = No
     if not targets:
         raise ValueError("torchferry: Ferry() needs at least one target (module, optimizer or tensor)")
     found: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-    seen: set[int] = set()
+    kinds: dict[int, type] = {}  # id(tensor) -> the type of target it was found in (for _unresizable)
     for where, t in walk(targets):
-        if id(t) in seen:
+        if id(t) in kinds:
             continue
-        seen.add(id(t))
+        kinds[id(t)] = type(targets[where[0]])
         name = describe(targets, where)
         found.append((name, t, check_tensor(name, t)))
     dev = resolve_device(found, None if device is None else torch.device(device))
@@ -259,12 +293,7 @@ def build_plan(targets: Sequence[object], device: torch.device | str | None = No
         key = st._cdata
         if key not in index_of:
             if not st.resizable():  # see [Note: NumPy views mark storages not resizable]
-                raise NotImplementedError(
-                    f"torchferry: the storage of {name} cannot be resized (a NumPy array was made of it, "
-                    "e.g. t.numpy() or np.asarray(t), which PyTorch never undoes, or it is borrowed from "
-                    "NumPy or DLPack), so its memory cannot be released; nothing was moved: give the "
-                    "tensor torch-owned memory (p.data = p.data.clone()) and offload again"
-                )
+                raise _unresizable(name, kinds[id(t)])
             index_of[key] = len(storages)
             storages.append(st)
             nbytes.append(st.nbytes())

@@ -63,7 +63,11 @@ import os
 
 import torch
 
-__all__ = ["ReloadArena", "arena_supported"]
+from .._api.env import env_flag
+
+__all__ = ["ARENA_ENV", "ReloadArena", "arena_supported"]
+
+ARENA_ENV = "TORCHFERRY_RELOAD_ARENA"  # a switch, on by default ([Note: one parser for the environment])
 
 _SMALL_SIZE = 1 << 20  # kSmallSize: blocks up to 1 MiB go to the small pool
 _ROUND_LARGE = 2 << 20  # kRoundLarge: large segments are multiples of 2 MiB
@@ -77,8 +81,13 @@ def _round(n: int, to: int) -> int:
 
 @functools.lru_cache(maxsize=1)
 def arena_supported() -> bool:
-    """True with the native CUDA caching allocator at default rounding and splitting."""
-    if os.environ.get("TORCHFERRY_RELOAD_ARENA", "1") == "0":
+    """True with the native CUDA caching allocator at default rounding and splitting, unless
+    ``TORCHFERRY_RELOAD_ARENA`` is off.
+
+    Raises:
+        ValueError: ``TORCHFERRY_RELOAD_ARENA`` is neither on nor off (not cached: every call raises).
+    """
+    if not env_flag(ARENA_ENV, True):
         return False
     conf = (os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")).lower()
     if any(k in conf for k in ("max_split_size_mb", "roundup_power2_divisions", "expandable_segments:true",

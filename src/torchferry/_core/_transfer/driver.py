@@ -50,7 +50,7 @@ import threading
 
 import torch
 
-from .._api.args import env_flag
+from .._api.env import env_flag
 
 __all__ = ["DRIVER_ENV", "DriverQueue", "enabled", "queue_for"]
 
@@ -93,7 +93,7 @@ def enabled() -> bool:
     """``TORCHFERRY_DRIVER_COPIES``: ``1`` (default) queues the issuer thread's copies by pointer, ``0`` with ``copy_``.
 
     Raises:
-        ValueError: neither ``0`` nor ``1``.
+        ValueError: neither on nor off.
     """
     return env_flag(DRIVER_ENV, True)
 

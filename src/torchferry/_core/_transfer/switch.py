@@ -86,7 +86,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .._api.args import env_int
+from .._api.env import env_int
 
 __all__ = ["D2H_SWITCH_BYTES", "SEPARATOR_BYTES", "SWITCH_BYTES", "SWITCH_ENV", "SwitchPoints", "default_interval",
            "whole_copies"]

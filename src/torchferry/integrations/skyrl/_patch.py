@@ -144,18 +144,18 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
             after a forward-only phase (the reference, a policy offloaded for another role)
             copies nothing ([Note: the helpers skip unchanged storages] in
             ``integrations._helpers``); ``None`` (default): an earlier ``patch()``'s choice,
-            else ``TORCHFERRY_SKIP_UNCHANGED``, on unless ``0``. SkyRL's own (the verl
+            else ``TORCHFERRY_SKIP_UNCHANGED``, on unless off. SkyRL's own (the verl
             integration's choice does not reach SkyRL's helpers: [Note: each integration's
             settings] in ``integrations._helpers``), forgotten by ``unpatch()``.
         optimizer_at_step: whether ``load_fsdp_optimizer`` leaves the optimizer state's copies
             to ``optimizer.step()``, behind the forward and backward before it ([Note: optimizer
             state waited for at step()] in ``integrations._helpers``); ``None`` (default): an
-            earlier ``patch()``'s choice, else ``TORCHFERRY_OPTIMIZER_AT_STEP``, off unless ``1``.
+            earlier ``patch()``'s choice, else ``TORCHFERRY_OPTIMIZER_AT_STEP``, off unless on.
             SkyRL's own, forgotten by ``unpatch()``.
         layerwise_reload: whether ``load_fsdp2_model_to_gpu`` reloads the FSDP2 units in forward
             order, each forward waiting only for its own ([Note: the helpers' layer-wise reload] in
             ``integrations._helpers``); ``None`` (default): an earlier ``patch()``'s choice, else
-            ``TORCHFERRY_LAYERWISE_RELOAD``, off unless ``1``. SkyRL's own, forgotten by ``unpatch()``.
+            ``TORCHFERRY_LAYERWISE_RELOAD``, off unless on. SkyRL's own, forgotten by ``unpatch()``.
 
     Returns:
         The ``module.attribute`` names replaced.
@@ -164,7 +164,7 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
         TypeError: ``import_call_sites`` is not a bool, or ``skip_unchanged``, ``optimizer_at_step`` or
             ``layerwise_reload`` neither ``None`` nor a bool.
         ValueError: ``TORCHFERRY_SKIP_UNCHANGED``, ``TORCHFERRY_OPTIMIZER_AT_STEP`` or
-            ``TORCHFERRY_LAYERWISE_RELOAD`` is neither ``0`` nor ``1``.
+            ``TORCHFERRY_LAYERWISE_RELOAD`` is neither on nor off.
         RuntimeError: SkyRL's ``fsdp_utils`` is not importable (on Python < 3.12 the message says
             SkyRL needs 3.12), or one of its helpers is
             missing or has other parameters than this integration was written for (nothing is

@@ -40,7 +40,7 @@ __all__ = ["ENV_FLAG", "HOOK_PATH", "patch_when_imported", "ray_init_with_hook",
 HOOK_PATH = "torchferry.integrations.skyrl.ray_worker_setup"
 """The hook's import path, as Ray's ``runtime_env["worker_process_setup_hook"]`` takes it."""
 ENV_FLAG = "TORCHFERRY_SKYRL"
-"""Set to ``"1"`` in the job's ``env_vars`` by :func:`with_worker_setup`; ``"0"`` makes the hook do nothing."""
+"""Set to ``"1"`` in the job's ``env_vars`` by :func:`with_worker_setup`; off (``0``, ``false``, ...) does nothing."""
 
 _hook = WorkerHook(
     HookNames(framework="skyrl", integration="skyrl", module=_FSDP_UTILS, hook_path=HOOK_PATH,
@@ -66,8 +66,8 @@ def patch_when_imported() -> None:
 def ray_worker_setup() -> None:
     """Ray ``worker_process_setup_hook``: torchferry for SkyRL's helpers in this worker process.
 
-    Does nothing when the environment variable ``TORCHFERRY_SKYRL`` is ``"0"``. Then runs the
-    hook named in ``TORCHFERRY_SKYRL_NEXT_HOOK``, if any (a hook of the user's own that
+    Does nothing when the environment variable ``TORCHFERRY_SKYRL`` is off (``0``, ``false``, ``no``,
+    ``off``). Then runs the hook named in ``TORCHFERRY_SKYRL_NEXT_HOOK``, if any (a hook of the user's own that
     :func:`with_worker_setup` found in the ``runtime_env``).
 
     Raises:

@@ -61,7 +61,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from types import ModuleType
 
-from ..._core._api.args import check_optional_bool, env_flag
+from ..._core._api.args import check_optional_bool
+from ..._core._api.env import env_flag
 from ..._core._state.fsdp import fsdp1_offloads_params
 from .. import _helpers as compat
 from .._patching import HelperSet, Patcher
@@ -93,10 +94,10 @@ _fsdp1: bool | None = None  # patch(fsdp1=...); None: the environment
 
 def fsdp1_through_torchferry() -> bool:
     """Whether FSDP1 models go through torchferry ([Note: FSDP1 models through torchferry]):
-    ``patch(fsdp1=...)``, else ``TORCHFERRY_VERL_FSDP1`` (``1``, the default, or ``0``).
+    ``patch(fsdp1=...)``, else ``TORCHFERRY_VERL_FSDP1`` (on, the default, or off).
 
     Raises:
-        ValueError: ``TORCHFERRY_VERL_FSDP1`` is neither ``0`` nor ``1``.
+        ValueError: ``TORCHFERRY_VERL_FSDP1`` is neither on nor off.
     """
     return _fsdp1 if _fsdp1 is not None else env_flag(FSDP1_ENV, True)
 
@@ -160,21 +161,21 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
             an offload after a forward-only phase copies nothing ([Note: the
             helpers skip unchanged storages] in ``integrations._helpers``);
             ``None`` (default): an earlier ``patch()``'s choice, else
-            ``TORCHFERRY_SKIP_UNCHANGED``, on unless ``0``. verl's own (it does
+            ``TORCHFERRY_SKIP_UNCHANGED``, on unless off. verl's own (it does
             not reach SkyRL's helpers: [Note: each integration's settings] in
             ``integrations._helpers``), forgotten by ``unpatch()``.
         fsdp1: whether FSDP1 models go through torchferry too ([Note: FSDP1 models
             through torchferry]); ``None`` (default): an earlier ``patch()``'s
-            choice, else ``TORCHFERRY_VERL_FSDP1``, on unless ``0``.
+            choice, else ``TORCHFERRY_VERL_FSDP1``, on unless off.
         optimizer_at_step: whether ``load_fsdp_optimizer`` leaves the optimizer state's copies
             to ``optimizer.step()``, behind update_actor's forward and backward ([Note: optimizer
             state waited for at step()] in ``integrations._helpers``); ``None`` (default): an
-            earlier ``patch()``'s choice, else ``TORCHFERRY_OPTIMIZER_AT_STEP``, on unless ``0``
+            earlier ``patch()``'s choice, else ``TORCHFERRY_OPTIMIZER_AT_STEP``, on unless off
             ([Note: verl's defaults]). verl's own, forgotten by ``unpatch()``.
         layerwise_reload: whether ``load_fsdp2_model_to_gpu`` reloads the FSDP2 units in forward
             order, each forward waiting only for its own ([Note: the helpers' layer-wise reload] in
             ``integrations._helpers``); ``None`` (default): an earlier ``patch()``'s choice, else
-            ``TORCHFERRY_LAYERWISE_RELOAD``, on unless ``0`` ([Note: verl's defaults]). verl's
+            ``TORCHFERRY_LAYERWISE_RELOAD``, on unless off ([Note: verl's defaults]). verl's
             own, forgotten by ``unpatch()``.
         dock: a GPU budget for verl's trainer under a :class:`~torchferry.Dock` ([Note: verl under a
             Dock] in ``integrations.verl._dock``): bytes (at least 1 MiB; ``40e9`` too) or a float in
@@ -193,7 +194,7 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
             ``None`` nor a bool.
         ValueError: ``dock`` or ``TORCHFERRY_VERL_DOCK`` is not a budget (see ``_dock_patch.parse_budget``).
         ValueError: ``TORCHFERRY_SKIP_UNCHANGED``, ``TORCHFERRY_VERL_FSDP1`` or
-            ``TORCHFERRY_OPTIMIZER_AT_STEP`` or ``TORCHFERRY_LAYERWISE_RELOAD`` is neither ``0`` nor ``1``.
+            ``TORCHFERRY_OPTIMIZER_AT_STEP`` or ``TORCHFERRY_LAYERWISE_RELOAD`` is neither on nor off.
         RuntimeError: verl is not importable, or one of its helpers is missing
             or has other parameters than this integration was written for
             (nothing is replaced then); with a dock, verl is not 0.9.x or the engine context,

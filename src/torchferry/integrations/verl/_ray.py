@@ -33,7 +33,7 @@ __all__ = ["HOOK_PATH", "ENV_FLAG", "ray_worker_setup", "patch_when_imported", "
 HOOK_PATH = "torchferry.integrations.verl.ray_worker_setup"
 """The hook's import path, as Ray's ``runtime_env["worker_process_setup_hook"]`` takes it."""
 ENV_FLAG = "TORCHFERRY_VERL"
-"""Set to ``"1"`` in the job's ``env_vars`` by :func:`with_worker_setup`; ``"0"`` makes the hook do nothing."""
+"""Set to ``"1"`` in the job's ``env_vars`` by :func:`with_worker_setup`; off (``0``, ``false``, ...) does nothing."""
 
 _hook = WorkerHook(
     HookNames(framework="verl", integration="verl", module=_FSDP_UTILS, hook_path=HOOK_PATH,
@@ -57,7 +57,7 @@ def patch_when_imported() -> None:
 def ray_worker_setup() -> None:
     """Ray ``worker_process_setup_hook``: torchferry for verl's helpers in this worker process.
 
-    Does nothing when the environment variable ``TORCHFERRY_VERL`` is ``"0"``.
+    Does nothing when the environment variable ``TORCHFERRY_VERL`` is off (``0``, ``false``, ``no``, ``off``).
     Then runs the hook named in ``TORCHFERRY_VERL_NEXT_HOOK``, if any (a hook of
     the user's own that :func:`with_worker_setup` found in the ``runtime_env``).
 

@@ -1,0 +1,146 @@
+"""What host memory this process may still take: ``/proc/meminfo`` and its memory cgroup's limit.
+
+[Note: the container's memory limit]
+Inside a container (Kubernetes, Ray with memory limits, Slurm's cgroups) ``/proc/meminfo`` shows
+the host, not the limit, and pinned memory is charged to the process's memory cgroup: past the
+cgroup's limit the kernel's OOM killer (or Ray's memory monitor) ends the worker. So the host
+budget (``_host/budget``) also takes the cgroup's limit less its current usage, the smallest over
+the process's cgroup and its ancestors (a pod's limit sits above its containers'). The files, as
+``Documentation/admin-guide/cgroup-v2.rst`` and ``Documentation/admin-guide/cgroup-v1/memory.rst``
+of the Linux kernel describe them:
+
+- cgroup v2 (a ``0::<path>`` line in ``/proc/self/cgroup``): ``memory.max`` (``max``: no limit)
+  and ``memory.current`` under ``/sys/fs/cgroup/<path>``;
+- cgroup v1 (a ``<n>:...memory...:<path>`` line): ``memory.limit_in_bytes`` (no limit reads as a
+  huge number, ``PAGE_COUNTER_MAX`` pages: 9223372036854771712 with 4 KiB pages) and
+  ``memory.usage_in_bytes`` under ``/sys/fs/cgroup/memory/<path>``. A host that mounts v1's
+  memory controller beside a v2 tree (hybrid) lists both: v1 holds the memory limit then.
+
+A ``<path>`` that is not under the mount (a container without its own cgroup namespace sees its
+host-side path, but has its own cgroup mounted at the root) is read at the mount's root. A file
+that cannot be read or parsed counts as no limit at that level. The roots are
+:data:`PROC_ROOT` and :data:`CGROUP_ROOT` (tests point them at a fake tree).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import NamedTuple
+
+__all__ = ["CGROUP_ROOT", "PROC_ROOT", "CgroupMemory", "cgroup_memory", "meminfo"]
+
+PROC_ROOT = "/proc"
+"""Where ``meminfo`` and ``self/cgroup`` are read."""
+CGROUP_ROOT = "/sys/fs/cgroup"
+"""Where the cgroup hierarchies are mounted (v2 at the root, v1's memory controller in ``memory/``)."""
+V1_NO_LIMIT = 1 << 62
+"""A cgroup v1 limit at or above this many bytes is no limit (``PAGE_COUNTER_MAX`` pages, see the Note)."""
+
+# version -> (the folder of its memory controller under CGROUP_ROOT, the limit's file, the usage's file)
+_FILES = {2: ("", "memory.max", "memory.current"), 1: ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes")}
+
+
+class CgroupMemory(NamedTuple):
+    """The tightest memory limit of this process's cgroups."""
+
+    headroom: int
+    """``limit - usage``, bytes (negative when the cgroup is over its limit)."""
+    limit: int
+    """The limit, bytes (``memory.max`` / ``memory.limit_in_bytes``)."""
+    usage: int
+    """The usage when read, bytes (``memory.current`` / ``memory.usage_in_bytes``)."""
+    limit_file: str
+    """The file the limit was read from (for messages)."""
+    usage_file: str
+    """The file the usage was read from."""
+    version: int
+    """1 or 2."""
+
+
+def meminfo(proc_root: str | None = None) -> dict[str, int]:
+    """``<proc_root>/meminfo`` (default :data:`PROC_ROOT`) in bytes (``{}`` where it cannot be read, e.g. not Linux)."""
+    out: dict[str, int] = {}
+    try:
+        with open(os.path.join(proc_root or PROC_ROOT, "meminfo")) as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    out[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    except OSError:
+        pass
+    return out
+
+
+def _own_cgroups(proc_root: str) -> dict[int, str]:
+    """``{version: path}`` of this process's memory cgroups from ``self/cgroup`` (``{}``: unreadable)."""
+    try:
+        with open(os.path.join(proc_root, "self", "cgroup")) as f:
+            text = f.read()
+    except OSError:
+        return {}
+    out: dict[int, str] = {}
+    for line in text.splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if "memory" in controllers.split(","):
+            out[1] = path
+        elif hierarchy == "0" and controllers == "":
+            out[2] = path
+    return out
+
+
+def _levels(mount: str, path: str) -> Iterator[str]:
+    """The folder of cgroup ``path`` under ``mount``, then each parent up to ``mount`` itself."""
+    mount = os.path.normpath(mount)
+    start = os.path.normpath(os.path.join(mount, path.lstrip("/")))
+    if os.path.commonpath([mount, start]) != mount or not os.path.isdir(start):
+        start = mount  # see the Note: a host-side path, read at the mount's root
+    d = start
+    while True:
+        yield d
+        if d == mount:
+            return
+        d = os.path.dirname(d)
+
+
+def _read_bytes(path: str, version: int) -> int | None:
+    """A byte count from a cgroup file; ``None`` for no limit, an unreadable or a malformed file."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    if not text.isdigit():  # "max" (v2: no limit), or not a count
+        return None
+    n = int(text)
+    return None if version == 1 and n >= V1_NO_LIMIT else n
+
+
+def cgroup_memory(proc_root: str | None = None, cgroup_root: str | None = None) -> CgroupMemory | None:
+    """The memory limit of this process's cgroups that leaves the least room ([Note: the container's
+    memory limit]), or ``None`` where none is set or none can be read.
+
+    Args:
+        proc_root: where ``self/cgroup`` is read (default :data:`PROC_ROOT`).
+        cgroup_root: where the hierarchies are mounted (default :data:`CGROUP_ROOT`).
+    """
+    proc_root, cgroup_root = proc_root or PROC_ROOT, cgroup_root or CGROUP_ROOT
+    own = _own_cgroups(proc_root)
+    for version in (1, 2):  # a memory controller bound to v1 (hybrid) is absent from the v2 tree
+        sub, limit_name, usage_name = _FILES[version]
+        mount = os.path.join(cgroup_root, sub) if sub else cgroup_root
+        if version not in own or not os.path.isdir(mount):
+            continue
+        best: CgroupMemory | None = None
+        for d in _levels(mount, own[version]):
+            limit_file, usage_file = os.path.join(d, limit_name), os.path.join(d, usage_name)
+            limit = _read_bytes(limit_file, version)
+            usage = _read_bytes(usage_file, version) if limit is not None else None
+            if limit is None or usage is None:
+                continue
+            if best is None or limit - usage < best.headroom:
+                best = CgroupMemory(limit - usage, limit, usage, limit_file, usage_file, version)
+        return best
+    return None

@@ -1,0 +1,240 @@
+"""Every ``TORCHFERRY_*`` variable parsed alike ([Note: one parser for the environment] in
+``torchferry._core._api.env``): one set of spellings for on and off, a clear error naming the
+variable and the value for anything else, and a bad value failing every time.
+
+Reproduces issue 46 item 4: ``TORCHFERRY_VERL=false`` still installed the Ray hook's patch,
+``TORCHFERRY_VERIFY_SKIPS=false`` turned verify mode on, and a bad ``TORCHFERRY_VERL_DOCK`` failed
+only the first import of verl's helpers."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from torchferry import Ferry
+from torchferry._core._api.env import OFF, ON, env_bytes, env_choice, env_flag, env_int, parse_flag
+
+ON_SPELLINGS = [s for on in ON for s in (on, on.upper(), on.capitalize(), f"  {on}\t")]
+OFF_SPELLINGS = [s for off in OFF for s in (off, off.upper(), off.capitalize(), f" {off} ")]
+BAD_FLAGS = ["2", "maybe", "enable", "y", "n", "1.0", "tru", "on off"]
+
+
+@pytest.fixture(autouse=True)
+def _no_torchferry_environment(monkeypatch):
+    for k in [k for k in __import__("os").environ if k.startswith("TORCHFERRY_")]:
+        monkeypatch.delenv(k)
+
+
+@pytest.mark.parametrize("raw", ON_SPELLINGS)
+def test_every_spelling_of_on_reads_as_on(monkeypatch, raw):
+    monkeypatch.setenv("TORCHFERRY_X", raw)
+    assert env_flag("TORCHFERRY_X", False) is True
+    assert parse_flag(raw, "TORCHFERRY_X", False) is True
+
+
+@pytest.mark.parametrize("raw", OFF_SPELLINGS)
+def test_every_spelling_of_off_reads_as_off(monkeypatch, raw):
+    monkeypatch.setenv("TORCHFERRY_X", raw)
+    assert env_flag("TORCHFERRY_X", True) is False
+
+
+@pytest.mark.parametrize("raw", [None, "", "   "])
+def test_an_unset_or_empty_switch_takes_its_default(monkeypatch, raw):
+    if raw is None:
+        monkeypatch.delenv("TORCHFERRY_X", raising=False)
+    else:
+        monkeypatch.setenv("TORCHFERRY_X", raw)
+    assert env_flag("TORCHFERRY_X", True) is True
+    assert env_flag("TORCHFERRY_X", False) is False
+
+
+@pytest.mark.parametrize("raw", BAD_FLAGS)
+def test_a_switch_neither_on_nor_off_is_refused_naming_the_variable_and_value(monkeypatch, raw):
+    monkeypatch.setenv("TORCHFERRY_X", raw)
+    with pytest.raises(ValueError, match=r"torchferry: TORCHFERRY_X must be on \(1, true, yes, on\) or off "
+                                         rf"\(0, false, no, off\), got {raw!r}$"):
+        env_flag("TORCHFERRY_X", True)
+
+
+def _switch_readers():
+    """(variable, what reads it now, its default) for every switch of the core and the integrations."""
+    from torchferry._core._schedules.unchanged import verify_skips
+    from torchferry._core._transfer import arena, driver
+    from torchferry.integrations import _helpers
+
+    def arena_flag():
+        arena.arena_supported.cache_clear()
+        try:
+            return arena.arena_supported()
+        finally:
+            arena.arena_supported.cache_clear()
+
+    return [
+        ("TORCHFERRY_DRIVER_COPIES", driver.enabled, True),
+        ("TORCHFERRY_VERIFY_SKIPS", verify_skips, False),
+        ("TORCHFERRY_RELOAD_ARENA", arena_flag, True),
+        ("TORCHFERRY_SKIP_UNCHANGED", _helpers.skip_unchanged, True),
+        ("TORCHFERRY_OPTIMIZER_AT_STEP", _helpers.optimizer_at_step, False),
+        ("TORCHFERRY_LAYERWISE_RELOAD", _helpers.LAYERWISE.get, False),
+    ]
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_every_switch_of_torchferry_takes_every_spelling(monkeypatch, index):
+    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "native")  # the arena's other condition
+    name, read, default = _switch_readers()[index]
+    assert read() is default
+    for raw in ON_SPELLINGS:
+        monkeypatch.setenv(name, raw)
+        assert read() is True, raw
+    for raw in OFF_SPELLINGS:
+        monkeypatch.setenv(name, raw)
+        assert read() is False, raw
+    for raw in BAD_FLAGS:
+        monkeypatch.setenv(name, raw)
+        with pytest.raises(ValueError, match=rf"torchferry: {name} must be on .* got {raw!r}"):
+            read()
+
+
+def test_verify_skips_false_leaves_verify_mode_off(monkeypatch):
+    from torchferry._core._schedules.unchanged import verify_skips
+
+    for raw in ("false", "no", "off", "FALSE"):
+        monkeypatch.setenv("TORCHFERRY_VERIFY_SKIPS", raw)
+        assert verify_skips() is False
+
+
+def test_verl_fsdp1_switch_takes_every_spelling(monkeypatch):
+    pytest.importorskip("verl.utils.fsdp_utils", reason="verl not installed")
+    from torchferry.integrations.verl._patch import FSDP1_ENV, fsdp1_through_torchferry
+
+    assert fsdp1_through_torchferry() is True
+    for raw, want in [*((r, True) for r in ON_SPELLINGS), *((r, False) for r in OFF_SPELLINGS)]:
+        monkeypatch.setenv(FSDP1_ENV, raw)
+        assert fsdp1_through_torchferry() is want, raw
+    monkeypatch.setenv(FSDP1_ENV, "sometimes")
+    with pytest.raises(ValueError, match="TORCHFERRY_VERL_FSDP1 must be on .* got 'sometimes'"):
+        fsdp1_through_torchferry()
+
+
+def _fake_hook(monkeypatch, env_flag_name: str):
+    """A WorkerHook over a stand-in helper module that is already imported: its patch runs at once."""
+    from torchferry.integrations._ray_hook import HookNames, WorkerHook
+
+    module = "torchferry_test_env_helpers"
+    monkeypatch.setitem(sys.modules, module, type(sys)(module))
+    calls: list[str] = []
+    names = HookNames(framework="fake", integration="fake", module=module, hook_path="x.y",
+                      env_flag=env_flag_name, next_hook_env=env_flag_name + "_NEXT_HOOK")
+    return WorkerHook(names, patch=lambda: calls.append("patched"), is_patched=lambda: bool(calls)), calls
+
+
+@pytest.mark.parametrize("flag", ["TORCHFERRY_VERL", "TORCHFERRY_SKYRL"])
+def test_ray_hook_is_switched_off_by_every_spelling_of_off(monkeypatch, flag):
+    for raw in OFF_SPELLINGS:
+        monkeypatch.setenv(flag, raw)
+        hook, calls = _fake_hook(monkeypatch, flag)
+        hook.ray_worker_setup()
+        assert calls == [], raw  # false / off / no install nothing, as 0 does
+    for raw in [*ON_SPELLINGS, ""]:
+        monkeypatch.setenv(flag, raw)
+        hook, calls = _fake_hook(monkeypatch, flag)
+        hook.ray_worker_setup()
+        assert calls == ["patched"], raw
+    monkeypatch.setenv(flag, "perhaps")
+    hook, calls = _fake_hook(monkeypatch, flag)
+    with pytest.raises(ValueError, match=rf"{flag} must be on .* got 'perhaps'"):
+        hook.ray_worker_setup()
+    assert calls == []
+
+
+def test_the_integrations_hooks_read_their_own_switch():
+    pytest.importorskip("verl.utils.fsdp_utils", reason="verl not installed")
+    from torchferry.integrations.verl import _ray as verl_ray
+
+    assert verl_ray._hook.names.env_flag == "TORCHFERRY_VERL"
+    try:
+        from torchferry.integrations.skyrl import _ray as skyrl_ray
+    except ImportError:
+        return
+    assert skyrl_ray._hook.names.env_flag == "TORCHFERRY_SKYRL"
+
+
+def test_a_failed_patch_fails_every_import_of_the_helper_module(monkeypatch, tmp_path):
+    """Issue 46 item 4: the first import raised, the second succeeded unpatched."""
+    from torchferry.integrations._ray_hook import HookNames, WorkerHook, _PatchOnImport
+
+    module = "torchferry_test_env_fake_fsdp_utils"
+    (tmp_path / f"{module}.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    state = {"error": ValueError("torchferry: TORCHFERRY_VERL_DOCK: 'lots' is not a dock budget"), "patched": 0}
+
+    def patch():
+        if state["error"] is not None:
+            raise state["error"]
+        state["patched"] += 1
+
+    names = HookNames(framework="fake", integration="fake", module=module, hook_path="x.y",
+                      env_flag="TORCHFERRY_TEST_ENV_FLAG", next_hook_env="TORCHFERRY_TEST_ENV_NEXT")
+    hook = WorkerHook(names, patch=patch, is_patched=lambda: state["patched"] > 0)
+    try:
+        hook.ray_worker_setup()
+        for _ in range(3):
+            with pytest.raises(ValueError, match="TORCHFERRY_VERL_DOCK: 'lots' is not a dock budget"):
+                __import__(module)
+            assert module not in sys.modules and state["patched"] == 0
+        state["error"] = None  # the setting fixed: the next import patches
+        assert __import__(module).VALUE == 1 and state["patched"] == 1
+        assert not any(isinstance(f, _PatchOnImport) and f.module == module for f in sys.meta_path)
+    finally:
+        sys.meta_path[:] = [f for f in sys.meta_path if not (isinstance(f, _PatchOnImport) and f.module == module)]
+        sys.modules.pop(module, None)
+
+
+@pytest.mark.parametrize("name, raw, message", [
+    ("TORCHFERRY_SWITCH_BYTES", "lots", r"TORCHFERRY_SWITCH_BYTES must be an integer >= 0 \(bytes; 0 turns switch "
+                                        r"points off\), got 'lots'"),
+    ("TORCHFERRY_SWITCH_BYTES", "-1", "TORCHFERRY_SWITCH_BYTES must be an integer >= 0 .*got '-1'"),
+    ("TORCHFERRY_ISSUE_REFILL_BYTES", "2e30", r"TORCHFERRY_ISSUE_REFILL_BYTES must be an integer in \[0, 1073741824\] "
+                                              r"\(bytes\), got '2e30'"),
+    ("TORCHFERRY_HOST_BUDGET_BYTES", "lots", "TORCHFERRY_HOST_BUDGET_BYTES='lots' is not a number of bytes"),
+    ("TORCHFERRY_HOST_BUDGET_BYTES", "1.5", "TORCHFERRY_HOST_BUDGET_BYTES='1.5' is not a number of bytes"),
+    ("TORCHFERRY_HOST_BUDGET_BYTES", "-5", "TORCHFERRY_HOST_BUDGET_BYTES='-5' must be >= 0"),
+    ("TORCHFERRY_HOST_RESERVE_BYTES", "nan", "TORCHFERRY_HOST_RESERVE_BYTES='nan' is not a number of bytes"),
+    ("TORCHFERRY_HASH", "cuda", r"TORCHFERRY_HASH must be one of auto, triton, torch \(or empty: auto\), got 'cuda'"),
+    ("TORCHFERRY_DRIVER_COPIES", "yes please", "TORCHFERRY_DRIVER_COPIES must be on .* got 'yes please'"),
+    ("TORCHFERRY_VERIFY_SKIPS", "2", "TORCHFERRY_VERIFY_SKIPS must be on .* got '2'"),
+    ("TORCHFERRY_RELOAD_ARENA", "nope", "TORCHFERRY_RELOAD_ARENA must be on .* got 'nope'"),
+])
+def test_a_bad_core_setting_is_refused_at_ferry_before_anything_moves(monkeypatch, name, raw, message):
+    t = torch.arange(10.0)
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(ValueError, match=message):
+        Ferry(t)
+    assert torch.equal(t, torch.arange(10.0))
+    monkeypatch.delenv(name)
+    ferry = Ferry(t)
+    ferry.offload()
+    ferry.reload()
+    assert torch.equal(t, torch.arange(10.0))
+
+
+def test_numbers_and_names_take_their_documented_forms(monkeypatch):
+    monkeypatch.setenv("TORCHFERRY_X", " 40e9 ")
+    assert env_bytes("TORCHFERRY_X") == 40_000_000_000
+    monkeypatch.setenv("TORCHFERRY_X", "1024")
+    assert env_bytes("TORCHFERRY_X") == 1024 and env_int("TORCHFERRY_X", 0, says="n") == 1024
+    monkeypatch.setenv("TORCHFERRY_X", "")
+    assert env_bytes("TORCHFERRY_X") is None and env_int("TORCHFERRY_X", 7, says="n") == 7
+    assert env_choice("TORCHFERRY_X", ("auto", "torch"), "auto") == "auto"
+    monkeypatch.setenv("TORCHFERRY_X", " Torch ")
+    assert env_choice("TORCHFERRY_X", ("auto", "torch"), "auto") == "torch"
+    from torchferry._core._schedules.hash import hash_kind
+
+    monkeypatch.setenv("TORCHFERRY_HASH", "TORCH")
+    assert hash_kind(torch.device("cpu")) == "torch"
+    monkeypatch.setenv("TORCHFERRY_HASH", "sha256")
+    with pytest.raises(ValueError, match="TORCHFERRY_HASH must be one of .* got 'sha256'"):
+        hash_kind(torch.device("cuda"))

@@ -59,7 +59,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from .._transfer.copies import transfer_range
+from .._transfer.copies import transfer_range, undo_allocations
 from .._transfer.arena import ReloadArena
 from .._state.fsdp import comm_streams, forward_prefetch_units, local_of, repoint_sharded_data, versions
 from .._api.handle import TransferHandle
@@ -225,11 +225,8 @@ class PrefetchRun:
         if self.resident:
             self.parking.revert_to_device([i for gi in sorted(self.resident) for i in self.groups[gi].tensors])
             self.resident = set()
-        if self.streams.is_cuda:
-            self.streams.h2d.synchronize()
-        for si in self._allocated:
-            self.plan.storages[si].resize_(0)
-        self._allocated = []
+        allocated, self._allocated = self._allocated, []
+        undo_allocations(self.plan, allocated, self.streams)  # after the copies into them; never raises
         if self.arena is not None:
             self.arena.release()
             self.arena = None

@@ -17,6 +17,7 @@ import functools
 import os
 import signal
 import sys
+import types
 from dataclasses import dataclass, field
 
 import pytest
@@ -457,3 +458,43 @@ def test_release_undone_from_the_pool_gives_back_the_bytes_of_the_freed_storages
     ferry.offload()
     ferry.reload()
     torch.testing.assert_close(m(torch.ones(2, 1024)), out, atol=0, rtol=0)
+
+
+def test_swap_schedule_frees_all_or_nothing_and_keeps_its_records_true(monkeypatch):
+    """A swap with a budget (on a GPU) hands its outgoing storages to a ``ReleaseSchedule``: storages
+    skipped as unchanged are freed at ``hold()``, all or nothing (given their bytes back from the
+    pool), and a release that fails part-way keeps the rest pending, so a later ``release_rest()``
+    frees exactly those."""
+    from torchferry._core._schedules.release import ReleaseSchedule
+    from torchferry._core._state.plan import build_plan, storage_bytes
+    from torchferry._core._transfer.copies import D2HIssued
+    from torchferry._core._transfer.streams import streams_for
+
+    ts = [torch.randn(1024, generator=torch.Generator().manual_seed(i)) for i in range(4)]  # 4 KiB each
+    want = [t.clone() for t in ts]
+    plan = build_plan(ts)
+    sources = [storage_bytes(s, plan.device) for s in plan.storages]
+    slots = [src.clone() for src in sources]  # the pool's copies
+    ev = types.SimpleNamespace(synchronize=lambda: None)
+    issued = D2HIssued(None, None, [(4096, ev), (8192, ev)], [0, 0, 4096, 8192])
+    streams = streams_for(torch.device("cpu"))
+    sched = ReleaseSchedule(budget_bytes=16384, base_bytes=16384)
+    with monkeypatch.context() as mp:
+        mp.setattr(torch.UntypedStorage, "resize_", _ResizeFault(1).method)  # the second unchanged storage
+        with pytest.raises(RuntimeError, match="injected"):
+            sched.hold(plan, sources, slots, issued, streams, {0, 1})
+    assert [s.nbytes() for s in plan.storages] == [4096] * 4
+    for t, w in zip(ts, want, strict=True):
+        torch.testing.assert_close(t, w, atol=0, rtol=0)
+    sched.release_rest()  # nothing was taken
+    assert [s.nbytes() for s in plan.storages] == [4096] * 4
+
+    sched.hold(plan, sources, slots, issued, streams, {0, 1})  # a retry takes them
+    assert [s.nbytes() for s in plan.storages] == [0, 0, 4096, 4096]
+    with monkeypatch.context() as mp:
+        mp.setattr(torch.UntypedStorage, "resize_", _ResizeFault(0).method)
+        with pytest.raises(RuntimeError, match="injected"):
+            sched.before_alloc(16384)  # storage 2 must go first, and cannot
+    assert [s.nbytes() for s in plan.storages] == [0, 0, 4096, 4096]
+    sched.release_rest()
+    assert [s.nbytes() for s in plan.storages] == [0, 0, 0, 0]

@@ -100,11 +100,12 @@ class ReloadMove:
         self.arena, self._unchanged = arena, unchanged
         self.copies: H2DIssued | None = None
         self.repointed = False
+        self.ready: torch.cuda.Event | None = None  # see [Note: a handle orders the whole transfer]
 
     def handle(self, issued_at: float) -> TransferHandle:
         copies = self.copies
         return TransferHandle("h2d", self.plan.state_bytes, copies.event if copies is not None else None, issued_at,
-                              start_event=copies.start if copies is not None else None)
+                              start_event=copies.start if copies is not None else None, ready_event=self.ready)
 
     def undo(self) -> None:
         if self._unchanged is not None:

@@ -3,6 +3,8 @@ over a CPU mesh, training steps), snapshots, comparisons."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -111,6 +113,29 @@ def train_step(m, opt, x, set_to_none=False):
     opt.step()
     opt.zero_grad(set_to_none=set_to_none)
     return loss.detach()
+
+
+def mlp_and_reference(device: str | torch.device, *, layers: int = 8, width: int = 2048, inputs: int = 4):
+    """An MLP of ``layers`` ``Linear(width, width)`` and its AdamW after one step, an identical pair
+    (to train without offloading), and the ``inputs - 1`` inputs of the steps still to take."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
+    ref_m = copy.deepcopy(m)
+    opt, ref_opt = (torch.optim.AdamW(x.parameters(), lr=1e-3) for x in (m, ref_m))
+    xs = [torch.randn(64, width, device=device, generator=torch.Generator(device).manual_seed(i))
+          for i in range(inputs)]
+    train_step(m, opt, xs[0], set_to_none=True)
+    train_step(ref_m, ref_opt, xs[0], set_to_none=True)
+    return m, opt, ref_m, ref_opt, xs[1:]
+
+
+def assert_same_training(m, opt, ref_m, ref_opt) -> None:
+    """Parameters and AdamW state (moments, step counters) bit-identical."""
+    for p, q in zip(m.parameters(), ref_m.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)
+    for a, b in zip(opt.state.values(), ref_opt.state.values(), strict=True):
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(a[k], b[k], atol=0, rtol=0)
 
 
 def train_steps(models, x_for_step, steps=4, ferry=None, zero=True):

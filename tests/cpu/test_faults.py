@@ -15,7 +15,9 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import signal
 import sys
+import types
 from dataclasses import dataclass, field
 
 import pytest
@@ -287,3 +289,212 @@ def _prefetch_body(rank, world):
 
 def test_layerwise_reload_is_all_or_nothing_under_a_fault_at_every_call():
     run_spawned(_prefetch_body, world=1, timeout_s=600)
+
+
+# ------------------------------------------------------------------ device memory freed or allocated
+_REAL_RESIZE = torch.UntypedStorage.resize_
+
+
+class _ResizeFault:
+    """Stands in for ``UntypedStorage.resize_``: its ``n``-th call (``None``: none, counting) raises
+    ``exc``, or, with ``sigterm``, completes and then sends this process a real SIGTERM."""
+
+    def __init__(self, n: int | None, exc: type[BaseException] = RuntimeError, sigterm: bool = False) -> None:
+        self.n, self.exc, self.sigterm, self.calls = n, exc, sigterm, 0
+
+    def __call__(self, storage: torch.UntypedStorage, size: int):
+        i, self.calls = self.calls, self.calls + 1
+        if i != self.n:
+            return _REAL_RESIZE(storage, size)
+        if not self.sigterm:
+            raise self.exc(f"injected at resize_ call {i} (size {size})")
+        out = _REAL_RESIZE(storage, size)
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered at the next bytecode: inside the loop
+        return out
+
+    @property
+    def method(self):
+        """What to set as ``UntypedStorage.resize_`` (a function, so that it binds the storage)."""
+        return lambda storage, size: self(storage, size)
+
+
+@dataclass
+class Other:
+    """A second state set, offloaded: what a swap brings in, what a dock loads."""
+
+    t: torch.Tensor
+    want: torch.Tensor
+    ferry: Ferry
+    dock: torchferry.Dock | None = None
+
+
+def _other(case: Case, dock: bool) -> Other:
+    t = torch.randn(4096, generator=torch.Generator().manual_seed(1))
+    o = Other(t, t.clone(), Ferry(t, device="cpu"))
+    o.ferry.offload()
+    if dock:  # room for one of the two: using "other" evicts "case"
+        budget = max(case.ferry.reserve_host() and 0 or case.ferry.state_bytes, o.ferry.state_bytes) + 64
+        o.dock = torchferry.Dock(budget, device="cpu")
+        o.dock.add("case", case.ferry)
+        o.dock.add("other", o.ferry)
+    return o
+
+
+def _use(dock: torchferry.Dock | None, name: str) -> None:
+    assert dock is not None
+    with dock.use(name):
+        pass
+
+
+# name -> (prepare, operation, retry of the operation); prepare returns the second set, if any
+MOVES = {
+    "first offload": (lambda c: None, lambda c, o: c.ferry.offload(), None),
+    "offload": (lambda c: (c.ferry.offload(), c.ferry.reload()) and None, lambda c, o: c.ferry.offload(), None),
+    "reload": (lambda c: (c.ferry.offload(), c.ferry.reload(), c.ferry.offload()) and None,
+               lambda c, o: c.ferry.reload(), None),
+    "swap": (lambda c: _other(c, dock=False), lambda c, o: torchferry.swap(c.ferry, o.ferry),
+             lambda c, o: (c.ferry.reload(), o.ferry.offload(), torchferry.swap(c.ferry, o.ferry))),
+    "dock eviction": (lambda c: _other(c, dock=True), lambda c, o: _use(o.dock, "other"),
+                      lambda c, o: _use(o.dock, "other")),
+}
+
+
+def _check_other(o: Other | None, what: str) -> None:
+    if o is None:
+        return
+    torch.testing.assert_close(o.t, o.want, atol=0, rtol=0, msg=what)
+    if o.dock is not None:  # the dock's records agree with where the sets are
+        for name, ferry in (("case", None), ("other", o.ferry)):
+            ferry = ferry or o.dock.ferry(name)
+            assert o.dock.is_resident(name) == (not ferry.residency.on_host), f"{what}: dock on {name!r}"
+
+
+def _resize_sweep(name: str, skip: bool, fault_of) -> int:
+    """Runs the move once per ``resize_`` call it makes, ``fault_of(n)`` at call ``n``: the state is
+    as before or the move completed, every value bit-exact, and the move and a cycle work after."""
+    prepare, op, retry = MOVES[name]
+    case = _plain_case(skip)
+    other = prepare(case)
+    counter = _ResizeFault(None)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.UntypedStorage, "resize_", counter.method)
+        op(case, other)
+    assert counter.calls >= 4, f"{name}: only {counter.calls} resize_ calls"
+    for n in range(counter.calls):
+        case = _plain_case(skip)
+        other = prepare(case)
+        expected, before = snapshot(case.model, case.opt), _on_pool(case)
+        fault = fault_of(n)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch.UntypedStorage, "resize_", fault.method)
+            with pytest.raises((fault.exc, RuntimeError, SystemExit)):
+                op(case, other)
+        what = f"{name}: fault at resize_ call {n}/{counter.calls} ({fault.exc.__name__})"
+        _check_consistent(case, before, expected, what)
+        _check_other(other, what)
+        if retry is not None:
+            retry(case, other)
+            _check_other(other, what + ", retried")
+            assert_same(snapshot(case.model, case.opt), expected)
+        if other is None or other.dock is None:
+            _check_retry(case, expected, what)
+    return counter.calls
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["copy-all", "skip-unchanged"])
+@pytest.mark.parametrize("name", list(MOVES))
+def test_every_move_is_all_or_nothing_when_freeing_or_allocating_device_memory_fails(name, skip):
+    """An exception at each ``resize_`` of the move (each storage its release frees, each its reload
+    allocates). Reproduces the report against 0e8596e: a failure at the second ``resize_(0)`` of an
+    offload left the first layer's storages freed under a ferry reporting DEVICE."""
+    _resize_sweep(name, skip, lambda n: _ResizeFault(n, FAULTS[n % len(FAULTS)]))
+
+
+@pytest.mark.parametrize("name", list(MOVES))
+def test_every_move_completes_before_a_sigterm_that_arrives_while_it_frees_memory(name):
+    """A real SIGTERM sent from inside each ``resize_`` of the move, with a handler raising
+    ``SystemExit`` (as Ray's, Slurm's and Kubernetes' stops meet a worker's handler): the handler
+    runs once the move has completed, and is the caller's own again afterwards."""
+    calls = []
+
+    def handler(signum, frame):
+        calls.append(signum)
+        raise SystemExit(143)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        n = _resize_sweep(name, False, lambda n: _ResizeFault(n, SystemExit, sigterm=True))
+        assert calls == [signal.SIGTERM] * n
+        assert signal.getsignal(signal.SIGTERM) is handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_release_undone_from_the_pool_gives_back_the_bytes_of_the_freed_storages(monkeypatch):
+    """The smallest case of the report: two ``nn.Linear(1024, 1024)``, the offload's second
+    ``resize_(0)`` raising: the ferry stays DEVICE with every storage whole, and a retry cycles."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+    ferry = Ferry(m, device="cpu")
+    want = {k: v.clone() for k, v in m.state_dict().items()}
+    frees = []
+
+    def resize(storage, size):
+        if size == 0:
+            frees.append(storage)
+            if len(frees) == 2:
+                raise RuntimeError("injected")
+        return _REAL_RESIZE(storage, size)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(torch.UntypedStorage, "resize_", resize)
+        with pytest.raises(RuntimeError, match="injected"):
+            ferry.offload()
+    assert ferry.residency is torchferry.Residency.DEVICE
+    assert [p.untyped_storage().nbytes() for p in m.parameters()] == [p.numel() * 4 for p in m.parameters()]
+    out = m(torch.ones(2, 1024))
+    for k, v in m.state_dict().items():
+        torch.testing.assert_close(v, want[k], atol=0, rtol=0)
+    ferry.offload()
+    ferry.reload()
+    torch.testing.assert_close(m(torch.ones(2, 1024)), out, atol=0, rtol=0)
+
+
+def test_swap_schedule_frees_all_or_nothing_and_keeps_its_records_true(monkeypatch):
+    """A swap with a budget (on a GPU) hands its outgoing storages to a ``ReleaseSchedule``: storages
+    skipped as unchanged are freed at ``hold()``, all or nothing (given their bytes back from the
+    pool), and a release that fails part-way keeps the rest pending, so a later ``release_rest()``
+    frees exactly those."""
+    from torchferry._core._schedules.release import ReleaseSchedule
+    from torchferry._core._state.plan import build_plan, storage_bytes
+    from torchferry._core._transfer.copies import D2HIssued
+    from torchferry._core._transfer.streams import streams_for
+
+    ts = [torch.randn(1024, generator=torch.Generator().manual_seed(i)) for i in range(4)]  # 4 KiB each
+    want = [t.clone() for t in ts]
+    plan = build_plan(ts)
+    sources = [storage_bytes(s, plan.device) for s in plan.storages]
+    slots = [src.clone() for src in sources]  # the pool's copies
+    ev = types.SimpleNamespace(synchronize=lambda: None)
+    issued = D2HIssued(None, None, [(4096, ev), (8192, ev)], [0, 0, 4096, 8192])
+    streams = streams_for(torch.device("cpu"))
+    sched = ReleaseSchedule(budget_bytes=16384, base_bytes=16384)
+    with monkeypatch.context() as mp:
+        mp.setattr(torch.UntypedStorage, "resize_", _ResizeFault(1).method)  # the second unchanged storage
+        with pytest.raises(RuntimeError, match="injected"):
+            sched.hold(plan, sources, slots, issued, streams, {0, 1})
+    assert [s.nbytes() for s in plan.storages] == [4096] * 4
+    for t, w in zip(ts, want, strict=True):
+        torch.testing.assert_close(t, w, atol=0, rtol=0)
+    sched.release_rest()  # nothing was taken
+    assert [s.nbytes() for s in plan.storages] == [4096] * 4
+
+    sched.hold(plan, sources, slots, issued, streams, {0, 1})  # a retry takes them
+    assert [s.nbytes() for s in plan.storages] == [0, 0, 4096, 4096]
+    with monkeypatch.context() as mp:
+        mp.setattr(torch.UntypedStorage, "resize_", _ResizeFault(0).method)
+        with pytest.raises(RuntimeError, match="injected"):
+            sched.before_alloc(16384)  # storage 2 must go first, and cannot
+    assert [s.nbytes() for s in plan.storages] == [0, 0, 4096, 4096]
+    sched.release_rest()
+    assert [s.nbytes() for s in plan.storages] == [0, 0, 0, 0]

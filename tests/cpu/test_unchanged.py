@@ -415,7 +415,8 @@ def test_release_schedule_frees_unchanged_storages_at_once_and_counts_them():
     ev = types.SimpleNamespace(synchronize=lambda: None)
     issued = D2HIssued(None, None, [(4096, ev), (8192, ev)], [0, 4096, 8192])
     sched = ReleaseSchedule(budget_bytes=12288, base_bytes=12288)
-    sched.hold(plan, sources, issued, streams_for(torch.device("cpu")), {0})
+    slots = [src.clone() for src in sources]  # the pool's copies
+    sched.hold(plan, sources, slots, issued, streams_for(torch.device("cpu")), {0})
     assert [s.nbytes() for s in plan.storages] == [0, 4096, 4096]  # the unchanged one at once
     sched.before_alloc(4096)  # 4 KiB already gone: nothing else has to leave
     assert [s.nbytes() for s in plan.storages] == [0, 4096, 4096]

@@ -5,12 +5,10 @@ bit-identical to the same steps never offloaded."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from torch import nn
 
+from tests.helpers import assert_same_training, mlp_and_reference, train_step
 from torchferry import Residency
 from torchferry.integrations import _helpers
 
@@ -20,23 +18,10 @@ if not torch.cuda.is_available():
 
 
 def test_the_optimizer_state_comes_back_at_step_bit_identical():
-    torch.manual_seed(0)
-    m = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)]).cuda()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-    ref_m = copy.deepcopy(m)
-    ref_opt = torch.optim.AdamW(ref_m.parameters(), lr=1e-3)
-    xs = [torch.randn(64, 2048, device="cuda", generator=torch.Generator("cuda").manual_seed(i)) for i in range(4)]
-
-    def step(model, optim, x):
-        model(x).square().mean().backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-
-    step(m, opt, xs[0])
-    step(ref_m, ref_opt, xs[0])
+    m, opt, ref_m, ref_opt, xs = mlp_and_reference("cuda")
     before = _helpers.set_optimizer_at_step(True)
     try:
-        for x in xs[1:]:
+        for x in xs:
             _helpers.offload_fsdp2_model_to_cpu(m)
             _helpers.offload_fsdp_optimizer(opt)
             _helpers.load_fsdp2_model_to_gpu(m)
@@ -52,13 +37,9 @@ def test_the_optimizer_state_comes_back_at_step_bit_identical():
             torch.cuda.synchronize()
             assert ferry.residency is Residency.DEVICE
             assert all(t.is_cuda for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim())
-            step(ref_m, ref_opt, x)
+            train_step(ref_m, ref_opt, x, set_to_none=True)
         torch.cuda.synchronize()
-        for p, q in zip(m.parameters(), ref_m.parameters(), strict=True):
-            torch.testing.assert_close(p, q, atol=0, rtol=0)
-        for a, b in zip(opt.state.values(), ref_opt.state.values(), strict=True):
-            for k in ("exp_avg", "exp_avg_sq", "step"):
-                torch.testing.assert_close(a[k], b[k], atol=0, rtol=0)
+        assert_same_training(m, opt, ref_m, ref_opt)
     finally:
         _helpers.set_optimizer_at_step(before)
         for f in (_helpers.ferry_for(m), _helpers.ferry_for(opt)):

@@ -31,6 +31,7 @@ import torch
 
 from .._api.handle import TransferHandle
 from .._api.residency import Residency
+from .._ferry.interrupts import interrupts_deferred
 from .._ferry.swap import swap as swap_ferries
 from .measure import counted_bytes
 from .records import Move, _Claimant, _Set
@@ -125,6 +126,7 @@ class Mover:
         self.prune_leaving()
         return self._held_now() + nbytes <= self._budget
 
+    @interrupts_deferred  # the move and its record together ([Note: all or nothing])
     def evict(self, s: _Set, *, background: bool) -> None:
         """Offloads ``s`` ([Note: released without a copy] in ``engine``); it counts until its copies are done."""
         self.hand_off(s)
@@ -135,6 +137,7 @@ class Mover:
         self.counts.update(evictions=1, bytes_evicted=h.nbytes, prefetch_evictions=int(background))
         self._log("evict", s.name, h.nbytes, h, background=background)
 
+    @interrupts_deferred  # the move and its record together ([Note: all or nothing])
     def load(self, s: _Set, *, background: bool) -> None:
         """Reloads ``s``; in the background (a prefetch) on the dock's stream (see [Note: prefetch hand-off])."""
         if background and self._cuda:
@@ -177,6 +180,7 @@ class Mover:
         if self._cuda:
             torch.empty(1, dtype=torch.uint8, device=self.device)
 
+    @interrupts_deferred  # the move and its record together ([Note: all or nothing])
     def swap(self, out: _Set, into: _Set) -> None:
         """One set out and one in on both copy engines; ``into`` waits only for the bytes it needs."""
         out_bytes, in_bytes = out.nbytes, into.nbytes

@@ -1,4 +1,4 @@
-"""Ctrl-C held back while a transfer call re-points tensors, so that no call is left half done.
+"""Signals held back while a transfer call moves state (Ctrl-C, SIGTERM), so that no call is left half done.
 
 [Note: all or nothing]
 A transfer call (``offload``, ``reload``, a reconcile, a layer-wise reload's
@@ -12,7 +12,7 @@ exchanged the impls a second time, so the parameters ended up with the host
 twins' impls and every autograd hook registered on them silently stopped
 firing (DDP's reducer, optimizer-in-backward).
 
-Two mechanisms make every call all or nothing:
+Three mechanisms make every call all or nothing:
 
 1. Synchronous exceptions (any ``BaseException``: an out-of-memory, an error
    in a hash, a ``KeyboardInterrupt`` or ``SystemExit`` raised by code the
@@ -24,14 +24,29 @@ Two mechanisms make every call all or nothing:
    torchferry function call of offload, reload, reconcile, the baseline hash
    and a layer-wise reload's start, one run per call, and checks values,
    residency, guards and that every hook fires once after the retry.
-2. Asynchronous ``KeyboardInterrupt`` (SIGINT arrives between any two Python
-   bytecodes, also inside an undo): :func:`interrupts_deferred` holds SIGINT
-   back for the call (its host part: milliseconds on a GPU, where the copies
-   run on streams) and raises ``KeyboardInterrupt`` once the call has
-   completed or been undone. A second SIGINT during the call raises at once
-   (the user insists; that call may then be torn). Only in the main thread,
-   and only while Python's own handler is installed: a handler of the
-   caller's is left alone.
+2. Asynchronous signals (SIGINT and SIGTERM arrive between any two Python
+   bytecodes, also inside a release loop or an undo; Ray, Slurm and Kubernetes
+   stop workers with SIGTERM, and a handler that calls ``sys.exit`` there used
+   to leave storages freed under a ferry that reported DEVICE):
+   :func:`interrupts_deferred` holds both back for the call (its host part:
+   milliseconds on a GPU, where the copies run on streams) and delivers them,
+   in arrival order, once the call has completed or been undone: Python's
+   handler raises ``KeyboardInterrupt``, a handler of the caller's is called
+   (its ``SystemExit`` then leaves the call), the default action of SIGTERM
+   terminates the process. A second signal of one kind during the call is
+   delivered at once (the sender insists; that call may then be torn). Only
+   in the main thread (the only one Python runs handlers in), and only for a
+   signal whose handler is Python's, the caller's or the default: an ignored
+   signal, or one handled outside Python, is left alone. A signal held back
+   is delivered also when the call raised: its handler's exception then
+   leaves the call, with the call's own as its ``__context__``.
+3. The release of device memory (``resize_(0)`` of each storage, the last step
+   of an offload) is all or nothing itself: if freeing one raises, the storages
+   freed before it are allocated again and given their bytes back from their
+   pool slots, which hold them then ([Note: a release undone from the pool] in
+   ``torchferry._core._transfer.copies``), and the call is undone as in 1.
+   ``tests/cpu/test_faults.py`` raises at every storage of the release (and
+   sends a real SIGTERM there) for offload, swap and a Dock's eviction.
 """
 
 from __future__ import annotations
@@ -49,41 +64,72 @@ _F = TypeVar("_F", bound=Callable)
 
 _state = threading.local()
 
+# The signals held back: Ctrl-C, and what Ray, Slurm and Kubernetes stop a worker with.
+HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _deliver(signum: int, handler: object, frame: object) -> None:
+    """What ``signum`` would have done with ``handler`` installed (that handler is back in place)."""
+    if callable(handler):
+        handler(signum, frame)
+    else:  # SIG_DFL: the default action (SIGTERM: the process ends)
+        signal.raise_signal(signum)
+
+
+def _deliver_all(pending: list[tuple[int, object]], saved: dict[int, object]) -> None:
+    """Delivers each held signal in arrival order, every one even if an earlier handler raised."""
+    if pending:
+        (signum, frame), rest = pending[0], pending[1:]
+        try:
+            _deliver(signum, saved[signum], frame)
+        finally:
+            _deliver_all(rest, saved)
+
 
 @contextlib.contextmanager
 def _deferred() -> Iterator[None]:
-    if getattr(_state, "depth", 0):  # nested (swap -> offload): the outermost call holds SIGINT
+    if getattr(_state, "depth", 0):  # nested (swap -> offload): the outermost call holds the signals
         _state.depth += 1
         try:
             yield
         finally:
             _state.depth -= 1
         return
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+    saved: dict[int, object] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in HELD_SIGNALS:
+            handler = signal.getsignal(signum)
+            if callable(handler) or handler is signal.SIG_DFL:  # SIG_IGN, or set outside Python: left alone
+                saved[signum] = handler
+    if not saved:
         yield
         return
-    pending: list[object] = []
+    pending: list[tuple[int, object]] = []
 
     def hold(signum: int, frame: object) -> None:
-        if pending:  # the second Ctrl-C: raise now
-            raise KeyboardInterrupt
-        pending.append(frame)
+        if any(s == signum for s, _ in pending):  # the second of a kind: deliver now (once)
+            pending[:] = [(s, f) for s, f in pending if s != signum]
+            signal.signal(signum, saved[signum])  # type: ignore[arg-type]
+            _deliver(signum, saved[signum], frame)
+            return
+        pending.append((signum, frame))
 
-    signal.signal(signal.SIGINT, hold)
+    for signum in saved:
+        signal.signal(signum, hold)
     _state.depth = 1
     try:
         yield
     finally:
         _state.depth = 0
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if pending:
-        raise KeyboardInterrupt
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)  # type: ignore[arg-type]
+        _deliver_all(pending, saved)  # also when the call raised: a SIGTERM is never lost
 
 
 def interrupts_deferred(fn: _F) -> _F:
-    """Decorator: SIGINT received during ``fn`` raises ``KeyboardInterrupt`` after it returns or
-    raises ([Note: all or nothing]); an exception ``fn`` raised itself takes precedence."""
+    """Decorator: SIGINT and SIGTERM received during ``fn`` are delivered after it returns or
+    raises ([Note: all or nothing]): ``KeyboardInterrupt`` from Python's SIGINT handler, the
+    caller's handler called, SIGTERM's default action."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

@@ -54,8 +54,9 @@ class OffloadMove:
     """An offload whose D2H copies are issued and whose tensors view the pool already.
 
     :meth:`finish` frees the device storages (or hands them to a swap's schedule): the last step,
-    with nothing fallible in it. :meth:`undo`, before that, gives every tensor its device impl back
-    (the copies only wrote the pool).
+    all or nothing itself ([Note: a release undone from the pool]). :meth:`undo`, before that or
+    after a :meth:`finish` that raised, gives every tensor its device impl back (the copies only
+    wrote the pool).
     """
 
     def __init__(self, issued: OffloadIssued, sources: list[torch.Tensor], parking: Parking,
@@ -80,9 +81,10 @@ class OffloadMove:
     def finish(self) -> None:
         i = self.issued
         if self._schedule is not None:  # see [Note: swap budget]
-            self._schedule.hold(i.plan, self._sources, i.copies, self._streams, i.unchanged)
+            self._schedule.hold(i.plan, self._sources, i.views.slots, i.copies, self._streams, i.unchanged)
         else:
-            self.released = release(i.plan, self._sources, self._streams, gathered=i.copies.gathered)
+            self.released = release(i.plan, self._sources, i.views.slots, self._streams, i.copies.event,
+                                    gathered=i.copies.gathered)
 
 
 class ReloadMove:
@@ -98,11 +100,12 @@ class ReloadMove:
         self.arena, self._unchanged = arena, unchanged
         self.copies: H2DIssued | None = None
         self.repointed = False
+        self.ready: torch.cuda.Event | None = None  # see [Note: a handle orders the whole transfer]
 
     def handle(self, issued_at: float) -> TransferHandle:
         copies = self.copies
         return TransferHandle("h2d", self.plan.state_bytes, copies.event if copies is not None else None, issued_at,
-                              start_event=copies.start if copies is not None else None)
+                              start_event=copies.start if copies is not None else None, ready_event=self.ready)
 
     def undo(self) -> None:
         if self._unchanged is not None:

@@ -322,6 +322,8 @@ class StateSet:
             # See [Note: FSDP2's shard buffer after a move].
             repoint_sharded_data(plan.modules, parking.host_locals(range(len(plan.tensors))))
             self._take_baseline(plan, off.views, swapping=tracks, early=early)
+            if cuda and self.unchanged is not None:  # see [Note: a handle orders the whole transfer]
+                move.ready = self.streams.event()  # on the current stream, after the hash's kernels
         except BaseException as e:
             move.undo()
             if isinstance(e, torch.OutOfMemoryError):

@@ -70,9 +70,10 @@ def swap(out: Ferry, into: Ferry, *, gpu_budget_bytes: int | None = None) -> tup
     try:
         h_in = into._reload(False, schedule)
     except BaseException:
-        schedule.release_rest()
-        out.reload()  # all or nothing: bring the outgoing state back before raising
+        try:
+            schedule.release_rest()
+        finally:
+            out.reload()  # all or nothing: bring the outgoing state back before raising
         raise
-    finally:
-        schedule.release_rest()
+    schedule.release_rest()
     return h_out, h_in

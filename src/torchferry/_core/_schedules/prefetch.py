@@ -59,7 +59,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from .._transfer.copies import transfer_range
+from .._transfer.copies import transfer_range, undo_allocations
 from .._transfer.arena import ReloadArena
 from .._state.fsdp import comm_streams, forward_prefetch_units, local_of, repoint_sharded_data, versions
 from .._api.handle import TransferHandle
@@ -101,12 +101,42 @@ class Prefetch:
 
 # Every optimizer step first completes every layer-wise reload under way.
 _RUNS = GlobalStepHook()
+# And then waits, on its own stream, for those completed and not yet done ([Note: the step waits on its own stream]).
+_SETTLING = GlobalStepHook()
 
 logger = logging.getLogger("torchferry")
 
 # The copies of a reload queued at once are issued from a thread on CUDA ([Note: copies issued
 # off the caller's thread]); the CPU tests set this to run that path where copies are synchronous.
 BACKGROUND_ON_CPU = False
+
+
+def _wait_at_step(key: int, done: torch.cuda.Event, device: torch.device):
+    """The entry of :data:`_SETTLING` for a finished layer-wise reload whose last event is ``done``.
+
+    [Note: the step waits on its own stream]
+    With ``optimizer_at_step`` the optimizer state comes back when
+    ``optimizer.step()`` starts. A step on a side stream must wait for it on
+    that stream, the one current in the step pre-hook. Waiting where the reload
+    was completed is not enough: another optimizer's step, a ``state_dict()``
+    or ``reload()`` may complete it first on another stream (the global step
+    hook completes every layer-wise reload before *any* step), after which the
+    ferry's hooks are gone; then the side stream's step read state still in
+    flight (12 wrong state tensors on one H200 at 0e8596e). So until the
+    reload's last event on the H2D stream (``PrefetchRun.done``, after every
+    group's copies, re-copies included) has passed, every optimizer step makes
+    its own current stream wait for it (and ``finish()`` makes the stream it
+    runs on wait for it, also for groups made resident earlier on another
+    stream). ``tests/gpu/test_stream_order_cuda.py``.
+    """
+
+    def wait() -> None:
+        if done.query():
+            _SETTLING.discard(key)
+        else:
+            torch.cuda.current_stream(device).wait_event(done)
+
+    return wait
 
 
 class PrefetchRun:
@@ -131,6 +161,8 @@ class PrefetchRun:
         start: H2D event before the first copy (timing), ``None`` on the CPU.
         issued_at: ``time.perf_counter()`` at the start.
         arena: the device segment seeded for the whole reload, if any.
+        done: once finished on a GPU, the run's last event on the H2D stream: after every group's
+            copies and baseline hash, re-copies included (the finished handle's ``ready_event``).
     """
 
     def __init__(self, plan: Plan, views: HostViews, parking: Parking, device_views: list[torch.Tensor] | None,
@@ -148,6 +180,8 @@ class PrefetchRun:
         self._comm: list[torch.cuda.Stream] = []
         self.start: torch.cuda.Event | None = None
         self.arena: ReloadArena | None = None
+        self.done: torch.cuda.Event | None = None
+        self._latest: torch.cuda.Event | None = None  # the event this run recorded last on the H2D stream
         self.issued_at = time.perf_counter()
         self.finished = False
         self._issuer: Issuer | None = None  # see [Note: copies issued off the caller's thread]
@@ -177,6 +211,7 @@ class PrefetchRun:
                     h2d.wait_event(self._after)
                 self.start = self.streams.event(h2d, timing=True)
                 self._comm = comm_streams(self.plan.modules)
+                _SETTLING.install()  # finish() adds to it, maybe from inside a step
                 if self.policy.lookahead_bytes is None:
                     self.arena = ReloadArena.seed(self.plan.device, self.plan.nbytes, self._after)
             if self._background:
@@ -225,22 +260,27 @@ class PrefetchRun:
         if self.resident:
             self.parking.revert_to_device([i for gi in sorted(self.resident) for i in self.groups[gi].tensors])
             self.resident = set()
-        if self.streams.is_cuda:
-            self.streams.h2d.synchronize()
-        for si in self._allocated:
-            self.plan.storages[si].resize_(0)
-        self._allocated = []
+        allocated, self._allocated = self._allocated, []
+        undo_allocations(self.plan, allocated, self.streams)  # after the copies into them; never raises
         if self.arena is not None:
             self.arena.release()
             self.arena = None
 
     def finish(self) -> None:
-        """Issues what is left and makes every group resident (idempotent)."""
+        """Issues what is left and makes every group resident (idempotent); the current stream
+        then waits for every group, also those made resident earlier on another stream, and an
+        optimizer step on any stream waits for it until it is done ([Note: the step waits on
+        its own stream])."""
         if self.finished:
             return
         self._issue_ahead(len(self.groups) - 1)
         for gi in range(len(self.groups)):
             self._make_resident(gi)
+        self.done = self._latest
+        if self.done is not None:  # the last of this run's events on the H2D stream: after all its copies
+            self.streams.current().wait_event(self.done)  # also for groups made resident on another stream
+            if self.plan.optimizers:  # keyed by plan: one entry per ferry, holding only an event
+                _SETTLING.add(id(self.plan), _wait_at_step(id(self.plan), self.done, self.plan.device))
         self._close()
 
     def _close(self) -> None:
@@ -274,7 +314,8 @@ class PrefetchRun:
     def handle(self) -> TransferHandle:
         """A handle for the copies issued so far (all of them once finished)."""
         nbytes = self.plan.state_bytes if self.finished else self.issued_bytes
-        return TransferHandle("h2d", nbytes, self.events[self.issued - 1], self.issued_at, start_event=self.start)
+        return TransferHandle("h2d", nbytes, self.events[self.issued - 1], self.issued_at, start_event=self.start,
+                              ready_event=self.done if self.finished else None)
 
     # ---------------------------------------------------------------- hooks
     def _unit_hook(self, gi: int):
@@ -365,7 +406,9 @@ class PrefetchRun:
         if gi >= len(self._versions):
             self._allocate_group(gi)
         self._copy_group(gi, queue)
-        self.events.append(self.streams.event(self.streams.h2d, timing=True) if self.streams.is_cuda else None)
+        ev = self.streams.event(self.streams.h2d, timing=True) if self.streams.is_cuda else None
+        self.events.append(ev)
+        self._latest = ev
         self.issued += 1
 
     def _copy_group(self, gi: int, queue: DriverQueue | None = None) -> None:
@@ -420,7 +463,7 @@ class PrefetchRun:
                 self.streams.h2d.wait_stream(self.streams.current())
             self._copy_group(gi)
             if cuda:
-                self.events[gi] = self.streams.event(self.streams.h2d)
+                self.events[gi] = self._latest = self.streams.event(self.streams.h2d)
         ev = self.events[gi]
         if ev is not None:
             self.streams.current().wait_event(ev)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .._transfer.copies import D2HIssued
+from .._transfer.copies import D2HIssued, restore_released
 from .._state.plan import Plan
 from .._transfer.streams import TransferStreams
 
@@ -56,21 +56,26 @@ class ReleaseSchedule:
         """Whether the offload should keep its storages and record progress."""
         return self.budget_bytes is not None
 
-    def hold(self, plan: Plan, sources: list[torch.Tensor], issued: D2HIssued, streams: TransferStreams,
-             unchanged: set[int] | frozenset[int] = frozenset()) -> None:
+    def hold(self, plan: Plan, sources: list[torch.Tensor], slots: list[torch.Tensor], issued: D2HIssued,
+             streams: TransferStreams, unchanged: set[int] | frozenset[int] = frozenset()) -> None:
         """Takes the outgoing storages (called by the offload, after its copies were queued);
-        those in ``unchanged`` (not copied, read by no stream now) are released at once."""
+        those in ``unchanged`` (not copied, read by no stream now) are released at once, all or
+        nothing (``slots``: the pool views, for [Note: a release undone from the pool]). Nothing is
+        taken if it raises."""
+        after = issued.copied_after or [0] * len(sources)
+        pending = [(after[si], st, src) for si, (st, src) in enumerate(zip(plan.storages, sources, strict=False))
+                   if si not in unchanged and src.numel()]
+        try:
+            for si in unchanged:
+                plan.storages[si].resize_(0)
+        except BaseException:
+            restore_released(plan, unchanged, slots, issued.event)
+            raise
         self._streams = streams
         self._progress = list(issued.progress)
         self._out_bytes = issued.progress[-1][0] if issued.progress else 0
-        after = issued.copied_after or [0] * len(sources)
-        self._pending = []
-        for si, (st, src) in enumerate(zip(plan.storages, sources, strict=False)):
-            if si in unchanged:
-                self._freed += plan.nbytes[si]
-                st.resize_(0)
-            elif src.numel():
-                self._pending.append((after[si], st, src))
+        self._freed += sum(plan.nbytes[si] for si in unchanged)
+        self._pending = pending
 
     def before_alloc(self, allocated: int) -> None:
         """Called by the incoming reload with its bytes allocated so far (the next storage included)."""
@@ -86,18 +91,23 @@ class ReleaseSchedule:
                 return
 
     def _release(self, copied: int) -> None:
-        keep = []
-        for after, storage, src in self._pending:
-            if after > copied:
-                keep.append((after, storage, src))
-            else:
-                storage.resize_(0)  # its copy is complete: free at once
-        self._pending = keep
+        self._free([e for e in self._pending if e[0] <= copied], [e for e in self._pending if e[0] > copied],
+                   record=False)  # their copies are complete: free at once
 
     def release_rest(self) -> None:
         """Releases what is left, safely against the copies still in flight."""
-        for _, storage, src in self._pending:
-            if self._streams is not None and self._streams.is_cuda:
-                src.record_stream(self._streams.d2h)
-            storage.resize_(0)
-        self._pending = []
+        self._free(self._pending, [], record=self._streams is not None and self._streams.is_cuda)
+
+    def _free(self, free: list[tuple[int, torch.UntypedStorage, torch.Tensor]],
+              keep: list[tuple[int, torch.UntypedStorage, torch.Tensor]], *, record: bool) -> None:
+        """Frees ``free`` and keeps ``keep`` pending; if freeing one raises, it and those after it
+        stay pending too (the outgoing tensors view the pool: a storage freed is simply gone)."""
+        for k, (_, storage, src) in enumerate(free):
+            try:
+                if record:
+                    src.record_stream(self._streams.d2h)  # pyright: ignore[reportOptionalMemberAccess]  # record: streams set
+                storage.resize_(0)
+            except BaseException:
+                self._pending = keep + free[k:]
+                raise
+        self._pending = keep

@@ -34,6 +34,11 @@ class GlobalStepHook:
     def add(self, key: int, fn: Callable[[], object]) -> None:
         """Registers ``fn`` under ``key`` (replacing an earlier one)."""
         self._entries[key] = fn
+        self.install()
+
+    def install(self) -> None:
+        """Registers torch's global hook if not yet: call it outside any step before an entry may
+        be added from inside one (registering while torch iterates its hooks would break that step)."""
         if self._handle is None:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 

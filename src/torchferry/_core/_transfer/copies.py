@@ -44,6 +44,7 @@ starts while the host is still allocating.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
@@ -54,8 +55,10 @@ from .packing import PackChunk, pack_to_host, unpack_from_host
 from .._state.plan import Plan
 from .streams import TransferStreams
 
-__all__ = ["D2HIssued", "H2DIssued", "copy_runs", "issue_d2h", "issue_h2d", "release", "transfer_range",
-           "undo_allocations"]
+__all__ = ["D2HIssued", "H2DIssued", "copy_runs", "issue_d2h", "issue_h2d", "release", "restore_released",
+           "transfer_range", "undo_allocations"]
+
+logger = logging.getLogger("torchferry")
 
 
 @contextlib.contextmanager
@@ -190,21 +193,27 @@ def copy_runs(chunks: list[PackChunk], pool_chunks: list[torch.Tensor],
     return out, out_pool
 
 
-def release(plan: Plan, sources: list[torch.Tensor], streams: TransferStreams,
+def release(plan: Plan, sources: list[torch.Tensor], slots: list[torch.Tensor], streams: TransferStreams,
+            copied: torch.cuda.Event | None,
             gathered: tuple[frozenset[int], torch.cuda.Event] | None = None) -> torch.cuda.Event | None:
     """Frees the device memory of ``plan``'s storages after their D2H copies (see
-    [Note: release is safe against the in-flight copy]). ``gathered`` (from :class:`D2HIssued`):
-    packed storages read only by the ``gather`` stream's kernels, freed after the caller's stream
-    waits for them ([Note: small storages released without an event each]).
+    [Note: release is safe against the in-flight copy]), all or nothing ([Note: a release undone
+    from the pool]: ``slots``, the pool views, and ``copied``, the D2H copies' last event, serve
+    its undo). ``gathered`` (from :class:`D2HIssued`): packed storages read only by the
+    ``gather`` stream's kernels, freed after the caller's stream waits for them ([Note: small
+    storages released without an event each]).
 
     Everything that can fail runs before the first storage is freed; the loop that frees them
-    calls only ``record_stream`` and ``resize_`` ([Note: all or nothing]: an offload that fails
-    before its release is undone, one that reached it completes).
+    calls only ``record_stream`` and ``resize_``.
 
     Returns:
         On a GPU, an event on the D2H stream recorded after the allocator's own events for the
         freed blocks: once it completes, the allocator hands them out again ([Note: a reload takes
         the blocks its offload freed]); ``None`` on the CPU.
+
+    Raises:
+        BaseException: whatever freeing a storage raised, after every storage freed before it was
+            given its memory and bytes back.
     """
     cuda = streams.is_cuda
     d2h = streams.d2h if cuda else None
@@ -214,20 +223,65 @@ def release(plan: Plan, sources: list[torch.Tensor], streams: TransferStreams,
         packed, last_gather = gathered
         current = streams.current()
         current.wait_event(last_gather)
-    for si, (src, storage) in enumerate(zip(sources, plan.storages, strict=False)):
-        if cuda and src.numel():
-            src.record_stream(current if si in packed else d2h)  # pyright: ignore[reportArgumentType]  # set on this path (progress_every with copied_after; d2h stream when cuda; packed storages are non-empty)
-        storage.resize_(0)
+    try:
+        for si, (src, storage) in enumerate(zip(sources, plan.storages, strict=False)):
+            if cuda and src.numel():
+                src.record_stream(current if si in packed else d2h)  # pyright: ignore[reportArgumentType]  # set on this path (progress_every with copied_after; d2h stream when cuda; packed storages are non-empty)
+            storage.resize_(0)
+    except BaseException:
+        restore_released(plan, range(len(plan.storages)), slots, copied)
+        raise
     return streams.event(d2h) if cuda else None
 
 
+def restore_released(plan: Plan, indices: Iterable[int], slots: list[torch.Tensor],
+                     copied: torch.cuda.Event | None) -> None:
+    """Undoes a partial release: each storage of ``indices`` that was freed gets its memory back
+    (on the current stream) and its bytes from its pool slot, once ``copied`` (the D2H copies'
+    last event, or ``None``) has passed.
+
+    [Note: a release undone from the pool]
+    An offload frees its device storages last, one ``resize_(0)`` each. An
+    exception raised there after some were freed (a signal handler's
+    ``SystemExit``, an error of the allocator) used to leave the call's undo
+    re-pointing tensors at 0-byte storages: the ferry reported DEVICE, the next
+    offload refused, the reload did nothing, a forward raised and cloning the
+    ``state_dict()`` crashed the process (since 9af4330, seen at 0e8596e). At
+    that point every slot holds its storage's bytes (the D2H copies were issued
+    before the release, and a storage skipped as unchanged or copied early is
+    one whose slot already held them), so the freed storages are allocated again
+    and copied back from their slots after the copies' event, synchronously (a
+    failure path: the host waits), and the caller's undo then finds every
+    storage as it was. The memory was freed a moment ago, so the allocation
+    finds it (the caching allocator waits for a block's pending events before
+    it reports out of memory).
+    """
+    lost = [si for si in indices if plan.nbytes[si] and plan.storages[si].nbytes() == 0]
+    if not lost:
+        return
+    if copied is not None:
+        copied.synchronize()
+    for si in lost:
+        plan.storages[si].resize_(plan.nbytes[si])
+        _device_view(plan, si, None).copy_(slots[si])
+
+
 def undo_allocations(plan: Plan, indices: Iterable[int], streams: TransferStreams) -> None:
-    """Frees the re-allocated storages ``indices`` again, after the copies into them."""
+    """Frees the re-allocated storages ``indices`` again, after the copies into them.
+
+    Never raises (it runs inside the undo of a failed call, which must complete: [Note: all or
+    nothing]): a storage that cannot be freed is logged and stays allocated; no tensor views it,
+    and the next reload re-allocates it.
+    """
     if streams.is_cuda:
         streams.h2d.synchronize()
         streams.pack.synchronize()
     for si in indices:
-        plan.storages[si].resize_(0)
+        try:
+            plan.storages[si].resize_(0)
+        except Exception:
+            logger.warning("torchferry: could not free storage %d while undoing a transfer; it stays allocated "
+                           "until the next reload", si, exc_info=True)
 
 
 def _device_view(plan: Plan, si: int, device_views: list[torch.Tensor] | None) -> torch.Tensor:

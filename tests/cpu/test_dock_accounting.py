@@ -118,25 +118,34 @@ def test_an_evicted_set_given_device_state_is_counted_at_the_next_decision():
 
 
 @pytest.mark.parametrize("make,per_param,scalars", [
-    (lambda ps: torch.optim.Adam(ps), 2, 0),
-    (lambda ps: torch.optim.Adam(ps, amsgrad=True), 3, 0),
-    (lambda ps: torch.optim.AdamW(ps, amsgrad=True, foreach=True), 3, 0),
+    (lambda ps: torch.optim.Adam(ps), 2, 1),
+    (lambda ps: torch.optim.Adam(ps, amsgrad=True), 3, 1),
+    (lambda ps: torch.optim.AdamW(ps, amsgrad=True, foreach=True), 3, 1),
     (lambda ps: torch.optim.AdamW(ps, fused=True), 2, 1),
     (lambda ps: torch.optim.SGD(ps, lr=0.1), 0, 0),
     (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 1, 0),
-    (lambda ps: torch.optim.RMSprop(ps, momentum=0.5, centered=True), 3, 0),
-    (lambda ps: torch.optim.NAdam(ps), 2, 0),
+    (lambda ps: torch.optim.RMSprop(ps, momentum=0.5, centered=True), 3, 1),
+    (lambda ps: torch.optim.NAdam(ps), 2, 2),
     (lambda ps: torch.optim.ASGD(ps), 1, 3),
 ])
 def test_first_step_bytes_match_what_the_first_step_allocates(make, per_param, scalars):
     m = torch.nn.Linear(32, 16)
     opt = make(m.parameters())
-    told = first_step_bytes(opt, torch.device("cpu"))
+    told = first_step_bytes(opt, torch.device("cpu"))  # on a CPU device the host's 0-dim steps count too
     m(torch.ones(2, 32)).sum().backward()
     opt.step()
     made = sum(t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values()
-               if isinstance(t, torch.Tensor) and (t.dim() or scalars))
+               if isinstance(t, torch.Tensor))
     assert told == per_param * (32 * 16 + 16) * 4 + scalars * 2 * 4 == made
+
+
+def test_first_step_bytes_on_a_gpu_count_the_steps_only_where_the_optimizer_puts_them():
+    meta = torch.nn.Linear(32, 16, device="meta")  # a device other than the CPU, without one
+    params = (32 * 16 + 16) * 4
+    assert first_step_bytes(torch.optim.AdamW(meta.parameters()), torch.device("meta")) == 2 * params
+    assert first_step_bytes(torch.optim.AdamW(meta.parameters(), capturable=True),
+                            torch.device("meta")) == 2 * params + 2 * 4
+    assert first_step_bytes(torch.optim.ASGD(meta.parameters()), torch.device("meta")) == params + 3 * 2 * 4
 
 
 def test_first_step_bytes_of_an_unknown_optimizer_are_none():

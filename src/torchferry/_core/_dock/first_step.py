@@ -19,6 +19,7 @@ its first step instead (``Dock.release``, [Note: a set counts its bytes now] in 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -26,36 +27,34 @@ from .._state.fsdp import local_of
 
 __all__ = ["first_step_bytes"]
 
-_Layout = Callable[[dict], tuple[int, int]]  # a param group -> (tensors like each parameter, 0-dim device tensors)
+_Like = Callable[[dict], int]  # a param group -> tensors shaped like each of its parameters
 
 
-def _on_device(group: dict, *keys: str) -> int:
-    return int(any(group.get(k) for k in keys))
+class _Layout(NamedTuple):
+    like: _Like
+    scalars: int  # 0-dim float tensors per parameter (step, ...)
+    on_device: tuple[str, ...] | None  # group options that put them on the parameter's device (None: always)
 
 
-# The first matching class in an optimizer's MRO wins (AdamW is an Adam).
-_LAYOUTS: tuple[tuple[type[torch.optim.Optimizer], _Layout], ...] = (
-    (torch.optim.Adam, lambda g: (2 + int(bool(g.get("amsgrad"))), _on_device(g, "capturable", "fused"))),
-    (torch.optim.SGD, lambda g: (int(g.get("momentum", 0) != 0), 0)),
-    (torch.optim.RMSprop, lambda g: (1 + int(g.get("momentum", 0) > 0) + int(bool(g.get("centered"))),
-                                     _on_device(g, "capturable"))),
-    (torch.optim.Adamax, lambda g: (2, _on_device(g, "capturable"))),
-    (torch.optim.NAdam, lambda g: (2, 2 * _on_device(g, "capturable"))),  # step, mu_product
-    (torch.optim.RAdam, lambda g: (2, _on_device(g, "capturable"))),
-    (torch.optim.Adadelta, lambda g: (2, _on_device(g, "capturable"))),
-    (torch.optim.Rprop, lambda g: (2, _on_device(g, "capturable"))),
-    (torch.optim.ASGD, lambda g: (1, 3)),  # ax; step, eta, mu on the device
-    (torch.optim.Adagrad, lambda g: (1, _on_device(g, "fused"))),  # made at construction already
-    (torch.optim.SparseAdam, lambda g: (2, 0)),
-)
+# The first class in an optimizer's MRO found here wins (AdamW is an Adam).
+_LAYOUTS: dict[type, _Layout] = {
+    torch.optim.Adam: _Layout(lambda g: 2 + int(bool(g.get("amsgrad"))), 1, ("capturable", "fused")),
+    torch.optim.SGD: _Layout(lambda g: int(g.get("momentum", 0) != 0), 0, ()),
+    torch.optim.RMSprop: _Layout(lambda g: 1 + int(g.get("momentum", 0) > 0) + int(bool(g.get("centered"))), 1,
+                                 ("capturable",)),
+    torch.optim.Adamax: _Layout(lambda g: 2, 1, ("capturable",)),
+    torch.optim.NAdam: _Layout(lambda g: 2, 2, ("capturable",)),  # step, mu_product
+    torch.optim.RAdam: _Layout(lambda g: 2, 1, ("capturable",)),
+    torch.optim.Adadelta: _Layout(lambda g: 2, 1, ("capturable",)),
+    torch.optim.Rprop: _Layout(lambda g: 2, 1, ("capturable",)),
+    torch.optim.ASGD: _Layout(lambda g: 1, 3, None),  # ax; step, eta, mu
+    torch.optim.Adagrad: _Layout(lambda g: 1, 1, ("fused",)),  # made at construction already
+    torch.optim.SparseAdam: _Layout(lambda g: 2, 0, ()),  # its step is an int
+}
 
 
 def _layout_of(optimizer: torch.optim.Optimizer) -> _Layout | None:
-    for cls in type(optimizer).__mro__:
-        for known, layout in _LAYOUTS:
-            if cls is known:
-                return layout
-    return None
+    return next((_LAYOUTS[c] for c in type(optimizer).__mro__ if c in _LAYOUTS), None)
 
 
 def first_step_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> int | None:
@@ -63,7 +62,8 @@ def first_step_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> 
 
     Counts every parameter that requires a gradient (one that gets none in the step gets no
     state: an upper bound then), each state tensor in the parameter's dtype and local shard size
-    (FSDP2's DTensors), each 0-dim one as a float32 (a float64 under ``torch.set_default_dtype(float64)``).
+    (FSDP2's DTensors), each 0-dim one on the device as a float32 (a float64 under
+    ``torch.set_default_dtype(float64)``; on a CPU device the host's 0-dim ones count too).
 
     Returns:
         The bytes, or ``None`` for an optimizer whose state layout is not known here.
@@ -74,7 +74,10 @@ def first_step_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> 
     scalar = 8 if torch.get_default_dtype() == torch.float64 else 4
     total = 0
     for group in optimizer.param_groups:
-        like, scalars = layout(group)
+        like = layout.like(group)
+        on_device = (layout.on_device is None or device.type == "cpu"  # the host is the device then
+                     or any(group.get(k) for k in layout.on_device))
+        scalars = layout.scalars if on_device else 0
         for p in group["params"]:
             if not p.requires_grad:
                 continue

@@ -304,3 +304,57 @@ def test_only_areals_own_cuda_clear_memory_runs_beside_the_copies(areal_importab
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT_S)
     assert p.stdout.split() == ["True", "False", "False"], p.stderr[-2000:]
+
+
+def _replaced_while_offloaded_body(rank: int, world: int) -> None:
+    import gc
+
+    import torch.distributed as dist
+    from torch import nn
+
+    import torchferry.integrations.areal as tf_areal
+    from areal.engine import fsdp_engine
+    from torchferry import Residency
+    from torchferry._core._state.host_blocks import in_host_pool
+
+    tf_areal.patch()
+    try:
+        engine = object.__new__(fsdp_engine.FSDPEngine)
+        engine.is_offload, engine._offload_depth, engine._initialized = False, 0, True
+        engine._cpu_group = dist.group.WORLD
+        torch.manual_seed(0)
+        engine.model, engine.device = nn.Linear(8, 8), torch.device("cpu")
+        engine.optimizer = torch.optim.AdamW(engine.model.parameters())
+        engine.model(torch.randn(2, 8)).sum().backward()
+        engine.optimizer.step()
+        weights = snapshot(engine.model)
+        engine.offload()
+        engine.optimizer = torch.optim.AdamW(engine.model.parameters(), lr=0.5)  # replaced while offloaded
+        gc.collect()  # the old optimizer, with its state in the pool, is not collected before the onload
+        engine.onload()
+        assert not engine.is_offload and not any(in_host_pool(p.data_ptr()) for p in engine.model.parameters())
+        _assert_equal(weights, snapshot(engine.model))  # the model back, bit-exact
+        engine.model(torch.randn(2, 8)).sum().backward()
+        engine.optimizer.step()  # the new optimizer's state, made on the device
+        state = snapshot(engine.model, engine.optimizer)
+        engine.offload()  # a new ferry, for the model and the new optimizer: its state moves too
+        ferry = tf_areal.ferry_for(engine)
+        assert engine.is_offload and ferry is not None and ferry.residency is Residency.HOST
+        assert all(in_host_pool(t.data_ptr()) for s in engine.optimizer.state.values() for t in s.values() if t.dim())
+        engine.onload()
+        _assert_equal(state, snapshot(engine.model, engine.optimizer))
+        engine.offload()  # replaced while offloaded again, then offload() retried instead of onload()
+        engine.optimizer = torch.optim.SGD(engine.model.parameters(), lr=0.1, momentum=0.9)
+        engine.offload()
+        assert engine.is_offload and tf_areal.ferry_for(engine).residency is Residency.HOST
+        engine.onload()
+        assert not any(in_host_pool(p.data_ptr()) for p in engine.model.parameters())
+    finally:
+        tf_areal.unpatch()
+
+
+def test_onload_with_a_replaced_optimizer_brings_the_model_back_and_the_next_offload_moves_the_new_state(
+        areal_importable):
+    """Issue 46 item 5: ``offload(); engine.optimizer = AdamW(...); onload()`` moved nothing, set is_offload False
+    and left the model on the host; a retried offload() was refused as "already offloaded by another Ferry"."""
+    run_spawned(_replaced_while_offloaded_body, world=1, timeout_s=TIMEOUT_S)

@@ -12,6 +12,7 @@ under one GPU budget in bytes, and moves state only when the budget needs it:
     dock.add("actor_opt", torchferry.Ferry(optimizer))
     dock.add("ref", torchferry.Ferry(ref))
     dock.add_claimant("rollout", kv_bytes, sleep=engine.sleep, wake=engine.wake_up)
+    dock.reserve("critic", critic_bytes)  # kept on the device by its framework: counted, never moved
     dock.plan(["rollout", "ref", "actor_params", ("actor_params", "actor_opt")])
     with dock.use("ref"):
         dock.prefetch_next()          # the next phase's sets start coming in
@@ -23,8 +24,10 @@ reads the storages a ferry holds now, [Note: a set counts its bytes now]).
 A ferry belongs to one dock at a time ([Note: one dock per ferry]).
 
 The package is a stack, each module calling only those above it in this list:
-``measure`` (a set's bytes as they are now), ``records`` (the stats, moves
-and per-name records), ``schedule`` (the schedule, budget arithmetic and the
+``measure`` (a set's bytes as they are now, [Note: state loaded behind the
+dock's back]), ``first_step`` (the bytes an optimizer's first step will
+allocate, [Note: first-step state]), ``records`` (the stats, moves and
+per-name records), ``schedule`` (the schedule, budget arithmetic and the
 choice of victims, [Note: choosing victims]), ``mover`` (the :class:`Mover`
 that carries out the moves and keeps their record, [Note: prefetch hand-off]),
 ``engine`` (the :class:`DockEngine`: the dock's state, accounting and

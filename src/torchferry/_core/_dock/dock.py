@@ -13,7 +13,7 @@ import torch
 from .._api.args import check_callable, check_device, shown
 from .._ferry.ferry import Ferry
 from .engine import DockEngine
-from .measure import counted_bytes
+from .measure import counted_bytes, is_closed
 from .records import DockStats, Move, _fmt
 from .schedule import Schedule
 
@@ -117,10 +117,13 @@ class Dock:
         if dev is not None and (ferry.device.type != dev.type
                                 or (dev.index is not None and ferry.device.index != dev.index)):
             raise ValueError(f"torchferry: Dock.add: {name!r} is on {ferry.device} but the dock on {dev}")
-        nbytes = counted_bytes(ferry)
-        if nbytes > e.budget:
+        if is_closed(ferry):
+            raise RuntimeError(f"torchferry: Dock.add: the ferry given for {name!r} is closed; make a new Ferry")
+        nbytes, fixed = counted_bytes(ferry), e.reserved()
+        if nbytes + fixed > e.budget:
+            beside = f" beside {_fmt(fixed)} reserved (Dock.reserve)" if fixed else ""
             raise ValueError(
-                f"torchferry: Dock.add: state set {name!r} is {_fmt(nbytes)} but the budget is "
+                f"torchferry: Dock.add: state set {name!r} is {_fmt(nbytes)}{beside} but the budget is "
                 f"{_fmt(e.budget)}; it could never be resident: raise budget_bytes or split the set "
                 "(e.g. parameters and optimizer state as two ferries)"
             )
@@ -199,6 +202,25 @@ class Dock:
         if (sleep is None) != (wake is None):
             raise ValueError(f"torchferry: Dock.add_claimant: give {name!r} both sleep and wake, or neither")
         self._engine.add_claimant(name, nbytes, sleep, wake, empty_cache)
+
+    def reserve(self, name: str, nbytes: int) -> None:
+        """Counts ``nbytes`` that stay on the device beside the sets: state the dock never moves (a model a
+        framework keeps resident). Counted at every decision, never evicted, as an awake claimant; called
+        again, the new size: if the dock then holds more than the budget, idle sets leave and idle claimants
+        sleep as at a ``release()``. :meth:`remove` forgets it.
+
+        Raises:
+            ValueError: ``nbytes`` not an int >= 0 or above the budget, or ``name`` a state set or claimant.
+            RuntimeError: this dock is closed.
+        """
+        e = self._engine
+        c = e.claimants.get(name)
+        if c is None or not c.fixed:
+            self._check_new_name(name)
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 <= nbytes <= e.budget:
+            raise ValueError(f"torchferry: Dock.reserve: {name!r} needs an int of bytes in [0, the budget "
+                             f"{e.budget}], got {nbytes!r}")
+        e.reserve(name, nbytes)
 
     def plan(self, schedule: Sequence[str | Iterable[str]] | Schedule | None) -> None:
         """Declares the step's phases, so that eviction looks ahead (see [Note: choosing victims]).

@@ -26,6 +26,11 @@ read those numbers. State that grows inside a ``use()`` (gradients, an
 optimizer's first step) is seen at its ``release()``: if more than the budget
 is then held, the idle sets and claimants leave as far as the budget needs,
 chosen as for a ``use()`` (``_restore``), so the next phase starts within it.
+Bytes reserved with ``Dock.reserve`` (state a framework keeps on the device, which
+the dock never moves) count at every decision, as an awake claimant that is never
+a victim. An evicted set given new state on the device behind the dock's back is
+taken in as resident at the next decision ([Note: state loaded behind the dock's
+back] in ``measure``), and right after a ``load_state_dict`` of one of its targets.
 
 [Note: one dock per ferry]
 Two docks holding one ferry would each evict it while the other's ``use()``
@@ -57,12 +62,12 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from .._ferry.ferry import Ferry
-from .measure import ensure_plan
+from .measure import appeared_bytes, ensure_plan, is_closed, targets_of
 from .mover import Mover
 from .records import _Claimant, _fmt, _Set
 from .schedule import Schedule, belady, held, lru
@@ -135,16 +140,56 @@ class DockEngine:
         self.sets[name] = s = _Set(name, ferry, self._order())
         self.measure(s)
         _HOLDERS[ferry] = weakref.ref(self)
+        me = weakref.ref(self)
+
+        def loaded(*_: object) -> None:  # see [Note: state loaded behind the dock's back] in measure
+            engine = me()
+            if engine is not None and engine.sets.get(name) is s:
+                engine.after_load()
+
+        for t in targets_of(ferry):
+            if isinstance(t, (torch.nn.Module, torch.optim.Optimizer)):
+                s.hooks.append(t.register_load_state_dict_post_hook(loaded))
 
     def add_claimant(self, name: str, nbytes: int, sleep: Callable[[], object] | None,
                      wake: Callable[[], object] | None, empty_cache: bool) -> None:
         """Registers a checked claimant, asleep."""
         self.claimants[name] = _Claimant(name, nbytes, self._order(), sleep, wake, empty_cache)
 
+    def reserve(self, name: str, nbytes: int) -> None:
+        """Registers (or re-sizes) checked reserved bytes; back within the budget if they grew."""
+        c = self.claimants.get(name)
+        if c is None:
+            self.claimants[name] = _Claimant(name, nbytes, self._order(), None, None, False, awake=True, fixed=True)
+        else:
+            c.nbytes = nbytes
+        self.refresh()
+        self._restore()
+
+    def reserved(self, names: tuple[str, ...] = ()) -> int:
+        """Bytes reserved (``Dock.reserve``) under names other than ``names``."""
+        return sum(c.nbytes for c in self.claimants.values() if c.fixed and c.name not in names)
+
+    def after_load(self) -> None:
+        """A target's ``load_state_dict`` returned: measured again, back within the budget."""
+        self.refresh()
+        self._restore()
+        self._poll()
+
+    def check_open(self, names: Iterable[str]) -> None:
+        """Refuses to move a set whose ferry was closed behind the dock's back, naming the set and the dock."""
+        for n in names:
+            s = self.sets.get(n)
+            if s is not None and is_closed(s.ferry):
+                raise RuntimeError(f"torchferry: Dock: the ferry of state set {n!r} was closed while in the dock "
+                                   f"({self.label()}); dock.remove({n!r}) and add a new Ferry")
+
     def drop(self, name: str) -> None:
         """Forgets ``name`` (idle; its moves waited for): the set stays where it is, its ferry is let go."""
         s = self.sets.pop(name, None)
         if s is not None:
+            for h in s.hooks:
+                h.remove()
             if s.handle is not None:
                 s.handle.wait()
             self.mover.hand_off(s)
@@ -187,8 +232,11 @@ class DockEngine:
         return self.mover.measure(s)
 
     def refresh(self) -> None:
-        """Measures every set, at the start of a decision (see [Note: dock accounting])."""
+        """Measures every set, at the start of a decision (see [Note: dock accounting]); an evicted set holding
+        state on the device again is taken in as resident ([Note: state loaded behind the dock's back])."""
         for s in self.sets.values():
+            if appeared_bytes(s.ferry):
+                self.mover.adopt(s)
             self.measure(s)
 
     def _grown(self, name: str) -> str:
@@ -225,8 +273,8 @@ class DockEngine:
         for n, item in (*self.sets.items(), *self.claimants.items()):
             if n in names or not self.resident(n) or (item.in_use and not ahead):
                 continue
-            if isinstance(item, _Claimant) and item.transient:
-                continue  # its bytes are freed by its user, not by the dock
+            if isinstance(item, _Claimant) and not item.movable:
+                continue  # a byte count's bytes are freed by its user, reserved ones never
             candidates.append(n)
         if sum(self.nbytes(n) for n in candidates) < need:
             return None
@@ -253,11 +301,12 @@ class DockEngine:
             RuntimeError: the room is held by what is in use (nothing moved).
         """
         self.refresh()
-        total = sum(self.nbytes(n) for n in names)
-        if total > self.budget:
+        total, fixed = sum(self.nbytes(n) for n in names), self.reserved(names)
+        if total + fixed > self.budget:
             each = ", ".join(f"{n!r} {self.nbytes(n)} bytes{self._grown(n)}" for n in names)
+            beside = f" beside {_fmt(fixed)} reserved" if fixed else ""
             raise ValueError(
-                f"torchferry: Dock.use: {list(names)} need {_fmt(total)} together but the budget is "
+                f"torchferry: Dock.use: {list(names)} need {_fmt(total)} together{beside} but the budget is "
                 f"{_fmt(self.budget)} ({each}): use them in separate phases or raise budget_bytes; nothing was moved"
             )
         self._poll()
@@ -313,10 +362,11 @@ class DockEngine:
     def evict(self, names: tuple[str, ...]) -> None:
         """Evicts the checked idle sets and puts the claimants to sleep now (no-ops for what is out)."""
         self._pending = [n for n in self._pending if n not in names]
+        self.check_open(n for n in names if n in self.sets and self.resident(n))
         for n in names:
             if n in self.sets and self.resident(n):
                 self.mover.evict(self.sets[n], background=False)
-            elif n in self.claimants and self.claimants[n].awake:
+            elif n in self.claimants and self.claimants[n].awake and self.claimants[n].movable:
                 self.mover.sleep(self.claimants[n], background=False)
 
     def wait(self) -> None:
@@ -329,6 +379,7 @@ class DockEngine:
 
     def _bring_in(self, names: tuple[str, ...], victims: list[str], *, background: bool) -> None:
         """Evicts ``victims`` and brings ``names`` in (see [Note: dock accounting])."""
+        self.check_open((*victims, *(n for n in names if not self.resident(n))))
         loads = [self.sets[n] for n in names if n in self.sets and not self.resident(n)]
         wakes = [self.claimants[n] for n in names
                  if n in self.claimants and not self.claimants[n].transient and not self.claimants[n].awake]
@@ -357,6 +408,7 @@ class DockEngine:
         victims = self._victims((name,), base=self.pos, ahead=True)
         if victims is None or any(self.item(v).in_use for v in victims):
             return False
+        self.check_open((*victims, name))
         s = self.sets.get(name)
         for v in victims:
             if v in self.claimants:
@@ -402,8 +454,9 @@ class DockEngine:
         if victims is None:  # what is in use holds more than the budget: free what is idle
             victims = [n for n, item in (*self.sets.items(), *self.claimants.items())
                        if self.resident(n) and not item.in_use
-                       and not (isinstance(item, _Claimant) and item.transient)]
+                       and not (isinstance(item, _Claimant) and not item.movable)]
         logger.debug("dock: %d bytes over the budget after a use (state grew); evicting %s", need, victims)
+        self.check_open(victims)
         for v in victims:
             if v in self.claimants:
                 self.mover.sleep(self.claimants[v], background=False)

@@ -25,9 +25,25 @@ parameters with grads and AdamW state are about 1,400 tensors, 3-6 ms at that
 rate. A ``use()`` walks each resident set about three times (at its start, at
 its ``release()``, at a ``prefetch()`` in it).
 
+[Note: state loaded behind the dock's back]
+An evicted set counts ``state_bytes``, but its targets can be given new state on the device
+while it is on the host: verl's ``load_checkpoint`` reloads the model (a docked load) and then
+``optimizer.load_state_dict`` places the loaded AdamW state on its parameters' device, while
+the optimizer's set was evicted for the rollout. The dock counted it evicted: 12.61 MB held
+against an 8.47 MB budget at the next KV-cache wake (issue 46 item 3). So every decision first
+looks at each evicted set (:func:`appeared_bytes`): if its targets hold other tensors than at
+its offload ([Note: state replaced while offloaded] in ``_ferry.reconcile``) and some of them
+are on its device outside any host pool, the dock takes the set in as resident
+(``ferry.reload()``, which reconciles: what is on the device stays, nothing is copied back
+that was replaced) and counts it as it is from then; the decision then evicts it, or others,
+as the budget needs. The targets' ``load_state_dict`` post-hooks ask for that decision right
+after a load (``DockEngine.add_set``). A set whose replacements are on the host only
+(``optimizer.load_state_dict`` while the model was offloaded too) holds nothing on the device
+and is left to its next load.
+
 A public ``Ferry`` property would be the better home for :func:`device_bytes`;
 until there is one, this module is the only one of the dock that reads a
-ferry's internals (``Ferry._targets``, ``Ferry._set.cache``). The plan is
+ferry's internals (``Ferry._targets``, ``Ferry._set``, ``Ferry._offloaded``, ``Ferry._closed``). The plan is
 what tells where FSDP2 keeps the sharded storages of a unit left unsharded
 (the root after a forward), so ``Dock.add`` gives a resident ferry without one
 a plan (:func:`ensure_plan`). Without it, a tiny GRPO run counted the actor
@@ -40,16 +56,44 @@ from __future__ import annotations
 
 import torch
 
+from collections.abc import Iterable
+
 from .._ferry.ferry import Ferry
-from .._state.fsdp import local_of
+from .._state.fsdp import local_of, sharded_storages
+from .._state.host_blocks import in_host_pool
 from .._api.residency import Residency
 from .._state.targets import walk
 
-__all__ = ["counted_bytes", "device_bytes", "ensure_plan"]
+__all__ = ["appeared_bytes", "counted_bytes", "device_bytes", "ensure_plan", "is_closed", "objects_bytes",
+           "targets_of"]
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def _unique_bytes(storages: Iterable[torch.UntypedStorage], dev: torch.device, *, pool: bool = True) -> int:
+    """Bytes of the unique storages on ``dev`` (by ``StorageImpl`` identity); ``pool=False``: not those
+    lying in a host pool (an offloaded tensor's view, on a CPU device)."""
+    seen: set[int] = set()
+    total = 0
+    for st in storages:
+        key = st._cdata
+        if key in seen or not _same_device(st.device, dev):
+            continue
+        seen.add(key)
+        if not pool and st.nbytes() and in_host_pool(st.data_ptr()):
+            continue
+        total += st.nbytes()
+    return total
+
+
+def targets_of(ferry: Ferry) -> list[object]:
+    """The ferry's live targets (modules, optimizers, tensors); ``[]`` once a module or optimizer was collected."""
+    try:
+        return ferry._targets.live()
+    except RuntimeError:  # a module or optimizer target was collected
+        return []
 
 
 def device_bytes(ferry: Ferry) -> int:
@@ -62,24 +106,38 @@ def device_bytes(ferry: Ferry) -> int:
     views are CPU tensors too: call it for resident sets only (as
     :func:`counted_bytes` does).
     """
-    dev = ferry.device
-    seen: set[int] = set()
-    total = 0
-    try:
-        targets = ferry._targets.live()
-    except RuntimeError:  # a module or optimizer target was collected: only the plan's storages are left
-        targets = []
-    storages = [local_of(t).untyped_storage() for _, t in walk(targets)]
+    storages = [local_of(t).untyped_storage() for _, t in walk(targets_of(ferry))]
     cache = ferry._set.cache
     if cache is not None:
         storages.extend(cache.plan.storages)
-    for st in storages:
-        key = st._cdata
-        if key in seen or not _same_device(st.device, dev):
-            continue
-        seen.add(key)
-        total += st.nbytes()
-    return total
+    return _unique_bytes(storages, ferry.device)
+
+
+def objects_bytes(objects: Iterable[object], device: torch.device) -> int:
+    """Bytes of the unique storages on ``device`` that modules, optimizers and tensors hold now, nothing of
+    a ferry's: what a framework keeps resident beside the sets (``Dock.reserve``). An FSDP2 unit left
+    unsharded counts its sharded storages too; offloaded tensors (host pool views) count 0."""
+    objs = list(objects)
+    storages = [local_of(t).untyped_storage() for _, t in walk(objs)]
+    for m in objs:
+        if isinstance(m, torch.nn.Module):
+            storages.extend(sharded_storages(m))
+    return _unique_bytes(storages, device, pool=False)
+
+
+def appeared_bytes(ferry: Ferry) -> int:
+    """Bytes an offloaded set's targets hold on its device outside any host pool now: state loaded behind
+    the dock's back ([Note: state loaded behind the dock's back]); 0 for a resident or unchanged set."""
+    off = ferry._offloaded
+    if ferry._closed or off is None or ferry._prefetch is not None or not ferry._set.replaced(off):
+        return 0
+    storages = [local_of(t).untyped_storage() for _, t in walk(targets_of(ferry))]
+    return _unique_bytes(storages, ferry.device, pool=False)
+
+
+def is_closed(ferry: Ferry) -> bool:
+    """Whether ``ferry.close()`` was called."""
+    return ferry._closed
 
 
 def ensure_plan(ferry: Ferry) -> None:

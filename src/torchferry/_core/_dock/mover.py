@@ -137,6 +137,17 @@ class Mover:
         self.counts.update(evictions=1, bytes_evicted=h.nbytes, prefetch_evictions=int(background))
         self._log("evict", s.name, h.nbytes, h, background=background)
 
+    def adopt(self, s: _Set) -> None:
+        """Takes in an evicted set holding state on the device again ([Note: state loaded behind the dock's back]
+        in ``measure``): ``reload()`` reconciles it (what is on the device stays there); resident from now."""
+        h = s.ferry.reload()
+        s.handle, s.prefetched, s.side = h, False, False
+        self.forget(s.name)
+        self.measure(s)
+        self.counts.update(adoptions=1)
+        logger.debug("dock: %s holds state loaded behind the dock's back; counted resident (%d bytes)",
+                     s.name, s.nbytes)
+
     @interrupts_deferred  # the move and its record together ([Note: all or nothing])
     def load(self, s: _Set, *, background: bool) -> None:
         """Reloads ``s``; in the background (a prefetch) on the dock's stream (see [Note: prefetch hand-off])."""

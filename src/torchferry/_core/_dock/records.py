@@ -47,6 +47,9 @@ class DockStats:
     """Bytes of the offloads issued (copies the ferry skips included)."""
     waits: int = 0
     """Times a load or wake waited for an outgoing set's copies to finish (see [Note: dock accounting])."""
+    adoptions: int = 0
+    """Evicted sets found holding state on the device again (loaded behind the dock's back: [Note: state loaded
+    behind the dock's back] in ``measure``), counted resident from then."""
 
 
 class Move(NamedTuple):
@@ -78,6 +81,7 @@ class _Set:
     handle: TransferHandle | None = None  # the last move's
     side: bool = False  # reloaded on the prefetch stream, not yet handed to the compute stream
     prefetched: bool = False  # loaded by prefetch(), not used since
+    hooks: list = dataclasses.field(default_factory=list)  # its targets' load_state_dict post-hooks (RemovableHandle)
 
 
 @dataclasses.dataclass(eq=False)
@@ -91,8 +95,14 @@ class _Claimant:
     last_used: int = -1
     in_use: int = 0
     awake: bool = False
+    fixed: bool = False  # Dock.reserve(): always counted (awake), never a victim
 
     @property
     def transient(self) -> bool:
         """A byte count only: its bytes count while a use holds it, then are taken as freed."""
-        return self.sleep is None
+        return self.sleep is None and not self.fixed
+
+    @property
+    def movable(self) -> bool:
+        """The dock can free its bytes (``sleep()``): neither a byte count nor reserved."""
+        return self.sleep is not None

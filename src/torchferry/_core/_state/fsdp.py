@@ -24,6 +24,7 @@ __all__ = [
     "param_groups",
     "repoint_sharded_data",
     "reshard",
+    "sharded_storages",
     "swap_local",
     "unit_key",
     "versions",
@@ -202,6 +203,24 @@ def repoint_sharded_data(modules: list[nn.Module], host_side: dict[int, torch.Te
                         fp.reset_sharded_param()
                     n += 1
     return n
+
+
+def sharded_storages(module: nn.Module) -> list[torch.UntypedStorage]:
+    """The storages of every FSDP2 unit's sharded parameters under ``module`` (``FSDPParam.sharded_param``'s
+    local tensor and ``_sharded_param_data``): reachable from ``module.parameters()`` only while resharded."""
+    out: list[torch.UntypedStorage] = []
+    for unit in fsdp_modules(module):
+        try:
+            state = unit._get_fsdp_state()  # pyright: ignore[reportCallIssue]  # FSDP2 private _get_fsdp_state
+        except AttributeError:
+            continue
+        for group in param_groups(state):
+            for fp in getattr(group, "fsdp_params", ()):
+                for t in (getattr(getattr(fp, "sharded_param", None), "_local_tensor", None),
+                          getattr(fp, "_sharded_param_data", None)):
+                    if isinstance(t, torch.Tensor):
+                        out.append(t.untyped_storage())
+    return out
 
 
 def fsdp1_offloads_params(module: nn.Module) -> bool:

@@ -131,14 +131,16 @@ _options: dict[str, bool | None] = {"skip_unchanged": None}
 
 
 class _EngineFerry:
-    """An engine's ferry and the model and optimizer it was made for (weakly, as the ferry)."""
+    """An engine's ferry and the model and optimizer it was made for (weakly, as the ferry; strongly
+    while offloaded: [Note: a model or optimizer replaced while offloaded])."""
 
-    __slots__ = ("ferry", "_model", "_optimizer")
+    __slots__ = ("ferry", "_model", "_optimizer", "held")
 
     def __init__(self, ferry: Ferry, model: object, optimizer: object | None) -> None:
         self.ferry = ferry
         self._model = weakref.ref(model)
         self._optimizer = None if optimizer is None else weakref.ref(optimizer)
+        self.held: tuple[object, ...] = ()  # the targets, while offloaded
 
     def serves(self, model: object, optimizer: object | None) -> bool:
         opt = None if self._optimizer is None else self._optimizer()
@@ -202,6 +204,28 @@ def _ferry_of(engine: object) -> Ferry:
     return ferry
 
 
+# [Note: a model or optimizer replaced while offloaded]
+# AReaL's ``engine.offload(); engine.optimizer = AdamW(...); engine.onload()`` left the model on the
+# host: the onload looked for a ferry serving the new optimizer, found none, moved nothing and set
+# ``is_offload`` False; a retried ``offload()`` made a ferry for the new pair and was refused, the
+# model being "already offloaded by another Ferry" (issue 46 item 5). So the entry holds its model
+# and optimizer strongly while offloaded (the old optimizer cannot be collected with its state in
+# the pool), and ``onload()`` / ``offload()`` of an engine whose model or optimizer was replaced
+# first bring back what the old ferry holds and close it (:func:`_settle`): the model is resident
+# again, and the next ``offload()`` makes a ferry for the new pair, moving the new optimizer's state.
+def _settle(engine: object) -> None:
+    """Brings back and closes the ferry of an engine whose model or optimizer was replaced since it was
+    made ([Note: a model or optimizer replaced while offloaded]); a no-op otherwise."""
+    entry = _engine_ferries.get(engine)
+    if entry is None or entry.serves(getattr(engine, "model", None), getattr(engine, "optimizer", None)):
+        return
+    if entry.ferry.residency.on_host:
+        with whole_copies():  # waited for by close()
+            entry.ferry.reload()
+    entry.ferry.close()
+    del _engine_ferries[engine]
+
+
 def _clears_as_areal_cuda(platform: object) -> bool:
     """Whether ``platform.clear_memory`` is AReaL's own CUDA one (synchronize, ``gc.collect()``,
     ``empty_cache()``), which the patched ``offload()`` may run around its copies; an override, or
@@ -232,6 +256,7 @@ def _replacements(module) -> dict[str, Callable]:
                 ``is_offload`` unchanged.
         """
         self.get_device_stats().log("before offload model")
+        _settle(self)
         ferry = _ferry_of(self)
         beside = ferry.device.type == "cuda" and _clears_as_areal_cuda(module.current_platform)
         if beside:  # see [Note: AReaL's clear_memory() beside the copies]
@@ -246,6 +271,7 @@ def _replacements(module) -> dict[str, Callable]:
         else:
             handle.wait()
             module.current_platform.clear_memory()
+        _engine_ferries[self].held = tuple(t for t in (self.model, getattr(self, "optimizer", None)) if t is not None)
         module.current_platform.synchronize()
         module.dist.barrier(group=self.cpu_group)
         self.get_device_stats().log("after offload model")
@@ -256,16 +282,20 @@ def _replacements(module) -> dict[str, Callable]:
 
         Returns with the state on the device (synchronized), after a barrier of the engine's
         ranks; then ``is_offload`` is False. Moves nothing for an engine that is resident or was
-        never offloaded through torchferry.
+        never offloaded through torchferry. A model or optimizer replaced since the offload: the
+        state offloaded comes back, the new ones move at the next offload ([Note: a model or
+        optimizer replaced while offloaded]).
 
         Raises:
             RuntimeError: the device ran out of memory (the message names the bytes needed; the
                 state stays on the host, ``is_offload`` unchanged).
         """
+        _settle(self)  # a replaced model or optimizer: the old ferry's state back, [Note: a model or ...]
         ferry = ferry_for(self)
         if ferry is not None:
             with whole_copies():  # synchronised below: [Note: whole copies where the caller waits]
                 ferry.reload()
+            _engine_ferries[self].held = ()
         module.current_platform.synchronize()
         module.dist.barrier(group=self.cpu_group)
         self.get_device_stats().log("after onload model")

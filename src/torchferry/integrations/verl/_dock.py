@@ -5,10 +5,12 @@ With a budget (``patch(dock=...)`` or ``TORCHFERRY_VERL_DOCK``, which the Ray ho
 bytes, or a fraction of the device's memory), verl's train/eval contexts (``BaseEngineCtx``, whose
 ``__enter__`` / ``__exit__`` call ``FSDPEngine.to``) ask one dock per process instead of moving:
 
-* each FSDP engine that offloads (``param_offload`` / ``optimizer_offload``; not a
-  ``forward_only`` one, which verl keeps under FSDP2's ``CPUOffloadPolicy``) has state sets
-  ``engine<N>.params`` (its model's ferry: parameters, gradients, buffers) and
-  ``engine<N>.optimizer`` (the optimizer's, once it has state), registered at its first phase;
+* each FSDP engine (not a ``forward_only`` one, which verl keeps under FSDP2's
+  ``CPUOffloadPolicy``) has a state set for what verl offloads of it, registered at its first
+  phase: ``engine<N>.params`` (its model's ferry: parameters, gradients, buffers) with
+  ``param_offload``, ``engine<N>.optimizer`` (the optimizer's, once it has state) with
+  ``optimizer_offload``; what verl keeps on the device is reserved as ``engine<N>.resident``
+  ([Note: verl's offload flags under a Dock] in ``._dock_engine``);
 * entering a phase acquires its sets and a byte-count claimant ``engine<N>.workspace.<mode>``
   for what the phase allocates besides them (activations, gradients, temporaries), so
   idle sets leave only as far as the budget needs; leaving releases them: they stay resident
@@ -32,7 +34,11 @@ bytes, or a fraction of the device's memory), verl's train/eval contexts (``Base
   they are needed next, and each phase starts bringing in the next (``prefetch_next``): the
   optimizer state behind old_log_prob's compute, its D2H behind the weight sync;
 * verl's other calls of the helpers (``update_weights``' offload, LoRA's staging, checkpoints)
-  leave a docked set where the dock has it (a load makes it resident).
+  leave a docked set where the dock has it (a load makes it resident); state a checkpoint puts
+  on the device while its set is evicted is counted ([Note: state loaded behind the dock's back]
+  in ``torchferry._core._dock.measure``);
+* a context's exit leaves the dock its entry took, also when ``patch(dock=...)`` chose another
+  dock in between (before, the old dock's names stayed in use for good).
 
 Not reached: the reference model under ``CPUOffloadPolicy`` (verl moves it with FSDP2's own
 hooks), engines with ``disable_auto_offload``. Wrong budgets and unknown verl versions fail at
@@ -54,6 +60,7 @@ from ..._core._dock.dock import Dock
 from ..._core._ferry.ferry import Ferry
 from ..._core._state.fsdp import local_of
 from .. import _helpers as compat
+from ._dock_engine import EngineNames, check_first_step, offloads, resident_bytes, why_kept
 
 __all__ = ["VerlDock", "dock_rollout", "docked"]
 
@@ -121,25 +128,13 @@ def dock_rollout(rollout: Any, weights_bytes: int, kv_cache_bytes: int) -> Any:
     return rollout
 
 
-class _Engine:
-    """One FSDP engine's names in the dock."""
-
-    def __init__(self, index: int) -> None:
-        self.tag = tag = f"engine{index}"
-        self.params, self.optimizer = f"{tag}.params", f"{tag}.optimizer"
-        self.workspace = {"eval": f"{tag}.workspace.eval", "train": f"{tag}.workspace.train"}
-        self.measured: dict[str, int] = {}  # mode -> largest workspace seen, bytes
-        self.open: dict[str, Any] = {}  # while in a phase: the names held, the start
-        self.depth: dict[str, int] = {}  # mode -> contexts of it entered inside the open one
-
-
 class VerlDock:
     """The process's dock over verl's engines ([Note: verl under a Dock])."""
 
     def __init__(self, budget: int | float) -> None:
         self.budget = budget
         self.dock: Dock | None = None
-        self.engines: weakref.WeakKeyDictionary[Any, _Engine] = weakref.WeakKeyDictionary()
+        self.engines: weakref.WeakKeyDictionary[Any, EngineNames] = weakref.WeakKeyDictionary()
         self.awake: set[str] = set()  # rollout claimants woken since the last phase entry
         self.cycle: list[frozenset[str]] = []  # phases seen since the last change of names
         self.planned = False
@@ -147,6 +142,7 @@ class VerlDock:
         self.peak_seen = 0  # torch.cuda.max_memory_allocated before each reset of it, bytes (take_peak)
         self._next_index = 0  # engine<N>: never reused, also after an engine is collected
         self.sets: dict[str, Ferry] = {}  # the state sets registered in the dock: name -> its ferry
+        self.reserved: set[str] = set()  # engines' engine<N>.resident in the dock
         DOCKS.add(self)
 
     # --------------------------------------------------------------- the dock and its names
@@ -218,12 +214,13 @@ class VerlDock:
 
     # --------------------------------------------------------------------- phases
     def enter(self, engine: Any, mode: str, model: bool, optimizer: bool) -> None:
-        """A train/eval context's entry: the engine's sets and its workspace acquired."""
+        """A train/eval context's entry: what verl keeps resident of the engine measured, its sets and its
+        workspace acquired ([Note: verl's offload flags under a Dock])."""
         e = self.engines.get(engine)
         if e is None:
-            e = self.engines[engine] = _Engine(self._next_index)
+            e = self.engines[engine] = EngineNames(self._next_index)
             self._next_index += 1
-            weakref.finalize(engine, self._forget_engine, (e.params, e.optimizer, *e.workspace.values()))
+            weakref.finalize(engine, self._forget_engine, e.names)
         if mode in e.open:  # a context of the same mode inside the open one: nothing more to hold
             e.depth[mode] = e.depth.get(mode, 0) + 1
             return
@@ -232,12 +229,15 @@ class VerlDock:
         self.rollout_asleep()  # the driver slept it before this phase: [Note: verl under a Dock]
         names: list[str] = []
         try:
+            self._reserve(dock, device)
             if model:
                 names.append(self._ensure_set(dock, e.params, engine.module))
             if optimizer and engine.optimizer is not None and compat._has_state(engine.optimizer):
                 names.append(self._ensure_set(dock, e.optimizer, engine.optimizer))
-            elif optimizer and engine.optimizer is not None:  # its first step makes the state: will it fit?
-                self._check_first_step(dock, e, engine.optimizer, names)
+            elif mode == "train" and engine.optimizer is not None and not compat._has_state(engine.optimizer):
+                # its first step makes the state: will it fit?
+                held = sum(dock.nbytes(n) for n in names) + self._reserved_bytes(dock)
+                check_first_step(dock, e, engine.optimizer, device, held)
             self._size_workspace(dock, e, mode, names)
             names.append(e.workspace[mode])
             dock.acquire(*names)
@@ -254,7 +254,7 @@ class VerlDock:
         if device.type == "cuda":
             self.peak_seen = max(self.peak_seen, torch.cuda.max_memory_allocated(device))
             torch.cuda.reset_peak_memory_stats(device)
-        e.open[mode] = (tuple(names), start, bool(started), self._state_bytes(dock, e), device)
+        e.open[mode] = (tuple(names), start, bool(started), self._state_bytes(dock, e, engine, device), device)
         self.phase_log.append(("enter", tuple(names)))
 
     def leave(self, engine: Any, mode: str) -> None:
@@ -274,7 +274,7 @@ class VerlDock:
         dock = self.dock
         names, start, prefetched, state0, device = e.open.pop(mode)
         try:
-            if engine.optimizer is not None and compat._has_state(engine.optimizer):  # after the first step
+            if engine.optimizer is not None and compat._has_state(engine.optimizer) and offloads(engine)[1]:
                 self._ensure_set(dock, e.optimizer, engine.optimizer)
                 if e.optimizer not in names and self.cycle:  # this phase holds it from now on
                     self.cycle[-1] = self.cycle[-1] | {e.optimizer}
@@ -282,13 +282,14 @@ class VerlDock:
                 e.measured.setdefault(mode, 0)
             elif not prefetched:  # a prefetch's allocations are not the phase's
                 # the sets' own growth (AdamW's state made by the first step, gradients kept) is not workspace
-                grown = max(0, self._state_bytes(dock, e) - state0)
+                grown = max(0, self._state_bytes(dock, e, engine, device) - state0)
                 peak = torch.cuda.max_memory_allocated(device) - start - grown
                 e.measured[mode] = max(e.measured.get(mode, 0), int(peak))
         except ValueError as err:
             raise ValueError(f"torchferry: verl dock: after the {mode} phase of {e.tag}: {err}") from err
         finally:
             dock.release(*names)
+        self._reserve(dock, device)  # the first step's state of an optimizer verl keeps resident, gradients kept
         self._size_workspace(dock, e, mode, [])  # measured now: what prefetches until its next entry plan with
         self.phase_log.append(("leave", names))
         if self.planned:
@@ -311,27 +312,35 @@ class VerlDock:
                 if d is not None and n not in d.in_use:
                     d.remove(n)
                     self.sets.pop(n, None)
+                    self.reserved.discard(n)
             except ValueError:  # never registered
                 pass
         self._names_changed()
 
-    def _check_first_step(self, dock: Dock, e: _Engine, optimizer: Any, sets: list[str]) -> None:
-        """Refuses a first train phase whose Adam / AdamW state (two moments of each parameter's dtype) would not
-        fit the budget beside the phase's sets: better before verl's step than after it."""
-        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            return
-        moments = 2 * sum(local_of(p).numel() * local_of(p).element_size() for g in optimizer.param_groups
-                          for p in g["params"] if p.requires_grad)
-        held = sum(dock.nbytes(n) for n in sets)
-        if held + moments > dock.budget_bytes:
-            raise ValueError(f"{e.optimizer} would hold about {moments} bytes after the first step "
-                             f"({type(optimizer).__name__}'s two moments) beside {held} bytes of "
-                             f"{', '.join(sets) or 'nothing'}, more than the budget of {dock.budget_bytes} bytes; "
-                             "raise TORCHFERRY_VERL_DOCK / patch(dock=...)")
+    def _state_bytes(self, dock: Dock, e: EngineNames, engine: Any, device: torch.device) -> int:
+        """Bytes the engine's registered sets count now, and what verl keeps of it on the device."""
+        return sum(dock.nbytes(n) for n in (e.params, e.optimizer) if n in self.sets) + resident_bytes(engine, device)
 
-    def _state_bytes(self, dock: Dock, e: _Engine) -> int:
-        """Bytes the engine's registered sets count now."""
-        return sum(dock.nbytes(n) for n in (e.params, e.optimizer) if n in self.sets)
+    def _reserved_bytes(self, dock: Dock) -> int:
+        return sum(dock.nbytes(n) for n in self.reserved)
+
+    def _reserve(self, dock: Dock, device: torch.device) -> None:
+        """What verl keeps on the device of every engine, measured now and reserved in the dock
+        ([Note: verl's offload flags under a Dock]).
+
+        Raises:
+            ValueError: an engine keeps more than the budget (one line, naming its flags).
+        """
+        for engine, e in list(self.engines.items()):
+            nbytes = resident_bytes(engine, device)
+            if nbytes > dock.budget_bytes:
+                raise ValueError(f"{e.tag} keeps {nbytes} bytes on the device ({why_kept(engine)}), more than the "
+                                 f"budget of {dock.budget_bytes} bytes: raise it or turn that offload on in verl")
+            if nbytes or e.resident in self.reserved:
+                if e.resident not in self.reserved:
+                    self._names_changed()
+                dock.reserve(e.resident, nbytes)
+                self.reserved.add(e.resident)
 
     def take_peak(self) -> int:
         """The device's peak allocated bytes since the last call (``torch.cuda.max_memory_allocated``,
@@ -354,14 +363,14 @@ class VerlDock:
         self._names_changed()
         return name
 
-    def _size_workspace(self, dock: Dock, e: _Engine, mode: str, sets: list[str]) -> None:
+    def _size_workspace(self, dock: Dock, e: EngineNames, mode: str, sets: list[str]) -> None:
         """The workspace claimant: the rest of the budget until measured, then the largest measure plus
         :data:`WORKSPACE_MARGIN` (at most the budget: more would never fit)."""
         name = e.workspace[mode]
         if mode in e.measured:
             want = min(int(e.measured[mode] * (1 + WORKSPACE_MARGIN)), dock.budget_bytes)
         else:
-            want = max(0, dock.budget_bytes - sum(dock.nbytes(n) for n in sets))
+            want = max(0, dock.budget_bytes - sum(dock.nbytes(n) for n in sets) - self._reserved_bytes(dock))
         try:
             have = dock.nbytes(name)
         except ValueError:
@@ -384,6 +393,8 @@ class VerlDock:
             self._dock_on(torch.device("cuda", torch.cuda.current_device()))
         dock = self.dock
         assert dock is not None
+        if dock.device is not None:
+            self._reserve(dock, dock.device)  # a checkpoint load since the last phase: counted before the wake
         for tag in tags:
             name = _TAGS[tag]
             if nbytes[tag] > dock.budget_bytes:  # checked before anything changes

@@ -164,9 +164,9 @@ class DockPatch:
 
         def dockable(c) -> bool:
             eng = c.engine
+            # every flag: what verl keeps resident is reserved ([Note: verl's offload flags under a Dock])
             return (_dock.ACTIVE is not None and isinstance(eng, engine_cls) and not c.disable_auto_offload
-                    and not eng.engine_config.forward_only
-                    and (eng.is_param_offload_enabled or eng.is_optimizer_offload_enabled))
+                    and not eng.engine_config.forward_only)
 
         def __enter__(c):
             if not dockable(c):
@@ -175,12 +175,14 @@ class DockPatch:
             assert active is not None
             active.enter(c.engine, c.mode, model=c.engine.is_param_offload_enabled,
                          optimizer=c.mode == "train" and c.engine.is_optimizer_offload_enabled)
+            c._torchferry_dock = active  # its exit leaves this dock, also if patch(dock=...) changed it since
             c.engine.mode = c.mode  # after the dock took the phase: a refused phase leaves it as it was
 
         def __exit__(c, exc_type, exc_val, exc_tb):
-            if not dockable(c):
+            entered = c.__dict__.pop("_torchferry_dock", None)
+            if entered is None and not dockable(c):
                 return exit_(c, exc_type, exc_val, exc_tb)
-            active = _dock.ACTIVE
+            active = entered if entered is not None else _dock.ACTIVE
             assert active is not None
             try:
                 active.leave(c.engine, c.mode)

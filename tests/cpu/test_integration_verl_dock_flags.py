@@ -1,0 +1,153 @@
+"""verl's dock mode against verl 0.9.1's own flags and lifecycle, on the CPU (issue 46 items 2, 3, 5): only what
+verl offloads is a state set, what it keeps resident is reserved; every combination of ``param_offload`` /
+``optimizer_offload`` trains through a rollout within the budget; a checkpoint loaded while the optimizer was
+evicted is counted; an optimizer's first-step state is told from its layout; a dock replaced inside a phase
+releases it. Engines are verl's ``FSDPEngine`` with a plain module, as in ``test_integration_verl_dock.py``."""
+
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("verl.workers.engine_workers", reason="verl's actor code and what it imports are not installed")
+
+import torchferry.integrations.verl as tf_verl  # noqa: E402
+from torchferry._core._state.host_blocks import in_host_pool  # noqa: E402
+from torchferry.integrations.verl._dock_patch import DOCK_ENV  # noqa: E402
+
+from verl.workers.engine import base  # noqa: E402
+
+N = 512
+P = (N * N + N) * 4  # the parameters' bytes
+OPT = 2 * P + 2 * 4  # AdamW's two moments and its two steps (0-dim, on the host: here the device)
+B = 4 << 20  # the budget
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    from torchferry.integrations.verl import _patch
+
+    monkeypatch.delenv(DOCK_ENV, raising=False)
+    tf_verl.unpatch()
+    _patch._dock_patch.kept.clear()
+    yield
+    tf_verl.unpatch()
+    _patch._dock_patch.kept.clear()
+
+
+def _engine(param_offload: bool, optimizer_offload: bool, optimizer=torch.optim.AdamW, n: int = N, **kw):
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    e = object.__new__(FSDPEngine)
+    e.module = torch.nn.Linear(n, n)
+    e.optimizer = optimizer(e.module.parameters(), **kw)
+    e._is_offload_param, e._is_offload_optimizer = param_offload, optimizer_offload
+    e.mode = None
+    e.engine_config = types.SimpleNamespace(forward_only=False)
+    return e
+
+
+def _update(e) -> None:
+    """update_actor: forward, backward, step, gradients dropped (verl's zero_grad)."""
+    with base.BaseEngineCtx(e, "train"):
+        e.module(torch.ones(2, e.module.in_features)).sum().backward()
+        e.optimizer.step()
+        e.optimizer.zero_grad(set_to_none=True)
+
+
+def _on_device(e) -> int:
+    """Bytes the engine's state holds on its device now (outside every host pool)."""
+    ts = [*e.module.parameters(), *(t for s in e.optimizer.state.values() for t in s.values())]
+    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                for t in ts if t.numel() and not in_host_pool(t.data_ptr())}.values())
+
+
+@pytest.mark.parametrize("param_offload,optimizer_offload,kv,sets,reserved", [
+    (True, True, 2 << 20, {"engine0.params", "engine0.optimizer"}, 0),
+    (True, False, 3 << 19, {"engine0.params"}, OPT),
+    (False, True, 2 << 20, {"engine0.optimizer"}, P),
+    (False, False, 1 << 19, set(), P + OPT),
+])
+def test_dock_counts_what_verl_keeps_resident(param_offload, optimizer_offload, kv, sets, reserved):
+    """Issue 46 item 2: with param_offload=True, optimizer_offload=False the second update raised "AdamW.step()
+    while its state is offloaded"; with param_offload=False 8.41 MB were held against a 6.37 MB budget."""
+    tf_verl.patch(dock=B)
+    vd, e = tf_verl.docked(), _engine(param_offload, optimizer_offload)
+    for _ in range(3):
+        _update(e)
+        assert set(vd.sets) == sets and vd.dock.in_use == frozenset()
+        assert vd.dock.nbytes("engine0.resident") == reserved if reserved else "engine0.resident" not in vd.reserved
+        vd.rollout_wakes(["kv_cache"], {"weights": 0, "kv_cache": kv})  # the rollout: room made within the budget
+        assert _on_device(e) + kv == vd.dock.resident_bytes <= B
+        vd.rollout_asleep()
+    assert e.optimizer.state[e.module.weight]["step"].item() == 3.0
+
+
+def test_an_engine_keeping_more_than_the_budget_is_refused_naming_its_flags():
+    tf_verl.patch(dock=2 << 20)
+    e = _engine(False, True, n=1024)
+    with pytest.raises(ValueError, match=r"the eval phase of engine0 does not fit its budget .*: engine0 keeps "
+                                         r"4198400 bytes on the device \(param_offload=False: its parameters\), more "
+                                         r"than the budget of 2097152 bytes") as err:
+        with base.BaseEngineCtx(e, "eval"):
+            pass
+    assert "\n" not in str(err.value) and e.mode is None and not tf_verl.docked().dock.in_use
+
+
+def test_a_first_step_of_an_optimizer_kept_resident_that_cannot_fit_is_refused_before_it_runs():
+    tf_verl.patch(dock=2 << 20)  # the parameters (1 MB, kept) fit, AdamW's state beside them does not
+    e = _engine(False, False)
+    before = e.module.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"engine0.optimizer would hold about 2101256 bytes after the first step "
+                                         r"\(AdamW's state .*\) beside 1050624 bytes held"):
+        _update(e)
+    assert torch.equal(e.module.weight, before) and not e.optimizer.state
+
+
+def test_amsgrad_is_refused_at_its_first_step_not_admitted_then_refused_at_the_second():
+    """Issue 46 item 3: Adam(amsgrad=True) was admitted at step 0 and refused at step 1 (the estimate assumed two
+    state tensors per parameter)."""
+    tf_verl.patch(dock=P + 3 * P)  # parameters and two moments fit beside them, three do not
+    e = _engine(True, True, optimizer=torch.optim.Adam, amsgrad=True)
+    with pytest.raises(ValueError, match=r"engine0.optimizer would hold about 3151880 bytes after the first step"):
+        _update(e)
+    assert not e.optimizer.state
+    tf_verl.patch(dock=P + 3 * P + (1 << 20))
+    for _ in range(2):  # room for all three: admitted at the first step and at the second alike
+        _update(e)
+    assert e.optimizer.state[e.module.weight]["max_exp_avg_sq"].shape == (N, N)
+
+
+def test_a_checkpoint_loaded_while_the_optimizer_is_evicted_is_counted(monkeypatch):
+    """Issue 46 item 3: verl's load_checkpoint after the rollout evicted the optimizer put the loaded AdamW state
+    on the device while the dock counted it evicted (12.61 MB held against an 8.47 MB budget at the next wake)."""
+    tf_verl.patch(dock=B)
+    vd, e = tf_verl.docked(), _engine(True, True)
+    _update(e)
+    saved = {"state": {k: {n: t.clone() for n, t in s.items()} for k, s in e.optimizer.state_dict()["state"].items()},
+             "param_groups": e.optimizer.state_dict()["param_groups"]}
+    vd.dock.evict("engine0.optimizer")  # the rollout's room
+    manager = types.SimpleNamespace(load_checkpoint=lambda **kw: (e.module.load_state_dict(e.module.state_dict()),
+                                                                  e.optimizer.load_state_dict(saved)))
+    e.checkpoint_manager = manager
+    monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: None)
+    e.load_checkpoint("unused")  # verl's own: its helpers load the model, the state lands beside it
+    kv = 2 << 20
+    vd.rollout_wakes(["kv_cache"], {"weights": 0, "kv_cache": kv})
+    assert vd.dock.stats.adoptions == 1 and _on_device(e) + kv == vd.dock.resident_bytes <= B
+    vd.rollout_asleep()
+    _update(e)
+    assert e.optimizer.state[e.module.weight]["step"].item() == 2.0
+
+
+def test_a_dock_replaced_inside_a_phase_releases_that_phase():
+    """Issue 46 item 5: patch(dock=B) inside a phase left the old dock's names in use for good."""
+    tf_verl.patch(dock=B)
+    old, e = tf_verl.docked(), _engine(True, True)
+    with base.BaseEngineCtx(e, "train"):
+        tf_verl.patch(dock=2 * B)
+        assert old.dock.in_use
+    assert not old.dock.in_use and e.mode is None
+    _update(e)  # the next phase under the new dock: the old one lets the sets go
+    new = tf_verl.docked()
+    assert new is not old and set(new.sets) == {"engine0.params", "engine0.optimizer"} and not old.sets

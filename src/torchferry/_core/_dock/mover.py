@@ -137,6 +137,7 @@ class Mover:
         self.counts.update(evictions=1, bytes_evicted=h.nbytes, prefetch_evictions=int(background))
         self._log("evict", s.name, h.nbytes, h, background=background)
 
+    @interrupts_deferred  # the move and its record together ([Note: all or nothing])
     def adopt(self, s: _Set) -> None:
         """Takes in an evicted set holding state on the device again ([Note: state loaded behind the dock's back]
         in ``measure``): ``reload()`` reconciles it (what is on the device stays there); resident from now."""

@@ -1,8 +1,8 @@
 """benchmarks/verl_actor.sh end to end on the CPU (tiny model, 2 gloo ranks): verl 0.9.1's own
 TrainingWorker / FSDP2 engine with param and optimizer offload, resident, unpatched and with
 torchferry (its defaults, and a variant with layer-wise reload and optimizer_at_step off), one actor
-each in one process, rounds interleaved, and the torchferry.verl-step/1 JSON it writes. (On GPUs the
-same command is the real run.)"""
+each in a process of its own (and, for LoRA, all in one process), rounds interleaved, and the
+torchferry.verl-step/1 JSON it writes. (On GPUs the same command is the real run.)"""
 
 import copy
 import json
@@ -19,6 +19,7 @@ pytest.importorskip("hydra")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import verl_actor  # noqa: E402
+import verl_isolate  # noqa: E402
 
 PLAIN = "plain:TORCHFERRY_LAYERWISE_RELOAD=0,TORCHFERRY_OPTIMIZER_AT_STEP=0"
 
@@ -54,6 +55,12 @@ def test_every_strategy_is_bit_identical_to_verls_own_run(result):
                                    "bash benchmarks/verl_actor.sh OUT 2 tiny 3")
     assert any("TrainingWorker" in line for line in r["verl_code"])
     assert [s["label"] for s in r["config"]["strategies"]] == ["resident", "verl", "torchferry", "plain"]
+    assert r["config"]["processes"] == 4 and r["config"]["interleaved"].startswith("one process per strategy")
+    for label in ("resident", "verl", "torchferry", "plain"):  # no GPU: no memory figures, the keys there
+        st = r["strategies"][label]
+        assert st["phase_peak_gpu_bytes"] == {} and st["free_at_rollout_wake_bytes"] is None
+        assert len(st["probe_per_step"]) == 3 and all(p["alloc_retries"] == 0 for p in st["probe_per_step"])
+    assert set(r["bars"]) == {"resident_step_spread", "torchferry", "plain"}
     assert r["bit_identical"] is True and r["bit_identical_to_verl"] == {"resident": True, "torchferry": True,
                                                                         "plain": True}
     assert r["compared"] == {"steps": 3, "ranks": 2, "parameter_shards": 2 * 26, "optimizer_state_tensors": 2 * 26 * 3,
@@ -127,12 +134,18 @@ def test_report_says_what_differs(result):
     same, differing = verl_actor.identical(a, b)
     assert same == {"losses": False, "log_probs": True, "params": False, "optimizer_state": True, "weight_sync": True}
     assert differing == {"losses": True, "params": [f"rank1:{name}"]}
-    import torch  # byte for byte: -0.0 is not 0.0, a NaN is itself
-
-    assert not verl_actor._same_bytes(torch.tensor([0.0]), torch.tensor([-0.0]), "cpu")
-    assert verl_actor._same_bytes(torch.tensor([float("nan")]), torch.tensor([float("nan")]), "cpu")
-    assert not verl_actor._same_bytes(torch.zeros(2), torch.zeros(1, 2), "cpu")
-    assert verl_actor._same_bytes(torch.tensor(3.0), torch.tensor(3.0), "cpu")  # AdamW's 0-dim step
+    # against_verl from the fingerprints: a changed or a missing name is reported
+    fps = runs["per_rank"][0]["strategies"]["torchferry"]["fingerprints"]
+    ref = copy.deepcopy(fps)
+    ref["params"][name] = "changed"
+    del ref["optimizer_state"][next(iter(ref["optimizer_state"]))]
+    got = verl_actor.against(ref, fps)
+    assert got["params"] == [name] and len(got["optimizer_state"]) == 1 and got["weight_sync"] == []
+    with pytest.raises(ValueError, match="verl's records are missing"):
+        verl_actor.merge_runs([{**runs, "strategies": [s for s in runs["strategies"] if s["label"] != "verl"],
+                                "per_rank": [{**x, "strategies": {k: v for k, v in x["strategies"].items()
+                                                                  if k != "verl"}} for x in runs["per_rank"]],
+                                "strategies_all": [s for s in runs["strategies_all"] if s["label"] != "verl"]}])
     with pytest.raises(SystemExit, match="must have distinct labels and include verl"):
         verl_actor.parse_strategies(["resident", "torchferry"])
     with pytest.raises(SystemExit, match="is none of resident, verl, torchferry, LABEL:K=V"):
@@ -145,7 +158,9 @@ def test_lora_adds_the_reference_phase_and_stays_bit_identical_through_the_weigh
     ``model.to("cpu")`` on the FSDP2 model right after ``load_fsdp_model_to_gpu``: with the layer-wise
     reload on, that is while the state is still on the host ([Note: FSDP2's shard buffer after a
     move]); later syncs send the adapters only. The run stays bit-identical to verl's."""
-    runs = _run(tmp_path, VERL_ACTOR_LORA_RANK="4", VERL_ACTOR_WEIGHT_SYNC="1", VERL_ACTOR_RESIDENT="0")
+    runs = _run(tmp_path, VERL_ACTOR_LORA_RANK="4", VERL_ACTOR_WEIGHT_SYNC="1", VERL_ACTOR_RESIDENT="0",
+                VERL_ACTOR_ISOLATE="0")  # all strategies in one process: that mode too
+    assert runs["config"].get("processes", 1) == 1
     [path] = tmp_path.glob("verl_step_tiny_fsdp2-lora-tiny_cpux2_*.json")
     r = json.loads(path.read_text())
     assert r["config"]["lora"] is True and r["config"]["phases"] == ["rollout", "log_prob", "ref", "update",
@@ -182,3 +197,41 @@ def test_chunked_logprobs_match_verls_row_by_row_fallback(dtype):
     assert verl_actor._logprobs_chunked(logits.view(1, rows, 97), labels.view(1, rows)).shape == (1, rows)
     with pytest.raises(ValueError, match="one label per row"):
         verl_actor._logprobs_chunked(logits.view(1, rows, 97), labels)
+
+
+def test_fingerprints_tell_bytes_apart():
+    """Byte for byte: -0.0 is not 0.0, a NaN is itself, the shape counts, a 0-dim tensor (AdamW's step)
+    works; a changed word and two swapped words change it; a chunk's end changes nothing."""
+    import torch
+
+    fp = verl_isolate.fingerprint
+    assert fp(torch.tensor([0.0]), "cpu") != fp(torch.tensor([-0.0]), "cpu")
+    assert fp(torch.tensor([float("nan")]), "cpu") == fp(torch.tensor([float("nan")]), "cpu")
+    assert fp(torch.zeros(2), "cpu") != fp(torch.zeros(1, 2), "cpu")
+    assert fp(torch.tensor(3.0), "cpu") == fp(torch.tensor(3.0), "cpu") != fp(torch.tensor(3.5), "cpu")
+    x = torch.randn(1000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    y = x.clone()
+    y[[3, 7]] = y[[7, 3]]
+    z = x.clone()
+    z.view(torch.int64)[500] ^= 1
+    assert len({fp(x, "cpu"), fp(y, "cpu"), fp(z, "cpu")}) == 3
+    assert fp(x, "cpu") == fp(x.clone(), "cpu") and fp(x[1:], "cpu") != fp(x[:-1], "cpu")
+    before = x.clone()
+    fp(x, "cpu")
+    assert torch.equal(x, before)  # computed beside the tensor, never in it
+
+
+def test_turns_go_in_ticket_order_and_stop_when_another_process_failed(tmp_path):
+    t = verl_isolate.Turns(str(tmp_path), rank=0, timeout_s=0.2)
+    t.wait(0)  # no turn file yet: ticket 0
+    t.done(0)
+    t.wait(1)
+    with pytest.raises(SystemExit, match="no turn 5 after"):
+        t.wait(5)
+    assert not t.decide_stop(0, 1.0) and t.stop_round() is None
+    (tmp_path / "rounds_t0").write_text("0.0")  # rounds began long ago
+    assert not t.decide_stop(1, 1.0) and t.decide_stop(2, 1.0) and t.stop_round() == 2
+    (tmp_path / "failed").write_text("x")
+    with pytest.raises(SystemExit, match="another strategy's process failed"):
+        t.wait(5)
+    verl_isolate.Turns(None, rank=0).wait(99)  # one process: no turns

@@ -540,6 +540,19 @@ def _weight_sync(engine, into: dict, first: bool, device) -> int:
     return n + consume(per_tensor)
 
 
+def _rewarm_cublas(device) -> None:
+    """Makes cuBLAS's workspaces again on the current stream (plain and Lt, fp32 and bf16), which
+    ``torch.cuda.empty_cache()`` frees with the cache: so the next step's start counts them among the
+    process's fixed bytes (``others``), as before its first empty_cache, not as the step's own (32 MiB under
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, which a tight dock budget does not hold)."""
+    import torch
+
+    a = torch.ones(16, 16, device=device)
+    for x in (a, a.bfloat16()):
+        torch.nn.functional.linear(x, x, x[0])
+        x @ x
+
+
 LOGPROB_ROWS = 2048  # rows per log_softmax in the chunked log-probs (verl's entropy chunk size)
 
 
@@ -900,10 +913,14 @@ def cmd_run(args) -> None:
         peak("update")
         if args.weight_sync:  # ActorRolloutRefWorker.update_weights, after update_actor
             current["phase"] = "weight_sync"
+            if cuda:  # update_weights empties the cache before the rollout's weights wake (engine_workers.py)
+                torch.cuda.empty_cache()
             asyncio.run(rollout.resume(["weights"]))
             rec["weight_sync_bytes"] = _weight_sync(engine, rollout.weights, first=step == 0, device=gpu)
             rec["weight_sync_bytes_per_step"].append(rec["weight_sync_bytes"])  # LoRA: the first with the base
             sync()
+            if cuda:  # and again after the sync, before the KV cache wakes
+                torch.cuda.empty_cache()
         if vd is not None and vd.dock is not None:  # the step ends when the dock's copies are complete
             vd.dock.wait()
             sync()
@@ -961,6 +978,7 @@ def cmd_run(args) -> None:
             gc.collect()  # between turns, not inside the next strategy's step (the probe counts what is left)
             if isolated and cuda:  # what this process cached goes back before the next strategy's turn, as a
                 torch.cuda.empty_cache()  # colocated role's would before the rollout wakes (else: OOM beside it)
+                _rewarm_cublas(gpu)  # empty_cache() also freed cuBLAS's workspaces: not the next step's bytes
             if isolated:
                 dist.barrier()
             turns.done(ticket)

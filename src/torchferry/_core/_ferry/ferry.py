@@ -94,7 +94,7 @@ class Ferry:
                              skip_unchanged=skip_unchanged)
         ref = weakref.ref(self)
         self._guards = OffloadGuards(lambda: repr(ref()) if ref() is not None else "Ferry(dropped)")
-        weakref.finalize(self, dropped, self._guards)  # see [Note: a ferry dropped while offloaded]
+        weakref.finalize(self, dropped, self._guards).atexit = False  # [Note: a ferry dropped while offloaded]
         self._offloaded: Offloaded | None = None
         self._residency, self._last = Residency.DEVICE, None  # _last: the last TransferHandle
         self._prefetch: PrefetchRun | None = None  # see [Note: prefetch reload]

@@ -124,7 +124,8 @@ def dropped(guards: OffloadGuards) -> None:
     message naming a ``reload()`` nobody can call any more, so they go with the ferry, once its
     last offload's copies are complete (the ``state_dict()`` hooks waited for them: now nothing
     would); the module then runs on the host, or ``model.to(device)`` brings it back by ordinary
-    copies.
+    copies. Not at the interpreter's exit (the finalizer's ``atexit`` is off): a ferry still alive
+    then goes with the process, and a warning about it would only be noise after a program's output.
     """
     if not guards.installed:
         return

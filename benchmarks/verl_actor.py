@@ -972,6 +972,8 @@ def cmd_run(args) -> None:
                 stopped = True
                 turns.done(ticket)
                 break
+            if args.settle_seconds:  # what the previous turn left running on the host (memory given back) ends
+                time.sleep(args.settle_seconds)
             with active(s):
                 one_step(s, step)
             records[s.label]["order"].append(order.index(s))
@@ -1495,6 +1497,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="build and step this strategy alone, taking turns with the other strategies' processes "
                         "through --turns ([Note: one process per strategy]); default: every strategy here")
     p.add_argument("--turns", default=None, metavar="DIR", help="the folder the processes take turns through")
+    p.add_argument("--settle-seconds", type=float, default=0.0,
+                   help="seconds to wait before each step (after the turn came), outside its timing (default: 0)")
     p = sub.add_parser("report", help="a run's records -> the torchferry.verl-step/1 JSON")
     p.add_argument("runs", nargs="+", help="the run's records: one file per process (run --own), or one")
     p.add_argument("--out-dir", required=True)

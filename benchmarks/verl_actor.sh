@@ -32,6 +32,7 @@
 #                                         (..._dock-<budget>.json, that strategy as strategies["torchferry+dock"])
 #   VERL_ACTOR_ISOLATE=1|0                1 (default): each strategy in a process of its own, the processes taking
 #                                         turns step by step (benchmarks/verl_isolate.py); 0: all in one process
+#   VERL_ACTOR_SETTLE_S=S                 wait S seconds before each step, outside its timing (default 0)
 #   VERL_ACTOR_LOGPROBS=chunked|verl      log-probs in verl's engine: chunked (default: one log_softmax per
 #                                         2048 rows) or verl's own fallback without flash-attn (one per token:
 #                                         host-bound, a step's time spread by seconds; see _logprobs_chunked)
@@ -103,6 +104,7 @@ CUBLAS=${VERL_ACTOR_CUBLAS_WORKSPACE-:4096:8}
 if [ -n "$CUBLAS" ]; then EXTRA+=(--cublas-workspace "$CUBLAS"); fi
 if [ -n "${VERL_ACTOR_MAX_ROUND_S:-}" ]; then EXTRA+=(--max-round-seconds "$VERL_ACTOR_MAX_ROUND_S"); fi
 if [ -n "${VERL_ACTOR_LOGPROBS:-}" ]; then EXTRA+=(--logprobs "$VERL_ACTOR_LOGPROBS"); fi
+if [ -n "${VERL_ACTOR_SETTLE_S:-}" ]; then EXTRA+=(--settle-seconds "$VERL_ACTOR_SETTLE_S"); fi
 RUN=(benchmarks/verl_actor.py run --strategies "${STRATEGIES[@]}" --model-dir "$MODEL" --steps "$STEPS" "${EXTRA[@]}")
 if [ "${VERL_ACTOR_ISOLATE:-1}" = 1 ]; then
   # One process (group) per strategy, taking turns through $TURNS ([Note: one process per strategy]).
@@ -128,7 +130,7 @@ fi
 CMD="bash benchmarks/verl_actor.sh OUT $NPROC $PRESET $STEPS"
 for k in VERL_ACTOR_SHAPE VERL_ACTOR_STRATEGY VERL_ACTOR_LORA_RANK VERL_ACTOR_MICRO VERL_ACTOR_ROLLOUT VERL_ACTOR_WEIGHT_SYNC \
          VERL_ACTOR_RESIDENT VERL_ACTOR_VARIANTS VERL_ACTOR_CUBLAS_WORKSPACE VERL_ACTOR_MAX_ROUND_S VERL_ACTOR_LOGPROBS \
-         VERL_ACTOR_DOCK VERL_ACTOR_ISOLATE; do
+         VERL_ACTOR_DOCK VERL_ACTOR_ISOLATE VERL_ACTOR_SETTLE_S; do
   if [ -n "${!k:-}" ]; then CMD="$k='${!k}' $CMD"; fi
 done
 "$PY" benchmarks/verl_actor.py report "${parts[@]}" --out-dir "$OUT" --command "$CMD" 2>&1 | tee -a "$LOG"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -142,10 +143,23 @@ def context_bytes(device) -> int | None:
     return None
 
 
+def _cpu_jiffies() -> dict[str, int]:
+    """The machine's CPU time by kind, in clock ticks (``/proc/stat``'s first line); empty where unreadable."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return {}
+    names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    return {k: int(v) for k, v in zip(names, fields, strict=False)}
+
+
 class StepProbe:
     """What a step costs besides its work, per step: the caching allocator's retries (a retry frees the
     whole cache and synchronises), the garbage collector's collections and seconds, the process's CPU
-    seconds, and the SM clock at the step's end (NVML; ``None`` where it does not answer)."""
+    seconds, page faults and context switches (an involuntary one: another thread took the core), the
+    machine's CPU ticks by kind (``steal``: the hypervisor ran something else), and the SM clock at the
+    step's end (NVML; ``None`` where it does not answer)."""
 
     def __init__(self, device) -> None:
         self.device = device
@@ -178,12 +192,17 @@ class StepProbe:
         return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)) if self.cuda else 0
 
     def begin(self) -> None:
-        self._at = (self._retries(), self._gc_s, self._gc_n, time.process_time())
+        self._at = (self._retries(), self._gc_s, self._gc_n, time.process_time(),
+                    resource.getrusage(resource.RUSAGE_SELF), _cpu_jiffies())
 
     def end(self) -> dict:
-        r0, g0, n0, c0 = self._at
+        r0, g0, n0, c0, u0, j0 = self._at
+        u1, j1 = resource.getrusage(resource.RUSAGE_SELF), _cpu_jiffies()
         out = {"alloc_retries": self._retries() - r0, "gc_s": self._gc_s - g0, "gc_collections": self._gc_n - n0,
-               "cpu_s": time.process_time() - c0, "sm_clock_mhz": None, "clocks_throttle_reasons": None}
+               "cpu_s": time.process_time() - c0, "minor_faults": u1.ru_minflt - u0.ru_minflt,
+               "major_faults": u1.ru_majflt - u0.ru_majflt, "involuntary_switches": u1.ru_nivcsw - u0.ru_nivcsw,
+               "machine_ticks": {k: j1[k] - j0[k] for k in j1 if k in j0},
+               "sm_clock_mhz": None, "clocks_throttle_reasons": None}
         if self._nvml is not None:
             nv, h = self._nvml
             try:

@@ -3,11 +3,12 @@ final state (compared across processes), and what a step leaves on the device.
 
 [Note: one process per strategy]
 Run in one process, the strategies shared one caching allocator: several 25 GB actors of Qwen2.5-1.5B
-(parameters, gradients, AdamW state) reached 121 GB allocated of the H200's 141, each step's allocation
-pattern depended on what the previous strategy left cached, and one strategy's peak could only be
-estimated by subtracting the others' bytes. The resident step spread 3.3-4.7 s over rounds and the free
-memory at the rollout's wake alternated by 27 GB round by round (``../shared`` anchors of issue 45;
-measured again by this script's one-process mode, ``VERL_ACTOR_ISOLATE=0``). So each strategy runs in a
+(parameters, gradients, AdamW state) on one GPU, each step's allocation pattern depending on what the
+previous strategy left cached, and one strategy's peak only estimated by subtracting the others' bytes
+at its start. That estimate put torchferry's step at 45.7 GB against verl's 30.9
+(``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp2-full-compute-rich_h200x1_2026-12-02_fa3c43b_dock-tight.json``,
+``strategies.*.peak_gpu_bytes``); each in a process of its own, its update_actor peaked at 30.93 GB against
+30.87 (``..._2026-12-03_6420de7_micro-2-4.json``, ``phase_peak_gpu_bytes``). So each strategy runs in a
 process of its own (its own CUDA context and caching allocator, as a colocated worker has), the
 processes take turns through a folder (:class:`Turns`: one step at a time, the order rotated each round,
 as before), and everything a process allocates is its strategy's.

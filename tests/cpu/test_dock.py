@@ -462,7 +462,8 @@ def test_budget_counts_an_embedding_resized_while_resident():
 
 def test_budget_counts_optimizer_state_created_by_its_first_step():
     """A ferry made before the optimizer's first step plans 0 bytes; the step creates AdamW's
-    ``exp_avg`` and ``exp_avg_sq`` (and, on the CPU, a 4-byte float32 ``step``) while resident."""
+    ``exp_avg`` and ``exp_avg_sq`` (and, on the CPU, a 4-byte float32 ``step``) while resident: the dock
+    counts them from the start, as the step will make them ([Note: first-step state])."""
     dock, model, _ = _docked_linear(4 * P)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     fo = Ferry(opt, device="cpu")
@@ -470,7 +471,7 @@ def test_budget_counts_optimizer_state_created_by_its_first_step():
     dock.add("opt", fo)
     dock.add_claimant("kv", 2 * P)
     with dock.use("params", "opt"):
-        assert dock.resident_bytes == P
+        assert dock.resident_bytes == 3 * P + 4  # the parameters, and the state the first step will make
         model(X).square().sum().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -491,25 +492,30 @@ def test_budget_counts_optimizer_state_created_by_its_first_step():
 
 
 def test_release_brings_the_dock_back_within_the_budget_when_state_grew_in_use():
-    """The update phase grows (grads kept, AdamW's first step) past the room left beside the awake
-    rollout: at ``release()`` the idle rollout sleeps, so the next phase starts within the budget."""
+    """The update phase grows (grads kept) past the room left beside the awake rollout: at ``release()``
+    the idle rollout sleeps, so the next phase starts within the budget. (An optimizer's first step is
+    counted before it runs: [Note: first-step state]; this one has stepped already.)"""
     dock, model, _ = _docked_linear(5 * P)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with dock.use("params"):
+        model(X).square().sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     dock.add("opt", Ferry(opt, device="cpu"))
     calls = []
-    dock.add_claimant("rollout", 2 * P, sleep=lambda: calls.append("sleep"), wake=lambda: calls.append("wake"))
+    dock.add_claimant("rollout", P, sleep=lambda: calls.append("sleep"), wake=lambda: calls.append("wake"))
     with dock.use("rollout"):
         pass
     with dock.use("params", "opt"):
-        assert dock.resident_bytes == 2 * P + P
+        assert dock.resident_bytes == P + P + (2 * P + 4)  # the rollout stays awake: 4P + 4 fit
         model(X).square().sum().backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
-        assert dock.resident_bytes == 2 * P + 2 * P + (2 * P + 4) and dock.free_bytes == -P - 4
+        assert dock.resident_bytes == P + 2 * P + (2 * P + 4) and dock.free_bytes == -4
     assert calls == ["wake", "sleep"] and not dock.is_resident("rollout")
     assert dock.resident_bytes == 4 * P + 4 and dock.stats.evictions == 0
-    with dock.use("rollout"):  # 4P + 4 + 2P > 5P: the parameters and their grads (2P) leave
-        assert not dock.is_resident("params") and dock.resident_bytes == (2 * P + 4) + 2 * P
+    with dock.use("rollout"):  # 4P + 4 + P > 5P: the parameters and their grads (2P) leave
+        assert not dock.is_resident("params") and dock.resident_bytes == (2 * P + 4) + P
     assert dock.stats.bytes_evicted == 2 * P and calls == ["wake", "sleep", "wake"]
 
 

@@ -169,3 +169,33 @@ def test_a_ferry_closed_in_a_dock_is_refused_naming_the_set_and_the_dock():
         pass
     with pytest.raises(RuntimeError, match="Dock.add: the ferry given for 'a' is closed"):
         dock.add("a", fa)
+
+
+def test_an_optimizers_first_step_is_counted_before_it_runs_so_a_claimant_sleeps_first():
+    """A plain Dock over a model and an optimizer that has not stepped (``Adam(amsgrad=True)``: three
+    tensors per parameter), beside a claimant: the use that runs the first step makes room for the state
+    it will make, so the device never holds more than the budget while the claimant is awake."""
+    n = 128
+    torch.manual_seed(0)
+    m = torch.nn.Linear(n, n)
+    opt = torch.optim.Adam(m.parameters(), amsgrad=True)
+    params = sum(p.numel() * 4 for p in m.parameters())
+    made = first_step_bytes(opt, torch.device("cpu"))
+    assert made == 3 * params + 2 * 4  # exp_avg, exp_avg_sq, max_exp_avg_sq; a 0-dim step per parameter
+    m(torch.ones(2, n)).sum().backward()  # the gradients exist before the dock: counted with the model
+    kv_bytes = params
+    dock = Dock(2 * params + made + kv_bytes - 1)  # all do not fit: the claimant must sleep for the step
+    dock.add("m", Ferry(m, device="cpu"))
+    dock.add("o", Ferry(opt, device="cpu"))
+    assert dock.nbytes("o") == made  # counted before the step made it
+    awake: list[bool] = []
+    dock.add_claimant("kv", kv_bytes, sleep=lambda: awake.append(False), wake=lambda: awake.append(True))
+    with dock.use("kv"):
+        pass
+    before = [p.detach().clone() for p in m.parameters()]
+    with dock.use("m", "o"):
+        assert awake[-1] is False  # the claimant slept before the step
+        opt.step()
+        assert dock.resident_bytes <= dock.budget_bytes
+        assert dock.nbytes("o") == made  # now measured: as told
+    assert len(opt.state) == 2 and all(not torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))

@@ -59,6 +59,7 @@ import torch
 from collections.abc import Iterable
 
 from .._ferry.ferry import Ferry
+from .first_step import first_step_bytes
 from .._state.fsdp import local_of, sharded_storages
 from .._state.host_blocks import in_host_pool
 from .._api.residency import Residency
@@ -157,6 +158,14 @@ def ensure_plan(ferry: Ferry) -> None:
         ferry.reserve_host(background=True)
 
 
+def first_step_projection(ferry: Ferry) -> int:
+    """Bytes the first ``step()`` of the ferry's optimizers without state will allocate on its device
+    ([Note: first-step state] in ``first_step``): counted with the set before they exist, so the room a
+    use makes for it is there when the step runs (an optimizer of unknown layout counts 0 until then)."""
+    return sum(first_step_bytes(t, ferry.device) or 0 for t in targets_of(ferry)
+               if isinstance(t, torch.optim.Optimizer) and not t.state)
+
+
 def counted_bytes(ferry: Ferry) -> int:
     """Bytes a dock counts for the ferry's set now (see [Note: a set counts its bytes now]).
 
@@ -165,11 +174,13 @@ def counted_bytes(ferry: Ferry) -> int:
     sharded storages of a unit left unsharded are not seen then: see
     :func:`ensure_plan`) or a layer-wise reload is under way (``PREFETCHING``:
     the units not yet arrived hold 0 bytes now). On the host: ``state_bytes``.
+    Both with :func:`first_step_projection` for an optimizer that has not stepped yet.
     """
     r = ferry.residency
+    ahead = first_step_projection(ferry)
     if r.on_host:
-        return ferry.state_bytes
+        return ferry.state_bytes + ahead
     now = device_bytes(ferry)
     if r is Residency.PREFETCHING or ferry._set.cache is None:
-        return max(now, ferry.state_bytes)
-    return now
+        return max(now, ferry.state_bytes) + ahead
+    return now + ahead

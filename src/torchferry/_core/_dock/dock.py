@@ -424,9 +424,10 @@ class Dock:
     @property
     def resident_bytes(self) -> int:
         """Bytes counted against the budget now, sets measured as they are now (outgoing sets not
-        counted, see [Note: dock accounting])."""
-        self._engine.refresh()
-        return self._engine.held()
+        counted, see [Note: dock accounting]; state loaded behind the dock's back counted where it is). A
+        reading: it moves nothing."""
+        self._engine.refresh(adopt=False)
+        return self._engine.held() + self._engine.appeared()
 
     @property
     def free_bytes(self) -> int:
@@ -452,7 +453,6 @@ class Dock:
 
     def __repr__(self) -> str:
         e = self._engine
-        e.refresh()
-        return (f"Dock(budget_bytes={e.budget}, resident_bytes={e.held()}, sets={list(e.sets)}, "
+        return (f"Dock(budget_bytes={e.budget}, resident_bytes={self.resident_bytes}, sets={list(e.sets)}, "
                 f"claimants={list(e.claimants)}, in_use={sorted(self.in_use)})")
 

@@ -231,13 +231,18 @@ class DockEngine:
         """Measures ``s`` now (see [Note: a set counts its bytes now]); returns its bytes."""
         return self.mover.measure(s)
 
-    def refresh(self) -> None:
+    def refresh(self, adopt: bool = True) -> None:
         """Measures every set, at the start of a decision (see [Note: dock accounting]); an evicted set holding
-        state on the device again is taken in as resident ([Note: state loaded behind the dock's back])."""
+        state on the device again is taken in as resident ([Note: state loaded behind the dock's back]), unless
+        ``adopt`` is off (a reading, which moves nothing: :meth:`appeared` counts those bytes instead)."""
         for s in self.sets.values():
-            if appeared_bytes(s.ferry):
+            if adopt and appeared_bytes(s.ferry):
                 self.mover.adopt(s)
             self.measure(s)
+
+    def appeared(self) -> int:
+        """Bytes evicted sets hold on the device again, not yet taken in (a reading between decisions)."""
+        return sum(appeared_bytes(s.ferry) for s in self.sets.values())
 
     def _grown(self, name: str) -> str:
         """`` (grew while resident ...)`` for a set counted above its last plan, else ``""``."""

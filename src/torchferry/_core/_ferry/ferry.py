@@ -19,12 +19,10 @@ from .._schedules.prefetch import Group, Prefetch, PrefetchRun, prefetch_groups
 from .._schedules.release import ReleaseSchedule
 from .._state.plan import build_plan
 from .._state.targets import Targets
-from .._state.tree import tree_memo
 from .._transfer.copies import transfer_range
 from .environment import check_environment
-from .gc import gc_paused
 from .guards import OffloadGuards, dropped
-from .interrupts import interrupts_deferred
+from .misuse import OneMover, moves_state
 from .moves import Offloaded
 from .pin_ahead import PinAhead
 from .state_set import StateSet
@@ -74,7 +72,8 @@ class Ferry:
         ferry.reload()             # H2D; the current stream waits for it
         loss = model(batch).sum()  # no host sync needed
 
-    Tensor objects keep their identity and autograd metadata across cycles.
+    Tensor objects keep their identity and autograd metadata across cycles. One thread moves a ferry at a
+    time: a call while another thread is inside one raises ``RuntimeError`` ([Note: one thread moves a ferry]).
     """
 
     def __init__(self, *targets: object, device: torch.device | str | None = None,
@@ -102,6 +101,7 @@ class Ferry:
         self._recorder = StatsRecorder()
         self._released: tuple[object, torch.cuda.Event | None] = (None, None)  # (d2h handle, its release event)
         self._closed = False
+        self._mover = OneMover()  # see [Note: one thread moves a ferry]
         self._pin_ahead = PinAhead.arm(self._set, plan) if pin_ahead else None
 
     # ------------------------------------------------------------------ state
@@ -129,7 +129,7 @@ class Ferry:
     @property
     def stats(self) -> TransferStats:
         """Last and cumulative transfer figures (a finished layer-wise reload counted in)."""
-        if self._prefetch is not None and self._prefetch.finished:
+        if self._prefetch is not None and self._prefetch.finished and not self._mover.busy_elsewhere():
             self._complete_prefetch()
         return self._recorder.stats
 
@@ -182,7 +182,7 @@ class Ferry:
         return handle
 
     # ------------------------------------------------------------------- pool
-    @torch.no_grad()
+    @moves_state("reserve_host()")
     def reserve_host(self, *, background: bool = False) -> float | Future:
         """Plans the state now and allocates (and pins) the host pool for it.
 
@@ -213,6 +213,7 @@ class Ferry:
             return fut or ahead or done_future(0.0)
         return self._pool.pin_seconds if grew or (ahead is not None and self._pool.pinned_bytes) else 0.0
 
+    @moves_state("release_host()")
     def release_host(self) -> None:
         """Returns the host pool to the OS now, keeping the ferry usable.
 
@@ -225,6 +226,7 @@ class Ferry:
         self._check_open()
         self._drop_pool("release_host()")
 
+    @moves_state("forget_plan()")
     def forget_plan(self) -> None:
         """Drops what the ferry keeps on the device for its next offload while the state is
         resident: the cached plan (it holds the device storages) and the reload arena's fillers.
@@ -284,10 +286,7 @@ class Ferry:
         """
         return self._offload(None)
 
-    @interrupts_deferred
-    @torch.no_grad()
-    @gc_paused()
-    @tree_memo()
+    @moves_state("offload()")
     def _offload(self, schedule: ReleaseSchedule | None) -> TransferHandle:
         """``offload()``; :func:`torchferry.swap` hands its release schedule here (the storages go
         to it instead of being released at once: [Note: swap budget])."""
@@ -326,7 +325,7 @@ class Ferry:
         return released if latest is handle and released is not None else getattr(latest, "event", None)
 
     # ----------------------------------------------------- offload in pieces
-    @torch.no_grad()
+    @moves_state("offload_during_forward()")
     def offload_during_forward(self) -> None:
         """Arms an offload in pieces: each FSDP unit's state starts its D2H copy as soon as its
         forward in the next forward pass is done; the next ``offload()`` then only copies the
@@ -375,10 +374,7 @@ class Ferry:
         """
         return self._reload(prefetch, None)
 
-    @interrupts_deferred
-    @torch.no_grad()
-    @gc_paused()
-    @tree_memo()
+    @moves_state("reload()")
     def _reload(self, prefetch: bool | Prefetch, schedule: ReleaseSchedule | None) -> TransferHandle:
         """``reload()``; :func:`torchferry.swap` hands its release schedule here (asked before each
         allocation, so the outgoing state leaves first)."""
@@ -467,6 +463,7 @@ class Ferry:
         return self._issued(run.handle())
 
     # ------------------------------------------------------------------ close
+    @moves_state("close()")
     def close(self) -> None:
         """Returns the pool and drops everything held: no device memory, host memory or hooks remain.
 

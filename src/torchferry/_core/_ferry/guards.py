@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .._api.handle import TransferHandle
+from .._api.hooks import Uncopyable
 from .._state.tree import module_tree
 
 __all__ = ["OffloadGuards", "dropped"]
@@ -75,16 +76,19 @@ class OffloadGuards:
     def install(self, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
         if self._handles:
             return
-        for root in modules:
+        during = lambda: f"its state is offloaded ({self._describe()})"  # noqa: E731
+        wait, step = Uncopyable(self._wait_hook, during), Uncopyable(self._step_hook, during)
+        for root in modules:  # hooks refuse copies: [Note: a module copied while its state is away] in _api/hooks
             for name, m in module_tree(root):
                 if m is root or _owns_state(m):
-                    self._handles.append(m.register_forward_pre_hook(self._forward_hook(name), prepend=True))
+                    guard = Uncopyable(self._forward_hook(name), during)
+                    self._handles.append(m.register_forward_pre_hook(guard, prepend=True))
             # The root's hooks run before any submodule's state is read or written.
-            self._handles.append(root.register_state_dict_pre_hook(self._wait_hook))
-            self._handles.append(root.register_load_state_dict_pre_hook(self._wait_hook))
+            self._handles.append(root.register_state_dict_pre_hook(wait))
+            self._handles.append(root.register_load_state_dict_pre_hook(wait))
         for opt in optimizers:
-            self._handles.append(opt.register_step_pre_hook(self._step_hook))
-            self._handles.append(opt.register_state_dict_pre_hook(self._wait_hook))
+            self._handles.append(opt.register_step_pre_hook(step))
+            self._handles.append(opt.register_state_dict_pre_hook(wait))
 
     def remove(self) -> None:
         handles, self._handles = self._handles, []

@@ -42,8 +42,8 @@ def swap(out: Ferry, into: Ferry, *, gpu_budget_bytes: int | None = None) -> tup
         ValueError: the two ferries are one, or on different devices, or the
             budget is not an int >= 0 or cannot hold what is allocated besides
             ``out`` plus ``into``'s state.
-        RuntimeError: a ferry is closed, or ``into``'s reload failed (``out``
-            is then reloaded too, so neither moved).
+        RuntimeError: a ferry is closed, or being moved by another thread (nothing moved), or
+            ``into``'s reload failed (``out`` is then reloaded too, so neither moved).
     """
     for name, ferry in (("out", out), ("into", into)):
         if not isinstance(ferry, Ferry):
@@ -53,6 +53,11 @@ def swap(out: Ferry, into: Ferry, *, gpu_budget_bytes: int | None = None) -> tup
         raise ValueError("torchferry: swap: out and into are the same ferry")
     if out.device != into.device:
         raise ValueError(f"torchferry: swap: out is on {out.device} but into on {into.device}")
+    with out._mover.entered("swap()", out.__repr__), into._mover.entered("swap()", into.__repr__):
+        return _swap(out, into, gpu_budget_bytes)  # see [Note: one thread moves a ferry]
+
+
+def _swap(out: Ferry, into: Ferry, gpu_budget_bytes: int | None) -> tuple[TransferHandle, TransferHandle]:
     out._check_open()
     into._check_open()
     cuda = out.device.type == "cuda"

@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._api.hooks import EARLY as _during, Uncopyable
 from .._transfer.copies import transfer_range
 from .._state.fsdp import lazy_init_done, versions
 from .._host.layout import HostViews
@@ -99,7 +100,7 @@ class EarlyOffload:
 
     def arm(self) -> None:
         for gi, g in enumerate(self.groups):
-            self._hooks.append(g.unit.register_forward_hook(self._hook(gi)))
+            self._hooks.append(g.unit.register_forward_hook(Uncopyable(self._hook(gi), _during)))
         _ARMED.add(id(self), self._invalidate)
 
     def disarm(self) -> None:
@@ -115,6 +116,7 @@ class EarlyOffload:
         return [self.plan.tensors[i].tensor for i in self.groups[gi].tensors]
 
     def _hook(self, gi: int):
+        @torch.inference_mode(False)  # see [Note: the ferry's bookkeeping outside inference mode] in _ferry/misuse
         def hook(module: nn.Module, args: object, output: object) -> None:
             if gi in self._versions or self.invalidated:
                 return

@@ -62,6 +62,7 @@ from torch import nn
 from .._transfer.copies import transfer_range, undo_allocations
 from .._transfer.arena import ReloadArena
 from .._state.fsdp import comm_streams, forward_prefetch_units, local_of, repoint_sharded_data, versions
+from .._api.hooks import PREFETCHING as _during, Uncopyable
 from .._api.handle import TransferHandle
 from .._host.layout import HostViews
 from .._state.plan import Plan
@@ -226,6 +227,7 @@ class PrefetchRun:
             if self.arena is not None:
                 self.arena.seal(self.plan.storages)
             targets = {id(m) for m in self.plan.modules}
+            complete = Uncopyable(torch.inference_mode(False)(self._complete_hook), _during)  # see _api/hooks
             for gi, g in enumerate(self.groups):
                 if g.unit is not None:
                     self._hooks.append(g.unit.register_forward_pre_hook(self._unit_hook(gi), prepend=True))
@@ -233,14 +235,14 @@ class PrefetchRun:
                     # (a target gets its own below): the one that completes removes the others while
                     # torch iterates that module's hooks.
                     if id(g.unit) not in targets:
-                        self._hooks.append(g.unit.register_load_state_dict_pre_hook(self._complete_hook))
+                        self._hooks.append(g.unit.register_load_state_dict_pre_hook(complete))
             for m in self.plan.modules:  # a checkpoint saved or loaded here: everything resident first
-                self._hooks.append(m.register_state_dict_pre_hook(self._complete_hook))
-                self._hooks.append(m.register_load_state_dict_pre_hook(self._complete_hook))
+                self._hooks.append(m.register_state_dict_pre_hook(complete))
+                self._hooks.append(m.register_load_state_dict_pre_hook(complete))
             for opt in self.plan.optimizers:
-                self._hooks.append(opt.register_step_pre_hook(self._complete_hook))
-                self._hooks.append(opt.register_state_dict_pre_hook(self._complete_hook))
-                self._hooks.append(opt.register_load_state_dict_pre_hook(self._complete_hook))
+                self._hooks.append(opt.register_step_pre_hook(complete))
+                self._hooks.append(opt.register_state_dict_pre_hook(complete))
+                self._hooks.append(opt.register_load_state_dict_pre_hook(complete))
             _RUNS.add(id(self), self.finish)
             if self._background:
                 self._issuer = Issuer(self.plan.device, self._issue_windowed, 1, len(self.groups))
@@ -319,6 +321,7 @@ class PrefetchRun:
 
     # ---------------------------------------------------------------- hooks
     def _unit_hook(self, gi: int):
+        @torch.inference_mode(False)  # [Note: the ferry's bookkeeping outside inference mode] in _ferry/misuse
         def hook(module: nn.Module, args: object) -> None:
             if self.finished:
                 return
@@ -340,7 +343,7 @@ class PrefetchRun:
                     self.finish()
                 # else: the optimizers' step pre-hook completes the tail group
 
-        return hook
+        return Uncopyable(hook, _during)
 
     def _complete_hook(self, *args: object, **kwargs: object) -> None:
         self.finish()  # optimizer state (and anything not yet used) resident first

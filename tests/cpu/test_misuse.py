@@ -1,0 +1,160 @@
+"""Misuse refused with a clear error, the state left intact (issue 46 item 6): a second thread, a
+first offload under ``torch.inference_mode()``, ``copy.deepcopy`` / ``torch.save`` of an offloaded model. Each test reproduces the report's case."""
+
+from __future__ import annotations
+
+import copy
+import io
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from torchferry import Ferry, Residency
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+
+
+def _values(m: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in m.parameters()]
+
+
+def _same(m: nn.Module, want: list[torch.Tensor]) -> None:
+    for p, w in zip(m.parameters(), want, strict=True):
+        torch.testing.assert_close(p.detach(), w, atol=0, rtol=0)
+
+
+def test_a_second_thread_is_refused_and_the_state_stays_intact(monkeypatch):
+    """One Ferry driven from two threads segfaulted or corrupted every weight: while one thread is
+    inside a call, another thread's call raises at once, naming it, and moves nothing."""
+    m = _model()
+    want = _values(m)
+    ferry = Ferry(m)
+    inside, go_on = threading.Event(), threading.Event()
+    from torchferry._core._ferry import state_set
+
+    real = state_set.StateSet.offload
+
+    def slow_offload(self, schedule):
+        inside.set()
+        go_on.wait(10)
+        return real(self, schedule)
+
+    monkeypatch.setattr(state_set.StateSet, "offload", slow_offload)
+    t = threading.Thread(target=ferry.offload, name="mover")
+    t.start()
+    assert inside.wait(10)
+    for call in (ferry.reload, ferry.offload, ferry.close, ferry.release_host):
+        with pytest.raises(RuntimeError, match=r"^torchferry: \w+\(\) refused: Ferry\(.*\) is being moved by "
+                                               r"another thread \('mover', in offload\(\)\).*Nothing was moved$"):
+            call()
+    go_on.set()
+    t.join(10)
+    assert ferry.residency is Residency.HOST
+    ferry.reload()
+    assert ferry.residency is Residency.DEVICE
+    _same(m, want)
+
+
+def test_the_thread_inside_a_call_may_enter_again():
+    """The thread inside a call (a hook the call runs, ``swap`` calling ``offload``) may call the same
+    ferry again: it is not refused."""
+    m = _model()
+    ferry = Ferry(m)
+    with ferry._mover.entered("offload()", ferry.__repr__):
+        ferry.offload()
+        ferry.reload()
+    assert ferry.residency is Residency.DEVICE
+
+
+def test_many_threads_each_either_move_or_are_refused_and_every_value_is_exact():
+    m = _model()
+    want = _values(m)
+    ferry = Ferry(m)
+    refused = []
+
+    def work():
+        for _ in range(50):
+            try:
+                ferry.offload()
+                ferry.reload()
+            except RuntimeError as e:
+                assert "being moved by another thread" in str(e)
+                refused.append(1)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    ferry.reload()
+    assert ferry.residency is Residency.DEVICE
+    _same(m, want)
+    m(torch.ones(2, 8))
+
+
+def test_a_first_offload_under_inference_mode_leaves_the_ferry_working():
+    """A first offload under torch.inference_mode() jammed every later reload ("Inplace update to
+    inference tensor outside InferenceMode")."""
+    m = _model()
+    want = _values(m)
+    x = torch.ones(2, 8)
+    out = m(x).detach().clone()
+    ferry = Ferry(m)
+    with torch.inference_mode():
+        ferry.offload()
+    ferry.reload()
+    _same(m, want)
+    torch.testing.assert_close(m(x), out, atol=0, rtol=0)
+    for _ in range(2):  # every later cycle, in and out of inference mode
+        with torch.inference_mode():
+            ferry.offload()
+            ferry.reload()
+        ferry.offload()
+        ferry.reload()
+    _same(m, want)
+    m(x).sum().backward()  # autograd works on the state again
+    assert all(not p.is_inference() for p in m.parameters())
+
+
+def test_deepcopy_of_an_offloaded_model_is_refused_and_the_model_stays_intact():
+    """``copy.deepcopy(model)`` kept the forward guard forever; it is refused, and a copy made
+    after the reload has no hook of torchferry's."""
+    m = _model()
+    want = _values(m)
+    ferry = Ferry(m)
+    ferry.offload()
+    with pytest.raises(RuntimeError, match=r"^torchferry: cannot copy or pickle a module or optimizer while its "
+                                           r"state is offloaded \(Ferry\(.*reload it first"):
+        copy.deepcopy(m)
+    ferry.reload()
+    _same(m, want)
+    c = copy.deepcopy(m)
+    assert not c._forward_pre_hooks and not any(s._forward_pre_hooks for s in c.modules())
+    torch.testing.assert_close(c(torch.ones(2, 8)), m(torch.ones(2, 8)), atol=0, rtol=0)
+
+
+def test_torch_save_of_an_offloaded_model_is_refused_clearly_and_its_state_dict_saves():
+    """``torch.save(model)`` while offloaded failed with "Can't pickle local object"."""
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    want = _values(m)
+    ferry = Ferry(m, opt)
+    ferry.offload()
+    with pytest.raises(RuntimeError, match=r"^torchferry: cannot copy or pickle a module or optimizer"):
+        torch.save(m, io.BytesIO())
+    buf = io.BytesIO()
+    torch.save(m.state_dict(), buf)  # the state dict saves (it waits for the copies)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    for (k, v), w in zip(loaded.items(), want, strict=True):
+        torch.testing.assert_close(v, w, atol=0, rtol=0, msg=k)
+    ferry.reload()
+    _same(m, want)
+    torch.save(m, io.BytesIO())  # resident: plain PyTorch

@@ -373,14 +373,8 @@ def _resize_sweep(name: str, skip: bool, fault_of) -> int:
     """Runs the move once per ``resize_`` call it makes, ``fault_of(n)`` at call ``n``: the state is
     as before or the move completed, every value bit-exact, and the move and a cycle work after."""
     prepare, op, retry = MOVES[name]
-    case = _plain_case(skip)
-    other = prepare(case)
-    counter = _ResizeFault(None)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.UntypedStorage, "resize_", counter.method)
-        op(case, other)
-    assert counter.calls >= 4, f"{name}: only {counter.calls} resize_ calls"
-    for n in range(counter.calls):
+    calls = _resize_calls(name, skip)
+    for n in range(calls):
         case = _plain_case(skip)
         other = prepare(case)
         expected, before = snapshot(case.model, case.opt), _on_pool(case)
@@ -389,15 +383,33 @@ def _resize_sweep(name: str, skip: bool, fault_of) -> int:
             mp.setattr(torch.UntypedStorage, "resize_", fault.method)
             with pytest.raises((fault.exc, RuntimeError, SystemExit)):
                 op(case, other)
-        what = f"{name}: fault at resize_ call {n}/{counter.calls} ({fault.exc.__name__})"
+        what = f"{name}: fault at resize_ call {n}/{calls} ({fault.exc.__name__})"
         _check_consistent(case, before, expected, what)
-        _check_other(other, what)
-        if retry is not None:
-            retry(case, other)
-            _check_other(other, what + ", retried")
-            assert_same(snapshot(case.model, case.opt), expected)
-        if other is None or other.dock is None:
-            _check_retry(case, expected, what)
+        _check_move_after(case, other, retry, expected, what)
+    return calls
+
+
+def _check_move_after(case: Case, other: Other | None, retry, expected: dict, what: str) -> None:
+    """The second set as it should be, and the move's retry (if any) and a full cycle work."""
+    _check_other(other, what)
+    if retry is not None:
+        retry(case, other)
+        _check_other(other, what + ", retried")
+        assert_same(snapshot(case.model, case.opt), expected)
+    if other is None or other.dock is None:
+        _check_retry(case, expected, what)
+
+
+def _resize_calls(name: str, skip: bool) -> int:
+    """How many ``resize_`` calls the move ``name`` makes (at least 4)."""
+    prepare, op, _ = MOVES[name]
+    case = _plain_case(skip)
+    other = prepare(case)
+    counter = _ResizeFault(None)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.UntypedStorage, "resize_", counter.method)
+        op(case, other)
+    assert counter.calls >= 4, f"{name}: only {counter.calls} resize_ calls"
     return counter.calls
 
 

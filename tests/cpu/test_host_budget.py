@@ -206,6 +206,11 @@ def test_budget_inf_and_a_ledger_of_another_shape(tmp_path, monkeypatch):
     ("SELF", {"held": -5}),
     ("SELF", {"held": True}),
     ("SELF", [1, 2]),
+    ("0001", {"held": 1}),  # not canonical: a second key for pid 1
+    ("\uff11", {"held": 1}),  # a full-width 1: str.isdigit() took it
+    ("\u0661\u0662", {"pending": 1}),  # Arabic-Indic digits
+    ("SELF", {"held": 1, "since": "now"}),
+    ("SELF", {"held": 1, "start": -1}),
 ])
 def test_a_corrupt_ledger_entry_is_skipped_with_a_warning(caplog, pid, entry):
     """A ledger entry with pid 99999999999 made every offload raise os.kill()'s OverflowError."""
@@ -243,3 +248,60 @@ def test_a_torn_ledger_is_started_over_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="torchferry"):
         assert ledger.usage() == {}
     assert f"the host ledger {ledger.path} is not JSON" in caplog.text
+
+
+def _write_ledger(ledger: NodeLedger, entries: dict) -> None:
+    with open(ledger.path, "w") as f:
+        json.dump(entries, f)
+
+
+def test_pending_bytes_expire_and_a_reused_pid_is_dropped(caplog):
+    """An entry such as ``{"1": {"pending": 10**15}}`` (pid 1 is alive) blocked every pool for good:
+    pending bytes recorded without a time, or longer ago than ``PENDING_EXPIRE_S``, are dropped, and
+    so is the entry of a pid whose process start time is not the recorded one ([Note: a ledger entry
+    expires])."""
+    import logging
+    import time
+
+    from torchferry._core._host.budget import PENDING_EXPIRE_S, _start_time
+
+    parent = os.getppid()
+    start = _start_time(parent)
+    assert start is not None
+    ledger = NodeLedger()
+    for entry in ({"pending": 10**15}, {"pending": 10**15, "since": time.time() - PENDING_EXPIRE_S - 1},
+                  {"pending": 10**15, "since": time.time() + 10 * PENDING_EXPIRE_S}):  # a clock far off
+        _write_ledger(ledger, {"1": entry})
+        with caplog.at_level(logging.WARNING, logger="torchferry"):
+            ledger.request(1 << 20, budget=1 << 30, what="a host pool")  # granted: the pending bytes expired
+        assert f"dropped {10**15} pending bytes of pid 1" in caplog.text
+        assert ledger.usage() == {str(os.getpid()): {"held": 0, "pending": 1 << 20}}
+        ledger.settle(1 << 20, allocated=False)
+        caplog.clear()
+    fresh = {"held": 5, "pending": 1 << 29, "since": time.time(), "start": start}
+    _write_ledger(ledger, {str(parent): fresh})  # a live pending entry counts
+    with pytest.raises(HostBudgetError):
+        ledger.request((1 << 29) + 1, budget=1 << 30, what="a host pool")
+    assert ledger.usage() == {str(parent): {"held": 5, "pending": 1 << 29}}
+    _write_ledger(ledger, {str(parent): {**fresh, "start": start + 1}})  # that pid is another process now
+    assert ledger.usage() == {}
+    _write_ledger(ledger, {str(parent): {"held": 5, "pending": 3}})  # held bytes without a time stay
+    assert ledger.usage() == {str(parent): {"held": 5, "pending": 0}}
+
+
+def test_this_process_records_its_start_time_and_pending_time():
+    import time
+
+    from torchferry._core._host.budget import _start_time
+
+    ledger = NodeLedger()
+    before = time.time()
+    ledger.request(10, budget=None, what="a host pool")
+    with open(ledger.path) as f:
+        e = json.load(f)[str(os.getpid())]
+    assert e["start"] == _start_time(os.getpid()) and e["pending"] == 10 and before <= e["since"] <= time.time()
+    ledger.settle(10, allocated=True)
+    with open(ledger.path) as f:
+        e = json.load(f)[str(os.getpid())]
+    assert e["held"] == 10 and e["pending"] == 0 and "since" not in e
+    ledger.give_back(10)

@@ -63,12 +63,13 @@ def test_v2_limit_less_usage_is_the_room_and_a_refusal_names_it(tmp_path, monkey
     assert got == CgroupMemory(headroom=1 * GiB, limit=8 * GiB, usage=7 * GiB, limit_file=str(c1 / "memory.max"),
                                usage_file=str(c1 / "memory.current"), version=2)
     ledger = NodeLedger()
+    room = GiB - int(0.05 * 8 * GiB)  # less the reserve: 5% of the limit
     with pytest.raises(HostBudgetError, match=(
-            rf"needs {2 * GiB} bytes .* only {GiB} bytes .* within the container's memory limit \(cgroup v2 "
+            rf"needs {2 * GiB} bytes .* only {room} bytes .* within the container's memory limit \(cgroup v2 "
             rf"{c1}/memory.max {8 * GiB} bytes, less {7 * GiB} bytes in use in {c1}/memory.current .*"
             r"raise the container's memory limit")) as ei:
         ledger.request(2 * GiB, budget=None, what="a host pool")
-    assert ei.value.needed == 2 * GiB and ei.value.available == GiB
+    assert ei.value.needed == 2 * GiB and ei.value.available == room
     assert ledger.usage() == {}  # nothing recorded
     ledger.request(GiB // 2, budget=None, what="a host pool")  # within the room: granted
     assert ledger.usage() == {str(os.getpid()): {"held": 0, "pending": GiB // 2}}
@@ -103,7 +104,8 @@ def test_v1_limit_less_usage_and_its_huge_no_limit(tmp_path, monkeypatch):
     node.files("", memory_max=str(GiB), memory_current=str(GiB))  # v2 is not read while v1 holds memory
     assert cgroup_memory() == CgroupMemory(3 * GiB, 4 * GiB, GiB, str(leaf / "memory.limit_in_bytes"),
                                            str(leaf / "memory.usage_in_bytes"), 1)
-    with pytest.raises(HostBudgetError, match=rf"only {3 * GiB} bytes .* \(cgroup v1 {leaf}/memory.limit_in_bytes"):
+    with pytest.raises(HostBudgetError, match=rf"only {3 * GiB - int(0.05 * 4 * GiB)} bytes .* \(cgroup v1 "
+                       rf"{leaf}/memory.limit_in_bytes"):
         NodeLedger().request(4 * GiB, budget=None, what="a host pool")
     (leaf / "memory.limit_in_bytes").write_text(V1_UNLIMITED + "\n")
     assert cgroup_memory() is None  # no limit anywhere
@@ -165,3 +167,85 @@ def test_offload_past_the_containers_limit_is_refused_and_leaves_the_state(tmp_p
     ferry.offload()
     ferry.reload()
     assert torch.equal(t, torch.arange(1 << 20, dtype=torch.float32))
+
+
+MB = 10**6
+
+
+def test_pending_pools_of_this_process_count_against_the_cgroups_room(tmp_path, monkeypatch):
+    """Two requests of one process (the pin-ahead threads of two ferries) were each checked against the
+    same room: with memory.max 100 MB and memory.current 10 MB, two pools of 60 MB were both granted.
+    Bytes held (allocated: in memory.current already) are not subtracted again."""
+    node = FakeNode(tmp_path, monkeypatch)
+    node.own("0::/job\n")
+    node.files("job", memory_max=str(100 * MB), memory_current=str(10 * MB))
+    ledger = NodeLedger()
+    ledger.request(60 * MB, budget=None, what="a host pool")
+    room = 100 * MB - 10 * MB - 60 * MB - 5 * MB  # less this process's pending 60 MB and the 5% reserve
+    with pytest.raises(HostBudgetError, match=rf"only {room} bytes .* {60 * MB} being allocated by processes") as ei:
+        ledger.request(60 * MB, budget=None, what="a host pool")
+    assert ei.value.available == room
+    assert ledger.usage() == {str(os.getpid()): {"held": 0, "pending": 60 * MB}}
+    ledger.settle(60 * MB, allocated=True)  # now resident: counted by memory.current instead
+    node.files("job", memory_current=str(70 * MB))
+    ledger.request(25 * MB, budget=None, what="a host pool")  # 100 - 70 - 5 = 25 MB of room
+    assert ledger.usage() == {str(os.getpid()): {"held": 60 * MB, "pending": 25 * MB}}
+    with pytest.raises(HostBudgetError, match="only 0 bytes"):
+        ledger.request(1, budget=None, what="a host pool")
+
+
+def test_pending_pools_of_this_process_count_against_memavailable(tmp_path, monkeypatch):
+    MiB = 1 << 20  # meminfo counts kB
+    FakeNode(tmp_path, monkeypatch, mem_available=100 * MiB, mem_total=100 * MiB)
+    monkeypatch.setenv("TORCHFERRY_HOST_RESERVE_BYTES", "0")
+    ledger = NodeLedger()
+    ledger.request(60 * MiB, budget=None, what="a host pool")
+    with pytest.raises(HostBudgetError, match=rf"only {40 * MiB} bytes .* free memory"):
+        ledger.request(60 * MiB, budget=None, what="a host pool")
+    ledger.request(40 * MiB, budget=None, what="a host pool")
+    assert ledger.usage()[str(os.getpid())]["pending"] == 100 * MiB
+
+
+@pytest.mark.parametrize("version", [2, 1])
+def test_reclaimable_page_cache_in_the_cgroup_is_room(tmp_path, monkeypatch, version):
+    """A cgroup filled with page cache refused every pool: the usage counts the cache, which the
+    kernel drops before it OOM-kills; ``inactive_file`` (v1: ``total_inactive_file``) of
+    ``memory.stat`` is taken off the usage, as the kubelet does."""
+    node = FakeNode(tmp_path, monkeypatch)
+    monkeypatch.setenv("TORCHFERRY_HOST_RESERVE_BYTES", "0")
+    stat = "anon 1000\nfile 60000000\nactive_file 10000000\ninactive_file 50000000\n"
+    if version == 2:
+        node.own("0::/job\n")
+        d = node.files("job", memory_max=str(100 * MB), memory_current=str(95 * MB))
+        (d / "memory.stat").write_text(stat)
+    else:
+        node.own("4:memory:/job\n0::/\n")
+        d = node.files("memory/job", memory_limit_in_bytes=str(100 * MB), memory_usage_in_bytes=str(95 * MB))
+        (d / "memory.stat").write_text(stat.replace("inactive_file 5", "inactive_file 1") +
+                                       "total_inactive_file 50000000\n")  # v1: the total counts
+    got = cgroup_memory()
+    assert got is not None and (got.headroom, got.usage, got.reclaimable) == (55 * MB, 95 * MB, 50 * MB)
+    NodeLedger().request(55 * MB, budget=None, what="a host pool")
+    with pytest.raises(HostBudgetError, match=rf"only 0 bytes .* \({50 * MB} of them reclaimable page cache"):
+        NodeLedger().request(1, budget=None, what="a host pool")
+    (d / "memory.stat").write_text("inactive_file lots\n")  # unreadable: nothing taken off
+    assert cgroup_memory().headroom == 5 * MB  # pyright: ignore[reportOptionalMemberAccess]
+
+
+def test_the_reserve_applies_to_the_cgroups_limit(tmp_path, monkeypatch):
+    """A pool of the cgroup's whole headroom less 1 byte was granted: the same reserve as for
+    ``MemAvailable`` applies (``TORCHFERRY_HOST_RESERVE_BYTES``, default 5% of the limit)."""
+    node = FakeNode(tmp_path, monkeypatch)
+    node.own("0::/job\n")
+    node.files("job", memory_max=str(100 * MB), memory_current=str(10 * MB))
+    with pytest.raises(HostBudgetError, match=rf"only {85 * MB} bytes .* a reserve of {5 * MB} bytes"):
+        NodeLedger().request(90 * MB - 1, budget=None, what="a host pool")
+    with pytest.raises(HostBudgetError, match=rf"only {85 * MB} bytes"):
+        NodeLedger().request(85 * MB + 1, budget=None, what="a host pool")
+    NodeLedger().request(85 * MB, budget=None, what="a host pool")
+    NodeLedger().settle(85 * MB, allocated=False)
+    monkeypatch.setenv("TORCHFERRY_HOST_RESERVE_BYTES", str(20 * MB))
+    with pytest.raises(HostBudgetError, match=rf"only {70 * MB} bytes .* a reserve of {20 * MB} bytes"):
+        NodeLedger().request(70 * MB + 1, budget=None, what="a host pool")
+    monkeypatch.setenv("TORCHFERRY_HOST_RESERVE_BYTES", "0")
+    NodeLedger().request(90 * MB, budget=None, what="a host pool")

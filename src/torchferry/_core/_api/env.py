@@ -7,17 +7,20 @@ but ``"0"`` as on (``TORCHFERRY_VERL=false`` installed the Ray hook's patch), an
 (:func:`env_flag`) takes ``1, true, yes, on`` and ``0, false, no, off`` in any case with the
 surrounding spaces ignored, the empty string or no variable means its default, and anything else
 is a ``ValueError`` naming the variable and the value. Numbers (:func:`env_int`), byte counts
-(:func:`env_bytes`) and names (:func:`env_choice`) are refused the same way. Lowest layer: imports
+(:func:`env_bytes`, [Note: one parser for byte counts]) and names (:func:`env_choice`) are refused
+the same way. Lowest layer: imports
 nothing of torchferry.
 """
 
 from __future__ import annotations
 
-import math
+import decimal
 import os
+import re
 from collections.abc import Sequence
+from typing import overload
 
-__all__ = ["OFF", "ON", "env_bytes", "env_choice", "env_flag", "env_int", "parse_flag"]
+__all__ = ["BYTES_FORM", "OFF", "ON", "env_bytes", "env_choice", "env_flag", "env_int", "parse_bytes", "parse_flag"]
 
 ON = ("1", "true", "yes", "on")
 """The spellings of on (lower case; compared after ``strip().lower()``)."""
@@ -57,49 +60,68 @@ def env_flag(name: str, default: bool) -> bool:
 
 def env_int(name: str, default: int, *, hi: int | None = None, says: str) -> int:
     """The environment variable ``name`` as an integer in ``[0, hi]`` (no bound above if ``hi`` is
-    ``None``), ``default`` if unset or empty.
+    ``None``) written in ASCII digits only, ``default`` if unset or empty.
 
     Raises:
-        ValueError: not such an integer: ``"torchferry: {name} must be {says}, got {raw!r}"``.
+        ValueError: not such an integer (a sign, ``_``, a non-ASCII digit included):
+            ``"torchferry: {name} must be {says}, got {raw!r}"``.
     """
     raw = _raw(name)
     if not raw:
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
+    value = int(raw) if _DIGITS.fullmatch(raw) else -1
     if value < 0 or (hi is not None and value > hi):
         raise ValueError(f"torchferry: {name} must be {says}, got {raw!r}")
     return value
 
 
-def env_bytes(name: str) -> int | None:
-    """The environment variable ``name`` as a byte count >= 0 (an integer, or a whole number written as
-    a float such as ``40e9``), ``None`` if unset or empty.
+# [Note: one parser for byte counts]
+# Byte counts were read two ways: ``int()`` then ``float()`` for the host budget and reserve (so
+# ``1e6`` passed), ``int()`` alone for the switch and refill sizes (``1e6`` refused), and ``int()``
+# takes ``1_000``, ``-0``, ``+5`` and non-ASCII digits (``'\uff10'``, a full-width zero). Now every
+# byte count is read by :func:`parse_bytes`: ASCII digits, or a mantissa of ASCII digits (with a
+# fraction) and a two-digit exponent whose value is a whole number (``40e9``, ``1.5e9``); nothing
+# else (no sign, underscore, space inside, ``inf``/``nan``).
+_DIGITS = re.compile(r"[0-9]+")
+_EXPONENT = re.compile(r"[0-9]+(?:\.[0-9]+)?[eE][0-9]{1,2}")
+BYTES_FORM = "ASCII digits, e.g. 40000000000, or a whole number in exponent form, e.g. 40e9; no sign, no underscores"
+
+
+def parse_bytes(raw: str, name: str, *, hi: int | None = None) -> int:
+    """``raw`` (the value of ``name``, spaces around it ignored) as a byte count in ``[0, hi]`` ([Note: one
+    parser for byte counts]).
 
     Raises:
-        ValueError: not a number (``"lots"``, ``"inf"``, ``"nan"``, ``"1.5"``):
-            ``"torchferry: {name}={raw!r} is not a number of bytes ..."``; a negative one:
-            ``"torchferry: {name}={raw!r} must be >= 0"``.
+        ValueError: another form: ``"torchferry: {name}={raw!r} is not a number of bytes ({BYTES_FORM})"``;
+            above ``hi``: ``"torchferry: {name}={raw!r} is not a number of bytes in [0, {hi}]"``.
+    """
+    text = raw.strip()
+    n = -1
+    if _DIGITS.fullmatch(text):
+        n = int(text)
+    elif _EXPONENT.fullmatch(text):
+        exact = decimal.Decimal(text)
+        if exact == exact.to_integral_value():
+            n = int(exact)
+    if n < 0:
+        raise ValueError(f"torchferry: {name}={raw!r} is not a number of bytes ({BYTES_FORM})")
+    if hi is not None and n > hi:
+        raise ValueError(f"torchferry: {name}={raw!r} is not a number of bytes in [0, {hi}]")
+    return n
+
+
+@overload
+def env_bytes(name: str, default: None = None, *, hi: int | None = None) -> int | None: ...
+@overload
+def env_bytes(name: str, default: int, *, hi: int | None = None) -> int: ...
+def env_bytes(name: str, default: int | None = None, *, hi: int | None = None) -> int | None:
+    """The environment variable ``name`` as a byte count (:func:`parse_bytes`), ``default`` if unset or empty.
+
+    Raises:
+        ValueError: as :func:`parse_bytes`, naming the variable and the value.
     """
     raw = _raw(name)
-    if not raw:
-        return None
-    try:
-        n = int(raw)
-    except ValueError:
-        try:
-            x = float(raw)
-        except ValueError:
-            x = math.nan
-        if not (math.isfinite(x) and x.is_integer()):
-            raise ValueError(f"torchferry: {name}={raw!r} is not a number of bytes "
-                             "(an integer >= 0, e.g. 40000000000 or 40e9)") from None
-        n = int(x)
-    if n < 0:
-        raise ValueError(f"torchferry: {name}={raw!r} must be >= 0")
-    return n
+    return parse_bytes(raw, name, hi=hi) if raw else default
 
 
 def env_choice(name: str, choices: Sequence[str], default: str) -> str:

@@ -20,6 +20,7 @@ from .._schedules.release import ReleaseSchedule
 from .._state.plan import build_plan
 from .._state.targets import Targets
 from .._transfer.copies import transfer_range
+from .._transfer.signals import uninterruptible
 from .environment import check_environment
 from .guards import OffloadGuards, dropped
 from .misuse import OneMover, moves_state
@@ -46,13 +47,13 @@ class Ferry:
             stays pageable (slower, ``is_pinned()`` False).
         host_budget_bytes: bytes all pools of this node may hold together ([Note: host budget]);
             default ``TORCHFERRY_HOST_BUDGET_BYTES``.
-        pin_ahead: on a GPU, allocate and pin the host pool in a background thread from now on
-            (after an optimizer target's first step if it has no state yet), so that the first
-            offload does not pin ([Note: pin ahead]). Default on.
-        skip_unchanged: offloads copy only the storages written since the last reload and
-            release the rest uncopied (a frozen base, a reference model); a 128-bit hash of each
-            such storage on the device at each reload and offload decides ([Note: unchanged
-            storages] in ``torchferry._core._schedules.unchanged``). Default off.
+        pin_ahead: on a GPU, allocate and pin the host pool in a background thread from now on (after an
+            optimizer target's first step if it has no state yet), so that the first offload does not pin
+            ([Note: pin ahead]). Default on.
+        skip_unchanged: offloads copy only the storages written since the last reload and release the
+            rest uncopied (a frozen base, a reference model); a 128-bit hash of each such storage on the
+            device at each reload and offload decides ([Note: unchanged storages] in
+            ``torchferry._core._schedules.unchanged``). Default off.
 
     Raises:
         ValueError: no targets, tensors on several devices, a ``device`` string torch does not
@@ -186,10 +187,9 @@ class Ferry:
     def reserve_host(self, *, background: bool = False) -> float | Future:
         """Plans the state now and allocates (and pins) the host pool for it.
 
-        Optional (``offload()`` does it on first use, and ``pin_ahead`` starts it in the background):
-        keeps pinning out of the first offload. ``background=True`` pins in a thread while training
-        goes on; an ``offload()`` that comes first waits for it. The node's host budget is checked
-        first ([Note: host budget]).
+        Optional (``offload()`` does it on first use, and ``pin_ahead`` starts it in the background): keeps pinning
+        out of the first offload. ``background=True`` pins in a thread while training goes on; an ``offload()`` that
+        comes first waits for it. The node's host budget is checked first ([Note: host budget]).
 
         Returns:
             Host seconds spent allocating, touching and pinning (0.0 when the pool already fits,
@@ -260,18 +260,16 @@ class Ferry:
     def offload(self) -> TransferHandle:
         """Copies the state to the host pool and releases its device memory.
 
-        The copies run on the D2H stream after the current stream's pending work. On return the
-        known tensors are CPU tensors viewing the pinned pool (``is_pinned()``) and the device
-        storages are empty (their blocks go back to the caching allocator once the copies
-        finish; small packed ones once their gathers, device-to-device, are done, the current
-        stream waiting for those: [Note: small storages released without an event each]).
+        The copies run on the D2H stream after the current stream's pending work. On return the known tensors are CPU
+        tensors viewing the pinned pool (``is_pinned()``) and the device storages are empty (their blocks go back to
+        the caching allocator once the copies finish; small packed ones once their gathers, device-to-device, are
+        done, the current stream waiting for those: [Note: small storages released without an event each]).
 
-        Returns before the copies complete, off the caller's stream: a synchronisation of that
-        stream alone (``.item()``, ``torch.cuda.current_stream().synchronize()``) does not order
-        them. A host read of the offloaded tensors needs ``handle.wait()``, a target's
-        ``state_dict()`` (DCP's getters too; it waits: [Note: state_dict() waits for the
-        offload]), ``handle.wait_stream(s)`` and then a synchronisation of ``s`` (what the verl
-        helpers do), or ``torch.cuda.synchronize()`` (``docs/ferry.md``).
+        Returns before the copies complete, off the caller's stream: a synchronisation of that stream alone
+        (``.item()``, ``torch.cuda.current_stream().synchronize()``) does not order them. A host read of the offloaded
+        tensors needs ``handle.wait()``, a target's ``state_dict()`` (DCP's getters too; it waits: [Note: state_dict()
+        waits for the offload]), ``handle.wait_stream(s)`` and then a synchronisation of ``s`` (what the verl helpers
+        do), or ``torch.cuda.synchronize()`` (``docs/ferry.md``).
 
         A no-op when already offloaded, unless the targets' tensors were replaced meanwhile
         ([Note: state replaced while offloaded]). Runs with the cyclic GC paused ([Note: GC pause]).
@@ -307,14 +305,17 @@ class Ferry:
                 self._offloaded = move.offloaded
                 self._residency = Residency.D2H_IN_FLIGHT if self._streams.is_cuda else Residency.HOST
                 self._set.drop_arena()
-                move.finish()  # the last step: nothing that can fail once a storage is freed
-                self._released = (handle, move.released)
+                move.finish()  # the last step: done, or undone and raising, or done and raising
             except BaseException:
-                move.undo()
-                self._guards.remove()
-                self._offloaded, self._residency, self._last = None, Residency.DEVICE, last
+                with uninterruptible():  # see [Note: an undo is not interrupted]
+                    if not move.done:  # else completed before raising: [Note: a release rolled forward]
+                        move.undo()
+                        self._guards.remove()
+                        self._offloaded, self._residency, self._last = None, Residency.DEVICE, last
                 raise
-        self._state_bytes = plan.state_bytes
+            finally:
+                if move.done:
+                    self._released, self._state_bytes = (self._last, move.released), plan.state_bytes
         logger.debug("offload: %d bytes in %d storages from %s", plan.state_bytes, len(plan.storages), self.device)
         return handle
 
@@ -352,13 +353,12 @@ class Ferry:
     def reload(self, prefetch: bool | Prefetch = False) -> TransferHandle:
         """Re-allocates the device storages and copies the state back.
 
-        With ``prefetch``, FSDP2 units come back in forward order, each forward waiting only
-        for its own copies, optimizer state behind them until ``optimizer.step()`` ([Note:
-        prefetch reload]); ``residency`` is ``PREFETCHING`` until all is resident. Without FSDP
-        units the parameters come back at once and optimizer state still follows behind; with
-        neither, or with gradients in the state, it is a plain reload. The copies run on the H2D
-        stream and the current stream waits for them (no host sync; ``handle.wait_stream(s)``
-        for another stream). A no-op when already resident.
+        With ``prefetch``, FSDP2 units come back in forward order, each forward waiting only for its own copies,
+        optimizer state behind them until ``optimizer.step()`` ([Note: prefetch reload]); ``residency`` is
+        ``PREFETCHING`` until all is resident. Without FSDP units the parameters come back at once and optimizer state
+        still follows behind; with neither, or with gradients in the state, it is a plain reload. The copies run on
+        the H2D stream and the current stream waits for them (no host sync; ``handle.wait_stream(s)`` for another
+        stream). A no-op when already resident.
 
         Args:
             prefetch: ``False``, ``True`` or a :class:`Prefetch` policy.
@@ -409,9 +409,10 @@ class Ferry:
                 self._offloaded, self._set.arena = None, move.arena
                 self._residency = Residency.H2D_IN_FLIGHT if self._streams.is_cuda else Residency.DEVICE
             except BaseException:
-                move.undo()
-                self._guards.install(off.plan.modules, off.plan.optimizers)
-                self._offloaded, self._residency, self._last, self._set.arena = off, Residency.HOST, last, None
+                with uninterruptible():  # see [Note: an undo is not interrupted]
+                    move.undo()
+                    self._guards.install(off.plan.modules, off.plan.optimizers)
+                    self._offloaded, self._residency, self._last, self._set.arena = off, Residency.HOST, last, None
                 raise
         logger.debug("reload: %d bytes in %d storages to %s", off.plan.state_bytes, len(off.plan.storages), self.device)
         return handle
@@ -424,7 +425,8 @@ class Ferry:
             nbytes = self._set.reconcile(off, self._own_offload_event())
             self._offloaded, self._residency = None, Residency.DEVICE
         except BaseException:
-            self._guards.install(off.plan.modules, off.plan.optimizers)
+            with uninterruptible():  # see [Note: an undo is not interrupted]
+                self._guards.install(off.plan.modules, off.plan.optimizers)
             raise
         handle = self._issued(TransferHandle("h2d", nbytes, None))
         self._set.forget()  # re-planned at the next offload (a forget cut short is redone there)
@@ -441,9 +443,10 @@ class Ferry:
             run.begin()
             self._last = handle = run.handle()
         except BaseException:
-            run.abort()
-            self._prefetch, self._residency, self._last = None, Residency.HOST, last
-            self._guards.install(off.plan.modules, off.plan.optimizers)
+            with uninterruptible():  # see [Note: an undo is not interrupted]
+                run.abort()
+                self._prefetch, self._residency, self._last = None, Residency.HOST, last
+                self._guards.install(off.plan.modules, off.plan.optimizers)
             raise
         return handle
 
@@ -492,6 +495,5 @@ class Ferry:
         except Exception:
             if exc_type is None:
                 raise
-            logger.warning("torchferry: could not reload/close the ferry while leaving on an exception",
-                           exc_info=True)
+            logger.warning("torchferry: could not reload/close the ferry while leaving on an exception", exc_info=True)
 

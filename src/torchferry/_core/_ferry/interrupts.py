@@ -34,7 +34,8 @@ Three mechanisms make every call all or nothing:
    handler raises ``KeyboardInterrupt``, a handler of the caller's is called
    (its ``SystemExit`` then leaves the call), the default action of SIGTERM
    terminates the process. A second signal of one kind during the call is
-   delivered at once (the sender insists; that call may then be torn). Only
+   delivered at once (the sender insists; that call may then be torn),
+   except inside an undo ([Note: an undo is not interrupted]). Only
    in the main thread (the only one Python runs handlers in), and only for a
    signal whose handler is Python's, the caller's or the default: an ignored
    signal, or one handled outside Python, is left alone. A signal held back
@@ -45,85 +46,24 @@ Three mechanisms make every call all or nothing:
    freed before it are allocated again and given their bytes back from their
    pool slots, which hold them then ([Note: a release undone from the pool] in
    ``torchferry._core._transfer.copies``), and the call is undone as in 1.
+   Where that undo fails too (no memory to allocate again), the release is
+   completed instead and the call completes before it raises ([Note: a release
+   rolled forward]): either way no storage is left at 0 bytes under DEVICE.
    ``tests/cpu/test_faults.py`` raises at every storage of the release (and
    sends a real SIGTERM there) for offload, swap and a Dock's eviction.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import signal
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TypeVar
+
+from .._transfer.signals import deferred
 
 __all__ = ["interrupts_deferred"]
 
 _F = TypeVar("_F", bound=Callable)
-
-_state = threading.local()
-
-# The signals held back: Ctrl-C, and what Ray, Slurm and Kubernetes stop a worker with.
-HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-def _deliver(signum: int, handler: object, frame: object) -> None:
-    """What ``signum`` would have done with ``handler`` installed (that handler is back in place)."""
-    if callable(handler):
-        handler(signum, frame)
-    else:  # SIG_DFL: the default action (SIGTERM: the process ends)
-        signal.raise_signal(signum)
-
-
-def _deliver_all(pending: list[tuple[int, object]], saved: dict[int, object]) -> None:
-    """Delivers each held signal in arrival order, every one even if an earlier handler raised."""
-    if pending:
-        (signum, frame), rest = pending[0], pending[1:]
-        try:
-            _deliver(signum, saved[signum], frame)
-        finally:
-            _deliver_all(rest, saved)
-
-
-@contextlib.contextmanager
-def _deferred() -> Iterator[None]:
-    if getattr(_state, "depth", 0):  # nested (swap -> offload): the outermost call holds the signals
-        _state.depth += 1
-        try:
-            yield
-        finally:
-            _state.depth -= 1
-        return
-    saved: dict[int, object] = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in HELD_SIGNALS:
-            handler = signal.getsignal(signum)
-            if callable(handler) or handler is signal.SIG_DFL:  # SIG_IGN, or set outside Python: left alone
-                saved[signum] = handler
-    if not saved:
-        yield
-        return
-    pending: list[tuple[int, object]] = []
-
-    def hold(signum: int, frame: object) -> None:
-        if any(s == signum for s, _ in pending):  # the second of a kind: deliver now (once)
-            pending[:] = [(s, f) for s, f in pending if s != signum]
-            signal.signal(signum, saved[signum])  # type: ignore[arg-type]
-            _deliver(signum, saved[signum], frame)
-            return
-        pending.append((signum, frame))
-
-    for signum in saved:
-        signal.signal(signum, hold)
-    _state.depth = 1
-    try:
-        yield
-    finally:
-        _state.depth = 0
-        for signum, handler in saved.items():
-            signal.signal(signum, handler)  # type: ignore[arg-type]
-        _deliver_all(pending, saved)  # also when the call raised: a SIGTERM is never lost
 
 
 def interrupts_deferred(fn: _F) -> _F:
@@ -133,7 +73,7 @@ def interrupts_deferred(fn: _F) -> _F:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with _deferred():
+        with deferred():
             return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]

@@ -19,7 +19,7 @@ from .._schedules.unchanged import UnchangedStorages
 from .._state.parking import Parking
 from .._state.plan import Plan
 from .._transfer.arena import ReloadArena
-from .._transfer.copies import D2HIssued, H2DIssued, release, undo_allocations
+from .._transfer.copies import D2HIssued, H2DIssued, ReleaseRolledForward, release, undo_allocations
 from .._transfer.streams import TransferStreams
 
 __all__ = ["OffloadIssued", "OffloadMove", "Offloaded", "ReloadMove"]
@@ -64,6 +64,7 @@ class OffloadMove:
         self.issued, self._sources, self._parking = issued, sources, parking
         self._streams, self._schedule = streams, schedule
         self.released: torch.cuda.Event | None = None  # see release(): set by finish() on a GPU
+        self.done = False  # the storages are freed (see finish())
 
     @property
     def offloaded(self) -> Offloaded:
@@ -79,12 +80,24 @@ class OffloadMove:
         self._parking.to_device(range(len(self.issued.plan.tensors)))
 
     def finish(self) -> None:
+        """Frees the storages; :attr:`done` once they are freed, also when it then raises.
+
+        Raises:
+            BaseException: what freeing raised, after its undo (not :attr:`done`: :meth:`undo` next),
+                or, where the undo failed too, after the release was completed ([Note: a release rolled
+                forward]; :attr:`done`: the caller completes the offload, then lets it pass).
+        """
         i = self.issued
-        if self._schedule is not None:  # see [Note: swap budget]
-            self._schedule.hold(i.plan, self._sources, i.views.slots, i.copies, self._streams, i.unchanged)
-        else:
-            self.released = release(i.plan, self._sources, i.views.slots, self._streams, i.copies.event,
-                                    gathered=i.copies.gathered)
+        try:
+            if self._schedule is not None:  # see [Note: swap budget]
+                self._schedule.hold(i.plan, self._sources, i.views.slots, i.copies, self._streams, i.unchanged)
+            else:
+                self.released = release(i.plan, self._sources, i.views.slots, self._streams, i.copies.event,
+                                        gathered=i.copies.gathered)
+        except ReleaseRolledForward as rolled:
+            self.done = True
+            raise rolled.error from rolled.undo_error
+        self.done = True
 
 
 class ReloadMove:

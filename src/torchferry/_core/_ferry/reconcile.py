@@ -38,6 +38,7 @@ import logging
 import torch
 
 from .._transfer.copies import issue_h2d, undo_allocations
+from .._transfer.signals import uninterruptible
 from .._state.fsdp import local_of, repoint_sharded_data
 from .._state.host_blocks import in_host_pool
 from .._host.layout import HostViews
@@ -177,9 +178,10 @@ def reconcile(plan: Plan, views: HostViews, parking: Parking, targets: list[obje
         # device storages the undo releases, as after any offload).
         repoint_sharded_data(plan.modules, parking.host_locals(back))
     except BaseException:
-        for step in reversed(undo):
-            step()
-        undo_allocations(plan, range(len(plan.storages)), streams)
+        with uninterruptible():  # see [Note: an undo is not interrupted]
+            for step in reversed(undo):
+                step()
+            undo_allocations(plan, range(len(plan.storages)), streams)
         raise
     logger.debug("reconcile: %d of %d tensors still held, %d given other bytes, %d replacements moved to %s",
                  len(live_t), len(plan.tensors), len(swapped), len(moves), plan.device)

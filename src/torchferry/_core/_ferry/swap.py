@@ -71,7 +71,11 @@ def _swap(out: Ferry, into: Ferry, gpu_budget_bytes: int | None) -> tuple[Transf
                 f"({into.state_bytes} bytes) plus what stays allocated ({base - out_bytes} bytes) needs {need}"
             )
     schedule = ReleaseSchedule(gpu_budget_bytes if cuda else None, base)
-    h_out = out._offload(schedule)
+    try:
+        h_out = out._offload(schedule)
+    except BaseException:  # offloaded all the same ([Note: a release rolled forward]): what it held is freed now
+        schedule.release_rest()
+        raise
     try:
         h_in = into._reload(False, schedule)
     except BaseException:

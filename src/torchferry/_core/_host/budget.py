@@ -17,14 +17,36 @@ exited are dropped. A request is granted when
 - ``held + pending`` of all processes plus the request stay within the node
   budget, if one is set (``TORCHFERRY_HOST_BUDGET_BYTES``, or
   ``Ferry(host_budget_bytes=)``), and
-- the request fits in ``MemAvailable`` minus the other processes' pending
-  bytes minus a reserve for everything else (``TORCHFERRY_HOST_RESERVE_BYTES``,
-  default 5% of ``MemTotal``), and
-- the request fits in the memory cgroup's limit less its usage, minus the other
-  processes' pending bytes ([Note: the container's memory limit] in
+- the request fits in ``MemAvailable`` minus the pending bytes of every
+  process, this one's included, minus a reserve for everything else
+  (``TORCHFERRY_HOST_RESERVE_BYTES``, default 5% of ``MemTotal``), and
+- the request fits in the memory cgroup's limit less its usage (page cache
+  the kernel reclaims first not counted), minus the pending bytes of every
+  process, minus the same reserve (``TORCHFERRY_HOST_RESERVE_BYTES``, default
+  5% of the limit) ([Note: the container's memory limit] in
   ``_host/node_memory``: inside a container ``/proc/meminfo`` shows the host).
 
-The smallest of these is the one a refusal names.
+The smallest of these is the one a refusal names. Pending bytes are not yet
+allocated, so neither ``MemAvailable`` nor the cgroup's usage counts them, and
+held ones are in both already (so they are not subtracted again). This
+process's own pending bytes count too: two requests of one process (the pin-ahead
+threads of two ferries) were each checked against the same free memory and
+both granted past it. While a pool's pages are being touched, the part touched
+is counted in both (the pending bytes whole, and in the usage): a transient
+over-count of at most that pool, on the safe side.
+
+[Note: a ledger entry expires]
+A process that died between ``request`` and ``settle`` left ``pending`` bytes
+that blocked every pool (and a corrupt or forged entry such as
+``{"1": {"pending": 10**15}}``, pid 1 being alive, did the same for good). So
+an entry records its process's start time (``start``: field 22 of
+``/proc/<pid>/stat``, clock ticks since boot), and its pending bytes the time
+of their last request or settle (``since``, seconds since the epoch). An entry
+whose pid now has another start time (the pid was reused) is dropped; pending
+bytes without ``since``, or with a ``since`` more than
+:data:`PENDING_EXPIRE_S` away from now, are dropped (held ones stay). Pids are
+canonical ASCII decimals in ``[1, 2^22]`` (``"0001"``, ``"\uff11"`` are
+corrupt), and byte counts ints >= 0.
 
 The lock is held only to check and record, not while pages are touched and
 pinned, so ranks pin in parallel.
@@ -36,9 +58,12 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import os
+import re
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 
 from .._api.env import env_bytes
@@ -51,8 +76,13 @@ logger = logging.getLogger("torchferry")
 # A ledger entry's pid above this is corrupt: Linux's pid_max is at most 2^22 (PID_MAX_LIMIT, proc(5)
 # on /proc/sys/kernel/pid_max); os.kill() of a larger number raised OverflowError on every offload.
 _PID_MAX = 1 << 22
+_CANONICAL_PID = re.compile(r"[1-9][0-9]*")  # ASCII, no leading zero: one key per process
 
 _RESERVE_FRACTION = 0.05
+
+PENDING_EXPIRE_S = 1800.0
+"""Pending bytes last requested or settled longer ago than this (seconds) are dropped ([Note: a ledger
+entry expires]); a pool of 1 TB is touched and pinned in minutes (about 200 s at 5 GB/s)."""
 
 # In-process guard of the ledger file: ``flock`` locks belong to an open file
 # description, so a second ``_locked`` in this process (a pool collected during
@@ -105,12 +135,40 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _start_time(pid: int) -> int | None:
+    """Process ``pid``'s start time (clock ticks after boot, ``/proc/<pid>/stat`` field 22), ``None`` if unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+        return int(fields[19])  # fields[0] is field 3 (the state)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _valid(pid: object, entry: object) -> bool:
-    """Whether a ledger entry is one this module writes: a pid in ``[1, _PID_MAX]`` mapped to a dict
-    whose ``held`` and ``pending`` (when there) are byte counts >= 0."""
-    if not (isinstance(pid, str) and pid.isdigit() and 0 < int(pid) <= _PID_MAX and isinstance(entry, dict)):
+    """Whether a ledger entry is one this module writes: a canonical ASCII decimal pid in ``[1, _PID_MAX]``
+    mapped to a dict whose ``held``, ``pending`` and ``start`` (when there) are ints >= 0 and whose
+    ``since`` (when there) is a number ([Note: a ledger entry expires])."""
+    if not (isinstance(pid, str) and _CANONICAL_PID.fullmatch(pid) and int(pid) <= _PID_MAX
+            and isinstance(entry, dict)):
         return False
-    return all(type(entry.get(k, 0)) is int and entry.get(k, 0) >= 0 for k in ("held", "pending"))
+    since = entry.get("since", 0)
+    return (all(type(entry.get(k, 0)) is int and entry.get(k, 0) >= 0 for k in ("held", "pending", "start"))
+            and type(since) in (int, float) and math.isfinite(since))
+
+
+def _expire(pid: str, e: dict, now: float) -> bool:
+    """Drops ``e``'s pending bytes if expired; whether the entry is still its process's (and not empty)."""
+    start = e.get("start")
+    if start is not None and _start_time(int(pid)) not in (None, start):
+        return False  # the pid now names another process
+    if e.get("pending", 0) and ("since" not in e or abs(now - e["since"]) > PENDING_EXPIRE_S):
+        logger.warning("torchferry: dropped %d pending bytes of pid %s from the host ledger (recorded %s; "
+                       "pending entries expire after %.0f s)", e["pending"], pid,
+                       "without a time" if "since" not in e else f"{now - e['since']:.0f} s ago", PENDING_EXPIRE_S)
+        e["pending"] = 0
+        e.pop("since", None)
+    return bool(e.get("held", 0) or e.get("pending", 0))
 
 
 def _live_entries(raw: bytes, path: str) -> dict[str, dict[str, int]]:
@@ -127,12 +185,13 @@ def _live_entries(raw: bytes, path: str) -> dict[str, dict[str, int]]:
                        path, type(entries).__name__)
         return {}
     out = {}
+    now = time.time()
     for pid, e in entries.items():
         if not _valid(pid, e):
             logger.warning("torchferry: skipped a corrupt entry of the host ledger %s: %.200r: %.200r (a pid in "
                            "[1, %d] mapping to byte counts 'held' and 'pending' >= 0 expected); it is dropped",
                            path, pid, e, _PID_MAX)
-        elif _alive(int(pid)):
+        elif _alive(int(pid)) and _expire(pid, e, now):
             out[pid] = e
     return out
 
@@ -193,7 +252,17 @@ class NodeLedger:
     def usage(self) -> dict[str, dict[str, int]]:
         """``{pid: {"held": bytes, "pending": bytes}}`` of the live processes."""
         with self._locked() as entries:
-            return {pid: dict(e) for pid, e in entries.items()}
+            return {pid: {"held": e.get("held", 0), "pending": e.get("pending", 0)} for pid, e in entries.items()}
+
+    @staticmethod
+    def _own(entries: dict[str, dict[str, int]]) -> dict:
+        """This process's entry (made if absent), its start time recorded ([Note: a ledger entry expires])."""
+        me = os.getpid()
+        e = entries.setdefault(str(me), {"held": 0, "pending": 0})
+        start = _start_time(me)
+        if start is not None:
+            e["start"] = start
+        return e
 
     def request(self, nbytes: int, *, budget: int | None, what: str) -> None:
         """Records ``nbytes`` as pending for this process, or refuses.
@@ -210,12 +279,10 @@ class NodeLedger:
         """
         info = meminfo()
         cgroup = cgroup_memory()
-        reserve = reserve_from_env()
-        if reserve is None:
-            reserve = int(_RESERVE_FRACTION * info.get("MemTotal", 0))
-        me = str(os.getpid())
+        env_reserve = reserve_from_env()
+        reserve = int(_RESERVE_FRACTION * info.get("MemTotal", 0)) if env_reserve is None else env_reserve
         with self._locked() as entries:
-            others_pending = sum(e.get("pending", 0) for pid, e in entries.items() if pid != me)
+            pending = sum(e.get("pending", 0) for e in entries.values())  # this process's too: see the Note
             used = sum(e.get("held", 0) + e.get("pending", 0) for e in entries.values())
             limits = []  # (bytes available, the limit as a message names it, how to raise it)
             if budget is not None:
@@ -224,17 +291,19 @@ class NodeLedger:
                                "of this node)", "raise the budget (TORCHFERRY_HOST_BUDGET_BYTES, "
                                "Ferry(host_budget_bytes=...)) if the node really has the memory"))
             if "MemAvailable" in info:
-                free = info["MemAvailable"] - others_pending - reserve
+                free = info["MemAvailable"] - pending - reserve
                 limits.append((free, f"the node's free memory (MemAvailable {info['MemAvailable']} bytes, "
-                               f"less {others_pending} being allocated by other processes and a reserve "
+                               f"less {pending} being allocated by processes of this node and a reserve "
                                f"of {reserve} bytes)", "lower the reserve (TORCHFERRY_HOST_RESERVE_BYTES) "
                                "if the node really has the memory"))
             if cgroup is not None:
-                limits.append((cgroup.headroom - others_pending,
+                cg_reserve = int(_RESERVE_FRACTION * cgroup.limit) if env_reserve is None else env_reserve
+                limits.append((cgroup.headroom - pending - cg_reserve,
                                f"the container's memory limit (cgroup v{cgroup.version} {cgroup.limit_file} "
                                f"{cgroup.limit} bytes, less {cgroup.usage} bytes in use in "
-                               f"{cgroup.usage_file} and {others_pending} being allocated by other "
-                               "processes; past it the kernel's OOM killer ends the process)",
+                               f"{cgroup.usage_file} ({cgroup.reclaimable} of them reclaimable page cache, not "
+                               f"counted), {pending} being allocated by processes of this node and a reserve "
+                               f"of {cg_reserve} bytes; past it the kernel's OOM killer ends the process)",
                                "raise the container's memory limit (the pod's, Ray's or Slurm's)"))
             if limits:
                 available, source, hint = min(limits, key=lambda limit: limit[0])
@@ -249,19 +318,22 @@ class NodeLedger:
                         "(Ferry(max_pinned_bytes=...) pins less, but the pool still needs the host memory.)",
                         needed=nbytes, available=available,
                     )
-            e = entries.setdefault(me, {"held": 0, "pending": 0})
-            e["pending"] = e.get("pending", 0) + nbytes
+            e = self._own(entries)
+            e["pending"], e["since"] = e.get("pending", 0) + nbytes, time.time()
 
     def settle(self, nbytes: int, *, allocated: bool) -> None:
         """Moves ``nbytes`` of this process from pending to held (or drops them if not allocated)."""
-        me = str(os.getpid())
         with self._locked() as entries:
-            e = entries.setdefault(me, {"held": 0, "pending": 0})
+            e = self._own(entries)
             e["pending"] = max(0, e.get("pending", 0) - nbytes)
+            if e["pending"]:
+                e["since"] = time.time()
+            else:
+                e.pop("since", None)
             if allocated:
                 e["held"] = e.get("held", 0) + nbytes
             if not e["held"] and not e["pending"]:
-                entries.pop(me)
+                entries.pop(str(os.getpid()))
 
     def give_back(self, nbytes: int) -> None:
         """Records that this process freed ``nbytes`` of held pool memory.

@@ -16,6 +16,13 @@ of the Linux kernel describe them:
   ``memory.usage_in_bytes`` under ``/sys/fs/cgroup/memory/<path>``. A host that mounts v1's
   memory controller beside a v2 tree (hybrid) lists both: v1 holds the memory limit then.
 
+The usage counts the page cache too, which the kernel reclaims before it OOM-kills: a cgroup
+whose files filled it with cache refused every pool. So, as the kubelet computes a container's
+working set, the cache the kernel can drop first, ``inactive_file`` in ``memory.stat`` (v1:
+``total_inactive_file``, which counts the cgroup's descendants too, as ``memory.usage_in_bytes``
+does), is taken off the usage (:attr:`CgroupMemory.reclaimable`); an unreadable ``memory.stat``
+takes nothing off.
+
 A ``<path>`` that is not under the mount (a container without its own cgroup namespace sees its
 host-side path, but has its own cgroup mounted at the root) is read at the mount's root. A file
 that cannot be read or parsed counts as no limit at that level. The roots are
@@ -39,13 +46,15 @@ V1_NO_LIMIT = 1 << 62
 
 # version -> (the folder of its memory controller under CGROUP_ROOT, the limit's file, the usage's file)
 _FILES = {2: ("", "memory.max", "memory.current"), 1: ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes")}
+# version -> the key of memory.stat that holds the reclaimable page cache (see the Note)
+_INACTIVE_FILE = {2: "inactive_file", 1: "total_inactive_file"}
 
 
 class CgroupMemory(NamedTuple):
     """The tightest memory limit of this process's cgroups."""
 
     headroom: int
-    """``limit - usage``, bytes (negative when the cgroup is over its limit)."""
+    """``limit - (usage - reclaimable)``, bytes (negative when the cgroup is over its limit)."""
     limit: int
     """The limit, bytes (``memory.max`` / ``memory.limit_in_bytes``)."""
     usage: int
@@ -56,6 +65,9 @@ class CgroupMemory(NamedTuple):
     """The file the usage was read from."""
     version: int
     """1 or 2."""
+    reclaimable: int = 0
+    """Page cache the kernel drops before it OOM-kills, bytes (``inactive_file`` of ``memory.stat``, v1:
+    ``total_inactive_file``; at most ``usage``; 0 where unreadable): not counted as used (see the Note)."""
 
 
 def meminfo(proc_root: str | None = None) -> dict[str, int]:
@@ -112,10 +124,25 @@ def _read_bytes(path: str, version: int) -> int | None:
             text = f.read().strip()
     except OSError:
         return None
-    if not text.isdigit():  # "max" (v2: no limit), or not a count
+    if not (text.isascii() and text.isdigit()):  # "max" (v2: no limit), or not a count
         return None
     n = int(text)
     return None if version == 1 and n >= V1_NO_LIMIT else n
+
+
+def _inactive_file(folder: str, version: int) -> int:
+    """The reclaimable page cache of the cgroup in ``folder`` from its ``memory.stat``, bytes (0 where unreadable)."""
+    key = _INACTIVE_FILE[version]
+    try:
+        with open(os.path.join(folder, "memory.stat")) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    value = value.strip()
+                    return int(value) if value.isascii() and value.isdigit() else 0
+    except OSError:
+        pass
+    return 0
 
 
 def cgroup_memory(proc_root: str | None = None, cgroup_root: str | None = None) -> CgroupMemory | None:
@@ -140,7 +167,9 @@ def cgroup_memory(proc_root: str | None = None, cgroup_root: str | None = None) 
             usage = _read_bytes(usage_file, version) if limit is not None else None
             if limit is None or usage is None:
                 continue
-            if best is None or limit - usage < best.headroom:
-                best = CgroupMemory(limit - usage, limit, usage, limit_file, usage_file, version)
+            reclaimable = min(_inactive_file(d, version), usage)
+            if best is None or limit - usage + reclaimable < best.headroom:
+                best = CgroupMemory(limit - usage + reclaimable, limit, usage, limit_file, usage_file, version,
+                                    reclaimable)
         return best
     return None

@@ -61,7 +61,7 @@ from collections.abc import Callable
 
 import torch
 
-from .._api.env import env_int
+from .._api.env import env_bytes
 
 __all__ = ["ISSUE_POLL_S", "ISSUE_WINDOW_BYTES", "REFILL_ENV", "Issuer", "refill_bytes_from_env", "wait_target"]
 
@@ -75,10 +75,9 @@ def refill_bytes_from_env() -> int:
     A lower mark takes the GIL back once per several groups, not once per group.
 
     Raises:
-        ValueError: not an integer in ``[0, ISSUE_WINDOW_BYTES]``.
+        ValueError: not a byte count in ``[0, ISSUE_WINDOW_BYTES]`` (``_api/env.parse_bytes``).
     """
-    return env_int(REFILL_ENV, ISSUE_WINDOW_BYTES, hi=ISSUE_WINDOW_BYTES,
-                   says=f"an integer in [0, {ISSUE_WINDOW_BYTES}] (bytes)")
+    return env_bytes(REFILL_ENV, ISSUE_WINDOW_BYTES, hi=ISSUE_WINDOW_BYTES)
 
 
 def wait_target(nbytes: list[int], first: int, issued: int, gi: int, high: int, low: int) -> int | None:

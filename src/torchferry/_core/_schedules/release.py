@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .._transfer.copies import D2HIssued, restore_released
+from .._transfer.copies import D2HIssued, ReleaseRolledForward, undo_release
 from .._state.plan import Plan
 from .._transfer.streams import TransferStreams
 
@@ -61,16 +61,25 @@ class ReleaseSchedule:
         """Takes the outgoing storages (called by the offload, after its copies were queued);
         those in ``unchanged`` (not copied, read by no stream now) are released at once, all or
         nothing (``slots``: the pool views, for [Note: a release undone from the pool]). Nothing is
-        taken if it raises."""
+        taken if it raises, except :class:`ReleaseRolledForward` ([Note: a release rolled forward]):
+        then everything is taken."""
         after = issued.copied_after or [0] * len(sources)
         pending = [(after[si], st, src) for si, (st, src) in enumerate(zip(plan.storages, sources, strict=False))
                    if si not in unchanged and src.numel()]
         try:
             for si in unchanged:
                 plan.storages[si].resize_(0)
-        except BaseException:
-            restore_released(plan, unchanged, slots, issued.event)
+        except BaseException as error:
+            try:
+                undo_release(plan, unchanged, slots, issued.event, error)
+            except ReleaseRolledForward:  # they are all freed: the hold completes, then raises
+                self._take(plan, streams, issued, unchanged, pending)
+                raise
             raise
+        self._take(plan, streams, issued, unchanged, pending)
+
+    def _take(self, plan: Plan, streams: TransferStreams, issued: D2HIssued, unchanged: set[int] | frozenset[int],
+              pending: list[tuple[int, torch.UntypedStorage, torch.Tensor]]) -> None:
         self._streams = streams
         self._progress = list(issued.progress)
         self._out_bytes = issued.progress[-1][0] if issued.progress else 0

@@ -53,10 +53,11 @@ import torch
 from .._host.layout import HostViews
 from .packing import PackChunk, pack_to_host, unpack_from_host
 from .._state.plan import Plan
+from .signals import uninterruptible
 from .streams import TransferStreams
 
-__all__ = ["D2HIssued", "H2DIssued", "copy_runs", "issue_d2h", "issue_h2d", "release", "restore_released",
-           "transfer_range", "undo_allocations"]
+__all__ = ["D2HIssued", "H2DIssued", "ReleaseRolledForward", "copy_runs", "issue_d2h", "issue_h2d", "release",
+           "restore_released", "transfer_range", "undo_allocations", "undo_release"]
 
 logger = logging.getLogger("torchferry")
 
@@ -214,6 +215,7 @@ def release(plan: Plan, sources: list[torch.Tensor], slots: list[torch.Tensor], 
     Raises:
         BaseException: whatever freeing a storage raised, after every storage freed before it was
             given its memory and bytes back.
+        ReleaseRolledForward: giving them back failed too; every storage was freed instead.
     """
     cuda = streams.is_cuda
     d2h = streams.d2h if cuda else None
@@ -228,10 +230,69 @@ def release(plan: Plan, sources: list[torch.Tensor], slots: list[torch.Tensor], 
             if cuda and src.numel():
                 src.record_stream(current if si in packed else d2h)  # pyright: ignore[reportArgumentType]  # set on this path (progress_every with copied_after; d2h stream when cuda; packed storages are non-empty)
             storage.resize_(0)
-    except BaseException:
-        restore_released(plan, range(len(plan.storages)), slots, copied)
+    except BaseException as error:
+        undo_release(plan, range(len(plan.storages)), slots, copied, error)
         raise
     return streams.event(d2h) if cuda else None
+
+
+class ReleaseRolledForward(BaseException):
+    """A release failed part-way and so did its undo: it was completed instead ([Note: a release
+    rolled forward]). The caller completes its move too, then raises :attr:`error`.
+
+    Attributes:
+        error: what freeing a storage raised.
+        undo_error: what the undo (allocating again, copying back) raised.
+    """
+
+    def __init__(self, error: BaseException, undo_error: BaseException) -> None:
+        super().__init__(f"release rolled forward after {undo_error!r}")
+        self.error, self.undo_error = error, undo_error
+
+
+def undo_release(plan: Plan, indices: Iterable[int], slots: list[torch.Tensor], copied: torch.cuda.Event | None,
+                 error: BaseException) -> None:
+    """Undoes a partial release of the storages ``indices`` ([Note: a release undone from the pool]),
+    or, where that fails, completes it ([Note: a release rolled forward]); no signal interrupts either
+    ([Note: an undo is not interrupted]). Returns once undone (the caller raises ``error``).
+
+    [Note: a release rolled forward]
+    The undo of a release allocates device memory again, which can fail too: an
+    out-of-memory (another stream took the blocks), or a signal. An undo that
+    stopped there left some storages at 0 bytes under a ferry reporting DEVICE
+    (a forward raised, a ``state_dict()`` clone crashed). But when the undo
+    starts, every pool slot holds its storage's bytes (see the Note above), so
+    the other way out is always open: free every storage of ``indices`` still
+    allocated (the ones the undo had allocated again included), once the
+    copies' event has passed, and let the caller finish its move as if the
+    release had succeeded (residency HOST, guards on; a reload brings every
+    byte back). The caller then raises ``error``, with the undo's failure as
+    its ``__cause__``. A storage whose ``resize_(0)`` fails even then stays
+    allocated, viewed by no tensor: the next reload's ``resize_`` keeps it and
+    copies its bytes in (logged).
+
+    Raises:
+        ReleaseRolledForward: the undo failed and the release was completed instead.
+    """
+    indices = list(indices)
+    with uninterruptible():
+        try:
+            restore_released(plan, indices, slots, copied)
+        except BaseException as undo_error:
+            _roll_forward(plan, indices, copied)
+            undo_error.__context__ = None  # the chain is error -> undo_error, made by the caller
+            raise ReleaseRolledForward(error, undo_error) from None
+
+
+def _roll_forward(plan: Plan, indices: list[int], copied: torch.cuda.Event | None) -> None:
+    """Frees every storage of ``indices`` still allocated, after ``copied``; never raises."""
+    try:
+        if copied is not None:
+            copied.synchronize()
+    except BaseException:  # noqa: B036 (a failure path that must complete: logged, nothing else left to do)
+        logger.warning("torchferry: waiting for the offload's copies failed while completing a release", exc_info=True)
+    for si in indices:
+        _free_quietly(plan, si, "completing a release")
 
 
 def restore_released(plan: Plan, indices: Iterable[int], slots: list[torch.Tensor],
@@ -269,19 +330,27 @@ def restore_released(plan: Plan, indices: Iterable[int], slots: list[torch.Tenso
 def undo_allocations(plan: Plan, indices: Iterable[int], streams: TransferStreams) -> None:
     """Frees the re-allocated storages ``indices`` again, after the copies into them.
 
-    Never raises (it runs inside the undo of a failed call, which must complete: [Note: all or
-    nothing]): a storage that cannot be freed is logged and stays allocated; no tensor views it,
-    and the next reload re-allocates it.
+    Never raises, and no signal interrupts it (it runs inside the undo of a failed call, which must
+    complete: [Note: all or nothing], [Note: an undo is not interrupted]): a storage that cannot be
+    freed is logged and stays allocated; no tensor views it, and the next reload re-allocates it.
     """
-    if streams.is_cuda:
-        streams.h2d.synchronize()
-        streams.pack.synchronize()
-    for si in indices:
-        try:
+    with uninterruptible():  # see [Note: an undo is not interrupted]
+        if streams.is_cuda:
+            streams.h2d.synchronize()
+            streams.pack.synchronize()
+        for si in indices:
+            _free_quietly(plan, si)
+
+
+def _free_quietly(plan: Plan, si: int, during: str = "undoing a transfer") -> None:
+    """Frees storage ``si`` if allocated; never raises (inside an undo, which must complete): a storage
+    that cannot be freed is logged and stays allocated, viewed by no tensor, until the next reload."""
+    try:
+        if plan.storages[si].nbytes():
             plan.storages[si].resize_(0)
-        except Exception:
-            logger.warning("torchferry: could not free storage %d while undoing a transfer; it stays allocated "
-                           "until the next reload", si, exc_info=True)
+    except BaseException:  # noqa: B036 (see above)
+        logger.warning("torchferry: could not free storage %d while %s; it stays allocated until the next reload",
+                       si, during, exc_info=True)
 
 
 def _device_view(plan: Plan, si: int, device_views: list[torch.Tensor] | None) -> torch.Tensor:

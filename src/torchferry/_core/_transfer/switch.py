@@ -86,7 +86,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .._api.env import env_int
+from .._api.env import env_bytes
 
 __all__ = ["D2H_SWITCH_BYTES", "SEPARATOR_BYTES", "SWITCH_BYTES", "SWITCH_ENV", "SwitchPoints", "default_interval",
            "whole_copies"]
@@ -122,9 +122,9 @@ def switch_bytes_from_env(direction: str = "h2d") -> int:
     unset: the measured interval of ``direction``, :func:`default_interval`).
 
     Raises:
-        ValueError: not an integer >= 0.
+        ValueError: not a byte count (``_api/env.parse_bytes``).
     """
-    return env_int(SWITCH_ENV, default_interval(direction), says="an integer >= 0 (bytes; 0 turns switch points off)")
+    return env_bytes(SWITCH_ENV, default_interval(direction))
 
 
 class SwitchPoints:

@@ -7,11 +7,13 @@ import inspect
 import logging
 import math
 import numbers
+import re
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ..._core._api.env import OFF, parse_bytes
 from .. import _helpers as compat
 from . import _dock
 from ._dock import VerlDock, dock_rollout
@@ -21,6 +23,7 @@ __all__ = ["DOCK_ENV", "DockPatch", "budget_spec", "parse_budget", "verl_targets
 logger = logging.getLogger("torchferry")
 
 DOCK_ENV = "TORCHFERRY_VERL_DOCK"
+_FRACTION = re.compile(r"[0-9]*\.[0-9]+|[0-9]+\.")  # a str read as a fraction: ASCII digits and a point
 
 
 MIN_BUDGET_BYTES = 1 << 20  # below this a byte count is a slip (TORCHFERRY_VERL_DOCK=1 read as "on"), not a budget
@@ -29,7 +32,9 @@ MIN_BUDGET_BYTES = 1 << 20  # below this a byte count is a slip (TORCHFERRY_VERL
 def parse_budget(value: object, where: str) -> int | float | None:
     """A dock budget: bytes (an integer >= :data:`MIN_BUDGET_BYTES`, or a whole float above 1 such as
     ``40e9``), a fraction of the device's memory (a float in (0, 1]), or ``None`` / ``0`` / ``0.0`` /
-    ``""`` (no dock). A str is read as either number; numpy numbers count as ints and floats.
+    ``""`` (no dock). A str is a byte count as every other (``_api/env.parse_bytes``: ASCII digits or
+    ``40e9``), a fraction in ASCII digits with a point (``0.6``), or an off spelling of a switch
+    (``0, false, no, off``, any case: no dock); numpy numbers count as ints and floats.
 
     Raises:
         ValueError: anything else, naming ``where`` (a bool, a negative or non-finite number, a non-whole
@@ -41,15 +46,12 @@ def parse_budget(value: object, where: str) -> int | float | None:
     raw = value
     if isinstance(value, str):
         text = value.strip()
-        if text == "":
+        if text == "" or text.lower() in OFF:  # the off spellings of every switch (_api/env.OFF)
             return None
         try:
-            value = int(text)
+            value = parse_bytes(text, where)  # [Note: one parser for byte counts]
         except ValueError:
-            try:
-                value = float(text)
-            except ValueError:
-                value = None
+            value = float(text) if _FRACTION.fullmatch(text) else None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"torchferry: {where}: {raw!r} is not a dock budget: {hint}")
     if isinstance(value, numbers.Integral):

@@ -1,0 +1,106 @@
+"""SIGINT and SIGTERM held back while state moves: the mechanism of [Note: all or nothing]
+(``torchferry._core._ferry.interrupts``, whose ``interrupts_deferred`` holds them for a whole call)
+and of the undo sections no signal may tear (:func:`uninterruptible`, [Note: an undo is not
+interrupted]).
+
+[Note: an undo is not interrupted]
+A second signal of one kind during a call is delivered at once (the sender
+insists), so it can raise between any two bytecodes of the call, also inside
+the undo of a release that failed part-way ([Note: a release undone from the
+pool]). An undo torn there left storages of 0 bytes under a ferry that
+reported DEVICE, the state it exists to prevent. So the undo sections (a
+release undone or rolled forward, a reload's allocations freed again) run in
+:func:`uninterruptible`: every signal arriving there, the second of a kind too,
+is held until the section is done, and then delivered as any held signal (at
+the end of the call, or at the end of the section outside one). These sections
+make no blocking call but the wait for copies already queued, so the process
+still answers a third Ctrl-C within that wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+__all__ = ["HELD_SIGNALS", "deferred", "uninterruptible"]
+
+_state = threading.local()  # depth: calls holding signals (nested); strict: uninterruptible sections open
+
+# The signals held back: Ctrl-C, and what Ray, Slurm and Kubernetes stop a worker with.
+HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _deliver(signum: int, handler: object, frame: object) -> None:
+    """What ``signum`` would have done with ``handler`` installed (that handler is back in place)."""
+    if callable(handler):
+        handler(signum, frame)
+    else:  # SIG_DFL: the default action (SIGTERM: the process ends)
+        signal.raise_signal(signum)
+
+
+def _deliver_all(pending: list[tuple[int, object]], saved: dict[int, object]) -> None:
+    """Delivers each held signal in arrival order, every one even if an earlier handler raised."""
+    if pending:
+        (signum, frame), rest = pending[0], pending[1:]
+        try:
+            _deliver(signum, saved[signum], frame)
+        finally:
+            _deliver_all(rest, saved)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Holds SIGINT and SIGTERM for the block and delivers them, in arrival order, when it is done
+    (also when it raised); the second of a kind is delivered at once, except inside
+    :func:`uninterruptible`. Nested blocks: the outermost holds. Only in the main thread, and only
+    for a signal whose handler is Python's, the caller's or the default."""
+    if getattr(_state, "depth", 0):  # nested (swap -> offload): the outermost call holds the signals
+        _state.depth += 1
+        try:
+            yield
+        finally:
+            _state.depth -= 1
+        return
+    saved: dict[int, object] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in HELD_SIGNALS:
+            handler = signal.getsignal(signum)
+            if callable(handler) or handler is signal.SIG_DFL:  # SIG_IGN, or set outside Python: left alone
+                saved[signum] = handler
+    if not saved:
+        yield
+        return
+    pending: list[tuple[int, object]] = []
+
+    def hold(signum: int, frame: object) -> None:
+        if not getattr(_state, "strict", 0) and any(s == signum for s, _ in pending):
+            pending[:] = [(s, f) for s, f in pending if s != signum]  # the second of a kind: deliver now (once)
+            signal.signal(signum, saved[signum])  # type: ignore[arg-type]
+            _deliver(signum, saved[signum], frame)
+            return
+        pending.append((signum, frame))
+
+    for signum in saved:
+        signal.signal(signum, hold)
+    _state.depth = 1
+    try:
+        yield
+    finally:
+        _state.depth = 0
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)  # type: ignore[arg-type]
+        _deliver_all(pending, saved)  # also when the call raised: a SIGTERM is never lost
+
+
+@contextlib.contextmanager
+def uninterruptible() -> Iterator[None]:
+    """Holds every SIGINT and SIGTERM arriving in the block, the second of a kind too, until it and
+    the enclosing :func:`deferred` block (if any) are done ([Note: an undo is not interrupted])."""
+    with deferred():
+        _state.strict = getattr(_state, "strict", 0) + 1
+        try:
+            yield
+        finally:
+            _state.strict -= 1

@@ -1320,7 +1320,7 @@ def _memory(r0: dict) -> dict:
 
 
 def bars(out: dict) -> dict:
-    """Issue 45's bars, decided from this run alone: the resident step's spread (max - min over the median,
+    """The verl step's bars, decided from this run alone: the resident step's spread (max - min over the median,
     <= 0.05), each strategy's exposed transfer over verl's (median, and its worst round against verl's best),
     and its device memory against verl's (free at the rollout's wake >= verl's; no phase's peak above verl's
     by more than 1%). ``None`` where the run lacks what a bar needs."""

@@ -1,5 +1,5 @@
 """torchferry.Dock on the CPU: bytes reserved beside the sets, state loaded behind the dock's back, an optimizer's
-first-step state told before it runs, and a ferry closed while docked (issue 46 items 2, 3 and 5)."""
+first-step state told before it runs, and a ferry closed while docked."""
 
 import pytest
 import torch
@@ -70,7 +70,7 @@ def test_reserve_refuses_bad_sizes_and_names():
 
 
 def test_optimizer_state_loaded_while_evicted_is_counted_and_the_budget_kept():
-    """Issue 46 item 3: verl's load_checkpoint after the rollout evicted the optimizer put the loaded AdamW
+    """Reproduces: verl's load_checkpoint after the rollout evicted the optimizer put the loaded AdamW
     state on the device while the dock counted it evicted."""
     m, opt = _trained()
     saved = {k: v for k, v in opt.state_dict().items()}

@@ -2,7 +2,7 @@
 ``torchferry._core._api.env``): one set of spellings for on and off, a clear error naming the
 variable and the value for anything else, and a bad value failing every time.
 
-Reproduces issue 46 item 4: ``TORCHFERRY_VERL=false`` still installed the Ray hook's patch,
+Reproduces: ``TORCHFERRY_VERL=false`` still installed the Ray hook's patch,
 ``TORCHFERRY_VERIFY_SKIPS=false`` turned verify mode on, and a bad ``TORCHFERRY_VERL_DOCK`` failed
 only the first import of verl's helpers."""
 
@@ -163,7 +163,7 @@ def test_the_integrations_hooks_read_their_own_switch():
 
 
 def test_a_failed_patch_fails_every_import_of_the_helper_module(monkeypatch, tmp_path):
-    """Issue 46 item 4: the first import raised, the second succeeded unpatched."""
+    """Reproduces: the first import raised, the second succeeded unpatched."""
     from torchferry.integrations._ray_hook import HookNames, WorkerHook, _PatchOnImport
 
     module = "torchferry_test_env_fake_fsdp_utils"

@@ -3,7 +3,7 @@
 ``MemAvailable``, the cgroup's limit less its usage and the user's budget applies, and a refusal
 names it.
 
-Reproduces issue 46 item 8: inside a container ``/proc/meminfo`` shows the host, so a pool could
+Reproduces: inside a container ``/proc/meminfo`` shows the host, so a pool could
 be granted past the cgroup's limit and the kernel ended the worker."""
 
 from __future__ import annotations

@@ -355,6 +355,6 @@ def _replaced_while_offloaded_body(rank: int, world: int) -> None:
 
 def test_onload_with_a_replaced_optimizer_brings_the_model_back_and_the_next_offload_moves_the_new_state(
         areal_importable):
-    """Issue 46 item 5: ``offload(); engine.optimizer = AdamW(...); onload()`` moved nothing, set is_offload False
+    """Reproduces: ``offload(); engine.optimizer = AdamW(...); onload()`` moved nothing, set is_offload False
     and left the model on the host; a retried offload() was refused as "already offloaded by another Ferry"."""
     run_spawned(_replaced_while_offloaded_body, world=1, timeout_s=TIMEOUT_S)

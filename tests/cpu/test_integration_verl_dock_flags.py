@@ -1,4 +1,4 @@
-"""verl's dock mode against verl 0.9.1's own flags and lifecycle, on the CPU (issue 46 items 2, 3, 5): only what
+"""verl's dock mode against verl 0.9.1's own flags and lifecycle, on the CPU: only what
 verl offloads is a state set, what it keeps resident is reserved; every combination of ``param_offload`` /
 ``optimizer_offload`` trains through a rollout within the budget; a checkpoint loaded while the optimizer was
 evicted is counted; an optimizer's first-step state is told from its layout; a dock replaced inside a phase
@@ -69,7 +69,7 @@ def _on_device(e) -> int:
     (False, False, 1 << 19, set(), P + OPT),
 ])
 def test_dock_counts_what_verl_keeps_resident(param_offload, optimizer_offload, kv, sets, reserved):
-    """Issue 46 item 2: with param_offload=True, optimizer_offload=False the second update raised "AdamW.step()
+    """Reproduces: with param_offload=True, optimizer_offload=False the second update raised "AdamW.step()
     while its state is offloaded"; with param_offload=False 8.41 MB were held against a 6.37 MB budget."""
     tf_verl.patch(dock=B)
     vd, e = tf_verl.docked(), _engine(param_offload, optimizer_offload)
@@ -105,7 +105,7 @@ def test_a_first_step_of_an_optimizer_kept_resident_that_cannot_fit_is_refused_b
 
 
 def test_amsgrad_is_refused_at_its_first_step_not_admitted_then_refused_at_the_second():
-    """Issue 46 item 3: Adam(amsgrad=True) was admitted at step 0 and refused at step 1 (the estimate assumed two
+    """Reproduces: Adam(amsgrad=True) was admitted at step 0 and refused at step 1 (the estimate assumed two
     state tensors per parameter)."""
     tf_verl.patch(dock=P + 3 * P)  # parameters and two moments fit beside them, three do not
     e = _engine(True, True, optimizer=torch.optim.Adam, amsgrad=True)
@@ -119,7 +119,7 @@ def test_amsgrad_is_refused_at_its_first_step_not_admitted_then_refused_at_the_s
 
 
 def test_a_checkpoint_loaded_while_the_optimizer_is_evicted_is_counted(monkeypatch):
-    """Issue 46 item 3: verl's load_checkpoint after the rollout evicted the optimizer put the loaded AdamW state
+    """Reproduces: verl's load_checkpoint after the rollout evicted the optimizer put the loaded AdamW state
     on the device while the dock counted it evicted (12.61 MB held against an 8.47 MB budget at the next wake)."""
     tf_verl.patch(dock=B)
     vd, e = tf_verl.docked(), _engine(True, True)
@@ -141,7 +141,7 @@ def test_a_checkpoint_loaded_while_the_optimizer_is_evicted_is_counted(monkeypat
 
 
 def test_a_dock_replaced_inside_a_phase_releases_that_phase():
-    """Issue 46 item 5: patch(dock=B) inside a phase left the old dock's names in use for good."""
+    """Reproduces: patch(dock=B) inside a phase left the old dock's names in use for good."""
     tf_verl.patch(dock=B)
     old, e = tf_verl.docked(), _engine(True, True)
     with base.BaseEngineCtx(e, "train"):

@@ -69,7 +69,7 @@ def test_hook_patches_right_after_verl_imports_fsdp_utils_and_not_before():
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]
 
 
-@pytest.mark.parametrize("off", ["0", " False ", "no", "OFF"])  # issue 46 item 4: only "0" switched it off
+@pytest.mark.parametrize("off", ["0", " False ", "no", "OFF"])  # before: only "0" switched it off
 def test_hook_does_nothing_when_switched_off(off):
     code = (
         f"import os; os.environ['TORCHFERRY_VERL'] = {off!r}\n"
@@ -83,7 +83,7 @@ def test_hook_does_nothing_when_switched_off(off):
 
 
 def test_a_bad_dock_budget_fails_every_import_of_verls_helpers():
-    """Issue 46 item 4: the first import raised, a second one succeeded with verl unpatched."""
+    """Reproduces: the first import raised, a second one succeeded with verl unpatched."""
     code = (
         "import os; os.environ['TORCHFERRY_VERL_DOCK'] = 'lots'\n"
         "from torchferry.integrations.verl import ray_worker_setup, is_patched\n"

@@ -1,4 +1,4 @@
-"""Misuse refused with a clear error, the state left intact (issue 46 item 6): a second thread, a
+"""Misuse refused with a clear error, the state left intact: a second thread, a
 first offload under ``torch.inference_mode()``, ``copy.deepcopy`` / ``torch.save`` of an offloaded model. Each test reproduces the report's case."""
 
 from __future__ import annotations

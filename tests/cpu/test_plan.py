@@ -256,7 +256,7 @@ def test_a_numpy_view_of_resident_state_is_refused_before_anything_moves(which):
 
 
 def test_optimizer_state_loaded_from_torch_load_is_refused_naming_the_load(tmp_path):
-    """Reproduces issue 46 item 5: on a CPU ferry, ``optimizer.load_state_dict(torch.load(...))`` keeps
+    """Reproduces: on a CPU ferry, ``optimizer.load_state_dict(torch.load(...))`` keeps
     torch.load's storages, which are not resizable, and the next offload's refusal blamed "a NumPy
     array". It names the load first now, and the fix it gives works."""
     m, opt = trained()

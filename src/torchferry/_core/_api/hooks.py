@@ -5,7 +5,7 @@ While a ferry holds a module's or optimizer's state on the host (offloaded, or c
 layer), its hooks are in the module's and optimizer's hook dicts, which ``copy.deepcopy`` and
 ``torch.save(model)`` copy with the rest: the pickle failed on a local function ("Can't pickle local
 object 'OffloadGuards._forward_hook.<locals>.hook'") and the deep copy kept the forward guard, so the
-copy refused every forward for good, naming a ferry that could never reload it (issue 46 item 6).
+copy refused every forward for good, naming a ferry that could never reload it.
 A copy made then would also read the ferry's host pool while its D2H copies may still be in flight.
 So each such hook is a :class:`Uncopyable`: copying or pickling it raises a ``RuntimeError`` saying
 to reload first or to copy the ``state_dict()`` (which waits for the copies); the original is left

@@ -5,7 +5,7 @@ PyTorch's optimizers make their state lazily, in the first ``step()`` (each one'
 in ``torch/optim/``, torch 2.13), so a dock that admits a first training phase must tell the
 bytes beforehand, or find them over the budget one phase later: ``Adam(amsgrad=True)`` was
 admitted at step 0 and refused at step 1 while the estimate assumed two state tensors per
-parameter (issue 46 item 3). :func:`first_step_bytes` reads the layout from each parameter
+parameter. :func:`first_step_bytes` reads the layout from each parameter
 group's options, as the optimizer's ``_init_group`` does: tensors shaped like the parameter
 (Adam / AdamW ``exp_avg`` and ``exp_avg_sq``, ``max_exp_avg_sq`` with ``amsgrad``; SGD's
 ``momentum_buffer`` with ``momentum != 0``; RMSprop's ``square_avg``, ``momentum_buffer`` with

@@ -30,7 +30,7 @@ An evicted set counts ``state_bytes``, but its targets can be given new state on
 while it is on the host: verl's ``load_checkpoint`` reloads the model (a docked load) and then
 ``optimizer.load_state_dict`` places the loaded AdamW state on its parameters' device, while
 the optimizer's set was evicted for the rollout. The dock counted it evicted: 12.61 MB held
-against an 8.47 MB budget at the next KV-cache wake (issue 46 item 3). So every decision first
+against an 8.47 MB budget at the next KV-cache wake. So every decision first
 looks at each evicted set (:func:`appeared_bytes`): if its targets hold other tensors than at
 its offload ([Note: state replaced while offloaded] in ``_ferry.reconcile``) and some of them
 are on its device outside any host pool, the dock takes the set in as resident

@@ -1,5 +1,5 @@
 """Misuse refused before anything moves: a second thread inside a ferry's call, and the caller's
-``torch.inference_mode()`` kept out of the ferry's own bookkeeping (issue 46 item 6).
+``torch.inference_mode()`` kept out of the ferry's own bookkeeping.
 
 [Note: one thread moves a ferry]
 A ferry's call (``offload``, ``reload``, ``swap``, ``close``, ...) changes device storages, tensor
@@ -7,7 +7,7 @@ impls and the ferry's records in steps that are only consistent once the call is
 or nothing] in ``.interrupts``). Two threads inside one ferry at once interleave those steps: one
 ``Ferry`` driven from two threads segfaulted in 3 of 10 runs, and in another setup exchanged the
 impls twice, so every weight read freed memory (the forward returned ``-inf``) while the ferry
-reported DEVICE (issue 46 item 6). So each ferry has a :class:`OneMover`: a call made while another
+reported DEVICE. So each ferry has a :class:`OneMover`: a call made while another
 thread is inside one of the ferry's calls is refused at once with a ``RuntimeError`` naming that
 thread and its call, before anything is read or moved; nothing waits, so two ferries moved by two
 threads in opposite orders (``swap(a, b)`` beside ``swap(b, a)``) cannot deadlock. The thread
@@ -21,7 +21,7 @@ Tensors made under ``torch.inference_mode()`` are inference tensors: an in-place
 outside inference mode raises ("Inplace update to inference tensor outside InferenceMode"). A
 first ``offload()`` under inference mode made the pool's views, the host twins and the plan's
 device views as inference tensors, and every later ``reload()`` (outside it) failed inside
-torchferry while writing them; the ferry was jammed (issue 46 item 6). Every call that moves state
+torchferry while writing them; the ferry was jammed. Every call that moves state
 therefore runs with inference mode off (``torch.inference_mode(False)``) and gradients off
 (``torch.no_grad()``): what the ferry makes is the same whatever mode its caller is in. Inference
 mode is per thread, so the issuer and pin threads are made outside it already.

@@ -31,8 +31,8 @@ memory is released) leaves a device storage that can never be allocated
 again: a plain ``reload()`` refuses it by name (:func:`refuse_unresizable`)
 before allocating anything, and the state stays on the host.
 
-NumPy is not the only cause, and the refusal must not blame it for the others
-(issue 46 item 5): ``torch.load`` builds every storage it reads without an
+NumPy is not the only cause, and the refusal must not blame it for the others:
+``torch.load`` builds every storage it reads without an
 allocator and not resizable, and ``optimizer.load_state_dict()`` keeps a
 loaded tensor as it is when it already has its parameter's device and dtype
 (``_process_value_according_to_param_policy`` in ``torch/optim/optimizer.py``),

@@ -208,7 +208,7 @@ def _ferry_of(engine: object) -> Ferry:
 # AReaL's ``engine.offload(); engine.optimizer = AdamW(...); engine.onload()`` left the model on the
 # host: the onload looked for a ferry serving the new optimizer, found none, moved nothing and set
 # ``is_offload`` False; a retried ``offload()`` made a ferry for the new pair and was refused, the
-# model being "already offloaded by another Ferry" (issue 46 item 5). So the entry holds its model
+# model being "already offloaded by another Ferry". So the entry holds its model
 # and optimizer strongly while offloaded (the old optimizer cannot be collected with its state in
 # the pool), and ``onload()`` / ``offload()`` of an engine whose model or optimizer was replaced
 # first bring back what the old ferry holds and close it (:func:`_settle`): the model is resident

@@ -12,7 +12,7 @@ rollout wake (the optimizer's first step, a checkpoint load or gradients kept ma
 with ``param_offload=True, optimizer_offload=False`` the optimizer became a set after its first step
 and was evicted, and the second update raised "AdamW.step() while its state is offloaded"; with
 ``param_offload=False`` the resident parameters were not counted (8.41 MB held against a 6.37 MB
-budget; issue 46 item 2). An engine with neither flag is in the dock too (its state reserved, its
+budget). An engine with neither flag is in the dock too (its state reserved, its
 phases' workspaces counted); one whose resident state alone exceeds the budget is refused at its
 first phase, naming the flags.
 """

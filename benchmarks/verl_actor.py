@@ -83,7 +83,7 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from verl_isolate import StepProbe, Turns, context_bytes, fingerprint  # noqa: E402
+from verl_isolate import StepProbe, Turns, context_bytes, fingerprint, pin_cpus  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -653,6 +653,11 @@ def _settings_env() -> dict[str, str]:
 
 
 def cmd_run(args) -> None:
+    cpus = None
+    if args.cpu_slot:  # before torch starts a thread: every thread of the process inherits the share
+        cpus = pin_cpus(args.cpu_slot[0], args.cpu_slot[1], int(os.environ.get("LOCAL_RANK", 0)),
+                        int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        os.environ.setdefault("OMP_NUM_THREADS", str(len(cpus)))
     stubbed = _use_ray_stub_if_needed()
     import asyncio
     import contextlib
@@ -1006,7 +1011,7 @@ def cmd_run(args) -> None:
             "state_bytes": {"params": _part_bytes(engine, "model"), "optimizer": _part_bytes(engine, "optimizer")},
             "torchferry_pool_bytes": {"pinned": sum(f.pinned_bytes for f in ferries),
                                       "host": sum(f.host_bytes for f in ferries)},
-            "ferries": [repr(f) for f in ferries],
+            "ferries": [repr(f) for f in ferries], "cpus": cpus,
             # The state after the steps (offloaded by verl's update_actor exit), fingerprinted exactly; compared
             # with verl's by against_verl once every strategy's records are together (merge_runs).
             "fingerprints": fingerprints(engine, rollouts[s.label].weights, gpu),
@@ -1499,6 +1504,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--turns", default=None, metavar="DIR", help="the folder the processes take turns through")
     p.add_argument("--settle-seconds", type=float, default=0.0,
                    help="seconds to wait before each step (after the turn came), outside its timing (default: 0)")
+    p.add_argument("--cpu-slot", type=int, nargs=2, default=None, metavar=("I", "N"),
+                   help="run on share I of N equal shares of this process's CPUs (split again among the node's "
+                        "ranks), so that the strategies' processes never share a core")
     p = sub.add_parser("report", help="a run's records -> the torchferry.verl-step/1 JSON")
     p.add_argument("runs", nargs="+", help="the run's records: one file per process (run --own), or one")
     p.add_argument("--out-dir", required=True)

@@ -33,6 +33,8 @@
 #   VERL_ACTOR_ISOLATE=1|0                1 (default): each strategy in a process of its own, the processes taking
 #                                         turns step by step (benchmarks/verl_isolate.py); 0: all in one process
 #   VERL_ACTOR_SETTLE_S=S                 wait S seconds before each step, outside its timing (default 0)
+#   VERL_ACTOR_PIN_CPUS=1|0               1 (default, with ISOLATE=1): each strategy's process on its own equal
+#                                         share of the CPUs (run --cpu-slot), so no two ever share a core
 #   VERL_ACTOR_LOGPROBS=chunked|verl      log-probs in verl's engine: chunked (default: one log_softmax per
 #                                         2048 rows) or verl's own fallback without flash-attn (one per token:
 #                                         host-bound, a step's time spread by seconds; see _logprobs_chunked)
@@ -112,7 +114,8 @@ if [ "${VERL_ACTOR_ISOLATE:-1}" = 1 ]; then
   pids=(); parts=()
   for i in "${!STRATEGIES[@]}"; do
     label=${STRATEGIES[$i]%%:*}
-    "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" "${RUN[@]}" --own "$label" \
+    PIN=(); if [ "${VERL_ACTOR_PIN_CPUS:-1}" = 1 ]; then PIN=(--cpu-slot "$i" "${#STRATEGIES[@]}"); fi
+    "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" "${RUN[@]}" --own "$label" "${PIN[@]}" \
         --turns "$TURNS" --out "$TURNS/runs.$i.json" > >(sed -u "s/^/[$label] /" | tee -a "$LOG") 2>&1 &
     pids+=($!); parts+=("$TURNS/runs.$i.json")
   done
@@ -130,7 +133,7 @@ fi
 CMD="bash benchmarks/verl_actor.sh OUT $NPROC $PRESET $STEPS"
 for k in VERL_ACTOR_SHAPE VERL_ACTOR_STRATEGY VERL_ACTOR_LORA_RANK VERL_ACTOR_MICRO VERL_ACTOR_ROLLOUT VERL_ACTOR_WEIGHT_SYNC \
          VERL_ACTOR_RESIDENT VERL_ACTOR_VARIANTS VERL_ACTOR_CUBLAS_WORKSPACE VERL_ACTOR_MAX_ROUND_S VERL_ACTOR_LOGPROBS \
-         VERL_ACTOR_DOCK VERL_ACTOR_ISOLATE VERL_ACTOR_SETTLE_S; do
+         VERL_ACTOR_DOCK VERL_ACTOR_ISOLATE VERL_ACTOR_SETTLE_S VERL_ACTOR_PIN_CPUS; do
   if [ -n "${!k:-}" ]; then CMD="$k='${!k}' $CMD"; fi
 done
 "$PY" benchmarks/verl_actor.py report "${parts[@]}" --out-dir "$OUT" --command "$CMD" 2>&1 | tee -a "$LOG"

@@ -22,7 +22,7 @@ import resource
 import time
 from pathlib import Path
 
-__all__ = ["Turns", "fingerprint", "StepProbe", "context_bytes"]
+__all__ = ["Turns", "fingerprint", "StepProbe", "context_bytes", "pin_cpus"]
 
 _C = 0x2545F4914F6CDD1D  # odd multiplier of the word index (< 2**63: an int64)
 _MASK = (1 << 64) - 1
@@ -155,10 +155,26 @@ def _cpu_jiffies() -> dict[str, int]:
     return {k: int(v) for k, v in zip(names, fields, strict=False)}
 
 
+def pin_cpus(slot: int, slots: int, local_rank: int = 0, local_world: int = 1) -> list[int]:
+    """Pin this process (and the threads it starts later) to its own share of the CPUs it may run on:
+    ``slots`` equal contiguous shares, ``slot``'s split again among the node's ranks. Returns the CPUs the
+    process runs on: all of them, unpinned, where there are fewer CPUs than processes x ranks."""
+    cpus = sorted(os.sched_getaffinity(0))
+    per = len(cpus) // slots
+    share = cpus[slot * per:(slot + 1) * per]
+    per_rank = len(share) // local_world
+    mine = share[local_rank * per_rank:(local_rank + 1) * per_rank]
+    if not mine:
+        return cpus
+    os.sched_setaffinity(0, mine)
+    return mine
+
+
 class StepProbe:
     """What a step costs besides its work, per step: the caching allocator's retries (a retry frees the
     whole cache and synchronises), the garbage collector's collections and seconds, the process's CPU
     seconds, page faults and context switches (an involuntary one: another thread took the core), the
+    caching allocator's cudaMalloc and cudaFree calls, the CPUs the process may run on, the
     machine's CPU ticks by kind (``steal``: the hypervisor ran something else), and the SM clock at the
     step's end (NVML; ``None`` where it does not answer)."""
 
@@ -187,19 +203,26 @@ class StepProbe:
             self._gc_n += 1
             self._gc_t0 = None
 
-    def _retries(self) -> int:
+    def _allocator(self) -> tuple[int, int, int]:
+        """The caching allocator's retries and its cudaMalloc / cudaFree calls so far."""
         import torch
 
-        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)) if self.cuda else 0
+        if not self.cuda:
+            return 0, 0, 0
+        st = torch.cuda.memory_stats(self.device)
+        return (int(st.get("num_alloc_retries", 0)), int(st.get("num_device_alloc", 0)),
+                int(st.get("num_device_free", 0)))
 
     def begin(self) -> None:
-        self._at = (self._retries(), self._gc_s, self._gc_n, time.process_time(),
+        self._at = (self._allocator(), self._gc_s, self._gc_n, time.process_time(),
                     resource.getrusage(resource.RUSAGE_SELF), _cpu_jiffies())
 
     def end(self) -> dict:
         r0, g0, n0, c0, u0, j0 = self._at
         u1, j1 = resource.getrusage(resource.RUSAGE_SELF), _cpu_jiffies()
-        out = {"alloc_retries": self._retries() - r0, "gc_s": self._gc_s - g0, "gc_collections": self._gc_n - n0,
+        a1 = self._allocator()
+        out = {"alloc_retries": a1[0] - r0[0], "device_mallocs": a1[1] - r0[1], "device_frees": a1[2] - r0[2],
+               "affinity_cpus": len(os.sched_getaffinity(0)), "gc_s": self._gc_s - g0, "gc_collections": self._gc_n - n0,
                "cpu_s": time.process_time() - c0, "minor_faults": u1.ru_minflt - u0.ru_minflt,
                "major_faults": u1.ru_majflt - u0.ru_majflt, "involuntary_switches": u1.ru_nivcsw - u0.ru_nivcsw,
                "machine_ticks": {k: j1[k] - j0[k] for k in j1 if k in j0},

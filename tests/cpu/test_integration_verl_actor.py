@@ -235,3 +235,20 @@ def test_turns_go_in_ticket_order_and_stop_when_another_process_failed(tmp_path)
     with pytest.raises(SystemExit, match="another strategy's process failed"):
         t.wait(5)
     verl_isolate.Turns(None, rank=0).wait(99)  # one process: no turns
+
+
+def test_each_strategys_process_gets_its_own_cpus():
+    """pin_cpus gives share I of N (split again among ranks) to the process and every thread it starts
+    later; with fewer CPUs than processes it pins nothing. Run in a child: affinity is per process."""
+    code = ("import json, os, sys, threading; sys.path.insert(0, 'benchmarks'); from verl_isolate import pin_cpus\n"
+            "n = len(os.sched_getaffinity(0)); mine = pin_cpus(n - 1, n) if n >= 2 else None\n"
+            "seen = []; t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))\n"
+            "t.start(); t.join()\n"
+            "print(json.dumps([n, mine, sorted(os.sched_getaffinity(0)), seen[0], pin_cpus(0, n + 1)]))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    n, mine, now, thread, unpinned = json.loads(p.stdout)
+    if n < 2:
+        pytest.skip("one CPU: nothing to split")
+    last = [sorted(os.sched_getaffinity(0))[-1]]
+    assert mine == now == thread == last
+    assert unpinned == last  # more processes than CPUs: the affinity left as it was (here: the one CPU)

@@ -222,7 +222,8 @@ class StepProbe:
         u1, j1 = resource.getrusage(resource.RUSAGE_SELF), _cpu_jiffies()
         a1 = self._allocator()
         out = {"alloc_retries": a1[0] - r0[0], "device_mallocs": a1[1] - r0[1], "device_frees": a1[2] - r0[2],
-               "affinity_cpus": len(os.sched_getaffinity(0)), "gc_s": self._gc_s - g0, "gc_collections": self._gc_n - n0,
+               "affinity_cpus": len(os.sched_getaffinity(0)), "gc_s": self._gc_s - g0,
+               "gc_collections": self._gc_n - n0,
                "cpu_s": time.process_time() - c0, "minor_faults": u1.ru_minflt - u0.ru_minflt,
                "major_faults": u1.ru_majflt - u0.ru_majflt, "involuntary_switches": u1.ru_nivcsw - u0.ru_nivcsw,
                "machine_ticks": {k: j1[k] - j0[k] for k in j1 if k in j0},

@@ -847,6 +847,7 @@ def cmd_run(args) -> None:
         vd = docked()
         others = 0  # device bytes of the other strategies (where their last step left them)
         if cuda:
+            _rewarm_cublas(gpu)  # the last step's empty_cache() freed cuBLAS's workspaces: counted in `others`
             sync()
             torch.cuda.reset_peak_memory_stats(gpu)
             if vd is not None:

@@ -540,6 +540,28 @@ def _weight_sync(engine, into: dict, first: bool, device) -> int:
     return n + consume(per_tensor)
 
 
+def _write_segments(path: Path, device) -> None:
+    """The caching allocator's segments as the rollout would find them: each segment's bytes, its live
+    bytes and stream, and each live block's size with the innermost frames of the Python code that
+    allocated it (from ``torch.cuda.memory._snapshot()``; ``--segments-at-wake`` records the stacks).
+    A segment with any live block stays reserved through ``empty_cache()``."""
+    import torch
+
+    segs = []
+    for seg in torch.cuda.memory._snapshot(device)["segments"]:
+        live = [b for b in seg["blocks"] if b["state"] == "active_allocated"]
+        segs.append({"total_bytes": seg["total_size"], "live_bytes": sum(b["size"] for b in live),
+                     "stream": seg["stream"], "pool": seg.get("segment_pool_id"), "live": [
+                         {"bytes": b["size"], "frames": [f"{f['filename'].split('/')[-1]}:{f['line']} {f['name']}"
+                                                         for f in b.get("frames", [])
+                                                         if f["filename"].endswith(".py")][:8]}
+                         for b in sorted(live, key=lambda b: -b["size"])[:12]]})
+    segs.sort(key=lambda x: -(x["total_bytes"] - x["live_bytes"]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"reserved_bytes": sum(x["total_bytes"] for x in segs),
+                                "live_bytes": sum(x["live_bytes"] for x in segs), "segments": segs}, indent=1))
+
+
 def _rewarm_cublas(device) -> None:
     """Makes cuBLAS's workspaces again on the current stream (plain and Lt, fp32 and bf16), which
     ``torch.cuda.empty_cache()`` frees with the cache: so the next step's start counts them among the
@@ -679,6 +701,8 @@ def cmd_run(args) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     gpu = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     ctx = context_bytes(gpu) if cuda else None  # the CUDA context (and NCCL's), before the allocator holds any
+    if cuda and args.segments_at_wake is not None:  # where each live block was allocated: Python stacks
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
 
     def sync() -> None:
         if cuda:
@@ -871,6 +895,8 @@ def cmd_run(args) -> None:
                 "allocated_bytes": torch.cuda.memory_allocated(gpu) - others,
                 "reserved_bytes": torch.cuda.memory_reserved(gpu),
                 "free_alone_bytes": total - torch.cuda.memory_reserved(gpu) - (ctx or 0) if isolated else None})
+            if args.segments_at_wake is not None and step == int(args.segments_at_wake[1]):
+                _write_segments(Path(args.segments_at_wake[0]) / f"segments_{s.label}_rank{rank}.json", gpu)
         probe.begin()
         t_step = time.perf_counter()
         marks = {}
@@ -1505,6 +1531,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--turns", default=None, metavar="DIR", help="the folder the processes take turns through")
     p.add_argument("--settle-seconds", type=float, default=0.0,
                    help="seconds to wait before each step (after the turn came), outside its timing (default: 0)")
+    p.add_argument("--segments-at-wake", nargs=2, default=None, metavar=("DIR", "ROUND"),
+                   help="diagnosis: record allocation stacks and write the allocator's segments at ROUND's "
+                        "rollout wake to DIR/segments_<label>_rank<r>.json")
     p.add_argument("--cpu-slot", type=int, nargs=2, default=None, metavar=("I", "N"),
                    help="run on share I of N equal shares of this process's CPUs (split again among the node's "
                         "ranks), so that the strategies' processes never share a core")

@@ -35,6 +35,8 @@
 #   VERL_ACTOR_SETTLE_S=S                 wait S seconds before each step, outside its timing (default 0)
 #   VERL_ACTOR_PIN_CPUS=1|0               1 (default, with ISOLATE=1): each strategy's process on its own equal
 #                                         share of the CPUs (run --cpu-slot), so no two ever share a core
+#   VERL_ACTOR_SEGMENTS=ROUND             diagnosis: allocation stacks recorded (slower), and at ROUND's rollout
+#                                         wake each strategy's allocator segments to OUT/segments_<label>_rank<r>.json
 #   VERL_ACTOR_LOGPROBS=chunked|verl      log-probs in verl's engine: chunked (default: one log_softmax per
 #                                         2048 rows) or verl's own fallback without flash-attn (one per token:
 #                                         host-bound, a step's time spread by seconds; see _logprobs_chunked)
@@ -107,6 +109,7 @@ if [ -n "$CUBLAS" ]; then EXTRA+=(--cublas-workspace "$CUBLAS"); fi
 if [ -n "${VERL_ACTOR_MAX_ROUND_S:-}" ]; then EXTRA+=(--max-round-seconds "$VERL_ACTOR_MAX_ROUND_S"); fi
 if [ -n "${VERL_ACTOR_LOGPROBS:-}" ]; then EXTRA+=(--logprobs "$VERL_ACTOR_LOGPROBS"); fi
 if [ -n "${VERL_ACTOR_SETTLE_S:-}" ]; then EXTRA+=(--settle-seconds "$VERL_ACTOR_SETTLE_S"); fi
+if [ -n "${VERL_ACTOR_SEGMENTS:-}" ]; then EXTRA+=(--segments-at-wake "$OUT" "$VERL_ACTOR_SEGMENTS"); fi
 RUN=(benchmarks/verl_actor.py run --strategies "${STRATEGIES[@]}" --model-dir "$MODEL" --steps "$STEPS" "${EXTRA[@]}")
 if [ "${VERL_ACTOR_ISOLATE:-1}" = 1 ]; then
   # One process (group) per strategy, taking turns through $TURNS ([Note: one process per strategy]).

@@ -1,0 +1,175 @@
+"""verl's step with torchferry's helpers needs no more device memory than with verl's own.
+
+Each helper set runs the order of a verl 0.9.1 colocated step (``PPOTrainer._step_once`` with
+``param_offload`` and ``optimizer_offload``) on an FSDP2 model in a fresh process of its own: the
+rollout's KV cache wakes (after ``empty_cache()``) and sleeps, old log-probs (model loaded,
+forward, model offloaded), update_actor (model and optimizer loaded, forward, backward, step,
+both offloaded), the weight sync (``empty_cache()``, each parameter staged on the device and cast
+into a bf16 buffer the rollout keeps, ``empty_cache()``). At each rollout wake the process's
+reserved bytes are what the rollout cannot have (vLLM and SGLang allocate outside PyTorch's
+caching allocator); each phase's peak allocated bytes are what a user sizes micro-batches by.
+torchferry's helpers run with verl's ``patch()`` defaults (layer-wise reload, optimizer state at
+``step()``, unchanged storages skipped). On a failure the message lists the segments that kept
+memory reserved, each live block with the Python frames that allocated it.
+"""
+
+import functools
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from tests.spawn import run_spawned
+
+pytestmark = pytest.mark.gpu
+
+WIDTH, LAYERS, VOCAB, TOKENS = 2048, 8, 32768, 4096
+KV_BYTES = 2 << 30
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
+                                    for _ in range(LAYERS))
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = h + layer(h)
+        return torch.log_softmax(self.head(h).float(), -1)
+
+
+def _verls_helpers(model, optimizer, device):
+    """verl's ``fsdp_utils`` helpers as PR #7347 left them (``model.to(..., non_blocking=True)``;
+    the optimizer state's tensors one by one), each offload followed by ``empty_cache()`` where
+    verl's is."""
+
+    def offload_model():
+        model.to("cpu", non_blocking=True)
+        torch.cuda.empty_cache()
+
+    def load_model():
+        model.to(device, non_blocking=True)
+
+    def offload_optimizer():
+        for st in optimizer.state.values():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    st[k] = v.to("cpu", non_blocking=True)
+
+    def load_optimizer():
+        for st in optimizer.state.values():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    st[k] = v.to(device, non_blocking=True)
+
+    return offload_model, load_model, offload_optimizer, load_optimizer
+
+
+def _torchferrys_helpers(model, optimizer, device):
+    from torchferry.integrations import _helpers as h
+
+    h.LAYERWISE.set(True)  # verl's patch() defaults: [Note: verl's defaults] in integrations.verl._patch
+    h.set_optimizer_at_step(True)
+    h.set_skip_unchanged(True)
+    return (lambda: h.offload_fsdp2_model_to_cpu(model), lambda: h.load_fsdp2_model_to_gpu(model),
+            lambda: h.offload_fsdp_optimizer(optimizer), lambda: h.load_fsdp_optimizer(optimizer, device))
+
+
+def _segments() -> list[dict]:
+    out = []
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        live = [b for b in seg["blocks"] if b["state"] == "active_allocated"]
+        if seg["total_size"] - sum(b["size"] for b in live) < (16 << 20):
+            continue
+        out.append({"total": seg["total_size"], "live": [
+            (b["size"], [f"{f['filename'].split('/')[-1]}:{f['line']} {f['name']}" for f in b.get("frames", [])
+                         if f["filename"].endswith(".py")][:6]) for b in live]})
+    return out
+
+
+def _run(rank: int, world: int, which: str, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    device = torch.device("cuda", torch.cuda.current_device())
+    mesh = init_device_mesh("cuda", (world,))
+    torch.manual_seed(0)
+    model = _Model().to(device)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    helpers = (_torchferrys_helpers if which == "torchferry" else _verls_helpers)(model, optimizer, device)
+    offload_model, load_model, offload_optimizer, load_optimizer = helpers
+    ids = torch.randint(0, VOCAB, (4, TOKENS // 4), device=device, generator=torch.Generator(device).manual_seed(0))
+    weights: dict[str, torch.Tensor] = {}
+    record = {"reserved_at_wake": [], "allocated_at_wake": [], "peaks": [], "stranded": None}
+    for step in range(4):
+        torch.cuda.empty_cache()
+        if step:
+            record["reserved_at_wake"].append(torch.cuda.memory_reserved())
+            record["allocated_at_wake"].append(torch.cuda.memory_allocated())
+            if step == 3:
+                record["stranded"] = _segments()
+        peaks = {}
+        torch.cuda.reset_peak_memory_stats()
+        kv = torch.empty(KV_BYTES, dtype=torch.uint8, device=device)  # the rollout: KV cache, generation
+        a = kv[: 2 * 4096 * 4096 * 2].view(torch.bfloat16).view(2, 4096, 4096)
+        a.normal_()
+        torch.matmul(a[0], a[0], out=a[1])
+        weights.clear()  # the driver's sleep: KV cache and weights freed
+        del kv, a
+        torch.cuda.synchronize()
+        peaks["rollout"] = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        if step:  # old log-probs
+            load_model()
+        with torch.no_grad():
+            model(ids).sum().item()
+        if step:
+            offload_model()
+        peaks["log_prob"] = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        if step:  # update_actor
+            load_model()
+            load_optimizer()
+        optimizer.zero_grad(set_to_none=True)
+        (-model(ids).gather(-1, ids.unsqueeze(-1)).mean()).backward()
+        optimizer.step()
+        offload_model()
+        offload_optimizer()
+        peaks["update"] = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.empty_cache()  # update_weights: each parameter staged on the device, cast into the rollout's
+        for name, p in model.state_dict().items():
+            full = p.to(device).full_tensor() if hasattr(p, "full_tensor") else p.to(device)
+            weights[name] = full.to(torch.bfloat16)
+            del full
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        peaks["weight_sync"] = torch.cuda.max_memory_allocated()
+        record["peaks"].append(peaks)
+    with open(out, "w") as f:
+        json.dump(record, f)
+
+
+def test_verls_step_with_torchferrys_helpers_needs_no_more_device_memory(tmp_path):
+    got = {}
+    for which in ("verl", "torchferry"):
+        out = tmp_path / f"{which}.json"
+        run_spawned(functools.partial(_run, which=which, out=str(out)), world=1, backend="nccl")
+        got[which] = json.loads(out.read_text())
+    verl, tf = got["verl"], got["torchferry"]
+    for i, (r_tf, r_verl) in enumerate(zip(tf["reserved_at_wake"], verl["reserved_at_wake"], strict=True)):
+        assert r_tf <= r_verl + (32 << 20), (
+            f"round {i + 1}: torchferry leaves {r_tf} B reserved at the rollout's wake, verl {r_verl} B; "
+            f"segments kept (torchferry): {json.dumps(tf['stranded'])}")
+    for p_tf, p_verl in zip(tf["peaks"][1:], verl["peaks"][1:], strict=True):
+        for phase, b in p_verl.items():
+            assert p_tf[phase] <= 1.01 * b, (phase, p_tf[phase], b, tf["peaks"], verl["peaks"])

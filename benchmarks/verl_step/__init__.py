@@ -1,0 +1,1 @@
+"""The verl step bench (``benchmarks/verl_actor.py``), by concern."""

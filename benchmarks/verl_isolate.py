@@ -166,8 +166,28 @@ def pin_cpus(slot: int, slots: int, local_rank: int = 0, local_world: int = 1) -
     mine = share[local_rank * per_rank:(local_rank + 1) * per_rank]
     if not mine:
         return cpus
-    os.sched_setaffinity(0, mine)
+    repin(mine)
     return mine
+
+
+def repin(cpus: list[int]) -> bool:
+    """Puts every thread of this process back on ``cpus``; returns whether any had left them. Something in
+    the setup (torch's, NCCL's or verl's initialisation) resets the main thread's affinity: a 2026-12-06 run
+    on one H100 pinned three processes to 5 CPUs each and found all 16 again at every step
+    (``probe_per_step[*].affinity_cpus``), so the step loop calls this before each step."""
+    want, moved = set(cpus), False
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            if os.sched_getaffinity(tid) != want:
+                os.sched_setaffinity(tid, want)
+                moved = True
+        except OSError:  # the thread ended meanwhile
+            continue
+    return moved
 
 
 class StepProbe:

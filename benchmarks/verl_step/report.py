@@ -335,7 +335,8 @@ def bars(out: dict) -> dict:
 def result_name(out: dict) -> str:
     """``verl_step_<preset>_<strategy>-<full|lora>-<shape>_<gpu>x<n>_<date>.json``."""
     c, env = out["config"], out["env"]
-    gpu = (env["gpu"] or "cpu").split()[-1].lower()
+    words = (env["gpu"] or "cpu").split()  # "NVIDIA H100 80GB HBM3" -> h100, "NVIDIA H200" -> h200
+    gpu = next((w.lower() for w in words if w[:1] in "HABL" and any(c.isdigit() for c in w)), words[-1].lower())
     mode = f"{c.get('strategy', 'fsdp2')}-{'lora' if c.get('lora') else 'full'}-{c.get('shape', 'small')}"
     return f"verl_step_{out['model']['preset']}_{mode}_{gpu}x{env['world_size']}_{env['date'][:10]}.json"
 

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from verl_isolate import StepProbe, Turns, context_bytes, pin_cpus
+from verl_isolate import StepProbe, Turns, context_bytes, pin_cpus, repin
 
 from verl_step.common import ATTENTION, ROOT
 from verl_step.config import _batch, _build_actor, _shape, _verl_config
@@ -246,6 +246,7 @@ def cmd_run(args) -> None:
                 "free_alone_bytes": total - torch.cuda.memory_reserved(gpu) - (ctx or 0) if isolated else None})
             if args.segments_at_wake is not None and step == int(args.segments_at_wake[1]):
                 _write_segments(Path(args.segments_at_wake[0]) / f"segments_{s.label}_rank{rank}.json", gpu)
+        repinned = repin(cpus) if cpus is not None else False  # the setup may have reset the affinity
         probe.begin()
         t_step = time.perf_counter()
         marks = {}
@@ -307,7 +308,7 @@ def cmd_run(args) -> None:
             sync()
         marks["weight_sync"] = time.perf_counter()
         rec["step_s"].append(time.perf_counter() - t_step)
-        rec["probe"].append(probe.end())
+        rec["probe"].append({**probe.end(), "repinned": repinned})
         if args.weight_sync or vd is not None:
             peak("weight_sync")
         rec["phase_peak_gpu_bytes"].append(peaks)

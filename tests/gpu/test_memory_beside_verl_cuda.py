@@ -92,6 +92,29 @@ def _segments() -> list[dict]:
     return out
 
 
+def _held(model, optimizer) -> dict:
+    """Device bytes of the parameters, gradients and optimizer state, all allocated bytes, and the
+    live blocks of 64 MiB or more with the Python frames that allocated them."""
+
+    def dev(ts) -> int:
+        seen = {}
+        for t in ts:
+            t = getattr(t, "_local_tensor", t)
+            if t is not None and t.is_cuda:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    blocks = [(b["size"], [f"{f['filename'].split('/')[-1]}:{f['line']} {f['name']}" for f in b.get("frames", [])
+                           if f["filename"].endswith(".py")][:8])
+              for seg in torch.cuda.memory._snapshot()["segments"] for b in seg["blocks"]
+              if b["state"] == "active_allocated" and b["size"] >= (64 << 20)]
+    return {"allocated": torch.cuda.memory_allocated(), "params": dev(model.parameters()),
+            "grads": dev(p.grad for p in model.parameters()),
+            "optimizer_state": dev(v for st in optimizer.state.values() for v in st.values()
+                                   if isinstance(v, torch.Tensor)),
+            "blocks": sorted(blocks, key=lambda b: -b[0])}
+
+
 def _run(rank: int, world: int, which: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -132,6 +155,8 @@ def _run(rank: int, world: int, which: str, out: str) -> None:
             load_model()
         with torch.no_grad():
             model(ids).sum().item()
+        if step == 2:  # what the log-prob phase holds, for a failure's message
+            record["in_log_prob"] = _held(model, optimizer)
         if step:
             offload_model()
         peaks["log_prob"] = torch.cuda.max_memory_allocated()
@@ -172,4 +197,6 @@ def test_verls_step_with_torchferrys_helpers_needs_no_more_device_memory(tmp_pat
             f"segments kept (torchferry): {json.dumps(tf['stranded'])}")
     for p_tf, p_verl in zip(tf["peaks"][1:], verl["peaks"][1:], strict=True):
         for phase, b in p_verl.items():
-            assert p_tf[phase] <= 1.01 * b, (phase, p_tf[phase], b, tf["peaks"], verl["peaks"])
+            assert p_tf[phase] <= 1.01 * b, (
+                f"{phase}: torchferry's peak {p_tf[phase]} B, verl's {b} B; in the log-prob phase torchferry "
+                f"held {json.dumps(tf['in_log_prob'])}, verl {json.dumps(verl['in_log_prob'])}")

@@ -263,3 +263,27 @@ def test_unpatch_that_cannot_bring_the_state_back_raises_and_stays_patched(monke
     assert_same(before, snapshot(m, opt))
     m(IDS).backward()
     opt.step()
+
+
+def test_unpatch_keep_offloaded_leaves_the_state_to_a_later_patch():
+    """unpatch(keep_offloaded=True): a process switching between torchferry and verl's own helpers for other
+    models (benchmarks/verl_actor.py's turns) leaves the state in its ferries for a later patch()."""
+    m, opt = trained()
+    before = snapshot(m, opt)
+    tf_verl.patch()
+    verl_fsdp_utils.offload_fsdp_model_to_cpu(m)
+    verl_fsdp_utils.offload_fsdp_optimizer(opt)
+    fm, fo = compat.ferry_for(m), compat.ferry_for(opt)
+    with pytest.raises(TypeError, match=r"unpatch\(keep_offloaded=...\) must be True or False"):
+        tf_verl.unpatch(keep_offloaded="yes")  # type: ignore[arg-type]
+    assert tf_verl.is_patched()
+    tf_verl.unpatch(keep_offloaded=True)
+    assert not tf_verl.is_patched() and fm.residency.on_host and fo.residency.on_host
+    tf_verl.patch()
+    assert compat.ferry_for(m) is fm and compat.ferry_for(opt) is fo  # the same ferries and pools
+    verl_fsdp_utils.load_fsdp_model_to_gpu(m)
+    verl_fsdp_utils.load_fsdp_optimizer(opt, "cpu")
+    tf_verl.unpatch()
+    assert_same(before, snapshot(m, opt))
+    m(IDS).backward()
+    opt.step()

@@ -24,8 +24,10 @@ verl dock holds, which the dock keeps for a later ``patch(dock=...)`` of its bud
 (``integrations.verl._dock_patch.DockPatch``). Bringing the state back, rather than refusing,
 because ``unpatch()`` comes at teardown or to hand the state to the framework's own helpers, which
 expect it resident between their own calls; refusing would leave the caller to reload through
-the helpers it is removing. ``tests/cpu/test_integration_verl.py`` (and the SkyRL, AReaL and
-verl dock tests) check both paths.
+the helpers it is removing. verl's ``unpatch(keep_offloaded=True)`` does neither, for a process
+that switches to verl's own helpers for other models and patches again later (the turns of
+``benchmarks/verl_actor.py``): the state waits in its ferries for that ``patch()``.
+``tests/cpu/test_integration_verl.py`` (and the SkyRL, AReaL and verl dock tests) check both paths.
 """
 
 from __future__ import annotations

@@ -106,10 +106,11 @@ def cmd_run(args) -> None:
             if s.kind == "torchferry":
                 patched_names[s.label] = tf_verl.patch()
             else:
-                tf_verl.unpatch()
+                tf_verl.unpatch(keep_offloaded=True)
             yield
         finally:
-            tf_verl.unpatch()
+            # the other strategies' turns: this one's state stays in its ferries' pools until its next turn
+            tf_verl.unpatch(keep_offloaded=True)
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)

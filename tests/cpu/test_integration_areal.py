@@ -168,15 +168,14 @@ def _round_trips_body(rank: int, world: int, path: str) -> None:
     _assert_equal(ref_before, snapshot(ref.model))
     assert identities(ref.model) == ref_ids
 
-    # unpatch() refuses while an engine is offloaded through torchferry, and changes nothing then
+    # unpatch() brings back an engine offloaded through torchferry ([Note: unpatch() brings the state back])
     ref.offload()
-    with pytest.raises(RuntimeError, match=r"unpatch\(\) while 1 engine\(s\) are offloaded through torchferry"):
-        tf_areal.unpatch()
-    assert tf_areal.is_patched() and tf_areal.ferry_for(ref) is ref_ferry
-    ref.onload()
     tf_areal.unpatch()
-    assert not tf_areal.is_patched() and tf_areal.ferry_for(actor) is None
+    assert not tf_areal.is_patched() and tf_areal.ferry_for(actor) is None and tf_areal.ferry_for(ref) is None
+    assert not ref.is_offload and ref_ferry.residency is Residency.DEVICE
     _assert_equal(ref_before, snapshot(ref.model))
+    assert identities(ref.model) == ref_ids
+    assert torch.equal(ref.forward_batch(_batch(rank)), out)  # AReaL's own _ensure_ready: nothing to onload
     for engine in (actor, plain, ref):
         engine.destroy()
 
@@ -358,3 +357,71 @@ def test_onload_with_a_replaced_optimizer_brings_the_model_back_and_the_next_off
     """Reproduces: ``offload(); engine.optimizer = AdamW(...); onload()`` moved nothing, set is_offload False
     and left the model on the host; a retried offload() was refused as "already offloaded by another Ferry"."""
     run_spawned(_replaced_while_offloaded_body, world=1, timeout_s=TIMEOUT_S)
+
+
+def _stand_in(cls, seed: int):
+    """AReaL's own class with only the attributes offload/onload read, trained one step (no cluster)."""
+    import torch.distributed as dist
+    from torch import nn
+
+    engine = object.__new__(cls)
+    engine.is_offload, engine._offload_depth, engine._initialized = False, 0, True
+    engine._cpu_group = dist.group.WORLD
+    torch.manual_seed(seed)
+    engine.model, engine.device = nn.Linear(8, 8), torch.device("cpu")
+    engine.optimizer = torch.optim.AdamW(engine.model.parameters())
+    engine.model(torch.randn(2, 8)).sum().backward()
+    engine.optimizer.step()
+    return engine
+
+
+def _unpatch_brings_back_body(rank: int, world: int) -> None:
+    import torchferry.integrations.areal as tf_areal
+    from areal.engine import fsdp_engine
+    from torchferry import Residency
+
+    cls = fsdp_engine.FSDPEngine
+    offload, onload = cls.__dict__["offload"], cls.__dict__["onload"]
+    tf_areal.patch()
+    engines = [_stand_in(cls, 0), _stand_in(fsdp_engine.FSDPPPOActor, 1)]
+    before = [snapshot(e.model, e.optimizer) for e in engines]
+    ids = [identities(e.model, e.optimizer) for e in engines]
+    for e in engines:
+        e.offload()
+    ferries = [tf_areal.ferry_for(e) for e in engines]
+    assert all(f.residency is Residency.HOST for f in ferries) and all(e.is_offload for e in engines)
+
+    # a reload that fails (the device out of memory): one line, still patched, every engine as it was
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+    ferries[1].reload = out_of_memory
+    with pytest.raises(RuntimeError, match=(
+            r"^torchferry.integrations.areal: unpatch\(\) could not bring FSDPPPOActor engine \(\d+ bytes\) back to "
+            r"cpu \(RuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB\); nothing was unpatched: "
+            r"FSDPEngine engine \(\d+ bytes\), FSDPPPOActor engine \(\d+ bytes\) stay offloaded")) as err:
+        tf_areal.unpatch()
+    assert "\n" not in str(err.value)
+    del ferries[1].reload
+    assert tf_areal.is_patched() and cls.__dict__["offload"] is not offload
+    assert all(f.residency is Residency.HOST for f in ferries) and all(e.is_offload for e in engines)
+    assert [tf_areal.ferry_for(e) for e in engines] == ferries
+
+    # room again: unpatch() brings both back, AReaL's own methods are back, the engines train on
+    tf_areal.unpatch()
+    assert not tf_areal.is_patched() and cls.__dict__["offload"] is offload and cls.__dict__["onload"] is onload
+    for e, b, i, f in zip(engines, before, ids, ferries):
+        assert not e.is_offload and f.residency is Residency.DEVICE and tf_areal.ferry_for(e) is None
+        _assert_equal(b, snapshot(e.model, e.optimizer))
+        assert identities(e.model, e.optimizer) == i
+        assert all(t.device == torch.device("cpu") for t in snapshot(e.model, e.optimizer).values())
+        with e._offload_aware_context():  # AReaL's own: resident, so nothing to onload
+            e.model(torch.randn(2, 8)).sum().backward()
+        e.optimizer.step()
+
+
+def test_unpatch_brings_back_what_its_helpers_hold_offloaded(areal_importable):
+    """[Note: unpatch() brings the state back]. Reproduces: unpatch() while an engine was offloaded
+    through torchferry refused (AReaL's own onload() resumes a torch_memory_saver that paused nothing, so
+    it cannot bring the state back); now it brings every engine back, all or nothing."""
+    run_spawned(_unpatch_brings_back_body, world=1, timeout_s=TIMEOUT_S)

@@ -382,3 +382,67 @@ def test_the_optimizer_at_step_setting_comes_from_patch_and_unpatch_resets_it(mo
     assert _skyrls("optimizer_at_step")
     tf_skyrl.unpatch()
     assert not _skyrls("optimizer_at_step")
+
+
+# ------------------------------------------------------------------ unpatch() with state offloaded
+def test_unpatch_brings_back_what_its_helpers_hold_offloaded(monkeypatch):
+    """[Note: unpatch() brings the state back]. Reproduces: unpatch() while a model and its optimizer were
+    offloaded through the patched helpers was silent, and SkyRL's own load helpers then could not bring
+    them back (the state stayed in the ferry's pool, guarded)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # SkyRL's own load, on the CPU
+    originals = {h: getattr(fsdp_utils, h) for h in HELPERS}
+    m, opt = trained()
+    before, ids = snapshot(m, opt), identities(m, opt)
+    tf_skyrl.patch()
+    fsdp_utils.offload_fsdp2_model_to_cpu(m, empty_cache=True)
+    fsdp_utils.offload_fsdp_optimizer(opt)
+    ferries = tf_skyrl.ferry_for(m), tf_skyrl.ferry_for(opt)
+    assert all(f is not None and f.residency.on_host for f in ferries)
+    tf_skyrl.unpatch()
+    assert not tf_skyrl.is_patched() and {h: getattr(fsdp_utils, h) for h in HELPERS} == originals
+    _assert_equal(before, snapshot(m, opt))
+    assert identities(m, opt) == ids
+    assert all(t.device == torch.device("cpu") for t in snapshot(m, opt).values())  # where they came from
+    assert all(not f.residency.on_host for f in ferries)
+    assert tf_skyrl.ferry_for(m) is None and tf_skyrl.ferry_for(opt) is None  # closed: their pools returned
+    # SkyRL's own helpers round-trip it, and it trains
+    fsdp_utils.offload_fsdp2_model_to_cpu(m, empty_cache=True)
+    fsdp_utils.offload_fsdp_optimizer(opt)
+    fsdp_utils.load_fsdp2_model_to_gpu(m)
+    fsdp_utils.load_fsdp_optimizer(opt, "cpu")
+    _assert_equal(before, snapshot(m, opt))
+    m(IDS).backward()
+    opt.step()
+
+
+def test_unpatch_that_cannot_bring_the_state_back_raises_and_stays_patched(monkeypatch):
+    """[Note: unpatch() brings the state back]: a reload that fails leaves SkyRL patched and every ferry
+    where it was, in one line naming the cause and what stays offloaded; verl's unpatch() leaves SkyRL's
+    ferries alone."""
+    m, opt = trained()
+    before = snapshot(m, opt)
+    tf_skyrl.patch()
+    patched = {h: getattr(fsdp_utils, h) for h in HELPERS}
+    fsdp_utils.offload_fsdp2_model_to_cpu(m, empty_cache=True)
+    fsdp_utils.offload_fsdp_optimizer(opt)
+    fm, fo = tf_skyrl.ferry_for(m), tf_skyrl.ferry_for(opt)
+    tf_verl.unpatch()  # another integration's: not SkyRL's state
+    assert fm.residency.on_host and fo.residency.on_host
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+    monkeypatch.setattr(fo, "reload", out_of_memory)
+    with pytest.raises(RuntimeError, match=(
+            r"^torchferry.integrations.skyrl: unpatch\(\) could not bring optimizer AdamW \(\d+ bytes\) back to cpu "
+            r"\(RuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB\); nothing was unpatched: "
+            r"model Mixed \(\d+ bytes\), optimizer AdamW \(\d+ bytes\) stay offloaded")):
+        tf_skyrl.unpatch()
+    assert tf_skyrl.is_patched() and {h: getattr(fsdp_utils, h) for h in HELPERS} == patched
+    assert fm.residency.on_host and fo.residency.on_host  # the model's reload undone
+    monkeypatch.undo()
+    tf_skyrl.unpatch()
+    assert not tf_skyrl.is_patched()
+    _assert_equal(before, snapshot(m, opt))
+    m(IDS).backward()
+    opt.step()

@@ -14,7 +14,8 @@ verl_fsdp_utils = pytest.importorskip("verl.utils.fsdp_utils", reason="verl not 
 
 import torchferry.integrations.verl as tf_verl  # noqa: E402
 from torchferry.compat import verl as compat  # noqa: E402
-from tests.helpers import Mixed, assert_same, snapshot  # noqa: E402
+from torchferry import Residency  # noqa: E402
+from tests.helpers import Mixed, assert_same, identities, snapshot, trained  # noqa: E402
 
 IDS = torch.tensor([[1, 2, 3]])
 
@@ -168,3 +169,121 @@ def test_offload_helpers_make_the_current_stream_wait_for_the_copies(patched, mo
     verl_fsdp_utils.load_fsdp_optimizer(opt, "cpu")
     verl_fsdp_utils.load_fsdp_model_to_gpu(m)
     verl_fsdp_utils.load_fsdp_model_to_gpu(m2)
+
+
+# ------------------------------------------------------------------ unpatch() with state offloaded
+HELPERS = ("offload_fsdp_model_to_cpu", "load_fsdp_model_to_gpu", "offload_fsdp2_model_to_cpu",
+           "load_fsdp2_model_to_gpu", "offload_fsdp_optimizer", "load_fsdp_optimizer")
+
+
+def _verls_own_helpers_round_trip(m, opt, before) -> None:
+    """verl's own helpers (the unpatched module functions) offload and load ``m`` and ``opt``; the state
+    comes back bit-exact and trains."""
+    assert not any(hasattr(getattr(verl_fsdp_utils, h), "__torchferry_original__") for h in HELPERS)
+    verl_fsdp_utils.offload_fsdp_model_to_cpu(m)
+    verl_fsdp_utils.offload_fsdp_optimizer(opt)
+    verl_fsdp_utils.load_fsdp_model_to_gpu(m)
+    verl_fsdp_utils.load_fsdp_optimizer(opt, "cpu")
+    assert_same(before, snapshot(m, opt))
+    m(IDS).backward()
+    opt.step()
+
+
+def test_unpatch_brings_back_what_its_helpers_hold_offloaded(monkeypatch):
+    """[Note: unpatch() brings the state back]. Reproduces: unpatch() while a model and its optimizer
+    were offloaded through the patched helpers was silent, and verl's own load helpers then could not
+    bring them back (the state stayed in the ferry's pool, the forward after verl's own load raised)."""
+    monkeypatch.setattr(verl_fsdp_utils, "get_device_id", lambda: "cpu")  # verl's own load, on the CPU
+    originals = {h: getattr(verl_fsdp_utils, h) for h in HELPERS}
+    m, opt = trained()
+    before, ids = snapshot(m, opt), identities(m, opt)
+    tf_verl.patch()
+    verl_fsdp_utils.offload_fsdp_model_to_cpu(m)
+    verl_fsdp_utils.offload_fsdp_optimizer(opt)
+    ferries = compat.ferry_for(m), compat.ferry_for(opt)
+    assert all(f is not None and f.residency.on_host for f in ferries)
+    tf_verl.unpatch()
+    assert not tf_verl.is_patched()
+    assert {h: getattr(verl_fsdp_utils, h) for h in HELPERS} == originals  # verl's own functions
+    assert_same(before, snapshot(m, opt))  # every parameter, grad, buffer and state tensor, bit-exact
+    assert identities(m, opt) == ids
+    assert all(t.device == torch.device("cpu") for t in snapshot(m, opt).values())  # where they came from
+    assert all(f.residency is Residency.DEVICE for f in ferries)
+    assert compat.ferry_for(m) is None and compat.ferry_for(opt) is None  # closed: their pools returned
+    _verls_own_helpers_round_trip(m, opt, before)
+
+
+def test_unpatch_completes_a_reload_still_under_way():
+    """With verl's default optimizer_at_step, the patched load_fsdp_optimizer leaves the state's copies to
+    optimizer.step(): an unpatch() before that step brings the rest back ([Note: unpatch() brings the state
+    back])."""
+    m, opt = trained()
+    before = snapshot(m, opt)
+    tf_verl.patch()
+    verl_fsdp_utils.offload_fsdp_optimizer(opt)
+    verl_fsdp_utils.load_fsdp_optimizer(opt, "cpu")
+    ferry = compat.ferry_for(opt)
+    assert ferry.residency is Residency.PREFETCHING
+    tf_verl.unpatch()
+    assert ferry.residency is Residency.DEVICE and compat.ferry_for(opt) is None
+    assert_same(before, snapshot(m, opt))
+    opt.step()  # no step pre-hook of the ferry is left to wait for anything
+
+
+def test_unpatch_that_cannot_bring_the_state_back_raises_and_stays_patched(monkeypatch):
+    """[Note: unpatch() brings the state back]: a reload that fails (the device out of memory) leaves
+    everything patched and where it was, the model brought back before it offloaded again, and says so
+    in one line naming the cause and what stays offloaded."""
+    m, opt = trained()
+    before = snapshot(m, opt)
+    tf_verl.patch()
+    patched = {h: getattr(verl_fsdp_utils, h) for h in HELPERS}
+    verl_fsdp_utils.offload_fsdp_model_to_cpu(m)
+    verl_fsdp_utils.offload_fsdp_optimizer(opt)
+    fm, fo = compat.ferry_for(m), compat.ferry_for(opt)
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB\nSee the documentation")
+
+    monkeypatch.setattr(fo, "reload", out_of_memory)
+    with pytest.raises(RuntimeError, match=(
+            r"^torchferry.integrations.verl: unpatch\(\) could not bring optimizer AdamW \(\d+ bytes\) back to cpu "
+            r"\(RuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB\); nothing was unpatched: "
+            r"model Mixed \(\d+ bytes\), optimizer AdamW \(\d+ bytes\) stay offloaded in torchferry's pool")) as e:
+        tf_verl.unpatch()
+    assert "\n" not in str(e.value)
+    assert tf_verl.is_patched() and {h: getattr(verl_fsdp_utils, h) for h in HELPERS} == patched
+    assert fm.residency.on_host and fo.residency.on_host  # the model's reload undone
+    assert compat.ferry_for(m) is fm and compat.ferry_for(opt) is fo
+    with pytest.raises(RuntimeError, match="load_fsdp2_model_to_gpu"):
+        m(IDS)  # still guarded: offloaded, as before the call
+    monkeypatch.undo()
+    tf_verl.unpatch()  # room again: it all comes back
+    assert not tf_verl.is_patched()
+    assert_same(before, snapshot(m, opt))
+    m(IDS).backward()
+    opt.step()
+
+
+def test_unpatch_keep_offloaded_leaves_the_state_to_a_later_patch():
+    """unpatch(keep_offloaded=True): a process switching between torchferry and verl's own helpers for other
+    models (benchmarks/verl_actor.py's turns) leaves the state in its ferries for a later patch()."""
+    m, opt = trained()
+    before = snapshot(m, opt)
+    tf_verl.patch()
+    verl_fsdp_utils.offload_fsdp_model_to_cpu(m)
+    verl_fsdp_utils.offload_fsdp_optimizer(opt)
+    fm, fo = compat.ferry_for(m), compat.ferry_for(opt)
+    with pytest.raises(TypeError, match=r"unpatch\(keep_offloaded=...\) must be True or False"):
+        tf_verl.unpatch(keep_offloaded="yes")  # type: ignore[arg-type]
+    assert tf_verl.is_patched()
+    tf_verl.unpatch(keep_offloaded=True)
+    assert not tf_verl.is_patched() and fm.residency.on_host and fo.residency.on_host
+    tf_verl.patch()
+    assert compat.ferry_for(m) is fm and compat.ferry_for(opt) is fo  # the same ferries and pools
+    verl_fsdp_utils.load_fsdp_model_to_gpu(m)
+    verl_fsdp_utils.load_fsdp_optimizer(opt, "cpu")
+    tf_verl.unpatch()
+    assert_same(before, snapshot(m, opt))
+    m(IDS).backward()
+    opt.step()

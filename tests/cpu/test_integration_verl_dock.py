@@ -22,6 +22,7 @@ pytest.importorskip("verl.workers.engine_workers", reason="verl's actor code and
 pytest.importorskip("hydra")
 
 import torchferry.integrations.verl as tf_verl  # noqa: E402
+from torchferry import Residency  # noqa: E402
 from torchferry.integrations import _helpers as compat  # noqa: E402
 from torchferry.integrations.verl import _dock  # noqa: E402
 from torchferry.integrations.verl._dock_patch import DOCK_ENV, parse_budget  # noqa: E402
@@ -332,3 +333,60 @@ def test_dock_rollout_refuses_a_synchronous_rollout_and_a_str_of_tags():
         asyncio.run(r.resume("weights"))
     tf_verl.dock_rollout(r, 5, 7)  # again: the new byte counts
     assert r._torchferry_dock_bytes == {"weights": 5, "kv_cache": 7}
+
+
+def _evicted_by_the_dock():
+    """Two engines under a 1 MiB dock: the second's first eval phase takes the rest of the budget, so
+    the dock evicts the first's parameters (its set engine0.params)."""
+    tf_verl.patch(dock=2**20)
+    vd, e1, e2 = tf_verl.docked(), _engine(), _engine()
+    with base.BaseEngineCtx(e1, "eval"):
+        pass
+    before = {k: v.clone() for k, v in e1.module.state_dict().items()}
+    with base.BaseEngineCtx(e2, "eval"):
+        pass
+    ferry = vd.dock.ferry("engine0.params")
+    assert not vd.dock.is_resident("engine0.params") and ferry.residency.on_host
+    return vd, (e1, e2), ferry, before  # e2 kept alive: a collected engine's sets leave the dock
+
+
+def test_unpatch_brings_back_what_the_dock_evicted(monkeypatch):
+    """[Note: unpatch() brings the state back]: a set the dock evicted is in torchferry's pool, which verl's
+    own helpers cannot reload; unpatch() brings it back, and keeps it in the dock for a later patch(dock=...)
+    of the budget."""
+    from verl.utils import fsdp_utils
+
+    monkeypatch.setattr(fsdp_utils, "get_device_id", lambda: "cpu")  # verl's own load, on the CPU
+    vd, (e1, _), ferry, before = _evicted_by_the_dock()
+    tf_verl.unpatch()
+    assert not tf_verl.is_patched() and _dock.ACTIVE is None
+    assert base.BaseEngineCtx.__dict__["__enter__"].__module__ == "verl.workers.engine.base"  # verl's own
+    assert ferry.residency is Residency.DEVICE and vd.dock.is_resident("engine0.params")
+    after = e1.module.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(v, after[k]) for k, v in before.items())
+    assert all(p.device == torch.device("cpu") for p in e1.module.parameters())
+    fsdp_utils.offload_fsdp_model_to_cpu(e1.module)  # verl's own helpers round-trip it
+    fsdp_utils.load_fsdp_model_to_gpu(e1.module)
+    e1.module(torch.ones(2, 64))
+    assert all(torch.equal(v, e1.module.state_dict()[k]) for k, v in before.items())
+    tf_verl.patch(dock=2**20)  # the same budget: the same dock, the set where unpatch() left it
+    assert tf_verl.docked() is vd and vd.dock.ferry("engine0.params") is ferry
+
+
+def test_unpatch_that_cannot_bring_back_an_evicted_set_raises_and_stays_docked(monkeypatch):
+    vd, (e1, _), ferry, before = _evicted_by_the_dock()
+    enter = base.BaseEngineCtx.__dict__["__enter__"]
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+    monkeypatch.setattr(ferry, "reload", out_of_memory)
+    with pytest.raises(RuntimeError, match=r"could not bring verl dock set engine0.params \(model Linear \(\d+ bytes\)\) "
+                                           r"back to cpu \(RuntimeError: CUDA out of memory.*nothing was unpatched"):
+        tf_verl.unpatch()
+    assert tf_verl.is_patched() and tf_verl.docked() is vd and base.BaseEngineCtx.__dict__["__enter__"] is enter
+    assert ferry.residency.on_host and not vd.dock.is_resident("engine0.params")
+    monkeypatch.undo()
+    with base.BaseEngineCtx(e1, "eval"):  # the dock still brings it in
+        after = e1.module.state_dict()
+        assert all(torch.equal(v, after[k]) for k, v in before.items())

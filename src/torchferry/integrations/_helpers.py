@@ -109,7 +109,7 @@ offloaded after it is set (a ferry keeps its setting).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 from torch import nn
@@ -120,11 +120,15 @@ from .._core._ferry.ferry import Ferry
 from .._core._api.handle import TransferHandle
 from .._core._state.targets import inner_optimizers
 from .._core._transfer.switch import whole_copies
+from ._bring_back import Held, bring_back
 from ._patching import ACTIVE
 
 __all__ = [
     "SKIP_ENV",
+    "bring_back_held",
+    "drop_ferries",
     "ferry_for",
+    "held_by",
     "load_fsdp2_model_to_gpu",
     "load_fsdp_optimizer",
     "offload_fsdp2_model_to_cpu",
@@ -146,6 +150,10 @@ __all__ = [
 ]
 
 _ferries: weakref.WeakKeyDictionary[object, Ferry] = weakref.WeakKeyDictionary()
+# model / optimizer -> the integration whose replacements last moved it through its ferry (its unpatch()
+# brings that ferry back: [Note: unpatch() brings the state back] in ``integrations._bring_back``); a
+# helper called directly (no integration running) records nothing.
+_moved_by: weakref.WeakKeyDictionary[object, str] = weakref.WeakKeyDictionary()
 
 # [Note: each integration's settings]
 # verl's and SkyRL's replacements call these same helpers, but each integration's ``patch()``
@@ -361,13 +369,67 @@ def ferry_for(obj: nn.Module | torch.optim.Optimizer) -> Ferry | None:
     return _ferries.get(obj)
 
 
-def _get_or_make(obj: nn.Module | torch.optim.Optimizer) -> Ferry:
+def _get_or_make(obj: nn.Module | torch.optim.Optimizer, integration: str | None = None) -> Ferry:
+    """``obj``'s ferry, made if it has none; recorded as moved by ``integration`` (default: the
+    integration whose replacement is running, if any)."""
     ferry = _ferries.get(obj)
     if ferry is None:
         # See [Note: the helpers skip unchanged storages].
         ferry = Ferry(obj, skip_unchanged=skip_unchanged()) if isinstance(obj, nn.Module) else Ferry(obj)
         _ferries[obj] = ferry
+    who = integration if integration is not None else ACTIVE.get()
+    if who is not None:
+        _moved_by[obj] = who
     return ferry
+
+
+def _describe(obj: object, ferry: Ferry) -> str:
+    kind = "model" if isinstance(obj, nn.Module) else "optimizer"
+    return f"{kind} {type(obj).__name__} ({ferry.state_bytes} bytes)"
+
+
+def held_by(integration: str, names: Mapping[Ferry, str] | None = None) -> list[Held]:
+    """The ferries ``integration``'s replacements moved state through, described for messages (a
+    ferry in ``names`` under that name too: a verl dock's set)."""
+    names = names or {}
+    out = []
+    for obj, who in list(_moved_by.items()):
+        ferry = _ferries.get(obj)
+        if who != integration or ferry is None:
+            continue
+        what = _describe(obj, ferry)
+        out.append(Held(f"{names[ferry]} ({what})" if ferry in names else what, ferry))
+    return out
+
+
+def bring_back_held(integration: str, names: Mapping[Ferry, str] | None = None) -> None:
+    """``integration``'s ``unpatch()``, first: every ferry its replacements made brought back to the
+    device, synchronously, all or nothing ([Note: unpatch() brings the state back] in
+    ``integrations._bring_back``).
+
+    Raises:
+        RuntimeError: a reload failed; every ferry is where it was (see ``_bring_back.bring_back``).
+    """
+    bring_back(integration, held_by(integration, names))
+
+
+def drop_ferries(integration: str, keep: Collection[Ferry] = ()) -> None:
+    """``integration``'s ``unpatch()``, last: the ferries its replacements made closed (their pools
+    returned) and forgotten, but those in ``keep`` (a verl dock's sets, which the dock keeps).
+
+    Raises:
+        RuntimeError: one of them is offloaded (``bring_back_held`` first).
+    """
+    for obj, who in list(_moved_by.items()):
+        if who != integration:
+            continue
+        ferry = _ferries.get(obj)
+        if ferry is not None and ferry in keep:
+            continue  # still this integration's: a later unpatch() brings it back
+        if ferry is not None:
+            ferry.close()
+            del _ferries[obj]
+        del _moved_by[obj]
 
 
 def _finish_offload(ferry: Ferry, handle: TransferHandle, empty_cache: bool) -> None:

@@ -6,7 +6,7 @@ launchers; each worker process under its single-controller schedulers)::
     import torchferry.integrations.areal as tf_areal
     tf_areal.patch()     # FSDPEngine.offload / onload now go through torchferry
     ...
-    tf_areal.unpatch()   # AReaL's torch_memory_saver methods again
+    tf_areal.unpatch()   # offloaded engines back on the device; AReaL's own methods again
 
 Each engine gets one :class:`~torchferry.Ferry` over its model and optimizer (the model
 alone for an engine without one, a reference or teacher, with ``skip_unchanged=True``);

@@ -111,6 +111,7 @@ import torch
 
 from ..._core._ferry.ferry import Ferry
 from ..._core._transfer.switch import whole_copies
+from .._bring_back import Held, bring_back
 
 __all__ = ["ferry_for", "is_patched", "patch", "unpatch"]
 
@@ -385,25 +386,35 @@ def patch(*, skip_unchanged: bool | None = None) -> list[str]:
 
 
 def unpatch() -> None:
-    """Puts AReaL's own ``offload`` / ``onload`` back on ``FSDPEngine`` and drops the ferries
-    (their pools go with them). Idempotent.
+    """Brings back the state of every engine offloaded through torchferry, then puts AReaL's own
+    ``offload`` / ``onload`` back on ``FSDPEngine`` and closes the ferries (their pools returned).
+    Idempotent.
+
+    An offloaded engine's state is reloaded synchronously, as the patched ``onload()`` does (without
+    its barrier and logs), and its ``is_offload`` becomes False: AReaL's own ``onload()`` could not
+    bring it back from torchferry's pool ([Note: unpatch() brings the state back] in
+    ``integrations._bring_back``).
 
     Raises:
-        RuntimeError: an engine is offloaded through torchferry (its state is in a ferry's pool,
-            which AReaL's ``onload()`` cannot bring back): ``onload()`` it first. Nothing is
-            changed then.
+        RuntimeError: a reload failed (e.g. the device is out of memory; the message names the
+            engine and what stays offloaded). Nothing is unpatched then and every engine is as it
+            was (offloaded, ``is_offload`` True); free memory and call it again.
     """
     if not _originals:
         return
-    offloaded = sum(1 for entry in list(_engine_ferries.values()) if entry.ferry.residency.on_host)
-    if offloaded:
-        raise RuntimeError(
-            f"{_PREFIX}: unpatch() while {offloaded} engine(s) are offloaded through torchferry "
-            "(AReaL's own onload() cannot bring their state back); onload() them first"
-        )
+    entries = list(_engine_ferries.items())
+    held = [Held(f"{type(engine).__name__} engine ({entry.ferry.state_bytes} bytes)", entry.ferry)
+            for engine, entry in entries]
+    back = {id(h.ferry) for h in bring_back("areal", held)}  # raises before anything is unpatched
+    for engine, entry in entries:
+        if id(entry.ferry) in back:  # as the patched onload() leaves it
+            entry.held = ()
+            engine.is_offload = False
     cls = _patched_class.pop()
     for name, fn in _originals.items():
         setattr(cls, name, fn)
     _originals.clear()
+    for _, entry in entries:
+        entry.ferry.close()
     _engine_ferries.clear()
     _options["skip_unchanged"] = None

@@ -4,7 +4,7 @@ In a process of your own::
 
     import torchferry.integrations.skyrl as tf_skyrl
     tf_skyrl.patch()      # SkyRL's offload_fsdp2_model_to_cpu & co. now go through torchferry
-    tf_skyrl.unpatch()    # SkyRL's own helpers again
+    tf_skyrl.unpatch()    # what they hold offloaded back on the device; SkyRL's own helpers again
 
 For SkyRL's trainer, whose FSDP workers are Ray actors (each its own process)::
 

@@ -3,7 +3,7 @@
     import torchferry.integrations.skyrl as tf_skyrl
     tf_skyrl.patch()     # before (or after) SkyRL builds its FSDPStrategy
     ...
-    tf_skyrl.unpatch()   # SkyRL's own helpers again
+    tf_skyrl.unpatch()   # what they hold offloaded back on the device; SkyRL's own helpers again
 
 Replaced in ``skyrl.backends.skyrl_train.distributed.fsdp_utils`` and wherever
 SkyRL modules imported them by name (``FSDPStrategy.offload_to_cpu`` /
@@ -188,7 +188,20 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
 
 
 def unpatch() -> None:
-    """Puts SkyRL's own helpers back, also in SkyRL modules imported after :func:`patch`. Idempotent."""
+    """Brings back what SkyRL's patched helpers hold offloaded, then puts SkyRL's own helpers back, also
+    in SkyRL modules imported after :func:`patch`. Idempotent.
+
+    Every model and optimizer the patched helpers offloaded is reloaded first, synchronously:
+    SkyRL's own helpers could not bring it back from torchferry's pool ([Note: unpatch() brings the
+    state back] in ``integrations._bring_back``). Then the ferries are closed (their pools returned).
+
+    Raises:
+        RuntimeError: a reload failed (e.g. the device is out of memory; the message names it and
+            what stays offloaded). Nothing is unpatched then and every ferry is where it was:
+            SkyRL's patched helpers still hold the state; free memory and call it again.
+    """
+    helpers.bring_back_held("skyrl")  # raises before anything is unpatched
     if is_patched():
         helpers.reset_settings("skyrl")
     _patcher.unpatch()
+    helpers.drop_ferries("skyrl")

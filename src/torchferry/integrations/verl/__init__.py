@@ -4,7 +4,7 @@ In a process of your own::
 
     import torchferry.integrations.verl as tf_verl
     tf_verl.patch()      # verl's offload_fsdp_model_to_cpu & co. now go through torchferry
-    tf_verl.unpatch()    # verl's own helpers again
+    tf_verl.unpatch()    # what they hold offloaded back on the device; verl's own helpers again
     tf_verl.patch(dock=0.6)  # the trainer under a Dock of 0.6 of the GPU: state stays while it fits
 
 For verl's trainer, whose FSDP workers are Ray actors (each its own process)::

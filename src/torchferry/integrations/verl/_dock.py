@@ -354,7 +354,7 @@ class VerlDock:
     def _ensure_set(self, dock: Dock, name: str, obj: Any) -> str:
         if name in self.sets:
             return name
-        ferry = compat._get_or_make(obj)
+        ferry = compat._get_or_make(obj, "verl")  # [Note: unpatch() brings the state back]
         for other in list(DOCKS):  # a dock of another budget (patch(dock=...) changed) lets it go
             if other is not self and other.holds(ferry):
                 other.forget(ferry)

@@ -3,7 +3,7 @@
     import torchferry.integrations.verl as tf_verl
     tf_verl.patch()     # before (or after) verl builds its workers
     ...
-    tf_verl.unpatch()   # verl's own helpers again
+    tf_verl.unpatch()   # what they hold offloaded back on the device; verl's own helpers again
 
 Replaced in ``verl.utils.fsdp_utils`` and wherever verl modules imported them
 by name (``from verl.utils.fsdp_utils import offload_fsdp_model_to_cpu`` in
@@ -61,8 +61,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from types import ModuleType
 
-from ..._core._api.args import check_optional_bool
+from ..._core._api.args import check_bool, check_optional_bool
 from ..._core._api.env import env_flag
+from ..._core._ferry.ferry import Ferry
 from ..._core._state.fsdp import fsdp1_offloads_params
 from .. import _helpers as compat
 from .._patching import HelperSet, Patcher
@@ -231,9 +232,44 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
     return names
 
 
-def unpatch() -> None:
-    """Puts verl's own helpers back, also in verl modules imported after :func:`patch`. Idempotent."""
+def _dock_sets() -> dict[Ferry, str]:
+    """Every verl dock's state sets (the active dock's and those kept for their budgets): ferry -> its
+    name, e.g. ``"verl dock set engine0.params"``; their moves in flight waited for."""
+    out = {}
+    for vd in list(_dock.DOCKS):
+        if vd.dock is not None:
+            vd.dock.wait()
+        out.update({ferry: f"verl dock set {name}" for name, ferry in vd.sets.items()})
+    return out
+
+
+def unpatch(*, keep_offloaded: bool = False) -> None:
+    """Brings back what verl's patched helpers (and a dock) hold offloaded, then puts verl's own
+    helpers back, also in verl modules imported after :func:`patch`. Idempotent.
+
+    Every model and optimizer that the patched helpers offloaded, or that a dock evicted, is
+    reloaded first, synchronously: verl's own helpers could not bring it back from torchferry's
+    pool ([Note: unpatch() brings the state back] in ``integrations._bring_back``). Then the
+    ferries are closed (their pools returned), but a dock's, which the dock keeps.
+
+    Args:
+        keep_offloaded: leave what the helpers and docks hold where it is, offloaded or not, and
+            their ferries open, for a later :func:`patch` to reload through the same ferries and
+            pools: for a process that runs verl's own helpers on other models in between
+            (``benchmarks/verl_actor.py`` takes turns between strategies so). verl's own helpers
+            cannot reload that state: a model left offloaded is unusable until ``patch()`` again.
+
+    Raises:
+        TypeError: ``keep_offloaded`` is not a bool.
+        RuntimeError: a reload failed (e.g. the device is out of memory; the message names it and
+            what stays offloaded). Nothing is unpatched then and every ferry is where it was:
+            verl's patched helpers still hold the state; free memory and call it again.
+    """
     global _fsdp1, _dock_choice
+    check_bool(keep_offloaded, "unpatch(keep_offloaded=...)")
+    dock_sets = {} if keep_offloaded else _dock_sets()
+    if not keep_offloaded:
+        compat.bring_back_held("verl", dock_sets)  # raises before anything is unpatched
     if is_patched():
         compat.reset_settings("verl")
         _fsdp1 = None
@@ -242,3 +278,5 @@ def unpatch() -> None:
     _patcher.unpatch()
     for engine in ENGINE_PATCHERS.values():
         engine.unpatch()
+    if not keep_offloaded:
+        compat.drop_ferries("verl", keep=dock_sets)

@@ -20,12 +20,12 @@ from .._schedules.release import ReleaseSchedule
 from .._state.plan import build_plan
 from .._state.targets import Targets
 from .._transfer.copies import transfer_range
-from .._transfer.signals import uninterruptible
 from .environment import check_environment
 from .guards import OffloadGuards, dropped
 from .misuse import OneMover, moves_state
 from .moves import Offloaded
 from .pin_ahead import PinAhead
+from .rollback import Rollback
 from .state_set import StateSet
 
 __all__ = ["Ferry"]
@@ -296,26 +296,22 @@ class Ferry:
                 return self._handle_or_noop("d2h")
             self._reconcile(off)
         issued_at = time.perf_counter()
+        rollback, move = Rollback(self), None
         with transfer_range("d2h", self._state_bytes):
-            move = self._set.offload(schedule)
-            plan, last = move.issued.plan, self._last
-            try:  # see [Note: all or nothing]
-                self._guards.install(plan.modules, plan.optimizers)
-                handle = self._issued(move.handle(issued_at))
-                self._offloaded = move.offloaded
-                self._residency = Residency.D2H_IN_FLIGHT if self._streams.is_cuda else Residency.HOST
-                self._set.drop_arena()
-                move.finish()  # the last step: done, or undone and raising, or done and raising
-            except BaseException:
-                with uninterruptible():  # see [Note: an undo is not interrupted]
-                    if not move.done:  # else completed before raising: [Note: a release rolled forward]
-                        move.undo()
-                        self._guards.remove()
-                        self._offloaded, self._residency, self._last = None, Residency.DEVICE, last
-                raise
+            try:  # see [Note: one rollback]; a release rolled forward completes the move, raising
+                with rollback:
+                    move = self._set.offload(schedule)
+                    rollback.undo, rollback.committed, plan = move.undo, lambda: move.done, move.issued.plan
+                    self._guards.install(plan.modules, plan.optimizers)
+                    handle = self._issued(move.handle(issued_at))
+                    self._offloaded = move.offloaded
+                    self._residency = Residency.D2H_IN_FLIGHT if self._streams.is_cuda else Residency.HOST
+                    self._set.drop_arena()
+                    move.finish()  # the last step: done, or undone and raising, or done and raising
             finally:
-                if move.done:
-                    self._released, self._state_bytes = (self._last, move.released), plan.state_bytes
+                if move is not None and move.done:
+                    self._released, self._state_bytes = (self._last, move.released), move.issued.plan.state_bytes
+        plan = move.issued.plan
         logger.debug("offload: %d bytes in %d storages from %s", plan.state_bytes, len(plan.storages), self.device)
         return handle
 
@@ -398,56 +394,43 @@ class Ferry:
 
     def _reload_all(self, off: Offloaded, schedule: ReleaseSchedule | None) -> TransferHandle:
         issued_at = time.perf_counter()
+        rollback = Rollback(self, guards=off.plan)
         with transfer_range("h2d", off.plan.state_bytes):
-            move = self._set.reload(off, schedule, self._own_offload_event())
+            with rollback:  # see [Note: one rollback]
+                move = self._set.reload(off, schedule, self._own_offload_event())
+                if move is not None:
+                    rollback.undo = move.undo
+                    handle = self._issued(move.handle(issued_at))
+                    self._guards.remove()
+                    self._offloaded, self._set.arena = None, move.arena
+                    self._residency = Residency.H2D_IN_FLIGHT if self._streams.is_cuda else Residency.DEVICE
             if move is None:  # replaced while offloaded: see [Note: state replaced while offloaded]
                 return self._reconcile(off)
-            last = self._last
-            try:  # see [Note: all or nothing]
-                handle = self._issued(move.handle(issued_at))
-                self._guards.remove()
-                self._offloaded, self._set.arena = None, move.arena
-                self._residency = Residency.H2D_IN_FLIGHT if self._streams.is_cuda else Residency.DEVICE
-            except BaseException:
-                with uninterruptible():  # see [Note: an undo is not interrupted]
-                    move.undo()
-                    self._guards.install(off.plan.modules, off.plan.optimizers)
-                    self._offloaded, self._residency, self._last, self._set.arena = off, Residency.HOST, last, None
-                raise
         logger.debug("reload: %d bytes in %d storages to %s", off.plan.state_bytes, len(off.plan.storages), self.device)
         return handle
 
     def _reconcile(self, off: Offloaded) -> TransferHandle:
         """Brings back what the targets still hold after a replacement; the state is then resident.
         All or nothing: ``reconcile`` undoes itself, and nothing after it can tear the state."""
-        try:
+        with Rollback(self, guards=off.plan):  # see [Note: one rollback]
             self._guards.remove()
             nbytes = self._set.reconcile(off, self._own_offload_event())
             self._offloaded, self._residency = None, Residency.DEVICE
-        except BaseException:
-            with uninterruptible():  # see [Note: an undo is not interrupted]
-                self._guards.install(off.plan.modules, off.plan.optimizers)
-            raise
         handle = self._issued(TransferHandle("h2d", nbytes, None))
         self._set.forget()  # re-planned at the next offload (a forget cut short is redone there)
         return handle
 
     # --------------------------------------------------------------- prefetch
     def _start_prefetch(self, off: Offloaded, groups: list[Group], policy: Prefetch) -> TransferHandle:
-        run = self._set.prefetch_run(off, groups, policy, self._own_offload_event())
-        last = self._last
-        try:  # see [Note: all or nothing]
+        rollback = Rollback(self, guards=off.plan)
+        with rollback:  # see [Note: one rollback]
+            run = self._set.prefetch_run(off, groups, policy, self._own_offload_event())
+            rollback.undo = run.abort
             self._guards.remove()
             self._prefetch = run
             self._residency = Residency.PREFETCHING
             run.begin()
             self._last = handle = run.handle()
-        except BaseException:
-            with uninterruptible():  # see [Note: an undo is not interrupted]
-                run.abort()
-                self._prefetch, self._residency, self._last = None, Residency.HOST, last
-                self._guards.install(off.plan.modules, off.plan.optimizers)
-            raise
         return handle
 
     def _complete_prefetch(self) -> TransferHandle | None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 import os
 
+import pytest
+
 import torchferry
 
 PKG = os.path.dirname(torchferry.__file__)
@@ -116,3 +118,149 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     targets = _imports("torchferry._core._api.m", str(fake), _modules())
     assert targets == {"torchferry._core._ferry.ferry"}
     assert _layer("torchferry._core._ferry.ferry") > _layer("torchferry._core._api.m")
+
+
+# The core's run-time promises (the layer folders' docstrings): each kind of call below is made by one
+# place only. The checker reads every module's syntax tree; each rule is a finder and the modules
+# allowed to do it.
+
+CORE = "torchferry._core."
+TORCH_PRIVATE = {"_cdata", "_local_tensor", "_spec", "_sharded_param_data", "_swap_tensor_impl",
+                 "_foreach_copy_"}  # private attributes of torch, FSDP2 and DTensor the core needs
+ENV_PARSERS = {"env_flag", "env_int", "env_bytes", "env_choice"}  # _api/env's generic readers
+
+
+def _attr_chain(node: ast.AST) -> str:
+    """``torch.cuda.Stream`` for that expression; ``""`` for anything but names and attributes."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else ""
+
+
+def _copies(tree: ast.AST) -> list[tuple[int, str]]:
+    """Copies queued: ``x.copy_(...)``, ``switch.copy(dst, src)``, ``switch.copy_by_pointer(...)``."""
+    return [(n.lineno, n.func.attr) for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            and (n.func.attr in ("copy_", "copy_by_pointer") or (n.func.attr == "copy" and n.args))]
+
+
+def _streams(tree: ast.AST) -> list[tuple[int, str]]:
+    """Streams and events made: ``torch.cuda.Stream(...)``, ``torch.cuda.Event(...)``, ``torch.Stream(...)``."""
+    return [(n.lineno, _attr_chain(n.func)) for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and _attr_chain(n.func).split(".")[-1] in ("Stream", "Event")]
+
+
+def _internals(tree: ast.AST) -> list[tuple[int, str]]:
+    """torch's private names: ``x._cdata``, ``getattr(x, "_local_tensor")``, ``torch._C...``, ``torch._foo``."""
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and (n.attr in TORCH_PRIVATE or
+                                             (_attr_chain(n.value) == "torch" and n.attr.startswith("_"))):
+            out.append((n.lineno, n.attr))
+        elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+              and n.func.id in ("getattr", "setattr", "hasattr") and len(n.args) > 1
+              and isinstance(n.args[1], ast.Constant) and n.args[1].value in TORCH_PRIVATE):
+            out.append((n.lineno, n.args[1].value))
+    return out
+
+
+def _environment(tree: ast.AST) -> list[tuple[int, str]]:
+    """Reads of the environment: ``os.environ``, ``os.getenv``, ``environ`` imported, the generic parsers."""
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and n.attr in ("environ", "getenv", "putenv"):
+            out.append((n.lineno, n.attr))
+        elif isinstance(n, ast.ImportFrom) and n.module == "os":
+            out += [(n.lineno, a.name) for a in n.names if a.name in ("environ", "getenv")]
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ENV_PARSERS | {"getenv"}:
+            out.append((n.lineno, n.func.id))
+    return out
+
+
+PROMISES = {  # rule -> (finder, the modules allowed to do it)
+    "copies are queued only by _transfer": (_copies, lambda m: m.startswith(CORE + "_transfer.")),
+    "streams and events are made only in _transfer/streams": (_streams, {CORE + "_transfer.streams"}.__contains__),
+    "torch's internals are read only in _state/fsdp": (_internals, {CORE + "_state.fsdp"}.__contains__),
+    "the environment is read only in _api/env": (_environment, {CORE + "_api.env"}.__contains__),
+}
+
+
+def _breaches(rule: str, mod: str, source: str) -> list[str]:
+    find, allowed = PROMISES[rule]
+    if allowed(mod):
+        return []
+    return [f"{mod}:{line}: {what}" for line, what in find(ast.parse(source))]
+
+
+def _core_breaches(rule: str) -> list[str]:
+    return [b for mod, path in sorted(_modules().items()) if mod.startswith(CORE)
+            for b in _breaches(rule, mod, open(path, encoding="utf-8").read())]
+
+
+def test_copies_are_queued_only_by_the_transfer_layer():
+    """Layer 4's promise: the schedules hand ``_transfer`` what to copy (``batches``, ``gates``); no
+    module above or below it calls ``copy_``, a switch's ``copy`` or ``copy_by_pointer``."""
+    assert not (found := _core_breaches("copies are queued only by _transfer")), "\n".join(found)
+
+
+def test_streams_and_events_are_made_only_in_streams():
+    """[Note: torchferry streams]: ``_transfer/streams`` makes every stream and event (``side_stream``
+    for the dock's prefetch)."""
+    assert not (found := _core_breaches("streams and events are made only in _transfer/streams")), "\n".join(found)
+
+
+def test_torch_internals_are_read_only_in_state_fsdp():
+    """Layer 2's promise: ``_cdata``, ``_local_tensor``, ``torch._C`` and the other private names of
+    torch, FSDP2 and DTensor are read by ``_state/fsdp`` only; the rest of the core asks it."""
+    assert not (found := _core_breaches("torch's internals are read only in _state/fsdp")), "\n".join(found)
+
+
+def test_the_environment_is_read_only_in_api_env():
+    """[Note: one parser for the environment]: each ``TORCHFERRY_*`` variable of the core has its reader
+    in ``_api/env``; no other module of the core reads ``os.environ`` or calls the generic parsers."""
+    assert not (found := _core_breaches("the environment is read only in _api/env")), "\n".join(found)
+
+
+def test_the_core_reads_nine_variables_all_named_in_api_env():
+    """Every ``TORCHFERRY_*`` name in the core's code (not its docstrings) is one of ``CORE_ENV``."""
+    from torchferry._core._api.env import CORE_ENV
+
+    assert len(set(CORE_ENV)) == 9
+    named = {n.value for mod, path in _modules().items() if mod.startswith(CORE)
+             for n in ast.walk(ast.parse(open(path, encoding="utf-8").read()))
+             if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("TORCHFERRY_")
+             and " " not in n.value}
+    assert named <= set(CORE_ENV), sorted(named - set(CORE_ENV))
+
+
+@pytest.mark.parametrize(("rule", "planted"), [
+    ("copies are queued only by _transfer", "def f(slots, src):\n    slots[0].copy_(src)\n"),
+    ("copies are queued only by _transfer", "def f(sw, q, a, b):\n    sw.copy_by_pointer(q, a, b, 8)\n"),
+    ("copies are queued only by _transfer",
+     "def f(s, sw, d, x):\n    with torch.cuda.stream(s):\n        sw.copy(d, x)\n"),
+    ("streams and events are made only in _transfer/streams", "s = torch.cuda.Stream(0)\n"),
+    ("streams and events are made only in _transfer/streams", "e = torch.cuda.Event(enable_timing=True)\n"),
+    ("torch's internals are read only in _state/fsdp", "k = st._cdata\n"),
+    ("torch's internals are read only in _state/fsdp", "t = p._local_tensor\n"),
+    ("torch's internals are read only in _state/fsdp", "t = getattr(p, '_local_tensor', p)\n"),
+    ("torch's internals are read only in _state/fsdp", "torch._C._swap_tensor_impl(a, b)\n"),
+    ("the environment is read only in _api/env", "import os\nx = os.environ.get('TORCHFERRY_HASH')\n"),
+    ("the environment is read only in _api/env", "import os\nx = os.getenv('TORCHFERRY_HASH')\n"),
+    ("the environment is read only in _api/env", "from os import environ\n"),
+    ("the environment is read only in _api/env", "x = env_flag('TORCHFERRY_VERIFY_SKIPS', False)\n"),
+])
+def test_the_promise_checkers_see_a_planted_breach(rule, planted):
+    """Each checker above can fail: the breach planted in a ``_schedules`` module is reported, and the
+    same source in the one module allowed to do it is not."""
+    assert _breaches(rule, CORE + "_schedules.planted", planted), planted
+    home = {"copies": "_transfer.copies", "streams": "_transfer.streams", "torch's": "_state.fsdp",
+            "the": "_api.env"}[rule.split()[0]]
+    assert not _breaches(rule, CORE + home, planted)
+
+
+def test_the_promise_checkers_pass_the_dict_copy_and_index_copy():
+    """Not every call named like a copy is one: ``d.copy()`` (no argument) and ``out.index_copy_(...)``."""
+    src = "def f(d, out, i, h):\n    e = d.copy()\n    out.index_copy_(0, i, h)\n"
+    assert not _breaches("copies are queued only by _transfer", CORE + "_schedules.planted", src)

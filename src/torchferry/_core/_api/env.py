@@ -1,4 +1,6 @@
-"""Every ``TORCHFERRY_*`` environment variable is read through here, so each is parsed alike.
+"""Every ``TORCHFERRY_*`` environment variable is read through here, so each is parsed alike, and the
+core's own settings are read here only: no other module of ``_core`` reads the environment (one function
+per variable below; ``tests/cpu/test_layers.py`` checks it).
 
 [Note: one parser for the environment]
 A switch was read three ways: ``"1"``/``"0"`` only (a ``ValueError`` for ``"true"``), anything
@@ -20,7 +22,11 @@ import re
 from collections.abc import Sequence
 from typing import overload
 
-__all__ = ["BYTES_FORM", "OFF", "ON", "env_bytes", "env_choice", "env_flag", "env_int", "parse_bytes", "parse_flag"]
+__all__ = ["ARENA_ENV", "BYTES_FORM", "CORE_ENV", "DRIVER_ENV", "HASH_ENV", "HOST_BUDGET_ENV", "HOST_RESERVE_ENV",
+           "LEDGER_DIR_ENV", "OFF", "ON", "REFILL_ENV", "SWITCH_ENV", "VERIFY_ENV", "allocator_conf", "driver_copies",
+           "env_bytes", "env_choice", "env_flag", "env_int", "hash_setting", "host_budget_bytes", "host_reserve_bytes",
+           "issue_refill_bytes", "ledger_dir", "parse_bytes", "parse_flag", "reload_arena", "switch_bytes",
+           "verify_skips"]
 
 ON = ("1", "true", "yes", "on")
 """The spellings of on (lower case; compared after ``strip().lower()``)."""
@@ -138,3 +144,74 @@ def env_choice(name: str, choices: Sequence[str], default: str) -> str:
         raise ValueError(f"torchferry: {name} must be one of {', '.join(choices)} (or empty: {default}), "
                          f"got {os.environ.get(name)!r}")
     return text
+
+
+# The core's settings: one reader each, named after its variable. Their meanings are documented where
+# they act (the module named on each line); the defaults that belong to a lower layer's measurements
+# come in as arguments.
+HOST_BUDGET_ENV = "TORCHFERRY_HOST_BUDGET_BYTES"  # _host/budget: bytes all pools of the node may hold
+HOST_RESERVE_ENV = "TORCHFERRY_HOST_RESERVE_BYTES"  # _host/budget: MemAvailable left to everything else
+LEDGER_DIR_ENV = "TORCHFERRY_LEDGER_DIR"  # _host/budget: the node ledger's folder
+REFILL_ENV = "TORCHFERRY_ISSUE_REFILL_BYTES"  # _schedules/issuer: a full issue window's refill mark
+HASH_ENV = "TORCHFERRY_HASH"  # _schedules/hash: the unchanged-storage hash's implementation
+VERIFY_ENV = "TORCHFERRY_VERIFY_SKIPS"  # _schedules/unchanged: compare every skipped storage (tests)
+ARENA_ENV = "TORCHFERRY_RELOAD_ARENA"  # _transfer/arena: the reload arena, a switch
+DRIVER_ENV = "TORCHFERRY_DRIVER_COPIES"  # _transfer/driver: copies queued by pointer, a switch
+SWITCH_ENV = "TORCHFERRY_SWITCH_BYTES"  # _transfer/switch: bytes between switch points
+CORE_ENV = (HOST_BUDGET_ENV, HOST_RESERVE_ENV, LEDGER_DIR_ENV, REFILL_ENV, HASH_ENV, VERIFY_ENV, ARENA_ENV,
+            DRIVER_ENV, SWITCH_ENV)
+"""Every ``TORCHFERRY_*`` variable the core reads."""
+
+
+def host_budget_bytes() -> int | None:
+    """``TORCHFERRY_HOST_BUDGET_BYTES``, or ``None`` if unset. Raises ``ValueError`` as :func:`env_bytes`."""
+    return env_bytes(HOST_BUDGET_ENV)
+
+
+def host_reserve_bytes() -> int | None:
+    """``TORCHFERRY_HOST_RESERVE_BYTES``, or ``None`` if unset. Raises ``ValueError`` as :func:`env_bytes`."""
+    return env_bytes(HOST_RESERVE_ENV)
+
+
+def ledger_dir() -> str | None:
+    """``TORCHFERRY_LEDGER_DIR`` as written, or ``None`` if unset or empty."""
+    return os.environ.get(LEDGER_DIR_ENV) or None
+
+
+def issue_refill_bytes(window: int) -> int:
+    """``TORCHFERRY_ISSUE_REFILL_BYTES`` in ``[0, window]``, ``window`` if unset. Raises ``ValueError`` as
+    :func:`env_bytes`."""
+    return env_bytes(REFILL_ENV, window, hi=window)
+
+
+def hash_setting() -> str:
+    """``TORCHFERRY_HASH``: ``"auto"`` (unset or empty), ``"triton"`` or ``"torch"``. Raises ``ValueError``
+    as :func:`env_choice`."""
+    return env_choice(HASH_ENV, ("auto", "triton", "torch"), "auto")
+
+
+def verify_skips() -> bool:
+    """``TORCHFERRY_VERIFY_SKIPS``, off by default. Raises ``ValueError`` as :func:`env_flag`."""
+    return env_flag(VERIFY_ENV, False)
+
+
+def reload_arena() -> bool:
+    """``TORCHFERRY_RELOAD_ARENA``, on by default. Raises ``ValueError`` as :func:`env_flag`."""
+    return env_flag(ARENA_ENV, True)
+
+
+def driver_copies() -> bool:
+    """``TORCHFERRY_DRIVER_COPIES``, on by default. Raises ``ValueError`` as :func:`env_flag`."""
+    return env_flag(DRIVER_ENV, True)
+
+
+def switch_bytes(default: int) -> int:
+    """``TORCHFERRY_SWITCH_BYTES``, ``default`` if unset. Raises ``ValueError`` as :func:`env_bytes`."""
+    return env_bytes(SWITCH_ENV, default)
+
+
+def allocator_conf() -> str:
+    """PyTorch's caching-allocator settings, ``PYTORCH_CUDA_ALLOC_CONF`` and ``PYTORCH_ALLOC_CONF`` joined
+    by a comma, in lower case (read, not parsed: ``_transfer/arena`` looks for the options it cannot
+    work with)."""
+    return (os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")).lower()

@@ -60,7 +60,7 @@ from collections.abc import Iterable
 
 from .._ferry.ferry import Ferry
 from .first_step import first_step_bytes
-from .._state.fsdp import local_of, sharded_storages
+from .._state.fsdp import local_of, sharded_storages, storage_key
 from .._state.host_blocks import in_host_pool
 from .._api.residency import Residency
 from .._state.targets import walk
@@ -79,7 +79,7 @@ def _unique_bytes(storages: Iterable[torch.UntypedStorage], dev: torch.device, *
     seen: set[int] = set()
     total = 0
     for st in storages:
-        key = st._cdata
+        key = storage_key(st)
         if key in seen or not _same_device(st.device, dev):
             continue
         seen.add(key)

@@ -33,6 +33,7 @@ from .._api.handle import TransferHandle
 from .._api.residency import Residency
 from .._ferry.interrupts import interrupts_deferred
 from .._ferry.swap import swap as swap_ferries
+from .._transfer.streams import side_stream
 from .measure import counted_bytes
 from .records import Move, _Claimant, _Set
 from .schedule import held
@@ -91,7 +92,7 @@ class Mover:
         # The stream prefetch reloads are issued with, so the compute stream does not wait for them
         # (see [Note: prefetch hand-off]).
         if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
+            self._stream = side_stream(self.device)
         return self._stream
 
     def hand_off(self, s: _Set) -> None:

@@ -7,10 +7,9 @@ from .._host.budget import budget_from_env, reserve_from_env
 from .._schedules.hash import hash_choice
 from .._schedules.issuer import refill_bytes_from_env
 from .._schedules.unchanged import verify_skips
-from .._transfer.arena import ARENA_ENV
 from .._transfer.driver import enabled as driver_copies_enabled
 from .._transfer.switch import switch_bytes_from_env
-from .._api.env import env_flag
+from .._api.env import reload_arena
 
 __all__ = ["check_environment"]
 
@@ -32,7 +31,7 @@ def check_environment(host_budget_bytes: int | None) -> int | None:
     switch_bytes_from_env()
     hash_choice()
     verify_skips()
-    env_flag(ARENA_ENV, True)
+    reload_arena()
     reserve_from_env()
     budget = budget_from_env()
     return budget if host_budget_bytes is None else host_budget_bytes

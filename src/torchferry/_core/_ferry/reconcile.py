@@ -39,7 +39,7 @@ import torch
 
 from .._transfer.copies import issue_h2d, undo_allocations
 from .._transfer.signals import uninterruptible
-from .._state.fsdp import local_of, repoint_sharded_data
+from .._state.fsdp import local_of, repoint_sharded_data, storage_key
 from .._state.host_blocks import in_host_pool
 from .._host.layout import HostViews
 from .._state.plan import Plan
@@ -79,10 +79,10 @@ def _onto_device(new: torch.Tensor, plan: Plan, views: HostViews,
     elif new.device == plan.device and not (new.numel() and in_host_pool(new.data_ptr())):
         return new
     else:
-        target = on_device.get(st._cdata)
+        target = on_device.get(storage_key(st))
         if target is None:
             whole = torch.empty(0, dtype=torch.uint8, device=new.device).set_(st)
-            target = on_device[st._cdata] = whole.to(plan.device, copy=True).untyped_storage()
+            target = on_device[storage_key(st)] = whole.to(plan.device, copy=True).untyped_storage()
     out = torch.empty(0, dtype=new.dtype, device=plan.device)
     return out.set_(target, new.storage_offset(), new.shape, new.stride())
 

@@ -42,6 +42,7 @@ from .._state.plan import Plan, PlanCache, build_plan, fingerprint, refuse_unres
 from .._state.targets import Targets
 from .._transfer.arena import ReloadArena
 from .._transfer.copies import H2DIssued, issue_d2h, issue_h2d
+from .._transfer.gates import AllocGate, TailMark
 from .._transfer.streams import TransferStreams, streams_for
 from .moves import OffloadIssued, OffloadMove, Offloaded, ReloadMove
 from .reconcile import moved_away, reconcile
@@ -214,7 +215,7 @@ class StateSet:
         return OffloadIssued(plan, views, copies, [f[0] for f in cache.fingerprint], unchanged)
 
     def issue_reload(self, plan: Plan, views: HostViews, after: torch.cuda.Event | None,
-                     before_alloc=None, mark_tail_bytes: int | None = None, on_mark=None) -> H2DIssued:
+                     gate: AllocGate | None = None, mark: TailMark | None = None) -> H2DIssued:
         """Re-allocates every storage and issues the H2D copies (after the event ``after``).
 
         ``after`` is the ferry's own last offload: the D2H stream is shared by
@@ -230,8 +231,7 @@ class StateSet:
         refuse_unresizable(plan)  # see [Note: NumPy views mark storages not resizable]
         if self.streams.is_cuda and after is not None:
             self.streams.h2d.wait_event(after)  # the slots may still be filling
-        return issue_h2d(plan, views, self.streams, device_views=self.device_views(plan), before_alloc=before_alloc,
-                         mark_tail_bytes=mark_tail_bytes, on_mark=on_mark)
+        return issue_h2d(plan, views, self.streams, device_views=self.device_views(plan), gate=gate, mark=mark)
 
     # ------------------------------------------------------------------ moves
     def _parking_of(self) -> Parking:
@@ -300,19 +300,16 @@ class StateSet:
         arena = ReloadArena.seed(self.device, plan.nbytes, after) if cuda and not tracks else None
         move = ReloadMove(plan, parking, self.streams, arena, self.unchanged)
         hash_early = cuda and not tracks and self.unchanged is not None
-        staged: list = []
         try:  # see [Note: all or nothing]
             move.copies = copies = self.issue_reload(
-                plan, off.views, after, schedule.before_alloc if schedule is not None and tracks else None,
-                mark_tail_bytes=_hash_tail_bytes(plan) if hash_early else None,
-                on_mark=(lambda storages: staged.append(self._stage_early(plan, off.views, storages)))
-                if hash_early else None)
+                plan, off.views, after, schedule.gate if schedule is not None and tracks else None,
+                mark=TailMark(_hash_tail_bytes(plan), self._stage_rows(plan, off.views)) if hash_early else None)
             if self.replaced(off):  # checked while the copies are in flight
                 move.undo()
                 return None
             if move.arena is not None:  # every storage is allocated: the hash's temporaries go elsewhere
                 move.arena.seal(plan.storages)
-            early = self._hash_early(plan, off.views, copies, staged[0] if staged else None) if hash_early else None
+            early = self._hash_early(plan, off.views, copies) if hash_early else None
             if cuda:
                 self.streams.current().wait_event(copies.event)  # pyright: ignore[reportArgumentType]  # an event on a GPU
                 for stream in comm_streams(plan.modules):  # also read by FSDP2's all-gathers
@@ -335,21 +332,20 @@ class StateSet:
             raise
         return move
 
-    def _stage_early(self, plan: Plan, views: HostViews, storages: list[int]):
-        """Uploads the early hash's table on the H2D stream (``issue_h2d``'s ``on_mark``)."""
-        sources = self.device_views(plan)
-        if self.unchanged is None or sources is None:
+    def _stage_rows(self, plan: Plan, views: HostViews):
+        """What the reload uploads for the early hash at its mark (``issue_h2d``'s ``mark.rows``)."""
+        if self.unchanged is None or self.device_views(plan) is None:
             return None
-        return self.unchanged.stage(plan, views, sources, storages)
+        return self.unchanged.stage_rows(plan, views)
 
-    def _hash_early(self, plan: Plan, views: HostViews, copies: H2DIssued, staged) -> list[int] | None:
+    def _hash_early(self, plan: Plan, views: HostViews, copies: H2DIssued) -> list[int] | None:
         """Starts the baseline with the storages copied before ``copies.early``, on the current
         stream once that event passed ([Note: the reload's hash beside its copies]); the ones it
         hashed, or ``None`` (no early event: all are hashed after the last copy)."""
         sources = self.device_views(plan)
         if copies.early is None or self.unchanged is None or sources is None:
             return None
-        event, storages = copies.early
+        event, storages, staged = copies.early
         self.streams.current().wait_event(event)
         self.unchanged.copied_in(plan, views, sources, storages, fresh=True, staged=staged)
         return storages

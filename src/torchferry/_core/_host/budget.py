@@ -66,7 +66,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from .._api.env import env_bytes
+from .._api.env import host_budget_bytes, host_reserve_bytes, ledger_dir
 from .node_memory import cgroup_memory, meminfo
 
 __all__ = ["HostBudgetError", "NodeLedger", "budget_from_env", "meminfo", "reserve_from_env"]
@@ -113,7 +113,7 @@ def budget_from_env() -> int | None:
     Raises:
         ValueError: not a byte count (``_api/env.env_bytes``).
     """
-    return env_bytes("TORCHFERRY_HOST_BUDGET_BYTES")
+    return host_budget_bytes()
 
 
 def reserve_from_env() -> int | None:
@@ -122,7 +122,7 @@ def reserve_from_env() -> int | None:
     Raises:
         ValueError: not a byte count (``_api/env.env_bytes``).
     """
-    return env_bytes("TORCHFERRY_HOST_RESERVE_BYTES")
+    return host_reserve_bytes()
 
 
 def _alive(pid: int) -> bool:
@@ -206,7 +206,7 @@ class NodeLedger:
 
     def __init__(self, path: str | None = None) -> None:
         if path is None:
-            folder = os.environ.get("TORCHFERRY_LEDGER_DIR") or (
+            folder = ledger_dir() or (
                 "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
             path = os.path.join(folder, f"torchferry-host-{os.getuid()}.json")
         self.path = path

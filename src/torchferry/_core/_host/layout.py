@@ -23,6 +23,7 @@ import torch
 from .slots import PackChunk, layout
 from .._state.plan import Plan
 from .pool import HostPool
+from .._state.fsdp import storage_key
 from .._state.parking import view_on
 
 __all__ = ["HostLayout", "HostViews", "pin_boundary"]
@@ -110,16 +111,16 @@ class HostViews:
         """The plan's storage index whose slot ``storage`` is (each slot has a storage of its own),
         or ``None``."""
         if self._slot_index is None:
-            self._slot_index = {st._cdata: si for si, st in enumerate(self._storages)}
-        return self._slot_index.get(storage._cdata)
+            self._slot_index = {storage_key(st): si for si, st in enumerate(self._storages)}
+        return self._slot_index.get(storage_key(storage))
 
     def _slot_moved(self, i: int, t: torch.Tensor) -> bool:
         """Whether ``t`` still views its slot's storage as offloaded, the slot's memory having
         moved under it (``share_memory_()``, which :meth:`intact` finds): not the user's doing."""
         slot = self._storages[self.plan.tensors[i].storage_index]
         shapes, strides, dtypes = self._expected[1:]
-        return (t.untyped_storage()._cdata == slot._cdata and t.shape == shapes[i] and t.stride() == strides[i]
-                and t.dtype == dtypes[i] and t.storage_offset() == self._offsets[i])
+        return (storage_key(t.untyped_storage()) == storage_key(slot) and t.shape == shapes[i]
+                and t.stride() == strides[i] and t.dtype == dtypes[i] and t.storage_offset() == self._offsets[i])
 
     def intact(self) -> bool:
         """False if a slot's storage no longer views the pool (``share_memory_()`` moved it)."""

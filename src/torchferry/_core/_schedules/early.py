@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from .._api.hooks import EARLY as _during, Uncopyable
+from .._transfer.batches import copy_out
 from .._transfer.copies import transfer_range
 from .._state.fsdp import lazy_init_done, versions
 from .._host.layout import HostViews
@@ -147,13 +148,7 @@ class EarlyOffload:
                 run = self._reload
                 if run is not None and not run.finished and run.events and run.events[-1] is not None:
                     d2h.wait_event(run.events[-1])  # see [Note: one direction at a time]
-                switch = self.streams.switch("d2h")
-                with torch.cuda.stream(d2h):
-                    for si in todo:
-                        switch.copy(slots[si], sources[si])  # see [Note: switch points]
-            else:
-                for si in todo:
-                    slots[si].copy_(sources[si])
+            copy_out(self.streams, slots, sources, todo)
 
     @property
     def copied(self) -> set[int]:

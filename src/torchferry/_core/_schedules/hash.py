@@ -18,16 +18,16 @@ from typing import NamedTuple
 
 import torch
 
-from .._api.env import env_choice
+from .._api.env import HASH_ENV, hash_setting
 from .hash_rows import int64_on
 from .._host.slots import PackChunk
+from .._state.fsdp import foreach_copy
 
 __all__ = ["HASH_ENV", "HASH_PIECE", "LANES", "hash_bytes", "hash_choice", "hash_kind", "hash_packed", "hash_storages",
-           "stage_storages"]
+           "stage_rows"]
 
 logger = logging.getLogger("torchferry")
 
-HASH_ENV = "TORCHFERRY_HASH"
 HASH_PIECE = 32 << 20  # bytes of a storage hashed per batch of ops (bounds the temporaries)
 
 # Per lane: the position multiplier, then rounds of (xor-shift right by, then multiply by).
@@ -134,7 +134,7 @@ def hash_packed(chunk: PackChunk, members: list[int], sources: list[torch.Tensor
             split += [offsets[m] - cursor, sizes[m]]
             cursor = offsets[m] + sizes[m]
         split.append(staging.numel() - sum(split))
-        torch._foreach_copy_(list(staging.split_with_sizes(split)[1::2]), sources[i:j])  # pyright: ignore[reportPrivateImportUsage]  # torch._foreach_copy_ is private; the stubs do not export it
+        foreach_copy(list(staging.split_with_sizes(split)[1::2]), sources[i:j])
         cums = _mix(staging.view(torch.int64), start // 8 - 1).cumsum(1)
         lo = [(offsets[m] - start) // 8 for m in batch]
         hi = [(offsets[m] + sizes[m] - start + 7) // 8 for m in batch]
@@ -160,7 +160,7 @@ def hash_choice() -> str:
     Raises:
         ValueError: another value ([Note: one parser for the environment]).
     """
-    return env_choice(HASH_ENV, ("auto", "triton", "torch"), "auto")
+    return hash_setting()
 
 
 def hash_kind(device: torch.device) -> str:
@@ -170,16 +170,15 @@ def hash_kind(device: torch.device) -> str:
     return "torch"
 
 
-def stage_storages(kind: str, todo: Sequence[int], sources: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """Uploads, on the current stream now, what a later :func:`hash_storages` of ``todo`` on another
-    stream needs from the host (``"triton"`` only; ``None`` for ``"torch"`` or nothing to hash).
-    The sources must be allocated (their addresses go up); their bytes may still be on the way."""
-    if kind != "triton" or not todo:
+def stage_rows(kind: str, todo: Sequence[int], nbytes: Sequence[int]) -> dict[int, tuple[int, ...]] | None:
+    """Per storage of ``todo``, what a reload uploads after its device address for a later
+    :func:`hash_storages` on another stream (``_transfer/gates.TailMark.rows``: the storages must be
+    allocated, their bytes may still be on the way); ``None`` for ``"torch"`` (nothing to stage)."""
+    if kind != "triton":
         return None
-    from .hash_triton import stage_segments
+    from .hash_triton import stage_row
 
-    return stage_segments([sources[si].data_ptr() for si in todo], [sources[si].numel() for si in todo],
-                          list(todo), sources[todo[0]].device)
+    return {si: stage_row(nbytes[si], si) for si in todo}
 
 
 def hash_storages(kind: str, out: torch.Tensor, todo: Sequence[int], sources: Sequence[torch.Tensor],
@@ -194,7 +193,7 @@ def hash_storages(kind: str, out: torch.Tensor, todo: Sequence[int], sources: Se
         sources: 1D uint8 views of whole device storages (the plan's device views).
         chunks, packed_at: the pool's packed chunks and, per packed storage, ``(chunk, position)``
             (the torch ops hash packed storages a chunk at a time).
-        staged: what :func:`stage_storages` uploaded for this ``todo``, or ``None``.
+        staged: the table a reload uploaded with :func:`stage_rows`' rows for this ``todo``, or ``None``.
 
     Enqueued on the current stream, no host sync.
 

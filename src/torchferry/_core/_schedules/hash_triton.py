@@ -18,9 +18,9 @@ import torch
 import triton  # pyright: ignore[reportMissingImports]  # optional: CUDA builds of torch ship triton; CPU ones do not
 import triton.language as tl  # pyright: ignore[reportMissingImports]  # as above
 
-from .hash_rows import int64_on, row_table, rows_per
+from .hash_rows import row_table, rows_per
 
-__all__ = ["ALIGN", "PIECE_WORDS", "hash_segments", "stage_segments"]
+__all__ = ["ALIGN", "PIECE_WORDS", "hash_segments", "stage_row"]
 
 PIECE_WORDS = 1 << 17  # 8-byte words per program (1 MiB): a 15 GB state is ~15k rows
 BLOCK = 2048  # words per loop step of one program
@@ -87,11 +87,12 @@ def _consts(device: torch.device) -> torch.Tensor:
     return c
 
 
-def stage_segments(ptrs: list[int], nbytes: list[int], extra: list[int], device: torch.device) -> torch.Tensor:
-    """The inputs of :func:`hash_segments`' work table and one more row (``extra``), uploaded on the
-    current stream now: ``[4, len(ptrs)]`` int64 on ``device``, for a hash queued later on another
-    stream (pinned, non-blocking; no host sync)."""
-    return int64_on([ptrs, nbytes, rows_per(nbytes, PIECE_WORDS), extra], device)
+def stage_row(nbytes: int, extra: int) -> tuple[int, int, int]:
+    """A range's column of :func:`hash_segments`' staged inputs after its address: its bytes, its rows of
+    the work table, and one more value (``extra``). The reload uploads the ``[4, ranges]`` int64 table
+    (addresses first) on its H2D stream, in that stream's order, for a hash queued later on another
+    stream (``_transfer/gates.upload_rows``)."""
+    return nbytes, rows_per([nbytes], PIECE_WORDS)[0], extra
 
 
 def hash_segments(ptrs: list[int], nbytes: list[int], device: torch.device,
@@ -103,7 +104,8 @@ def hash_segments(ptrs: list[int], nbytes: list[int], device: torch.device,
             ``ValueError`` otherwise, before any launch).
         nbytes: bytes of each range (0 allowed: its hash is ``[0, 0]``).
         device: the CUDA device holding them.
-        staged: what :func:`stage_segments` uploaded for these ranges, or ``None`` (uploaded now).
+        staged: the ranges' table staged with :func:`stage_row` (``[4, len(ptrs)]`` int64 on ``device``),
+            or ``None`` (uploaded now).
 
     Enqueued on the current stream; no host sync (the row table is built there, :func:`row_table`).
     """

@@ -61,12 +61,11 @@ from collections.abc import Callable
 
 import torch
 
-from .._api.env import env_bytes
+from .._api.env import REFILL_ENV, issue_refill_bytes
 
 __all__ = ["ISSUE_POLL_S", "ISSUE_WINDOW_BYTES", "REFILL_ENV", "Issuer", "refill_bytes_from_env", "wait_target"]
 
 ISSUE_WINDOW_BYTES = 1 << 30  # copies the issuer thread keeps queued ahead of the engine (bytes; see the Note)
-REFILL_ENV = "TORCHFERRY_ISSUE_REFILL_BYTES"
 
 
 def refill_bytes_from_env() -> int:
@@ -77,7 +76,7 @@ def refill_bytes_from_env() -> int:
     Raises:
         ValueError: not a byte count in ``[0, ISSUE_WINDOW_BYTES]`` (``_api/env.parse_bytes``).
     """
-    return env_bytes(REFILL_ENV, ISSUE_WINDOW_BYTES, hi=ISSUE_WINDOW_BYTES)
+    return issue_refill_bytes(ISSUE_WINDOW_BYTES)
 
 
 def wait_target(nbytes: list[int], first: int, issued: int, gi: int, high: int, low: int) -> int | None:

@@ -59,6 +59,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from .._transfer.batches import copy_group_in, copy_now
 from .._transfer.copies import transfer_range, undo_allocations
 from .._transfer.arena import ReloadArena
 from .._state.fsdp import comm_streams, forward_prefetch_units, local_of, repoint_sharded_data, versions
@@ -416,21 +417,10 @@ class PrefetchRun:
 
     def _copy_group(self, gi: int, queue: DriverQueue | None = None) -> None:
         plan, slots, cuda = self.plan, self.views.slots, self.streams.is_cuda
-        switch = self.streams.switch("h2d") if cuda else None  # see [Note: switch points]
-        for si in self.groups[gi].storages:
-            if not plan.nbytes[si]:
-                continue
-            if queue is not None and self._slot_pinned(si):  # see [Note: copies queued by pointer]
-                assert switch is not None
-                switch.copy_by_pointer(queue, plan.storages[si].data_ptr(), slots[si].data_ptr(), plan.nbytes[si])
-                continue
-            dst = (self.device_views[si] if self.device_views is not None
-                   else torch.empty(0, dtype=torch.uint8, device=plan.device).set_(plan.storages[si]))
-            if switch is not None:
-                with torch.cuda.stream(self.streams.h2d):
-                    switch.copy(dst, slots[si])
-            else:
-                dst.copy_(slots[si])
+        todo = self.groups[gi].storages
+        by_pointer = ({si for si in todo if plan.nbytes[si] and self._slot_pinned(si)}  # see [Note: copies
+                      if queue is not None else ())  # queued by pointer]
+        copy_group_in(plan, todo, slots, self.streams, self.device_views, queue, by_pointer)
         held = self._unchanged
         if held is not None and self.device_views is not None:  # the bytes just copied, before any write
             storages = self.groups[gi].storages
@@ -486,7 +476,7 @@ class PrefetchRun:
         for i, new in given.items():  # after the pool's bytes, on the stream that waited for them
             local = local_of(self.parking.tensors[i])
             if (new.shape, new.stride(), new.dtype) == (local.shape, local.stride(), local.dtype):
-                local.copy_(new)  # into the storage the ferry planned
+                copy_now(local, new)  # into the storage the ferry planned
             else:  # another shape or dtype (module.half()): the object takes it to the device, as a reconcile does
                 local.data = new.to(local.device)
 

@@ -11,7 +11,9 @@ incoming ``reload()`` asks the schedule before each allocation; the schedule
 waits for the progress event that covers enough outgoing bytes for the
 incoming state, the outgoing bytes still in flight and everything else
 allocated to stay within the budget, then releases the storages whose copies
-are complete: their blocks are free at once, for the incoming storages.
+are complete: their blocks are free at once, for the incoming storages. The
+reload is handed that schedule as data, :attr:`ReleaseSchedule.gate` (an
+``AllocGate`` of ``_transfer/gates``, which carries it out), not a callback.
 Whatever is left is released (safely, with ``record_stream``) by
 :meth:`ReleaseSchedule.release_rest`. Storages the offload skipped as
 unchanged ([Note: unchanged storages]) are read by no copy: they are released
@@ -23,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from .._transfer.copies import D2HIssued, ReleaseRolledForward, undo_release
+from .._transfer.gates import AllocGate, Pending, free_pending
 from .._state.plan import Plan
 from .._transfer.streams import TransferStreams
 
@@ -45,11 +48,15 @@ class ReleaseSchedule:
     def __init__(self, budget_bytes: int | None, base_bytes: int) -> None:
         self.budget_bytes = budget_bytes
         self.base_bytes = base_bytes
-        self._progress: list[tuple[int, torch.cuda.Event]] = []
-        self._pending: list[tuple[int, torch.UntypedStorage, torch.Tensor]] = []  # (bytes copied after it, ...)
-        self._out_bytes = 0
         self._freed = 0  # bytes released at once (storages skipped as unchanged)
         self._streams: TransferStreams | None = None
+        self._gate: AllocGate | None = None  # once the outgoing storages are taken
+
+    @property
+    def gate(self) -> AllocGate | None:
+        """What the incoming reload waits for and frees before each allocation (``issue_h2d``'s
+        ``gate``): ``None`` until :meth:`hold` took the outgoing storages."""
+        return self._gate
 
     @property
     def tracks(self) -> bool:
@@ -64,7 +71,7 @@ class ReleaseSchedule:
         taken if it raises, except :class:`ReleaseRolledForward` ([Note: a release rolled forward]):
         then everything is taken."""
         after = issued.copied_after or [0] * len(sources)
-        pending = [(after[si], st, src) for si, (st, src) in enumerate(zip(plan.storages, sources, strict=False))
+        pending = [Pending(after[si], st, src) for si, (st, src) in enumerate(zip(plan.storages, sources, strict=False))
                    if si not in unchanged and src.numel()]
         try:
             for si in unchanged:
@@ -79,44 +86,23 @@ class ReleaseSchedule:
         self._take(plan, streams, issued, unchanged, pending)
 
     def _take(self, plan: Plan, streams: TransferStreams, issued: D2HIssued, unchanged: set[int] | frozenset[int],
-              pending: list[tuple[int, torch.UntypedStorage, torch.Tensor]]) -> None:
+              pending: list[Pending]) -> None:
         self._streams = streams
-        self._progress = list(issued.progress)
-        self._out_bytes = issued.progress[-1][0] if issued.progress else 0
         self._freed += sum(plan.nbytes[si] for si in unchanged)
-        self._pending = pending
+        room = None if self.budget_bytes is None else self.budget_bytes + self._freed - self.base_bytes  # base
+        self._gate = AllocGate(room, issued.progress[-1][0] if issued.progress else 0,  # counts all of out
+                               list(issued.progress), pending)
 
     def before_alloc(self, allocated: int) -> None:
-        """Called by the incoming reload with its bytes allocated so far (the next storage included)."""
-        if self.budget_bytes is None or not self._progress:
-            return
-        must_have_left = self.base_bytes + allocated - self.budget_bytes - self._freed  # base counts all of out
-        if must_have_left <= 0:
-            return
-        for copied, event in self._progress:
-            if copied >= min(must_have_left, self._out_bytes):
-                event.synchronize()
-                self._release(copied)
-                return
-
-    def _release(self, copied: int) -> None:
-        self._free([e for e in self._pending if e[0] <= copied], [e for e in self._pending if e[0] > copied],
-                   record=False)  # their copies are complete: free at once
+        """What the incoming reload's :attr:`gate` does with its bytes allocated so far (the next storage
+        included): waits for the outgoing copies the budget needs gone and frees their storages."""
+        if self._gate is not None:
+            self._gate.before_alloc(allocated)
 
     def release_rest(self) -> None:
         """Releases what is left, safely against the copies still in flight."""
-        self._free(self._pending, [], record=self._streams is not None and self._streams.is_cuda)
-
-    def _free(self, free: list[tuple[int, torch.UntypedStorage, torch.Tensor]],
-              keep: list[tuple[int, torch.UntypedStorage, torch.Tensor]], *, record: bool) -> None:
-        """Frees ``free`` and keeps ``keep`` pending; if freeing one raises, it and those after it
-        stay pending too (the outgoing tensors view the pool: a storage freed is simply gone)."""
-        for k, (_, storage, src) in enumerate(free):
-            try:
-                if record:
-                    src.record_stream(self._streams.d2h)  # pyright: ignore[reportOptionalMemberAccess]  # record: streams set
-                storage.resize_(0)
-            except BaseException:
-                self._pending = keep + free[k:]
-                raise
-        self._pending = keep
+        if self._gate is None:
+            return
+        streams = self._streams
+        free_pending(self._gate, self._gate.pending, [],
+                     record=streams.d2h if streams is not None and streams.is_cuda else None)

@@ -109,11 +109,12 @@ from typing import NamedTuple
 
 import torch
 
-from .._api.env import env_flag
+from .._api.env import VERIFY_ENV, verify_skips as _verify_skips
 from .._state.fsdp import versions
-from .hash import hash_kind, hash_storages, stage_storages
+from .hash import hash_kind, hash_storages, stage_rows
 from .hash_rows import int64_on
 from .._host.layout import HostViews
+from .._transfer.batches import copy_now
 from .._state.plan import Plan
 from .step_hooks import GlobalStepHook
 
@@ -121,7 +122,6 @@ __all__ = ["VERIFY_ENV", "UnchangedStorages", "verify_skips"]
 
 logger = logging.getLogger("torchferry")
 
-VERIFY_ENV = "TORCHFERRY_VERIFY_SKIPS"
 
 
 def verify_skips() -> bool:
@@ -131,7 +131,7 @@ def verify_skips() -> bool:
     Raises:
         ValueError: neither on nor off.
     """
-    return env_flag(VERIFY_ENV, False)
+    return _verify_skips()
 
 
 # Any optimizer step marks the trainable storages of every baseline as written.
@@ -232,16 +232,16 @@ class UnchangedStorages:
             _STEPS.add(self._step_key, self._on_step)
 
     @torch.inference_mode(False)
-    def stage(self, plan: Plan, views: HostViews, sources: list[torch.Tensor],
-              storages: Iterable[int]) -> tuple[list[int], torch.Tensor | None] | None:
-        """Uploads on the current stream what a later :meth:`copied_in` of ``storages`` needs from
-        the host (their eligible ones; [Note: the reload's hash beside its copies]): called on the
-        H2D stream, in its order, so the upload does not wait behind the bulk copies as it would
-        on the current stream. ``None`` on any error (that hash then uploads its own)."""
+    def stage_rows(self, plan: Plan, views: HostViews) -> dict[int, tuple[int, ...]] | None:
+        """What a reload uploads at its mark for a later :meth:`copied_in` of the storages copied
+        before it (``issue_h2d``'s ``mark.rows``, per eligible storage; [Note: the reload's hash beside
+        its copies]): uploaded on the H2D stream, in its order, so the upload does not wait behind the
+        bulk copies as it would on the current stream. ``None``: nothing to upload (the torch ops), or
+        any error (that hash then uploads its own)."""
         try:
             rules = self._rules_for(plan, views)
-            todo = [si for si in storages if rules.eligible[si]]
-            return todo, stage_storages(hash_kind(plan.device), todo, sources)
+            todo = [si for si in range(len(plan.storages)) if rules.eligible[si]]
+            return stage_rows(hash_kind(plan.device), todo, plan.nbytes)
         except Exception:
             logger.debug("torchferry: could not stage the hash's table", exc_info=True)
             return None
@@ -332,7 +332,7 @@ def _verify(plan: Plan, views: HostViews, sources: list[torch.Tensor], same: set
     """Compares every storage judged unchanged with its pool slot (``TORCHFERRY_VERIFY_SKIPS=1``)."""
     for si in sorted(same):
         scratch = torch.empty(plan.nbytes[si], dtype=torch.uint8)
-        scratch.copy_(sources[si])
+        copy_now(scratch, sources[si])
         if not torch.equal(scratch, views.slots[si]):
             names = ", ".join(plan.tensors[ti].name for ti in rules.members[si])
             raise RuntimeError(

@@ -1,4 +1,4 @@
-"""Every read of FSDP2's and DTensor's internals, in one place.
+"""Every read of FSDP2's, DTensor's and torch's internals (private attributes and functions), in one place.
 
 A torch upgrade that renames a private attribute touches this file only; the
 rest of torchferry asks it. Written against torch 2.11-2.13
@@ -6,6 +6,8 @@ rest of torchferry asks it. Written against torch 2.11-2.13
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -24,7 +26,11 @@ __all__ = [
     "param_groups",
     "repoint_sharded_data",
     "reshard",
+    "foreach_copy",
+    "set_local",
     "sharded_storages",
+    "storage_key",
+    "swap_impls",
     "swap_local",
     "unit_key",
     "versions",
@@ -59,6 +65,28 @@ def dtensor_twin(t: torch.Tensor, new_local: torch.Tensor) -> torch.Tensor:
 def swap_local(a: torch.Tensor, b: torch.Tensor) -> None:
     """Exchanges the local shards of two DTensors (the Python slot beside the wrapper impl)."""
     a._local_tensor, b._local_tensor = b._local_tensor, a._local_tensor
+
+
+def set_local(t: torch.Tensor, local: torch.Tensor) -> None:
+    """Points the DTensor ``t`` at the local shard ``local`` (the Python slot beside the wrapper impl)."""
+    t._local_tensor = local
+
+
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """A storage's identity: the address of its ``StorageImpl`` (``_cdata``), the same for every storage
+    object over it (not ``data_ptr()``: zero-size storages all have pointer 0)."""
+    return storage._cdata
+
+
+def swap_impls(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Exchanges the ``TensorImpl``s of two tensor objects (``torch._C._swap_tensor_impl``)."""
+    torch._C._swap_tensor_impl(a, b)
+
+
+def foreach_copy(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """``dsts[i].copy_(srcs[i])`` for every ``i`` in one batched launch (``torch._foreach_copy_``), on the
+    current stream."""
+    torch._foreach_copy_(list(dsts), list(srcs))  # pyright: ignore[reportPrivateImportUsage]  # torch._foreach_copy_ is private; the stubs do not export it
 
 
 def fsdp_modules(module: nn.Module) -> list[nn.Module]:

@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .fsdp import dtensor_twin, is_dtensor, swap_local, versions
+from .fsdp import dtensor_twin, is_dtensor, local_of, set_local, swap_impls, swap_local, versions
 
 __all__ = ["Move", "Parking", "move_to", "moved", "view_on"]
 
@@ -76,7 +76,7 @@ def _link_grad(t: torch.Tensor, g: torch.Tensor | None, name: str) -> None:
 
 
 def _exchange(a: torch.Tensor, b: torch.Tensor, dtensor: bool) -> None:
-    torch._C._swap_tensor_impl(a, b)
+    swap_impls(a, b)
     if dtensor:
         swap_local(a, b)
 
@@ -97,7 +97,7 @@ def move_to(t: torch.Tensor, device: torch.device) -> Move:
     ones through ``t.data``, DTensors by exchanging impls with a twin over the moved local shard.
     """
     if is_dtensor(t):
-        return Move(t, True, dtensor_twin(t, t._local_tensor.to(device)))
+        return Move(t, True, dtensor_twin(t, local_of(t).to(device)))
     return Move(t, False, t.data.to(device))
 
 
@@ -156,11 +156,11 @@ class Parking:
                 if twin is None:
                     local = host_locals[i]
                     twin = dtensor_twin(t, local) if dtensor[i] else local
-                elif dtensor[i] and twin._local_tensor is not host_locals[i]:
+                elif dtensor[i] and local_of(twin) is not host_locals[i]:
                     # FSDP2 replaced the local shard while it was on the host (an uneven shard
                     # re-padded by module.to(...)): the pool view again ([Note: FSDP2's shard
                     # buffer after a move] in .fsdp)
-                    twin._local_tensor = host_locals[i]
+                    set_local(twin, host_locals[i])
                 if twin.requires_grad != t.requires_grad:
                     twin.requires_grad_(t.requires_grad)
                 g = t.grad if grad_slot[i] else None
@@ -200,7 +200,7 @@ class Parking:
     def host_locals(self, indices: list[int] | range) -> dict[int, torch.Tensor]:
         """After :meth:`to_device`: ``id()`` of each DTensor of ``tensors[indices]`` -> the host local
         shard its twin parks now ([Note: FSDP2's shard buffer after a move] in ``.fsdp``)."""
-        return {id(self.tensors[i]): twin._local_tensor for i in indices
+        return {id(self.tensors[i]): local_of(twin) for i in indices
                 if self._dtensor[i] and (twin := self._twins[i]) is not None}
 
     def revert_to_device(self, indices: list[int] | range) -> None:
@@ -214,7 +214,7 @@ class Parking:
         """The plain tensor of each object (a DTensor's local shard), in order."""
         if not any(self._dtensor):
             return self.tensors
-        return [t._local_tensor if d else t for t, d in zip(self.tensors, self._dtensor, strict=False)]
+        return [local_of(t) if d else t for t, d in zip(self.tensors, self._dtensor, strict=False)]
 
     def has_grad_slot(self, i: int) -> bool:
         """Whether ``tensors[i]`` can hold a ``.grad`` link (a parameter, or a leaf requiring grad)."""

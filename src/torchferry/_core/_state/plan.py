@@ -53,7 +53,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .fsdp import local_of
+from .fsdp import local_of, storage_key
 from .targets import check_tensor, describe, hidden_optimizer_tensors, inner_optimizers, walk
 
 __all__ = ["Plan", "PlanCache", "TensorRef", "build_plan", "fingerprint", "refuse_unresizable", "resolve_device",
@@ -127,7 +127,7 @@ class Plan:
 
     def signature(self) -> tuple:
         """Identity of the layout: equal signatures can reuse the same slots."""
-        return tuple((s._cdata, n) for s, n in zip(self.storages, self.nbytes, strict=True))
+        return tuple((storage_key(s), n) for s, n in zip(self.storages, self.nbytes, strict=True))
 
 
 class PlanCache(NamedTuple):
@@ -163,7 +163,7 @@ def fingerprint(targets: Sequence[object]) -> list[tuple]:
     for _, t in walk(targets):
         local = local_of(t)
         st = local.untyped_storage()
-        out.append((id(t), st._cdata, st.nbytes(), st.is_shared(), st.resizable(), local.dtype,
+        out.append((id(t), storage_key(st), st.nbytes(), st.is_shared(), st.resizable(), local.dtype,
                     local.storage_offset(), local.shape, local.stride()))
     return out
 
@@ -290,7 +290,7 @@ def build_plan(targets: Sequence[object], device: torch.device | str | None = No
         if local.device != dev:
             continue
         st = local.untyped_storage()
-        key = st._cdata
+        key = storage_key(st)
         if key not in index_of:
             if not st.resizable():  # see [Note: NumPy views mark storages not resizable]
                 raise _unresizable(name, kinds[id(t)])

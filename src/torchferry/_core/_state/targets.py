@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from .fsdp import is_dtensor, reshard
+from .fsdp import is_dtensor, local_of, reshard, storage_key
 from .tree import named_tensors
 
 __all__ = ["Targets", "check_tensor", "hidden_optimizer_tensors", "inner_optimizers", "walk"]
@@ -131,9 +131,9 @@ def hidden_optimizer_tensors(opt: torch.optim.Optimizer, device: torch.device,
     Returns:
         ``(attribute path, bytes)`` per such tensor.
     """
-    params = {p.untyped_storage()._cdata for g in opt.param_groups for p in g["params"]
+    params = {storage_key(p.untyped_storage()) for g in opt.param_groups for p in g["params"]
               if isinstance(p, torch.Tensor) and type(p) in _PLAIN}
-    params |= {p._local_tensor.untyped_storage()._cdata for g in opt.param_groups for p in g["params"]
+    params |= {storage_key(local_of(p).untyped_storage()) for g in opt.param_groups for p in g["params"]
                if is_dtensor(p)}
     found: list[tuple[str, int]] = []
 
@@ -141,7 +141,7 @@ def hidden_optimizer_tensors(opt: torch.optim.Optimizer, device: torch.device,
         if not isinstance(t, torch.Tensor) or type(t) not in _PLAIN or t.device != device:
             return
         st = t.untyped_storage()
-        if st._cdata not in params and st._cdata not in known_storages and st.nbytes():
+        if storage_key(st) not in params and storage_key(st) not in known_storages and st.nbytes():
             found.append((path, st.nbytes()))
 
     for attr, value in vars(opt).items():
@@ -176,7 +176,7 @@ def check_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
         )
     local = t
     if is_dtensor(t):
-        local = t._local_tensor
+        local = local_of(t)
         if type(local) not in _PLAIN:
             raise NotImplementedError(
                 f"torchferry: {name} is a DTensor whose local shard is a {type(local).__name__} "

@@ -59,15 +59,13 @@ are allocated one by one, as before.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from .._api.env import env_flag
+from .._api.env import ARENA_ENV, allocator_conf, reload_arena
 
 __all__ = ["ARENA_ENV", "ReloadArena", "arena_supported"]
 
-ARENA_ENV = "TORCHFERRY_RELOAD_ARENA"  # a switch, on by default ([Note: one parser for the environment])
 
 _SMALL_SIZE = 1 << 20  # kSmallSize: blocks up to 1 MiB go to the small pool
 _ROUND_LARGE = 2 << 20  # kRoundLarge: large segments are multiples of 2 MiB
@@ -87,9 +85,9 @@ def arena_supported() -> bool:
     Raises:
         ValueError: ``TORCHFERRY_RELOAD_ARENA`` is neither on nor off (not cached: every call raises).
     """
-    if not env_flag(ARENA_ENV, True):
+    if not reload_arena():
         return False
-    conf = (os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")).lower()
+    conf = allocator_conf()
     if any(k in conf for k in ("max_split_size_mb", "roundup_power2_divisions", "expandable_segments:true",
                                "backend:cudamallocasync")):
         return False

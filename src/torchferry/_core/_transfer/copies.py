@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -53,11 +53,12 @@ import torch
 from .._host.layout import HostViews
 from .packing import PackChunk, pack_to_host, unpack_from_host
 from .._state.plan import Plan
+from .gates import AllocGate, TailMark, upload_rows
 from .signals import uninterruptible
 from .streams import TransferStreams
 
-__all__ = ["D2HIssued", "H2DIssued", "ReleaseRolledForward", "copy_runs", "issue_d2h", "issue_h2d", "release",
-           "restore_released", "transfer_range", "undo_allocations", "undo_release"]
+__all__ = ["D2HIssued", "H2DEarly", "H2DIssued", "ReleaseRolledForward", "copy_runs", "issue_d2h", "issue_h2d",
+           "release", "restore_released", "transfer_range", "undo_allocations", "undo_release"]
 
 logger = logging.getLogger("torchferry")
 
@@ -95,20 +96,34 @@ class D2HIssued(NamedTuple):
     gathered: tuple[frozenset[int], torch.cuda.Event] | None = None
 
 
+class H2DEarly(NamedTuple):
+    """The mark of :func:`issue_h2d` (:class:`~torchferry._core._transfer.gates.TailMark`).
+
+    Attributes:
+        event: recorded on the H2D stream after the copies of ``storages``.
+        storages: large ones, in copy order, copied while more than the mark's bytes were left.
+        staged: what :func:`~torchferry._core._transfer.gates.upload_rows` uploaded just before the
+            event, for the mark's rows, or ``None``.
+    """
+
+    event: torch.cuda.Event
+    storages: list[int]
+    staged: tuple[list[int], torch.Tensor | None] | None = None
+
+
 class H2DIssued(NamedTuple):
     """What :func:`issue_h2d` queued: events on the H2D stream (``None`` on the CPU).
 
     Attributes:
         event: recorded after the last copy.
         start: recorded before the first copy (timing).
-        early: with ``mark_tail_bytes``, an event recorded after the copies of the storages it
-            lists (large ones, in copy order), while at most that many bytes of large storages
-            were left to copy; ``None`` otherwise.
+        early: with a ``mark``, the event recorded once at most its ``tail_bytes`` of large and
+            packed storages were left to copy, if there were more; ``None`` otherwise.
     """
 
     event: torch.cuda.Event | None
     start: torch.cuda.Event | None
-    early: tuple[torch.cuda.Event, list[int]] | None = None
+    early: H2DEarly | None = None
 
 
 def issue_d2h(plan: Plan, sources: list[torch.Tensor], views: HostViews, skip: set[int],
@@ -360,10 +375,8 @@ def _device_view(plan: Plan, si: int, device_views: list[torch.Tensor] | None) -
 
 
 def issue_h2d(plan: Plan, views: HostViews, streams: TransferStreams, *, storages: list[int] | None = None,
-              device_views: list[torch.Tensor] | None = None,
-              before_alloc: Callable[[int], None] | None = None,
-              mark_tail_bytes: int | None = None,
-              on_mark: Callable[[list[int]], None] | None = None) -> H2DIssued:
+              device_views: list[torch.Tensor] | None = None, gate: AllocGate | None = None,
+              mark: TailMark | None = None) -> H2DIssued:
     """Re-allocates storages on the current stream and queues their H2D copies from the pool.
 
     Large storages first, each copied as soon as it is allocated; then the
@@ -377,12 +390,11 @@ def issue_h2d(plan: Plan, views: HostViews, streams: TransferStreams, *, storage
         storages: indices to bring back (default: all); the others stay released.
         device_views: the plan's cached 1D uint8 device views (they follow
             ``resize_``), or ``None`` to make them.
-        before_alloc: called with the bytes allocated so far, including the
+        gate: a swap's outgoing storages, asked with the bytes allocated so far, including the
             next storage, before each allocation (swap's budget).
-        mark_tail_bytes: on a GPU, record :attr:`H2DIssued.early` once at most this
-            many bytes (large and packed storages) are left to copy, if there were more.
-        on_mark: called with that event's storages just before it is recorded, the
-            H2D stream current (what it queues runs in that stream's order).
+        mark: on a GPU, record :attr:`H2DIssued.early` once at most ``mark.tail_bytes`` bytes
+            (large and packed storages) are left to copy, if there were more; just before it, upload
+            ``mark.rows`` of the storages copied so far on the H2D stream (in that stream's order).
 
     Raises:
         torch.OutOfMemoryError: the device ran out of memory; everything this
@@ -398,7 +410,7 @@ def issue_h2d(plan: Plan, views: HostViews, streams: TransferStreams, *, storage
     wanted_set = None if storages is None else set(storages)
     allocated_idx: list[int] = []
     start = None
-    early: tuple[torch.cuda.Event, list[int]] | None = None
+    early: H2DEarly | None = None
     try:
         if cuda:
             h2d = streams.h2d
@@ -412,17 +424,18 @@ def issue_h2d(plan: Plan, views: HostViews, streams: TransferStreams, *, storage
             nonlocal allocated
             n = nbytes[si]
             allocated += n
-            if before_alloc is not None:
-                before_alloc(allocated)
+            if gate is not None:
+                gate.before_alloc(allocated)
             sts[si].resize_(n)
             allocated_idx.append(si)
             return _device_view(plan, si, device_views) if n else None
 
         large = [si for si in wanted if si not in packed]
         left = -1  # bytes left to copy, large and packed, while a mark is to come
-        if cuda and mark_tail_bytes is not None:
+        tail, rows = (mark.tail_bytes, mark.rows) if mark is not None else (0, None)
+        if cuda and mark is not None:
             left = sum(nbytes[si] for si in wanted)
-            if left <= mark_tail_bytes:  # all of it is tail: nothing to hash early
+            if left <= tail:  # all of it is tail: nothing to hash early
                 left = -1
         copied_idx: list[int] = []
         for si in large:
@@ -438,18 +451,21 @@ def issue_h2d(plan: Plan, views: HostViews, streams: TransferStreams, *, storage
                 if left >= 0:
                     copied_idx.append(si)
                     left -= nbytes[si]
-                    if left <= mark_tail_bytes:  # pyright: ignore[reportOperatorIssue]  # left >= 0 only with mark_tail_bytes
-                        if on_mark is not None:
+                    if left <= tail:
+                        staged = None
+                        if rows is not None:
                             with torch.cuda.stream(h2d):
-                                on_mark(copied_idx)
-                        early, left = (streams.event(h2d), copied_idx), -1
+                                staged = upload_rows(copied_idx, rows,
+                                                     lambda i: _device_view(plan, i, device_views).data_ptr(),
+                                                     plan.device)
+                        early, left = H2DEarly(streams.event(h2d), copied_idx, staged), -1
             else:
                 dst.copy_(views.slots[si])
         chunks, pool_chunks = views.chunks, views.pool_chunks
         if wanted_set is not None:
             keep = [k for k, ch in enumerate(chunks) if any(si in wanted_set for si in ch.storages)]
             chunks, pool_chunks = [chunks[k] for k in keep], [pool_chunks[k] for k in keep]
-        if before_alloc is None and device_views is not None:
+        if gate is None and device_views is not None:
             def alloc_chunk(ch: PackChunk) -> list[torch.Tensor]:
                 # Thousands of small storages: one tight loop (see [Note: packing pipeline]).
                 allocated_idx.extend(ch.storages)  # freeing one not yet allocated is harmless

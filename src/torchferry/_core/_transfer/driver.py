@@ -50,11 +50,10 @@ import threading
 
 import torch
 
-from .._api.env import env_flag
+from .._api.env import DRIVER_ENV, driver_copies
 
 __all__ = ["DRIVER_ENV", "DriverQueue", "enabled", "queue_for"]
 
-DRIVER_ENV = "TORCHFERRY_DRIVER_COPIES"
 logger = logging.getLogger("torchferry")
 
 _lock = threading.Lock()
@@ -95,7 +94,7 @@ def enabled() -> bool:
     Raises:
         ValueError: neither on nor off.
     """
-    return env_flag(DRIVER_ENV, True)
+    return driver_copies()
 
 
 class DriverQueue:

@@ -44,6 +44,7 @@ from collections.abc import Callable
 import torch
 
 from .._host.slots import PackChunk
+from .._state.fsdp import foreach_copy
 
 __all__ = ["pack_to_host", "unpack_from_host"]
 
@@ -58,7 +59,7 @@ def _gather(staging: torch.Tensor, chunk: PackChunk, sources: list[torch.Tensor]
     if chunk.dense:
         torch.cat(sources, out=staging[: chunk.nbytes])
     else:
-        torch._foreach_copy_(_views(staging, chunk), sources)  # pyright: ignore[reportPrivateImportUsage]  # torch._foreach_copy_ is private; the stubs do not export it
+        foreach_copy(_views(staging, chunk), sources)
 
 
 def _scatter(staging: torch.Tensor, chunk: PackChunk, dests: list[torch.Tensor]) -> None:
@@ -66,7 +67,7 @@ def _scatter(staging: torch.Tensor, chunk: PackChunk, dests: list[torch.Tensor])
     if chunk.dense:
         torch.split_with_sizes_copy(staging[: chunk.nbytes], chunk.sizes, out=dests)
     else:
-        torch._foreach_copy_(dests, _views(staging, chunk))  # pyright: ignore[reportPrivateImportUsage]  # torch._foreach_copy_ is private; the stubs do not export it
+        foreach_copy(dests, _views(staging, chunk))
 
 
 _last_block: dict[torch.device, int] = {}  # bytes of the last own-buffers staging block, cached on ``gather``

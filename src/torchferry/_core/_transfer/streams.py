@@ -28,7 +28,7 @@ import torch
 
 from .switch import SwitchPoints
 
-__all__ = ["TransferStreams", "streams_for"]
+__all__ = ["TransferStreams", "side_stream", "streams_for"]
 
 
 class TransferStreams:
@@ -92,6 +92,12 @@ class TransferStreams:
         ev = torch.cuda.Event(enable_timing=timing)
         ev.record(stream if stream is not None else self.current())
         return ev
+
+
+def side_stream(device: torch.device | None) -> torch.cuda.Stream:
+    """A new stream of ``device`` for work a layer above issues beside the current stream (the dock's
+    prefetch reloads, [Note: prefetch hand-off] in ``_dock``): every stream is made here."""
+    return torch.cuda.Stream(device)
 
 
 _per_device: dict[torch.device, TransferStreams] = {}

@@ -86,7 +86,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .._api.env import env_bytes
+from .._api.env import SWITCH_ENV, switch_bytes
 
 __all__ = ["D2H_SWITCH_BYTES", "SEPARATOR_BYTES", "SWITCH_BYTES", "SWITCH_ENV", "SwitchPoints", "default_interval",
            "whole_copies"]
@@ -104,7 +104,6 @@ def whole_copies():
     finally:
         _whole.reset(token)
 
-SWITCH_ENV = "TORCHFERRY_SWITCH_BYTES"
 SWITCH_BYTES = 16 << 20  # H2D bytes between two switch points: ~0.3 ms at 55 GB/s (see the Note)
 # D2H: 32 MiB, ~0.6 ms (16 MiB pieces cost 1.1% of the rate in the Note's run and 2.1% once in the
 # GPU tier at 1ed056c; 32 MiB ones 0.5%); the small D2H copies beside an offload are rarer.
@@ -124,7 +123,7 @@ def switch_bytes_from_env(direction: str = "h2d") -> int:
     Raises:
         ValueError: not a byte count (``_api/env.parse_bytes``).
     """
-    return env_bytes(SWITCH_ENV, default_interval(direction))
+    return switch_bytes(default_interval(direction))
 
 
 class SwitchPoints:

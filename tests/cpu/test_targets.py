@@ -57,15 +57,16 @@ def test_second_ferry_over_offloaded_state_is_refused_and_first_state_kept():
     actor, critic = nn.Linear(64, 64), nn.Linear(64, 64)
     critic.weight = nn.Parameter(actor.weight.data)  # same storage, another object
     want = actor.weight.detach().clone()
-    a, b = Ferry(actor), Ferry(critic)
+    a, b = Ferry(actor, critic.weight), Ferry(critic)  # a knows both objects over the storage: it may move it
     a.offload()
     with pytest.raises(RuntimeError, match=r"critic|Linear.weight .*(already offloaded by another Ferry|released)"):
         b.offload()
     assert b.residency is Residency.DEVICE
     a.reload()
     torch.testing.assert_close(actor.weight.detach(), want, atol=0, rtol=0)
-    b.offload()  # fine once the first ferry reloaded
-    b.reload()
+    with pytest.raises(RuntimeError, match=r"Linear\.weight: its storage is shared with a tensor torchferry does not"):
+        b.offload()  # actor.weight, which b does not know, would read released memory
+    assert b.residency is Residency.DEVICE
     torch.testing.assert_close(critic.weight.detach(), want, atol=0, rtol=0)
 
 

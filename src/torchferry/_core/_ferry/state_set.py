@@ -36,7 +36,8 @@ from .._schedules.early import EarlyOffload
 from .._schedules.prefetch import Group, Prefetch, PrefetchRun
 from .._schedules.release import PROGRESS_EVERY, ReleaseSchedule
 from .._schedules.unchanged import UnchangedStorages
-from .._state.fsdp import comm_streams, repoint_sharded_data
+from .._state.fsdp import comm_streams, local_of, repoint_sharded_data, storage_key
+from .._state.holders import refuse_shared, shared_storage
 from .._state.parking import Parking
 from .._state.plan import Plan, PlanCache, build_plan, fingerprint, refuse_unresizable, storage_bytes
 from .._state.targets import Targets
@@ -80,6 +81,9 @@ class StateSet:
         self.unchanged = UnchangedStorages() if skip_unchanged else None
         self.arena: ReloadArena | None = None  # see [Note: reload arena]
         self.early: EarlyOffload | None = None  # see [Note: offload during forward]
+        # storage_key() of the bytes given while offloaded (p.data = t), whose giver may still hold
+        # them: not checked ([Note: a storage shared with a tensor the ferry does not know])
+        self.given: set[int] = set()
 
     def _set_device(self, device: torch.device) -> None:
         self.device = device
@@ -186,11 +190,14 @@ class StateSet:
         Raises:
             RuntimeError, HostBudgetError: the pool could not be allocated;
                 nothing was copied. As :func:`build_plan` if the targets changed.
+            RuntimeError: a storage is shared with a tensor the ferry does not know
+                (:func:`refuse_shared`); nothing was copied.
         """
         cache = self.cache
         hv = self.host.current(cache.plan) if cache is not None else None
         if (hv is not None and early is None and progress_every is None
-                and all(st.nbytes() == n for st, n in zip(cache.plan.storages, cache.plan.nbytes, strict=False))):
+                and all(st.nbytes() == n for st, n in zip(cache.plan.storages, cache.plan.nbytes, strict=False))
+                and shared_storage(cache.plan, skip=self.given) is None):  # else refused below, by name
             targets = self.targets.resharded()
             unchanged = self._unchanged_now(cache.plan, hv, None)
             copies = issue_d2h(cache.plan, cache.device_views, hv, unchanged, self.streams)
@@ -206,6 +213,8 @@ class StateSet:
         else:
             plan = self.plan()
         cache = self._cache_of(plan)
+        # See [Note: a storage shared with a tensor the ferry does not know]: before anything moves.
+        refuse_shared(plan, skip=self.given)
         views = self.host.views(plan, cache=True)  # may raise (pool allocation): nothing moved yet
         early_copied = early.take(plan, views) if early is not None else set()  # during the forward
         unchanged = self._unchanged_now(plan, views, early)
@@ -371,8 +380,13 @@ class StateSet:
         """Brings back what the targets still hold after a replacement (synchronously, all or
         nothing: :func:`reconcile`); returns the bytes moved. The caller then drops the plan
         (:meth:`forget`): the targets are planned again at the next offload."""
-        return reconcile(off.plan, off.views, self._parking_of(), self.targets.live(), self.streams,
-                         self.device_views(off.plan), after)
+        parking = self._parking_of()
+        swapped = moved_away(off.views, parking)
+        n = reconcile(off.plan, off.views, parking, self.targets.live(), self.streams, self.device_views(off.plan),
+                      after)
+        given = {storage_key(local_of(parking.tensors[i]).untyped_storage()) for i in swapped}
+        self.given |= given - {storage_key(st) for st in off.plan.storages}  # not a tie to a storage it knew
+        return n
 
     def arm_early(self, run: PrefetchRun | None) -> None:
         """Arms an offload during forward (:meth:`EarlyOffload.arm_for`) over the resident plan, or

@@ -56,8 +56,8 @@ from torch import nn
 from .fsdp import local_of
 from .targets import check_tensor, describe, hidden_optimizer_tensors, inner_optimizers, walk
 
-__all__ = ["Plan", "PlanCache", "TensorRef", "build_plan", "fingerprint", "refuse_unresizable", "resolve_device",
-           "storage_bytes"]
+__all__ = ["Plan", "PlanCache", "TensorRef", "build_plan", "fingerprint", "own_views", "refuse_unresizable",
+           "resolve_device", "storage_bytes"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -142,9 +142,31 @@ class PlanCache(NamedTuple):
     device_views: list[torch.Tensor]
 
 
+# StorageImpl address -> weak references to the views storage_bytes() made of it: holders the ferry
+# knows, also those an old plan cache left alive (a caught exception's frames keep one):
+# see [Note: a storage shared with a tensor the ferry does not know] in holders.py.
+_own_views: dict[int, list[weakref.ref]] = {}
+
+
+def _forget_view(key: int, ref: weakref.ref) -> None:
+    refs = _own_views.get(key)
+    if refs is not None:
+        refs[:] = [r for r in refs if r is not ref]
+        if not refs:
+            del _own_views[key]
+
+
 def storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
-    """1D ``torch.uint8`` tensor over all of ``storage``'s bytes."""
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+    """1D ``torch.uint8`` tensor over all of ``storage``'s bytes (registered for :func:`own_views`)."""
+    view = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+    key = storage._cdata
+    _own_views.setdefault(key, []).append(weakref.ref(view, lambda r, k=key: _forget_view(k, r)))
+    return view
+
+
+def own_views(key: int) -> list[torch.Tensor]:
+    """The live views :func:`storage_bytes` made of the storage whose ``StorageImpl`` address is ``key``."""
+    return [v for r in _own_views.get(key, ()) if (v := r()) is not None]
 
 
 def fingerprint(targets: Sequence[object]) -> list[tuple]:

@@ -40,7 +40,7 @@ from .._state.fsdp import comm_streams, local_of, repoint_sharded_data, storage_
 from .._state.holders import refuse_shared, shared_storage
 from .._state.parking import Parking
 from .._state.plan import Plan, PlanCache, build_plan, fingerprint, refuse_unresizable, storage_bytes
-from .._state.targets import Targets
+from .._state.targets import Targets, walk
 from .._transfer.arena import ReloadArena
 from .._transfer.copies import H2DIssued, issue_d2h, issue_h2d
 from .._transfer.streams import TransferStreams, streams_for
@@ -381,11 +381,16 @@ class StateSet:
         nothing: :func:`reconcile`); returns the bytes moved. The caller then drops the plan
         (:meth:`forget`): the targets are planned again at the next offload."""
         parking = self._parking_of()
-        swapped = moved_away(off.views, parking)
+        # Before it: nothing after the reconcile may fail. The bytes the user gave while offloaded, which
+        # a CPU ferry keeps as they are ([Note: a storage shared with a tensor the ferry does not know]).
+        known = {id(r.tensor) for r in off.plan.tensors} | {id(t) for t in parking.tensors}
+        given = {storage_key(local_of(parking.tensors[i]).untyped_storage()) for i in moved_away(off.views, parking)}
+        given |= {storage_key(local_of(t).untyped_storage())
+                  for _, t in walk(self.targets.live()) if id(t) not in known}
+        given -= {storage_key(st) for st in off.plan.storages}  # not a tie to a storage it knew
         n = reconcile(off.plan, off.views, parking, self.targets.live(), self.streams, self.device_views(off.plan),
                       after)
-        given = {storage_key(local_of(parking.tensors[i]).untyped_storage()) for i in swapped}
-        self.given |= given - {storage_key(st) for st in off.plan.storages}  # not a tie to a storage it knew
+        self.given |= given
         return n
 
     def arm_early(self, run: PrefetchRun | None) -> None:

@@ -26,7 +26,10 @@ is not FSDP2's (DDP's gradient buckets with ``gradient_as_bucket_view``, a
 view of a temporary: ``Ferry(torch.randn(100)[10:20])``), whose owner may
 hold more views the ferry cannot see; and FSDP1's flat parameters
 (``fsdp1_flat_storages``), whose flat tensor, local shard and original
-parameters' views FSDP1 keeps in places that vary with its options. A Python
+parameters' views FSDP1 keeps in places that vary with its options; and
+bytes the user gave while offloaded (``p.data = t``, ``StateSet.given``),
+whose giver may still hold ``t`` (plain PyTorch allows it, and the reconcile
+tests do it). The cached plan's fast path checks too, before its copies. A Python
 ``UntypedStorage`` object (``t.untyped_storage()``) is not counted: its
 reads are bounds-checked. Tensors saved by a pending autograd graph are
 holders too (a view such as ``w.t()``, saved for backward): the offload is

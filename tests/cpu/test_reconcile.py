@@ -162,16 +162,17 @@ def test_narrowed_while_offloaded_keeps_the_new_shape():
 
 def test_views_taken_before_keep_the_old_bytes_and_ties_by_data_stay_tied():
     """Other bytes given while offloaded, as plain PyTorch does it (breaker findings): a view of the
-    old storage taken before (an alias passed to the ferry too) still reads the old bytes; ``head.weight.data = emb.weight.data`` ties them; one tensor given to two
+    old storage taken before (an alias the ferry does not know, like FSDP2's padded shard) still
+    reads the old bytes; ``head.weight.data = emb.weight.data`` ties them; one tensor given to two
     parameters is one storage after the reload; a transpose (same address, shape, dtype) is kept."""
     torch.manual_seed(0)
     m = nn.ModuleDict({"emb": nn.Linear(4, 4, bias=False), "head": nn.Linear(4, 4, bias=False),
                        "a": nn.Linear(3, 3, bias=False), "b": nn.Linear(3, 3, bias=False),
                        "sq": nn.Linear(5, 5, bias=False)})
-    alias = m["emb"].weight.detach().view(-1)  # passed to the ferry: one it did not know would be refused
+    alias = m["emb"].weight.detach().view(-1)
     old = alias.clone()
     sq = m["sq"].weight.detach().clone()
-    ferry = Ferry(m, alias)
+    ferry = Ferry(m)
     ferry.offload()
     m["head"].weight.data = m["emb"].weight.data
     shared = torch.full((3, 3), 2.0)

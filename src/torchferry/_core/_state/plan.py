@@ -57,7 +57,7 @@ from .fsdp import local_of
 from .targets import check_tensor, describe, hidden_optimizer_tensors, inner_optimizers, walk
 
 __all__ = ["Plan", "PlanCache", "TensorRef", "build_plan", "fingerprint", "own_views", "refuse_unresizable",
-           "resolve_device", "storage_bytes"]
+           "resolve_device", "storage_bytes", "to_allocate"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -199,13 +199,20 @@ def refuse_unresizable(plan: Plan) -> None:
             nothing was allocated, the state stays offloaded.
     """
     for si, st in enumerate(plan.storages):
-        if not st.resizable():
+        if not st.resizable() and st.nbytes() != plan.nbytes[si]:  # one at its size is not resized
             name = next(r.name for r in plan.tensors if r.storage_index == si)
             raise RuntimeError(
                 f"torchferry: cannot reload: the device storage of {name} was made not resizable while "
                 "offloaded (a NumPy array of a view of it, e.g. v.numpy(); PyTorch never undoes that), "
                 "so it cannot be allocated again; the state is still offloaded, on the host"
             )
+
+
+def to_allocate(plan: Plan) -> list[int]:
+    """Per storage of ``plan``, the bytes a reload allocates: 0 for one still allocated at its size
+    (kept by the offload: [Note: a storage shared with a tensor the ferry does not know] in
+    ``holders.py``), which the reload does not ``resize_``."""
+    return [0 if st.nbytes() == n else n for st, n in zip(plan.storages, plan.nbytes, strict=True)]
 
 
 def resolve_device(found: list[tuple[str, torch.Tensor, torch.Tensor]], device: torch.device | None) -> torch.device:

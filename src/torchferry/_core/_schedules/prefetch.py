@@ -69,8 +69,7 @@ from .._state.plan import Plan, to_allocate
 from .._state.parking import Parking
 from .step_hooks import GlobalStepHook
 from .unchanged import UnchangedStorages
-from .._transfer.driver import DriverQueue, queue_for
-from .._transfer.driver import enabled as driver_copies_enabled
+from .._transfer.driver import DriverQueue, enabled as driver_copies_enabled, queue_for
 from .._transfer.streams import TransferStreams
 from .groups import Group, group_plan, prefetch_groups, split_tail
 from .issuer import ISSUE_POLL_S, ISSUE_WINDOW_BYTES, Issuer, refill_bytes_from_env, wait_target
@@ -399,7 +398,7 @@ class PrefetchRun:
             # freed by kernels still queued (see [Note: reload allocates on the caller's stream]).
             self.streams.h2d.wait_stream(self.streams.current())
         for si in self.groups[gi].storages:
-            if plan.storages[si].nbytes() != plan.nbytes[si]:  # else kept by the offload: see holders.py
+            if plan.storages[si].nbytes() != plan.nbytes[si]:  # else kept by the offload (holders.py)
                 plan.storages[si].resize_(plan.nbytes[si])
                 self._allocated.append(si)
         self._versions.append(self._group_versions(gi))

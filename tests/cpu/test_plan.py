@@ -292,16 +292,17 @@ def test_parameters_assigned_from_torch_load_are_refused_naming_the_load(tmp_pat
 
 
 def test_a_numpy_view_made_while_offloaded_is_refused_before_the_reload_allocates():
-    """A NumPy array made, while offloaded, of a view the ferry does not know (undefined: its
-    memory is released) leaves a device storage PyTorch will not resize again: the reload is
-    refused by name before it allocates anything, the state stays readable on the host."""
+    """A NumPy array made, while offloaded, of a view of a released device storage (a tensor made
+    over a storage object kept from before: a tensor held across the offload would keep the storage
+    allocated) leaves a device storage PyTorch will not resize again: the reload is refused by name
+    before it allocates anything, the state stays readable on the host."""
     m = nn.Linear(8, 8)
     want = m.weight.detach().clone()
     ferry = Ferry(m, device="cpu")
-    alias = m.weight.detach()
+    storage = m.weight.untyped_storage()  # a storage object: not a holder that keeps it allocated
     ferry.offload()
-    alias.numpy()  # never read: it views released memory
-    del alias
+    torch.empty(0).set_(storage).numpy()  # an empty view of the released storage: reads nothing
+    del storage
     with pytest.raises(RuntimeError, match=r"^torchferry: cannot reload: the device storage of Linear\.weight "
                                            r"was made not resizable while offloaded") as info:
         ferry.reload()

@@ -57,7 +57,7 @@ def test_second_ferry_over_offloaded_state_is_refused_and_first_state_kept():
     actor, critic = nn.Linear(64, 64), nn.Linear(64, 64)
     critic.weight = nn.Parameter(actor.weight.data)  # same storage, another object
     want = actor.weight.detach().clone()
-    a, b = Ferry(actor), Ferry(critic)
+    a, b = Ferry(actor, critic.weight), Ferry(critic)  # a knows both objects over the storage: it releases it
     a.offload()
     with pytest.raises(RuntimeError, match=r"critic|Linear.weight .*(already offloaded by another Ferry|released)"):
         b.offload()

@@ -34,6 +34,9 @@ class OffloadIssued(NamedTuple):
     copies: D2HIssued
     ids: list[int]
     unchanged: set[int]  # not copied at all: their slots hold their bytes ([Note: unchanged storages])
+    # copied but not released: a tensor the ferry does not know views them ([Note: a storage shared
+    # with a tensor the ferry does not know])
+    kept: frozenset[int] = frozenset()
 
     @property
     def bytes_copied(self) -> int:
@@ -90,10 +93,11 @@ class OffloadMove:
         i = self.issued
         try:
             if self._schedule is not None:  # see [Note: swap budget]
-                self._schedule.hold(i.plan, self._sources, i.views.slots, i.copies, self._streams, i.unchanged)
+                self._schedule.hold(i.plan, self._sources, i.views.slots, i.copies, self._streams, i.unchanged,
+                                    i.kept)
             else:
                 self.released = release(i.plan, self._sources, i.views.slots, self._streams, i.copies.event,
-                                        gathered=i.copies.gathered)
+                                        gathered=i.copies.gathered, kept=i.kept)
         except ReleaseRolledForward as rolled:
             self.done = True
             raise rolled.error from rolled.undo_error
@@ -126,8 +130,8 @@ class ReloadMove:
         if self.repointed:
             self._parking.revert_to_device(range(len(self.plan.tensors)))
             self.repointed = False
-        if self.copies is not None:
-            undo_allocations(self.plan, range(len(self.plan.storages)), self._streams)
+        if self.copies is not None:  # not a storage the offload kept: the reload did not allocate it
+            undo_allocations(self.plan, self.copies.allocated, self._streams)
             self.copies = None
         if self.arena is not None:
             self.arena.release()

@@ -134,10 +134,11 @@ def reconcile(plan: Plan, views: HostViews, parking: Parking, targets: list[obje
             mine.add(id(t))
             replacements.append(t)
     # 1. Allocate: nothing is re-pointed yet.
+    allocated: tuple[int, ...] = ()  # issue_h2d undoes its own allocations if it raises
     try:
         if streams.is_cuda and after is not None:
             streams.h2d.wait_event(after)
-        issue_h2d(plan, views, streams, storages=live_s, device_views=device_views)
+        allocated = issue_h2d(plan, views, streams, storages=live_s, device_views=device_views).allocated
         if streams.is_cuda:
             streams.h2d.synchronize()
             streams.pack.synchronize()
@@ -145,7 +146,7 @@ def reconcile(plan: Plan, views: HostViews, parking: Parking, targets: list[obje
         onto = {i: _onto_device(new, plan, views, on_device) for i, new in assigned.items()}
         moves = [move_to(t, plan.device) for t in replacements]
     except BaseException as e:
-        undo_allocations(plan, range(len(plan.storages)), streams)  # all were released at the offload
+        undo_allocations(plan, allocated, streams)  # not one the offload kept
         if isinstance(e, torch.OutOfMemoryError):
             extra = sum(t.untyped_storage().nbytes() for t in replacements)
             raise RuntimeError(
@@ -159,7 +160,7 @@ def reconcile(plan: Plan, views: HostViews, parking: Parking, targets: list[obje
     # 2. Re-point, each step undone in reverse on a failure; nothing after it can fail.
     undo: list = []
     try:
-        for si in set(range(len(plan.storages))) - set(live_s):  # a packed chunk brings back dead neighbours
+        for si in set(allocated) - set(live_s):  # a packed chunk brings back dead neighbours
             plan.storages[si].resize_(0)
         parking.to_device(back)
         undo.append(lambda: parking.revert_to_device(back))
@@ -181,7 +182,7 @@ def reconcile(plan: Plan, views: HostViews, parking: Parking, targets: list[obje
         with uninterruptible():  # see [Note: an undo is not interrupted]
             for step in reversed(undo):
                 step()
-            undo_allocations(plan, range(len(plan.storages)), streams)
+            undo_allocations(plan, allocated, streams)
         raise
     logger.debug("reconcile: %d of %d tensors still held, %d given other bytes, %d replacements moved to %s",
                  len(live_t), len(plan.tensors), len(swapped), len(moves), plan.device)

@@ -26,6 +26,7 @@ not guard on hooks added after compilation): do not run them while offloaded.
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future
 
 import torch
@@ -37,8 +38,9 @@ from .._schedules.prefetch import Group, Prefetch, PrefetchRun
 from .._schedules.release import PROGRESS_EVERY, ReleaseSchedule
 from .._schedules.unchanged import UnchangedStorages
 from .._state.fsdp import comm_streams, repoint_sharded_data
+from .._state.holders import shared_storages
 from .._state.parking import Parking
-from .._state.plan import Plan, PlanCache, build_plan, fingerprint, refuse_unresizable, storage_bytes
+from .._state.plan import Plan, PlanCache, build_plan, fingerprint, refuse_unresizable, storage_bytes, to_allocate
 from .._state.targets import Targets
 from .._transfer.arena import ReloadArena
 from .._transfer.copies import H2DIssued, issue_d2h, issue_h2d
@@ -57,6 +59,10 @@ def _hash_tail_bytes(plan: Plan) -> int:
     return max(plan.state_bytes // HASH_TAIL_DIV, HASH_TAIL_MIN)
 
 __all__ = ["StateSet"]
+
+logger = logging.getLogger("torchferry")
+
+_KEPT_NAMES = 8  # tensors named in the warning of a kept storage, at most
 
 
 class StateSet:
@@ -81,6 +87,7 @@ class StateSet:
         self.unchanged = UnchangedStorages() if skip_unchanged else None
         self.arena: ReloadArena | None = None  # see [Note: reload arena]
         self.early: EarlyOffload | None = None  # see [Note: offload during forward]
+        self.warned_kept = False  # see _warn_kept(): once per ferry
 
     def _set_device(self, device: torch.device) -> None:
         self.device = device
@@ -193,11 +200,13 @@ class StateSet:
         if (hv is not None and early is None and progress_every is None
                 and all(st.nbytes() == n for st, n in zip(cache.plan.storages, cache.plan.nbytes, strict=False))):
             targets = self.targets.resharded()
+            kept = shared_storages(cache.plan)  # before anything moves
             unchanged = self._unchanged_now(cache.plan, hv, None)
             copies = issue_d2h(cache.plan, cache.device_views, hv, unchanged, self.streams)
             fp = fingerprint(targets)
             if fp == cache.fingerprint:
-                return OffloadIssued(cache.plan, hv, copies, [f[0] for f in fp], unchanged)
+                self._warn_kept(cache.plan, kept)
+                return OffloadIssued(cache.plan, hv, copies, [f[0] for f in fp], unchanged, kept)
             if copies.event is not None:
                 copies.event.synchronize()  # the copies only wrote the pool; redo with a new plan
             # Hold nothing of the old plan's views: a growing pool must be able to
@@ -207,12 +216,29 @@ class StateSet:
         else:
             plan = self.plan()
         cache = self._cache_of(plan)
+        kept = shared_storages(plan)  # before anything moves
         views = self.host.views(plan, cache=True)  # may raise (pool allocation): nothing moved yet
         early_copied = early.take(plan, views) if early is not None else set()  # during the forward
         unchanged = self._unchanged_now(plan, views, early)
         copies = issue_d2h(plan, cache.device_views, views, early_copied | unchanged, self.streams,
                            progress_every=progress_every)
-        return OffloadIssued(plan, views, copies, [f[0] for f in cache.fingerprint], unchanged)
+        self._warn_kept(plan, kept)
+        return OffloadIssued(plan, views, copies, [f[0] for f in cache.fingerprint], unchanged, kept)
+
+    def _warn_kept(self, plan: Plan, kept: frozenset[int]) -> None:
+        """Logs, once per ferry, the storages an offload keeps on the device ([Note: a storage
+        shared with a tensor the ferry does not know])."""
+        if not kept or self.warned_kept:
+            return
+        self.warned_kept = True
+        names = [r.name for r in plan.tensors if r.storage_index in kept]
+        more = f" and {len(names) - _KEPT_NAMES} more" if len(names) > _KEPT_NAMES else ""
+        logger.warning(
+            "torchferry: offload keeps %d bytes on %s: the storage of %s%s is shared with a tensor torchferry "
+            "does not manage (a view, slice, .data, .detach() or state_dict() entry held elsewhere, or the base "
+            "it was sliced from), which stays readable; drop that tensor (or pass it to Ferry(...) too) to free "
+            "them at the next offload (logged once per ferry)",
+            sum(plan.nbytes[si] for si in kept), plan.device, ", ".join(names[:_KEPT_NAMES]), more)
 
     def issue_reload(self, plan: Plan, views: HostViews, after: torch.cuda.Event | None,
                      gate: AllocGate | None = None, mark: TailMark | None = None) -> H2DIssued:
@@ -297,7 +323,7 @@ class StateSet:
         plan, cuda = off.plan, self.streams.is_cuda
         tracks = schedule is not None and schedule.tracks
         parking = self._parking_of()
-        arena = ReloadArena.seed(self.device, plan.nbytes, after) if cuda and not tracks else None
+        arena = ReloadArena.seed(self.device, to_allocate(plan), after) if cuda and not tracks else None
         move = ReloadMove(plan, parking, self.streams, arena, self.unchanged)
         hash_early = cuda and not tracks and self.unchanged is not None
         try:  # see [Note: all or nothing]

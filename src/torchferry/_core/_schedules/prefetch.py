@@ -66,12 +66,11 @@ from .._state.fsdp import comm_streams, forward_prefetch_units, local_of, repoin
 from .._api.hooks import PREFETCHING as _during, Uncopyable
 from .._api.handle import TransferHandle
 from .._host.layout import HostViews
-from .._state.plan import Plan
+from .._state.plan import Plan, to_allocate
 from .._state.parking import Parking
 from .step_hooks import GlobalStepHook
 from .unchanged import UnchangedStorages
-from .._transfer.driver import DriverQueue, queue_for
-from .._transfer.driver import enabled as driver_copies_enabled
+from .._transfer.driver import DriverQueue, enabled as driver_copies_enabled, queue_for
 from .._transfer.streams import TransferStreams
 from .groups import Group, group_plan, prefetch_groups, split_tail
 from .issuer import ISSUE_POLL_S, ISSUE_WINDOW_BYTES, Issuer, refill_bytes_from_env, wait_target
@@ -215,7 +214,7 @@ class PrefetchRun:
                 self._comm = comm_streams(self.plan.modules)
                 _SETTLING.install()  # finish() adds to it, maybe from inside a step
                 if self.policy.lookahead_bytes is None:
-                    self.arena = ReloadArena.seed(self.plan.device, self.plan.nbytes, self._after)
+                    self.arena = ReloadArena.seed(self.plan.device, to_allocate(self.plan), self._after)
             if self._background:
                 if cuda:
                     driver_copies_enabled()  # a bad TORCHFERRY_DRIVER_COPIES fails here, before anything moved
@@ -400,8 +399,9 @@ class PrefetchRun:
             # freed by kernels still queued (see [Note: reload allocates on the caller's stream]).
             self.streams.h2d.wait_stream(self.streams.current())
         for si in self.groups[gi].storages:
-            plan.storages[si].resize_(plan.nbytes[si])
-            self._allocated.append(si)
+            if plan.storages[si].nbytes() != plan.nbytes[si]:  # else kept by the offload (holders.py)
+                plan.storages[si].resize_(plan.nbytes[si])
+                self._allocated.append(si)
         self._versions.append(self._group_versions(gi))
 
     def _issue_group(self, gi: int, queue: DriverQueue | None = None) -> None:

@@ -17,7 +17,9 @@ reload is handed that schedule as data, :attr:`ReleaseSchedule.gate` (an
 Whatever is left is released (safely, with ``record_stream``) by
 :meth:`ReleaseSchedule.release_rest`. Storages the offload skipped as
 unchanged ([Note: unchanged storages]) are read by no copy: they are released
-at once, and their bytes count as already gone.
+at once, and their bytes count as already gone. Storages a tensor the ferry
+does not know views are never released ([Note: a storage shared with a
+tensor the ferry does not know]): their bytes stay allocated.
 """
 
 from __future__ import annotations
@@ -64,15 +66,20 @@ class ReleaseSchedule:
         return self.budget_bytes is not None
 
     def hold(self, plan: Plan, sources: list[torch.Tensor], slots: list[torch.Tensor], issued: D2HIssued,
-             streams: TransferStreams, unchanged: set[int] | frozenset[int] = frozenset()) -> None:
+             streams: TransferStreams, unchanged: set[int] | frozenset[int] = frozenset(),
+             kept: frozenset[int] = frozenset()) -> None:
         """Takes the outgoing storages (called by the offload, after its copies were queued);
         those in ``unchanged`` (not copied, read by no stream now) are released at once, all or
         nothing (``slots``: the pool views, for [Note: a release undone from the pool]). Nothing is
         taken if it raises, except :class:`ReleaseRolledForward` ([Note: a release rolled forward]):
-        then everything is taken."""
+        then everything is taken. Those in ``kept`` are neither taken nor released (as in
+        ``release()``, the caller's stream waits for the copies first)."""
         after = issued.copied_after or [0] * len(sources)
         pending = [Pending(after[si], st, src) for si, (st, src) in enumerate(zip(plan.storages, sources, strict=False))
-                   if si not in unchanged and src.numel()]
+                   if si not in unchanged and si not in kept and src.numel()]
+        unchanged = frozenset(unchanged) - kept
+        if kept and streams.is_cuda and issued.event is not None:
+            streams.current().wait_event(issued.event)
         try:
             for si in unchanged:
                 plan.storages[si].resize_(0)

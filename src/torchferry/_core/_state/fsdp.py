@@ -8,6 +8,8 @@ rest of torchferry asks it. Written against torch 2.11-2.13
 from __future__ import annotations
 
 from collections.abc import Sequence
+import functools
+import sys
 
 import torch
 from torch import nn
@@ -15,10 +17,13 @@ from torch import nn
 from .tree import module_tree
 
 __all__ = [
+    "base_held_by_python",
     "comm_streams",
     "dtensor_twin",
     "forward_prefetch_units",
+    "fsdp1_flat_storages",
     "fsdp1_offloads_params",
+    "fsdp_held",
     "fsdp_modules",
     "is_dtensor",
     "lazy_init_done",
@@ -30,6 +35,7 @@ __all__ = [
     "set_local",
     "sharded_storages",
     "storage_key",
+    "storage_refs",
     "swap_impls",
     "swap_local",
     "unit_key",
@@ -258,6 +264,82 @@ def fsdp1_offloads_params(module: nn.Module) -> bool:
 
     return any(getattr(getattr(m, "cpu_offload", None), "offload_params", False)
                for m in FullyShardedDataParallel.fsdp_modules(module))
+
+
+@functools.cache
+def _storage_object_refs() -> int:
+    """What one Python storage object adds to a ``StorageImpl``'s use count (1 on torch 2.11-2.13),
+    measured once on a tensor of one impl and its storage object."""
+    t = torch.empty(1)
+    return torch._C._storage_Use_Count(storage_key(t.untyped_storage())) - 1
+
+
+def storage_refs(storage: torch.UntypedStorage) -> int:
+    """How many tensor impls (and other C++ owners) hold ``storage``'s ``StorageImpl``, the Python
+    storage object ``storage`` not counted: see [Note: a storage shared with a tensor the ferry does
+    not know] in ``holders.py``."""
+    return torch._C._storage_Use_Count(storage_key(storage)) - _storage_object_refs()
+
+
+def _base_refcount(view: torch.Tensor) -> int:
+    base = view._base
+    return sys.getrefcount(base)
+
+
+@functools.cache
+def _unheld_base_refcount() -> int:
+    """``sys.getrefcount`` of a view's base that only the view (C++) holds, as :func:`_base_refcount` sees it."""
+    return _base_refcount(torch.empty(2)[:1])
+
+
+def base_held_by_python(view: torch.Tensor) -> bool:
+    """Whether a view's ``_base`` is held by a Python reference (a user's variable), not only by its
+    views' autograd metadata (C++): compared with a base made and dropped here."""
+    return _base_refcount(view) > _unheld_base_refcount()
+
+
+def fsdp_held(modules: list[nn.Module]) -> list[torch.Tensor]:
+    """FSDP2's own tensors over its units' sharded storages, beside the parameters' local shards:
+    each ``FSDPParam._sharded_param_data`` and the padded tensor it (and the local shard) views."""
+    out: list[torch.Tensor] = []
+    for m in modules:
+        for unit in fsdp_modules(m):
+            try:
+                state = unit._get_fsdp_state()  # pyright: ignore[reportCallIssue]  # FSDP2 private _get_fsdp_state
+            except AttributeError:
+                continue
+            for group in param_groups(state):
+                for fp in getattr(group, "fsdp_params", ()) or ():
+                    data = getattr(fp, "_sharded_param_data", None)
+                    if not isinstance(data, torch.Tensor):
+                        continue
+                    out.append(data)
+                    if data._is_view() and data._base is not None:
+                        out.append(data._base)
+                    local = getattr(getattr(fp, "sharded_param", None), "_local_tensor", None)
+                    if isinstance(local, torch.Tensor) and local._is_view() and local._base is not None:
+                        out.append(local._base)
+    return out
+
+
+def fsdp1_flat_storages(modules: list[nn.Module]) -> set[int]:
+    """:func:`storage_key` of every FSDP1 ``FlatParameter``'s storage (and its local shard's) under
+    ``modules``; empty without FSDP1 units."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return set()
+    out: set[int] = set()
+    for m in modules:
+        for _, sub in module_tree(m):
+            if not isinstance(sub, FullyShardedDataParallel):
+                continue
+            handle = getattr(sub, "_handle", None)
+            flat = getattr(handle, "flat_param", None)
+            for t in (flat, getattr(flat, "_local_shard", None)):
+                if isinstance(t, torch.Tensor):
+                    out.add(storage_key(t.untyped_storage()))
+    return out
 
 
 def versions(tensors: list[torch.Tensor]) -> list[object]:

@@ -56,8 +56,8 @@ from torch import nn
 from .fsdp import local_of, storage_key
 from .targets import check_tensor, describe, hidden_optimizer_tensors, inner_optimizers, walk
 
-__all__ = ["Plan", "PlanCache", "TensorRef", "build_plan", "fingerprint", "refuse_unresizable", "resolve_device",
-           "storage_bytes"]
+__all__ = ["Plan", "PlanCache", "TensorRef", "build_plan", "fingerprint", "own_views", "refuse_unresizable",
+           "resolve_device", "storage_bytes", "to_allocate"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -142,9 +142,31 @@ class PlanCache(NamedTuple):
     device_views: list[torch.Tensor]
 
 
+# StorageImpl address -> weak references to the views storage_bytes() made of it: holders the ferry
+# knows, also those an old plan cache left alive (a caught exception's frames keep one):
+# see [Note: a storage shared with a tensor the ferry does not know] in holders.py.
+_own_views: dict[int, list[weakref.ref]] = {}
+
+
+def _forget_view(key: int, ref: weakref.ref) -> None:
+    refs = _own_views.get(key)
+    if refs is not None:
+        refs[:] = [r for r in refs if r is not ref]
+        if not refs:
+            del _own_views[key]
+
+
 def storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
-    """1D ``torch.uint8`` tensor over all of ``storage``'s bytes."""
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+    """1D ``torch.uint8`` tensor over all of ``storage``'s bytes (registered for :func:`own_views`)."""
+    view = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+    key = storage_key(storage)
+    _own_views.setdefault(key, []).append(weakref.ref(view, lambda r, k=key: _forget_view(k, r)))
+    return view
+
+
+def own_views(key: int) -> list[torch.Tensor]:
+    """The live views :func:`storage_bytes` made of the storage whose ``StorageImpl`` address is ``key``."""
+    return [v for r in _own_views.get(key, ()) if (v := r()) is not None]
 
 
 def fingerprint(targets: Sequence[object]) -> list[tuple]:
@@ -177,13 +199,20 @@ def refuse_unresizable(plan: Plan) -> None:
             nothing was allocated, the state stays offloaded.
     """
     for si, st in enumerate(plan.storages):
-        if not st.resizable():
+        if not st.resizable() and st.nbytes() != plan.nbytes[si]:  # one at its size is not resized
             name = next(r.name for r in plan.tensors if r.storage_index == si)
             raise RuntimeError(
                 f"torchferry: cannot reload: the device storage of {name} was made not resizable while "
                 "offloaded (a NumPy array of a view of it, e.g. v.numpy(); PyTorch never undoes that), "
                 "so it cannot be allocated again; the state is still offloaded, on the host"
             )
+
+
+def to_allocate(plan: Plan) -> list[int]:
+    """Per storage of ``plan``, the bytes a reload allocates: 0 for one still allocated at its size
+    (kept by the offload: [Note: a storage shared with a tensor the ferry does not know] in
+    ``holders.py``), which the reload does not ``resize_``."""
+    return [0 if st.nbytes() == n else n for st, n in zip(plan.storages, plan.nbytes, strict=True)]
 
 
 def resolve_device(found: list[tuple[str, torch.Tensor, torch.Tensor]], device: torch.device | None) -> torch.device:

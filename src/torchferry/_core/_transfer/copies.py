@@ -119,11 +119,13 @@ class H2DIssued(NamedTuple):
         start: recorded before the first copy (timing).
         early: with a ``mark``, the event recorded once at most its ``tail_bytes`` of large and
             packed storages were left to copy, if there were more; ``None`` otherwise.
+        allocated: the storages it allocated (an undo frees them again), never one an offload kept.
     """
 
     event: torch.cuda.Event | None
     start: torch.cuda.Event | None
     early: H2DEarly | None = None
+    allocated: tuple[int, ...] = ()
 
 
 def issue_d2h(plan: Plan, sources: list[torch.Tensor], views: HostViews, skip: set[int],
@@ -211,13 +213,17 @@ def copy_runs(chunks: list[PackChunk], pool_chunks: list[torch.Tensor],
 
 def release(plan: Plan, sources: list[torch.Tensor], slots: list[torch.Tensor], streams: TransferStreams,
             copied: torch.cuda.Event | None,
-            gathered: tuple[frozenset[int], torch.cuda.Event] | None = None) -> torch.cuda.Event | None:
+            gathered: tuple[frozenset[int], torch.cuda.Event] | None = None,
+            kept: frozenset[int] = frozenset()) -> torch.cuda.Event | None:
     """Frees the device memory of ``plan``'s storages after their D2H copies (see
     [Note: release is safe against the in-flight copy]), all or nothing ([Note: a release undone
     from the pool]: ``slots``, the pool views, and ``copied``, the D2H copies' last event, serve
     its undo). ``gathered`` (from :class:`D2HIssued`): packed storages read only by the
     ``gather`` stream's kernels, freed after the caller's stream waits for them ([Note: small
-    storages released without an event each]).
+    storages released without an event each]). ``kept``: storages a tensor the ferry does not
+    know views, left allocated; the caller's stream waits for ``copied`` first, so that a write
+    through that tensor cannot reach the pool ([Note: a storage shared with a tensor the ferry
+    does not know]).
 
     Everything that can fail runs before the first storage is freed; the loop that frees them
     calls only ``record_stream`` and ``resize_``.
@@ -240,13 +246,17 @@ def release(plan: Plan, sources: list[torch.Tensor], slots: list[torch.Tensor], 
         packed, last_gather = gathered
         current = streams.current()
         current.wait_event(last_gather)
+    if cuda and kept and copied is not None:
+        streams.current().wait_event(copied)
+    freed = [si for si in range(len(plan.storages)) if si not in kept]
     try:
-        for si, (src, storage) in enumerate(zip(sources, plan.storages, strict=False)):
+        for si in freed:
+            src, storage = sources[si], plan.storages[si]
             if cuda and src.numel():
                 src.record_stream(current if si in packed else d2h)  # pyright: ignore[reportArgumentType]  # set on this path (progress_every with copied_after; d2h stream when cuda; packed storages are non-empty)
             storage.resize_(0)
     except BaseException as error:
-        undo_release(plan, range(len(plan.storages)), slots, copied, error)
+        undo_release(plan, freed, slots, copied, error)
         raise
     return streams.event(d2h) if cuda else None
 
@@ -384,10 +394,14 @@ def issue_h2d(plan: Plan, views: HostViews, streams: TransferStreams, *, storage
     (see [Note: packing pipeline]). The current stream is *not* made to wait:
     the caller decides which streams wait for the returned event.
 
+    A storage already allocated at its size (one the offload kept: [Note: a storage shared
+    with a tensor the ferry does not know]) is not ``resize_``d (that would move its bytes to a
+    new block) nor freed by an undo; its copy writes the pool's bytes into it.
+
     Args:
         plan, views: what moves and where it is in the pool.
         streams: the device's streams.
-        storages: indices to bring back (default: all); the others stay released.
+        storages: indices to bring back (default: all); the others stay as they are.
         device_views: the plan's cached 1D uint8 device views (they follow
             ``resize_``), or ``None`` to make them.
         gate: a swap's outgoing storages, asked with the bytes allocated so far, including the
@@ -426,8 +440,9 @@ def issue_h2d(plan: Plan, views: HostViews, streams: TransferStreams, *, storage
             allocated += n
             if gate is not None:
                 gate.before_alloc(allocated)
-            sts[si].resize_(n)
-            allocated_idx.append(si)
+            if sts[si].nbytes() != n:  # else kept by the offload
+                sts[si].resize_(n)
+                allocated_idx.append(si)
             return _device_view(plan, si, device_views) if n else None
 
         large = [si for si in wanted if si not in packed]
@@ -468,9 +483,10 @@ def issue_h2d(plan: Plan, views: HostViews, streams: TransferStreams, *, storage
         if gate is None and device_views is not None:
             def alloc_chunk(ch: PackChunk) -> list[torch.Tensor]:
                 # Thousands of small storages: one tight loop (see [Note: packing pipeline]).
-                allocated_idx.extend(ch.storages)  # freeing one not yet allocated is harmless
                 for si in ch.storages:
-                    sts[si].resize_(nbytes[si])
+                    if sts[si].nbytes() != nbytes[si]:  # else kept by the offload
+                        allocated_idx.append(si)  # before: freeing one not yet allocated is harmless
+                        sts[si].resize_(nbytes[si])
                 return [device_views[si] for si in ch.storages]
         else:
             def alloc_chunk(ch: PackChunk) -> list[torch.Tensor]:
@@ -481,4 +497,4 @@ def issue_h2d(plan: Plan, views: HostViews, streams: TransferStreams, *, storage
         undo_allocations(plan, allocated_idx, streams)
         raise
     event = streams.event(streams.h2d, timing=True) if cuda else None
-    return H2DIssued(event, start, early)
+    return H2DIssued(event, start, early, tuple(allocated_idx))

@@ -25,7 +25,7 @@ SHAPES = ("small", "compute-rich")
 
 def _shape(tiny: bool, name: str = "small") -> _Shape:
     """The batch per step. ``compute-rich``: 16 x (256 + 768) = 16,384 tokens per rank and phase
-    (issue 27's measure needs at least that much compute to hide copies behind)."""
+    (enough compute to hide a 1.5B model's copies behind: ``bench --workload compute-rich``)."""
     if tiny:
         return _Shape(batch_per_rank=4, prompt_len=8, response_len=8, mini_batches=2, micro_batch_per_gpu=1,
                       log_prob_micro_batch_per_gpu=2)

@@ -358,7 +358,7 @@ def test_trace_phase_breakdown_splits_kernels_by_kind_and_finds_the_compute_stre
 
 
 def test_lora_scenario_runs_on_cpu_skips_the_frozen_base_and_is_bit_exact(tmp_path):
-    """``torchferry bench-lora`` (issue 16): peft adapters on the tiny preset under FSDP2, seed and
+    """``torchferry bench-lora``: peft adapters on the tiny preset under FSDP2, seed and
     torchferry (skip_unchanged) side by side; verify mode checks every skip against a full copy."""
     pytest.importorskip("peft")
     out = tmp_path / "lora.json"

@@ -210,3 +210,28 @@ def test_every_note_the_docs_cite_is_in_the_file_they_name():
             if not any(f"[Note: {note}]" in " ".join(f.read_text().split()) for f in files if f.is_file()):
                 wrong.append(f"{md.relative_to(ROOT)}: [Note: {note}] not in {token}")
     assert not wrong, "\n".join(wrong)
+
+
+# Labels a reader of the repository cannot open: an issue tracker's numbers, a reviewer's name for
+# itself, files outside the repository. A public PR or issue is cited by its address instead.
+_UNOPENABLE = re.compile(r"\b[Ii]ssues? \d+(?![.\d])|\bbreaker (?:helper|finding)|\.\./shared/|/work/(?:main|shared)")
+
+
+def test_python_sources_cite_only_what_a_reader_can_open():
+    """Comments and docstrings in the package, the tests and the benchmarks, as the docs above: no
+    issue labels, no reviewers' names, no paths outside the repository; and each repository path a
+    Python file cites in double backticks (``src/...``, ``tests/...``, ``benchmarks/...``, ``docs/...``)
+    exists."""
+    bad, missing = [], []
+    files = [*(ROOT / "src").rglob("*.py"), *(ROOT / "tests").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
+    for f in files:
+        text = f.read_text()
+        rel = f.relative_to(ROOT)
+        for m in _UNOPENABLE.finditer(text):
+            if f.name != "test_examples.py":
+                bad.append(f"{rel}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}")
+        for token in re.findall(r"``((?:src|tests|benchmarks|docs)/[\w./*-]+?)(?:::\w+)?``", text):
+            if not _resolve(token):
+                missing.append(f"{rel}: {token}")
+    assert not bad, "labels no reader can open:\n" + "\n".join(bad)
+    assert not missing, "cited but not in the repository:\n" + "\n".join(missing)

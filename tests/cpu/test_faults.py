@@ -5,7 +5,7 @@ Each case brings a ferry to a state, then runs one transfer call once per torchf
 call it makes, raising at that call (``KeyboardInterrupt``, ``SystemExit``, an out-of-memory or a
 ``RuntimeError``, in turn). After every fault the state must be consistent (residency, where the
 tensors live, the forward guard, every value bit-exact) and a retry must complete the cycle with
-every autograd hook firing exactly once (reproduces issue 24 item 1: a fault in the reload's
+every autograd hook firing exactly once (before: a fault in the reload's
 baseline hash left residency HOST with the tensors on the device, and the retried reload gave the
 parameters the host twins' impls, so 0 of their post-accumulate hooks fired).
 """
@@ -209,7 +209,7 @@ def test_transfer_is_all_or_nothing_under_a_fault_at_every_call(name, skip):
 
 
 def test_reload_fault_in_the_baseline_hash_keeps_hooks(monkeypatch):
-    """Issue 24's smallest case: ``KeyboardInterrupt`` in the reload's baseline hash, then a retry."""
+    """The smallest case: ``KeyboardInterrupt`` in the reload's baseline hash, then a retry."""
     import torchferry._core._schedules.unchanged as unchanged
 
     m = nn.Linear(64, 64)

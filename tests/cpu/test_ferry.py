@@ -1,7 +1,7 @@
 """The Ferry on the CPU (``_ferry/ferry.py``): round trips bit-exact with identity kept, the residency
 state machine, idempotent calls, guards while offloaded, atomic failures (pool, out of memory,
-an interrupt between copies), close() and what a closed or dropped ferry holds (issue 15
-items 2-4, commit df8fb81), stats and logging.
+an interrupt between copies), close() and what a closed or dropped ferry holds (reported
+against commit df8fb81), stats and logging.
 """
 
 from __future__ import annotations

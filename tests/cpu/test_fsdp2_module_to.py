@@ -124,7 +124,7 @@ def check_load_state_dict_of_a_root_unit_while_prefetching(rank: int, world: int
     """A root that holds parameters of its own is a unit and the ferry's target: its
     ``load_state_dict`` during a layer-wise reload completes the reload once (one hook per
     module: the first removed the others while torch iterated them, "OrderedDict mutated during
-    iteration", found by a breaker helper) and loads what a run without a ferry loads."""
+    iteration") and loads what a run without a ferry loads."""
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -1,6 +1,6 @@
 """The pool's layout and its host views (``_host/layout.py``, ``_transfer/packing.py``): slots aligned or
 packed, pin boundaries, one storage per slot (an offloaded tensor pickles only its own bytes,
-issue 15 items 2-4, commit df8fb81), views that outlive the pool or the ferry.
+reported against commit df8fb81), views that outlive the pool or the ferry.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """DDP, tensor parallelism and ZeroRedundancyOptimizer over gloo (2 spawned CPU processes).
 
-Reproduces the reports of issue 15 items 1, 5 and 6 (2 x H200 and CPU, commit df8fb81): DDP
+Reproduces reports made against commit df8fb81 (2 x H200 and CPU): DDP
 stopped synchronising after the first cycle (its reducer hooks live on the AccumulateGrad node
 that ``.data =`` dropped), TP parameters lost their tensor and post-accumulate-grad hooks (12 of
 24 calls on the CPU), a DTensor over a tensor subclass gave a raw storage error and a

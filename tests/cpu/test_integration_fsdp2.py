@@ -4,9 +4,9 @@ Covers uneven shards (dim 0 not divisible by 2) and a zero-size local shard
 (dim 0 == 1: rank 1 holds nothing), FSDP2's padded ``_sharded_param_data``
 alias, identity of DTensor parameters, grads and optimizer state, release of
 every storage while offloaded, and training after reload bit-identical to
-training without offload; a frozen parameter keeps its ``.grad`` (issue 15 item 7);
+training without offload; a frozen parameter keeps its ``.grad``;
 inference-mode buffers and ``state_dict()`` right after ``reload(prefetch=True)``
-(issue 15 items 8-10, commit df8fb81). The checks take a device, so the GPU tier runs
+(reported against commit df8fb81). The checks take a device, so the GPU tier runs
 them over NCCL.
 """
 
@@ -163,7 +163,7 @@ def test_fsdp2_inference_buffers_and_state_dict_after_prefetch_gloo():
 
 
 def check_local_shard_given_other_bytes_while_offloaded(rank, world):
-    """``p._local_tensor.data = t`` while offloaded (a breaker found a segfault: FSDP2's all-gather
+    """``p._local_tensor.data = t`` while offloaded (before, a segfault: FSDP2's all-gather
     read its padded shard, whose storage the reload had left empty). Afterwards FSDP2 gathers what
     its padded shard holds, as it would without a ferry: the forward matches a run without one."""
     from torch.distributed.device_mesh import init_device_mesh

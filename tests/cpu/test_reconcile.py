@@ -1,7 +1,7 @@
 """State replaced while offloaded (``_ferry/reconcile.py``): the next offload() moves what is there now,
 reload() leaves every tensor on the device, dead tensors are neither kept nor re-allocated.
 
-Reproduces issue 15 items 2-4 (commit df8fb81): an ``optimizer.load_state_dict`` while
+Reproduces reports made against commit df8fb81: an ``optimizer.load_state_dict`` while
 offloaded was lost track of (the next offload moved 0 of 12 new tensors and the reload
 re-allocated the dead ones).
 """
@@ -109,7 +109,7 @@ def _give_other_bytes(m, opt, how: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("how", ["data", "set_"])
 @pytest.mark.parametrize("back", ["reload", "prefetch", "offload", "skip_unchanged"])
 def test_storage_swapped_while_offloaded_is_kept(how, back):
-    """``p.data = t`` / ``p.set_(t)`` while offloaded (breaker finding F1): the assigned bytes survive
+    """``p.data = t`` / ``p.set_(t)`` while offloaded: the assigned bytes survive
     the reload, in the same objects, and the next cycle moves them."""
     m, opt = trained(ids=IDS)
     ferry = Ferry(m, opt, skip_unchanged=back == "skip_unchanged")
@@ -161,7 +161,7 @@ def test_narrowed_while_offloaded_keeps_the_new_shape():
 
 
 def test_views_taken_before_keep_the_old_bytes_and_ties_by_data_stay_tied():
-    """Other bytes given while offloaded, as plain PyTorch does it (breaker findings): a view of the
+    """Other bytes given while offloaded, as plain PyTorch does it: a view of the
     old storage taken before (an alias the ferry does not know, like FSDP2's padded shard) still
     reads the old bytes; ``head.weight.data = emb.weight.data`` ties them; one tensor given to two
     parameters is one storage after the reload; a transpose (same address, shape, dtype) is kept."""

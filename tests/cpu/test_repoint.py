@@ -1,7 +1,7 @@
 """Parked TensorImpls (``_state/parking.py``): everything autograd attaches to a parameter survives an
 offload/reload cycle, and a failed re-point is rolled back.
 
-Reproduces the reports of issue 15 items 1, 6 and 7 (2 x H200 and CPU, commit df8fb81) for
+Reproduces reports made against commit df8fb81 (2 x H200 and CPU) for
 plain parameters; DDP, TP and FSDP2 are in test_integration_ddp_tp.py and
 test_integration_fsdp2.py.
 """

@@ -2,8 +2,8 @@
 collected (wrapped and listed optimizer state, inference-mode buffers), and what is refused up
 front, by name (unsupported, nested, released or foreign tensors, bad targets).
 
-Inference-mode buffers and nested tensors reproduce issue 15 items 5, 8, 9 and 10 (commit
-df8fb81); the refusals of state another ferry holds come from an adversarial review.
+Inference-mode buffers and nested tensors reproduce reports made against commit
+df8fb81; so do the refusals of state another ferry holds.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def test_module_tree_walks_like_named_modules_parameters_and_buffers():
 
 def test_a_root_overriding_named_parameters_and_buffers_is_asked_for_them():
     """A root whose ``named_parameters`` / ``named_buffers`` yield tensors outside ``_parameters`` /
-    ``_buffers``: those move too (a breaker helper found them left behind by the stack walk)."""
+    ``_buffers``: those move too (the stack walk left them behind)."""
 
     class WithExtra(nn.Module):
         def __init__(self):

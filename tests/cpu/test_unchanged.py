@@ -1,4 +1,4 @@
-"""Skipping unchanged storages at offload (``_schedules/unchanged.py``, issue 16 part 1): the hash; every kind
+"""Skipping unchanged storages at offload (``_schedules/unchanged.py``): the hash; every kind
 of write seen; frozen, never-trained and LoRA-like state; bit-exact cycles; verify mode; swap; FSDP2."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""GPU tier of issue 15's kinds: what only shows when the device changes (CUDA <-> CPU).
+"""GPU tier of the inputs' kinds (``tests/cpu/test_targets.py``): what only shows when the device changes (CUDA <-> CPU).
 
 DDP, TP hooks, a frozen FSDP2 parameter and module.to() while off the device over NCCL on 2 GPUs (the CPU tier
 runs the same checks over gloo, where no device changes); device memory back

@@ -37,7 +37,7 @@ def test_real_out_of_memory_during_reload_keeps_state_and_retry_succeeds():
 
 
 def test_real_out_of_memory_while_reconciling_replaced_state_keeps_it_offloaded_and_hooks_fire():
-    """Issue 24 item 1 on a GPU: optimizer state replaced while offloaded (a checkpoint resumed in
+    """On a GPU: optimizer state replaced while offloaded (a checkpoint resumed in
     verl's order) and a reload that runs out of device memory moving the replacements: before, 9 of
     24 tensors stayed on the GPU under residency HOST, the error was torch's, and the retry gave
     the parameters the host twins' impls (their hooks never fired again)."""

@@ -1,4 +1,4 @@
-"""``torchferry bench-lora``: LoRA training, where most of the state is a frozen base (issue 16).
+"""``torchferry bench-lora``: LoRA training, where most of the state is a frozen base.
 
 The preset's Qwen2 is built as the main bench builds it (random init), its base weights cast to
 bf16 and frozen (as verl's LoRA path holds them), LoRA adapters (``peft``; rank 64 by default on

@@ -13,15 +13,17 @@ the device where its predecessor (same name) lived (optimizer state without a
 predecessor: floating state other than ``step``, as PyTorch's own placement
 rule), and forgets its plan. The state is then resident; an ``offload()``
 that found the change offloads everything again (one extra round trip, only
-after a replacement). Issue 15 item 3 reproduced it: the second offload moved
-0 of 12 new tensors and the reload re-allocated the dead ones.
+after a replacement). Before it, the second offload moved 0 of 12 new tensors
+and the reload re-allocated the dead ones
+(``tests/cpu/test_reconcile.py::test_optimizer_load_state_dict_while_offloaded_then_offload_moves_what_is_there_now``).
 
 [Note: storage swapped while offloaded]
 The same object can be given other bytes while offloaded: ``p.data = t``,
 ``p.set_(t)``, ``p.grad.data = g``. Ids do not change (and ``.data =``
 bumps no version counter), so a reload that only compared ids brought the
-pool's bytes back into the object and silently undid the assignment (found
-by a breaker helper). So every check above also compares each object's local
+pool's bytes back into the object and silently undid the assignment
+(``tests/cpu/test_reconcile.py::test_storage_swapped_while_offloaded_is_kept``).
+So every check above also compares each object's local
 tensor with the host view the offload gave it (address, shape, dtype, read
 once per check: about 0.3 us a tensor). A tensor that moved away is
 reconciled like a replacement, keeping its object and its parked device impl

@@ -95,7 +95,7 @@ def host_page_report() -> dict:
     The DMA engine translates every page of a pinned range; whether the pool
     is covered by transparent huge pages (2 MiB) or by 4 KiB pages is the
     first thing to check when a pool copies below a ``torch`` pinned buffer
-    on the same host (issue 17).
+    on the same host.
 
     Returns:
         ``{"thp_enabled", "thp_defrag"}``: the kernel's THP settings (the
@@ -161,7 +161,7 @@ def _touch(buf: torch.Tensor) -> None:
 
     Own threads rather than ATen's intra-op pool: ``torchrun`` sets
     ``OMP_NUM_THREADS=1``, which made one rank touch 45.7 GB single-threaded at
-    3.7 GB/s (``benchmarks/results/bench_qwen2.5-7b_h200x2`` first run).
+    3.7 GB/s (``benchmarks/results/bench_qwen2.5-7b_h200x2_2026-11-30.json``, first run).
     ``fill_`` releases the GIL, so the threads run in parallel.
     """
     n = buf.numel()

@@ -27,8 +27,8 @@ moved yet); ``ferry.reload()`` without prefetch completes everything at once.
 As while offloaded ([Note: storage swapped while offloaded] in ``_ferry.reconcile``), a tensor
 can be given other bytes between ``reload(prefetch=...)`` and its unit's forward: ``p.data = t``,
 ``module.half().float()``, or FSDP2 itself, which on any ``module.to(...)`` of a unit re-pads an
-uneven shard into a new host tensor that later in-place writes then land in (both found by a
-breaker helper: the writes were lost). So making a unit resident first compares each of its
+uneven shard into a new host tensor that later in-place writes then land in (the writes were
+lost: ``tests/cpu/test_fsdp2_module_to.py``). So making a unit resident first compares each of its
 tensors with the host view the offload gave it (address, shape, stride, dtype); one that moved
 away gets the pool's bytes and then the bytes it holds now (``copy_`` into its planned storage,
 or, for another shape or dtype, ``.data =`` a device copy, as a reconcile does), and the

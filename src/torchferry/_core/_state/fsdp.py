@@ -352,8 +352,8 @@ def versions(tensors: list[torch.Tensor]) -> list[object]:
     pair of counters and its local shard's ``id()``: FSDP2's ``module.to(...)``
     gives a unit a new local shard object over the same bytes, whose counter
     starts again at 0, so a sum of the two could come out equal after a write
-    (found by a breaker helper: a write after ``module.to()`` during a layer-wise
-    reload was not copied again). Inference tensors have no counter: they count
+    (a write after ``module.to()`` during a layer-wise reload was not copied
+    again: ``tests/cpu/test_fsdp2_module_to.py``). Inference tensors have no counter: they count
     as 0 (callers that must see their writes exclude them).
     """
     out: list[object] = []

@@ -19,7 +19,7 @@ free memory under the array; PyTorch never sets it back, even once the array
 is gone. With ``device="cpu"`` the resident storages are CPU storages: such a
 view taken after the plan was cached made the offload fail half-way, at the
 release's ``resize_(0)``, after re-pointing, and then every ``reload()`` failed
-at its ``resize_`` (found by a breaker helper). The fingerprint therefore holds
+at its ``resize_``. The fingerprint therefore holds
 ``resizable()``: a storage that lost it invalidates the cached plan and
 :func:`build_plan` refuses it by name before anything is copied or re-pointed;
 the state stays resident. Views of the pool are harmless: pool views are

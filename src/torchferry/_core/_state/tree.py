@@ -13,8 +13,9 @@ bytes). :func:`module_tree` makes the same list with a stack, and inside
 code in between) a root is walked once. A module class overriding
 ``named_modules``, ``named_parameters`` or ``named_buffers`` (FSDP1, some peft
 layers) in the tree gets PyTorch's module walk, and a root overriding
-``named_parameters`` or ``named_buffers`` is asked for them itself (a breaker
-helper found an override's extra tensors left behind).
+``named_parameters`` or ``named_buffers`` is asked for them itself (an override's extra
+tensors were left behind:
+``tests/cpu/test_targets.py::test_a_root_overriding_named_parameters_and_buffers_is_asked_for_them``).
 """
 
 from __future__ import annotations

@@ -287,3 +287,29 @@ def test_unpatch_keep_offloaded_leaves_the_state_to_a_later_patch():
     assert_same(before, snapshot(m, opt))
     m(IDS).backward()
     opt.step()
+
+
+def test_state_verl_offloaded_itself_is_loaded_by_verls_own_code(monkeypatch):
+    """A model or optimizer that verl's own helpers offloaded (before ``patch()``, or by a path it does
+    not reach) has no ferry: the patched loads hand it to verl's own code, which moves it (to ``meta``
+    here, where the CPU cannot tell the host from the device), instead of doing nothing."""
+    torch.manual_seed(0)
+    m = Mixed()
+    opt = torch.optim.AdamW(m.parameters())
+    m(IDS).backward()
+    opt.step()
+    verl_fsdp_utils.offload_fsdp_model_to_cpu(m)  # verl's own, unpatched
+    verl_fsdp_utils.offload_fsdp_optimizer(opt)
+    monkeypatch.setattr(verl_fsdp_utils, "get_device_id", lambda: "meta")
+    tf_verl.patch()
+    try:
+        assert compat.ferry_for(m) is None and compat.ferry_for(opt) is None
+        verl_fsdp_utils.load_fsdp_model_to_gpu(m)
+        assert all(p.device.type == "meta" for p in m.parameters())
+        m2 = Mixed()
+        verl_fsdp_utils.load_fsdp2_model_to_gpu(m2)
+        assert all(p.device.type == "meta" for p in m2.parameters())
+        verl_fsdp_utils.load_fsdp_optimizer(opt, "meta")
+        assert all(v.device.type == "meta" for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
+    finally:
+        tf_verl.unpatch()

@@ -117,18 +117,30 @@ def _replacements(fsdp_utils: ModuleType, original: Mapping[str, Callable]) -> d
             return original["offload_fsdp_model_to_cpu"](model, empty_cache)  # verl's own code
         return compat.offload_fsdp2_model_to_cpu(model, empty_cache)
 
+    # A model or optimizer torchferry never moved (verl's own code offloaded it, before patch() or
+    # through a path patch() does not reach) is loaded by verl's own code, as SkyRL's replacements do.
     def load_fsdp_model_to_gpu(model):
-        if fsdp_version(model) == 1 and compat.ferry_for(model) is None:  # verl offloaded it
+        if compat.ferry_for(model) is None:
             return original["load_fsdp_model_to_gpu"](model)
         return compat.load_fsdp2_model_to_gpu(model)
+
+    def load_fsdp2_model_to_gpu(model):
+        if compat.ferry_for(model) is None:
+            return original["load_fsdp2_model_to_gpu"](model)
+        return compat.load_fsdp2_model_to_gpu(model)
+
+    def load_fsdp_optimizer(optimizer, device_id):
+        if compat.ferry_for(optimizer) is None:
+            return original["load_fsdp_optimizer"](optimizer, device_id)
+        return compat.load_fsdp_optimizer(optimizer, device_id)
 
     return {
         "offload_fsdp_model_to_cpu": offload_fsdp_model_to_cpu,
         "load_fsdp_model_to_gpu": load_fsdp_model_to_gpu,
         "offload_fsdp2_model_to_cpu": compat.offload_fsdp2_model_to_cpu,
-        "load_fsdp2_model_to_gpu": compat.load_fsdp2_model_to_gpu,
+        "load_fsdp2_model_to_gpu": load_fsdp2_model_to_gpu,
         "offload_fsdp_optimizer": compat.offload_fsdp_optimizer,
-        "load_fsdp_optimizer": compat.load_fsdp_optimizer,
+        "load_fsdp_optimizer": load_fsdp_optimizer,
     }
 
 

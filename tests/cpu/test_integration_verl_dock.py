@@ -390,3 +390,24 @@ def test_unpatch_that_cannot_bring_back_an_evicted_set_raises_and_stays_docked(m
     with base.BaseEngineCtx(e1, "eval"):  # the dock still brings it in
         after = e1.module.state_dict()
         assert all(torch.equal(v, after[k]) for k, v in before.items())
+
+
+def test_an_engine_collected_while_the_dock_learns_the_step_leaves_the_order_learnt_again():
+    """Phases recorded with an engine's sets, then that engine collected before the step's order was
+    planned: the order learnt so far named sets no longer in the dock; it is learnt again without
+    them, and the next phases plan and run."""
+    tf_verl.patch(dock=10**8)
+    vd, e1, e2 = tf_verl.docked(), _engine(), _engine()
+    with base.BaseEngineCtx(e1, "eval"):
+        pass
+    with base.BaseEngineCtx(e2, "eval"):
+        pass
+    assert not vd.planned and len(vd.cycle) == 2
+    del e2
+    gc.collect()
+    for _ in range(3):  # eval, train, eval, ...: a cycle closes and is planned
+        with base.BaseEngineCtx(e1, "eval"):
+            pass
+        with base.BaseEngineCtx(e1, "train"):
+            _train_step(e1)
+    assert vd.planned and all("engine1" not in n for phase in vd.cycle for n in phase)

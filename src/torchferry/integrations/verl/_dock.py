@@ -315,6 +315,9 @@ class VerlDock:
                     self.reserved.discard(n)
             except ValueError:  # never registered
                 pass
+        gone = set(names)
+        if not self.planned and any(phase & gone for phase in self.cycle):
+            self.cycle = []  # the order learnt so far named them: learnt again without them
         self._names_changed()
 
     def _state_bytes(self, dock: Dock, e: EngineNames, engine: Any, device: torch.device) -> int:

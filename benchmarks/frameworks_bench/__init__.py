@@ -1,0 +1,1 @@
+"""The frameworks bench (``benchmarks/frameworks.py``), by concern."""

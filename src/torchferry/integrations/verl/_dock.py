@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from ..._core._dock.dock import Dock
+from ..._core._dock.phases import PhaseOrder
 from ..._core._ferry.ferry import Ferry
 from ..._core._state.fsdp import local_of
 from .. import _helpers as compat
@@ -136,8 +137,7 @@ class VerlDock:
         self.dock: Dock | None = None
         self.engines: weakref.WeakKeyDictionary[Any, EngineNames] = weakref.WeakKeyDictionary()
         self.awake: set[str] = set()  # rollout claimants woken since the last phase entry
-        self.cycle: list[frozenset[str]] = []  # phases seen since the last change of names
-        self.planned = False
+        self.order = PhaseOrder()  # the step's phases, learnt: [Note: a step's phases learnt]
         self.phase_log: deque[tuple[str, tuple[str, ...]]] = deque(maxlen=256)  # (event, names), the latest
         self.peak_seen = 0  # torch.cuda.max_memory_allocated before each reset of it, bytes (take_peak)
         self._next_index = 0  # engine<N>: never reused, also after an engine is collected
@@ -161,23 +161,24 @@ class VerlDock:
             self.dock = Dock(budget, device=device)
         return self.dock
 
+    @property
+    def planned(self) -> bool:
+        """Whether the dock was planned with the step's learnt order."""
+        return self.order.planned
+
+    @property
+    def cycle(self) -> list[frozenset[str]]:
+        """The phases learnt so far (each the names it holds)."""
+        return self.order.cycle
+
     def _names_changed(self) -> None:
         """A set or claimant added: a schedule planned without it is learnt again."""
-        if self.planned:
-            self.cycle, self.planned = [], False
-            if self.dock is not None:
-                self.dock.plan(None)
+        self.order.added(self.dock)
 
     def _record(self, names: tuple[str, ...]) -> None:
-        """Learns the step's order of phases ([Note: verl under a Dock]): a cycle closes when its first
-        phase comes again after at least one other phase."""
-        phase = frozenset(names)
-        if self.cycle and phase == self.cycle[0] and len(set(self.cycle)) > 1 and not self.planned:
-            assert self.dock is not None
-            self.dock.plan(list(self.cycle))
-            self.planned = True
-        if not self.planned:
-            self.cycle.append(phase)
+        """Learns the step's order of phases ([Note: verl under a Dock])."""
+        assert self.dock is not None
+        self.order.record(self.dock, names)
 
     def holds(self, ferry: Ferry) -> bool:
         """Whether ``ferry`` is one of the dock's sets (the helpers then leave it to the dock)."""
@@ -276,8 +277,8 @@ class VerlDock:
         try:
             if engine.optimizer is not None and compat._has_state(engine.optimizer) and offloads(engine)[1]:
                 self._ensure_set(dock, e.optimizer, engine.optimizer)
-                if e.optimizer not in names and self.cycle:  # this phase holds it from now on
-                    self.cycle[-1] = self.cycle[-1] | {e.optimizer}
+                if e.optimizer not in names:  # this phase holds it from now on
+                    self.order.joins(e.optimizer)
             if device.type != "cuda":  # no device memory to share: nothing to measure
                 e.measured.setdefault(mode, 0)
             elif not prefetched:  # a prefetch's allocations are not the phase's
@@ -315,10 +316,7 @@ class VerlDock:
                     self.reserved.discard(n)
             except ValueError:  # never registered
                 pass
-        gone = set(names)
-        if not self.planned and any(phase & gone for phase in self.cycle):
-            self.cycle = []  # the order learnt so far named them: learnt again without them
-        self._names_changed()
+        self.order.removed(d, names)
 
     def _state_bytes(self, dock: Dock, e: EngineNames, engine: Any, device: torch.device) -> int:
         """Bytes the engine's registered sets count now, and what verl keeps of it on the device."""

@@ -35,7 +35,7 @@ def _state() -> dict:
         "fsdp_utils": getattr(fsdp_utils.offload_fsdp2_model_to_cpu, "__wrapped__", None)
         is helpers.offload_fsdp2_model_to_cpu,
         "engine": hasattr(transformer_impl.offload_fsdp_model_to_cpu, "__torchferry_original__")
-        and transformer_impl.load_fsdp_optimizer.__wrapped__ is helpers.load_fsdp_optimizer,
+        and hasattr(transformer_impl.load_fsdp_optimizer, "__torchferry_original__"),  # both replaced
         "TORCHFERRY_VERL": os.environ.get("TORCHFERRY_VERL"),
         "RANK": os.environ.get("RANK"),
     }

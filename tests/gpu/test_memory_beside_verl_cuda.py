@@ -15,6 +15,7 @@ memory reserved, each live block with the Python frames that allocated it.
 
 import functools
 import json
+import os
 
 import pytest
 import torch
@@ -191,6 +192,9 @@ def test_verls_step_with_torchferrys_helpers_needs_no_more_device_memory(tmp_pat
         run_spawned(functools.partial(_run, which=which, out=str(out)), world=1, backend="nccl")
         got[which] = json.loads(out.read_text())
     verl, tf = got["verl"], got["torchferry"]
+    if os.environ.get("TORCHFERRY_RESULTS_DIR"):  # the GPU batch keeps the figures seen
+        with open(os.path.join(os.environ["TORCHFERRY_RESULTS_DIR"], "memory_beside_verl.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, **got}, f, indent=1)
     for i, (r_tf, r_verl) in enumerate(zip(tf["reserved_at_wake"], verl["reserved_at_wake"], strict=True)):
         assert r_tf <= r_verl + (32 << 20), (
             f"round {i + 1}: torchferry leaves {r_tf} B reserved at the rollout's wake, verl {r_verl} B; "

@@ -239,21 +239,27 @@ def repoint_sharded_data(modules: list[nn.Module], host_side: dict[int, torch.Te
     return n
 
 
+def _fsdp_params(modules: list[nn.Module]):
+    """Every FSDP2 ``FSDPParam`` of the units under ``modules`` (none for a module without FSDP2 state)."""
+    for m in modules:
+        for unit in fsdp_modules(m):
+            try:
+                state = unit._get_fsdp_state()  # pyright: ignore[reportCallIssue]  # FSDP2 private _get_fsdp_state
+            except AttributeError:
+                continue
+            for group in param_groups(state):
+                yield from getattr(group, "fsdp_params", ()) or ()
+
+
 def sharded_storages(module: nn.Module) -> list[torch.UntypedStorage]:
     """The storages of every FSDP2 unit's sharded parameters under ``module`` (``FSDPParam.sharded_param``'s
     local tensor and ``_sharded_param_data``): reachable from ``module.parameters()`` only while resharded."""
     out: list[torch.UntypedStorage] = []
-    for unit in fsdp_modules(module):
-        try:
-            state = unit._get_fsdp_state()  # pyright: ignore[reportCallIssue]  # FSDP2 private _get_fsdp_state
-        except AttributeError:
-            continue
-        for group in param_groups(state):
-            for fp in getattr(group, "fsdp_params", ()):
-                for t in (getattr(getattr(fp, "sharded_param", None), "_local_tensor", None),
-                          getattr(fp, "_sharded_param_data", None)):
-                    if isinstance(t, torch.Tensor):
-                        out.append(t.untyped_storage())
+    for fp in _fsdp_params([module]):
+        for t in (getattr(getattr(fp, "sharded_param", None), "_local_tensor", None),
+                  getattr(fp, "_sharded_param_data", None)):
+            if isinstance(t, torch.Tensor):
+                out.append(t.untyped_storage())
     return out
 
 
@@ -302,23 +308,16 @@ def fsdp_held(modules: list[nn.Module]) -> list[torch.Tensor]:
     """FSDP2's own tensors over its units' sharded storages, beside the parameters' local shards:
     each ``FSDPParam._sharded_param_data`` and the padded tensor it (and the local shard) views."""
     out: list[torch.Tensor] = []
-    for m in modules:
-        for unit in fsdp_modules(m):
-            try:
-                state = unit._get_fsdp_state()  # pyright: ignore[reportCallIssue]  # FSDP2 private _get_fsdp_state
-            except AttributeError:
-                continue
-            for group in param_groups(state):
-                for fp in getattr(group, "fsdp_params", ()) or ():
-                    data = getattr(fp, "_sharded_param_data", None)
-                    if not isinstance(data, torch.Tensor):
-                        continue
-                    out.append(data)
-                    if data._is_view() and data._base is not None:
-                        out.append(data._base)
-                    local = getattr(getattr(fp, "sharded_param", None), "_local_tensor", None)
-                    if isinstance(local, torch.Tensor) and local._is_view() and local._base is not None:
-                        out.append(local._base)
+    for fp in _fsdp_params(modules):
+        data = getattr(fp, "_sharded_param_data", None)
+        if not isinstance(data, torch.Tensor):
+            continue
+        out.append(data)
+        if data._is_view() and data._base is not None:
+            out.append(data._base)
+        local = getattr(getattr(fp, "sharded_param", None), "_local_tensor", None)
+        if isinstance(local, torch.Tensor) and local._is_view() and local._base is not None:
+            out.append(local._base)
     return out
 
 

@@ -84,3 +84,38 @@ def test_reload_arena_off_for_allocator_settings_it_cannot_rely_on(monkeypatch, 
         assert _device_alloc.ReloadArena.seed(torch.device("cuda", 0), [1 << 30]) is None
     finally:
         _device_alloc.arena_supported.cache_clear()
+
+
+MiB = 1 << 20
+
+
+def test_best_fit_replays_the_allocators_large_pool():
+    """Smallest block that holds each request, split when more than 1 MiB is left; requests no block
+    holds are new segments (their rest free for the next requests)."""
+    from torchferry._core._transfer.arena import best_fit
+
+    assert best_fit([100 * MiB, 40 * MiB], [30 * MiB, 30 * MiB, 30 * MiB]) == (0, 0)  # 40 -> 10 left, 100 -> 70 -> 40
+    assert best_fit([40 * MiB], [64 * MiB]) == (64 * MiB, 0)
+    # a new 64 MiB segment for a 63 MiB request leaves 1 MiB: not split off, so the next request is new too
+    assert best_fit([], [63 * MiB, MiB + 512]) == (63 * MiB + MiB + 512, 0)
+    # the arena is the largest block: the cached blocks are taken first, the arena's rest is its tail
+    assert best_fit([32 * MiB], [32 * MiB, 64 * MiB], arena=100 * MiB) == (0, 36 * MiB)
+    # an arena smaller than a cached block takes a request that block would have held
+    assert best_fit([200 * MiB], [64 * MiB], arena=64 * MiB) == (0, 0)
+
+
+def test_the_arena_is_sized_for_what_the_cached_blocks_cannot_hold():
+    """The verl step's log-prob reload (tests/gpu/test_memory_beside_verl_cuda.py): cached blocks that
+    hold every storage leave no arena (one the size of the state was a 3.2 GB filler beside it); a cache
+    that holds part leaves an arena for the rest, with no tail of a segment rounding or more."""
+    from torchferry._core._transfer.arena import arena_bytes, best_fit
+
+    sizes = [256 * MiB] + [64 * MiB] * 48 + [256 * MiB]  # 3.5 GiB of storages
+    assert arena_bytes([2048 * MiB, 1600 * MiB], sizes) == 0
+    assert arena_bytes([], sizes) == sum(sizes)
+    free = [1024 * MiB, 300 * MiB, 10 * MiB]
+    a = arena_bytes(free, sizes)
+    unplaced, tail = best_fit(free, sizes, a)
+    assert unplaced == 0 and tail < 2 * MiB
+    assert a <= sum(sizes) - 1024 * MiB - 256 * MiB  # the cached 1 GiB and one 256 MiB storage's worth stay out
+    assert arena_bytes([], [32 * MiB]) == 0  # under 64 MiB: one cudaMalloc per storage is cheap

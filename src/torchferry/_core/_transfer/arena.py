@@ -8,26 +8,30 @@ the next ``empty_cache()``: 12-87 ms for 339 storages of 30.5 GB against
 1.2-3.7 ms for one allocation of the same total, measured on an H200
 (``git show 75cc57c:benchmarks/results/probe_reload_h200_qwen2.5-7b-unsharded_2026-11-30.json``).
 
-So we allocate one block the size of all large storages (the allocator's
+So we allocate one block the size of the large storages (the allocator's
 large pool: > 1 MiB, sizes rounded to 512 B) and free it at once: it stays
 cached as one segment, and the storages' ``resize_`` calls carve it front to
-back (best fit, split rule of ``c10/cuda/CUDACachingAllocator.cpp``). Free
-blocks already cached in partly used segments (there always are some in a
-training process: 40-260 MB measured after ``empty_cache()`` in a 7B FSDP2
-run) may take some storages first, by best fit; the arena's unused tail is then
-larger. ``seal()`` allocates a filler over whatever tail is left (> 1 MiB), so
-that no foreign allocation can land in the segment and keep it alive after the
-next offload. When the state is offloaded again every block of the segment is
-free, it coalesces, and ``empty_cache()`` returns it with one ``cudaFree``.
+back (best fit, split rule of ``c10/cuda/CUDACachingAllocator.cpp``).
 
-An earlier rule skipped the arena whenever any cached free block could hold a
-storage; with FSDP2 that was always the case, so every reload paid one
-``cudaMalloc`` per storage: 0.15-0.17 s of host time for 299 storages of
-35 GB (``reload()`` returned only after it), against 0.5 ms for 300
-allocations carved from a seeded arena, both measured on an H200
-(``git show 75cc57c:benchmarks/results/probe_alloc_h200_2026-11-30.json``,
-``git show 75cc57c:benchmarks/results/probe_prefetch_host_h200_2026-11-30.json``). A layer-wise reload waits for
-that host time before the first forward can even be queued.
+[Note: an arena only for what the cache cannot hold]
+Free blocks already cached on the reload's stream (there always are some in a
+training process: 40-260 MB after ``empty_cache()`` in a 7B FSDP2 run, and
+more where a phase freed tensors without ``empty_cache()``: a rollout's KV
+cache) take storages first, by best fit, before the arena: the arena is the
+largest free block. An arena the size of every storage then kept an unused
+tail, and ``seal()`` filled that tail so no other allocation could land there:
+device memory allocated beside the state, which verl's own helpers (one
+``cudaMalloc`` per tensor, after the cached blocks) never hold. In verl's step
+order on one H100 (``tests/gpu/test_memory_beside_verl_cuda.py``) the log-prob
+phase peaked at 8.16 GB against 4.93 GB with verl's helpers: a 3.22 GB filler
+over an arena the cached blocks had made redundant. So :func:`arena_bytes`
+replays the allocator's best fit over the cached free blocks
+(:func:`free_blocks`, from the allocator's snapshot) and sizes the arena for
+what they cannot hold, with itself among the blocks; none when that is under
+64 MiB. ``seal()`` fills only a tail under one segment rounding (2 MiB); a
+larger one (a replay the allocations did not follow) stays free, so the
+reload never holds more than its storages. An arena the allocator served from
+a cached block (no new segment) is not used.
 
 [Note: a reload takes the blocks its offload freed]
 An offload frees the device storages under its D2H event (``record_stream``):
@@ -58,23 +62,106 @@ are allocated one by one, as before.
 
 from __future__ import annotations
 
+import bisect
 import functools
 
 import torch
 
 from .._api.env import ARENA_ENV, allocator_conf, reload_arena
 
-__all__ = ["ARENA_ENV", "ReloadArena", "arena_supported"]
+__all__ = ["ARENA_ENV", "ReloadArena", "arena_bytes", "arena_supported", "best_fit", "free_blocks"]
 
 
 _SMALL_SIZE = 1 << 20  # kSmallSize: blocks up to 1 MiB go to the small pool
+_MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc: a smaller large request gets a kLargeBuffer segment
+_LARGE_BUFFER = 20 << 20  # kLargeBuffer
 _ROUND_LARGE = 2 << 20  # kRoundLarge: large segments are multiples of 2 MiB
 _MIN_BLOCK = 512  # kMinBlockSize: request sizes are rounded to 512 B
 _MIN_ARENA = 64 << 20  # below this the per-storage cost is negligible
+_SIZING_ROUNDS = 6  # replays of the best fit while sizing an arena
 
 
 def _round(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+def _segment_bytes(n: int) -> int:
+    """The segment the allocator ``cudaMalloc``s for a large request of ``n`` bytes (rounded)."""
+    return _LARGE_BUFFER if n < _MIN_LARGE_ALLOC else _round(n, _ROUND_LARGE)
+
+
+def best_fit(free: list[int], sizes: list[int], arena: int = 0) -> tuple[int, int]:
+    """Replays the caching allocator's large pool for one stream: each request, in order, takes the
+    smallest free block that holds it (split when more than 1 MiB is left, the rest staying free), or
+    a new segment (:func:`_segment_bytes`, its rest free too).
+
+    Args:
+        free: the sizes of the free cached blocks (bytes).
+        sizes: the requests in allocation order (bytes, each > 1 MiB and a multiple of 512).
+        arena: the size of one more free block, the arena (bytes; 0: none).
+
+    Returns:
+        The bytes of the requests no block held (each a new ``cudaMalloc``), and the arena's bytes
+        left free at the end (0 without an arena, or when a request took its rest).
+    """
+    ARENA = -1  # the arena's tag; cached blocks are tagged by their index, new segments' rests below -1
+    blocks = sorted((n, i) for i, n in enumerate(free))  # (size, tag): smallest first, as the allocator's set
+    if arena:
+        bisect.insort(blocks, (arena, ARENA))
+    unplaced = 0
+    for k, n in enumerate(sizes):
+        i = bisect.bisect_left(blocks, (n, ARENA - len(sizes) - 1))
+        if i == len(blocks):
+            unplaced += n
+            rest, tag = _segment_bytes(n) - n, ARENA - 1 - k
+        else:
+            size, tag = blocks.pop(i)
+            rest = size - n
+        if rest > _SMALL_SIZE:
+            bisect.insort(blocks, (rest, tag))
+    tail = next((n for n, tag in blocks if tag == ARENA), 0)
+    return unplaced, tail
+
+
+def arena_bytes(free: list[int], sizes: list[int]) -> int:
+    """The arena for a reload: the segment the storages that no cached free block holds fill, sized
+    with itself among the blocks (:func:`best_fit`); 0 when that is under 64 MiB.
+
+    Args:
+        free: the sizes of the cached free blocks of the reload's stream (bytes).
+        sizes: the large storages' sizes in allocation order (bytes, rounded to 512).
+
+    See [Note: an arena only for what the cache cannot hold].
+    """
+    need, _ = best_fit(free, sizes)
+    if need < _MIN_ARENA:
+        return 0
+    best, best_score, size = 0, None, need
+    for _ in range(_SIZING_ROUNDS):
+        segment = _round(size, _ROUND_LARGE)
+        unplaced, tail = best_fit(free, sizes, segment)
+        score = (tail >= _ROUND_LARGE, unplaced, tail)  # a tail first: it is memory held; then cudaMallocs
+        if best_score is None or score < best_score:
+            best, best_score = segment, score
+        if unplaced == 0 and tail < _ROUND_LARGE:
+            break
+        size = segment + unplaced - tail // _ROUND_LARGE * _ROUND_LARGE
+        if size < _MIN_ARENA:
+            break
+    return best if best >= _MIN_ARENA else 0
+
+
+def free_blocks(device: torch.device, stream: int) -> list[int]:
+    """The sizes of the free blocks the caching allocator holds in its large pool for ``stream``
+    (a ``cudaStream_t`` as ``torch.cuda.Stream.cuda_stream``) on ``device``, from its snapshot."""
+    try:
+        segments = torch.cuda.memory_snapshot(include_traces=False)
+    except TypeError:  # a torch without the switch
+        segments = torch.cuda.memory_snapshot()
+    return [b["size"] for seg in segments
+            if seg.get("device") == device.index and seg.get("segment_type") == "large"
+            and seg.get("stream") == stream and tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0)
+            for b in seg["blocks"] if b["state"] == "inactive"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -115,7 +202,9 @@ class ReloadArena:
     @classmethod
     def seed(cls, device: torch.device, sizes: list[int],
              after: torch.cuda.Event | None = None) -> ReloadArena | None:
-        """Allocates and frees one block for every large storage in ``sizes`` (bytes).
+        """Allocates and frees one block for the large storages in ``sizes`` (bytes, in the order they
+        are allocated) that the cached free blocks cannot hold ([Note: an arena only for what the cache
+        cannot hold]).
 
         Args:
             device: the reload's device.
@@ -123,24 +212,30 @@ class ReloadArena:
             after: the ferry's own last offload event, waited for on the host first if it has
                 not completed ([Note: a reload takes the blocks its offload freed]).
 
-        Returns ``None`` (and allocates nothing) when the arena does not apply:
-        unsupported allocator settings, little to allocate, or no room.
+        Returns ``None`` (and holds nothing) when the arena does not apply:
+        unsupported allocator settings, little to allocate beyond what the cache holds, no room,
+        or the allocator served it from a cached block.
         """
         if device.type != "cuda" or not arena_supported():
             return None
         large = [r for r in (_round(n, _MIN_BLOCK) for n in sizes if n) if r > _SMALL_SIZE]
-        total = sum(large)
-        if total < _MIN_ARENA:
+        if sum(large) < _MIN_ARENA:
             return None
         if after is not None and not after.query():
             after.synchronize()
+        # An allocation processes the allocator's completed events: blocks freed under them are free now.
+        torch.empty(1, dtype=torch.uint8, device=device)
+        total = arena_bytes(free_blocks(device, torch.cuda.current_stream(device).cuda_stream), large)
+        if not total:
+            return None
+        reserved = torch.cuda.memory_reserved(device)
         try:
             block = torch.empty(total, dtype=torch.uint8, device=device)
         except torch.OutOfMemoryError:
             return None
-        base = block.data_ptr()
+        base, new_segment = block.data_ptr(), torch.cuda.memory_reserved(device) - reserved >= total
         del block  # cached as one free segment, carved by the resize_ calls that follow
-        return cls(base, total, device)
+        return cls(base, total, device) if new_segment else None  # carved from a cached block: no arena
 
     def seal(self, storages: list[torch.UntypedStorage] | None = None) -> None:
         """Takes the segment's unused tail, after the storages took their blocks.
@@ -161,8 +256,8 @@ class ReloadArena:
                     tail_start = max(tail_start, p + _round(n, _MIN_BLOCK))
         seg_end = base + _round(self._total, _ROUND_LARGE)
         filler = seg_end - tail_start
-        if filler <= _SMALL_SIZE:  # nothing of the large pool fits there
-            return
+        if filler <= _SMALL_SIZE or filler >= _ROUND_LARGE:  # nothing of the large pool fits there, or the
+            return  # storages did not follow the replay: left free (see the Note on what the cache cannot hold)
         for _ in range(4):  # best fit may first hand out a foreign free block of the same size
             try:
                 t = torch.empty(filler, dtype=torch.uint8, device=self._device)

@@ -27,6 +27,7 @@ from .moves import Offloaded
 from .pin_ahead import PinAhead
 from .rollback import Rollback
 from .state_set import StateSet
+from .watch import ResidentWatch, forget_if_dropped, grads_held
 
 __all__ = ["Ferry"]
 
@@ -104,6 +105,9 @@ class Ferry:
         self._closed = False
         self._mover = OneMover()  # see [Note: one thread moves a ferry]
         self._pin_ahead = PinAhead.arm(self._set, plan) if pin_ahead else None
+        self._watch = ResidentWatch(lambda full: forget_if_dropped(ref(), full))  # [Note: state dropped while resident]
+        weakref.finalize(self, self._watch.disarm).atexit = False
+        self._watch_grads: list = []  # its gradient check: (parameter, gradient) weak references
 
     # ------------------------------------------------------------------ state
     @property
@@ -175,6 +179,10 @@ class Ferry:
 
     def _handle_or_noop(self, direction: str) -> TransferHandle:
         return self._last if self._last is not None else TransferHandle(direction, 0, None)  # type: ignore[arg-type]
+
+    def _arm_watch(self, plan) -> None:  # see [Note: state dropped while resident] in watch.py
+        self._watch_grads = grads_held([r.tensor for r in plan.tensors])
+        self._watch.arm(plan.modules, plan.optimizers)
 
     def _issued(self, handle: TransferHandle) -> TransferHandle:
         self._last = handle
@@ -312,6 +320,7 @@ class Ferry:
                 if move is not None and move.done:
                     self._released, self._state_bytes = (self._last, move.released), move.issued.plan.state_bytes
         plan = move.issued.plan
+        self._watch.disarm()
         logger.debug("offload: %d bytes in %d storages from %s", plan.state_bytes, len(plan.storages), self.device)
         return handle
 
@@ -406,6 +415,7 @@ class Ferry:
                     self._residency = Residency.H2D_IN_FLIGHT if self._streams.is_cuda else Residency.DEVICE
             if move is None:  # replaced while offloaded: see [Note: state replaced while offloaded]
                 return self._reconcile(off)
+        self._arm_watch(off.plan)
         logger.debug("reload: %d bytes in %d storages to %s", off.plan.state_bytes, len(off.plan.storages), self.device)
         return handle
 
@@ -431,6 +441,7 @@ class Ferry:
             self._residency = Residency.PREFETCHING
             run.begin()
             self._last = handle = run.handle()
+        self._arm_watch(off.plan)
         return handle
 
     def _complete_prefetch(self) -> TransferHandle | None:
@@ -462,6 +473,7 @@ class Ferry:
         if self._pin_ahead is not None:
             self._pin_ahead.cancel()
         self._guards.remove()
+        self._watch.disarm()
         self._set.forget()
         self._set.drop_arena()
         self._closed = True

@@ -1,0 +1,115 @@
+"""What the caller drops while the state is resident is freed then, not at the next offload
+([Note: state dropped while resident] in ``_core/_ferry/watch.py``)."""
+
+import copy
+import gc
+import io
+import weakref
+
+import torch
+from torch import nn
+
+from torchferry import Ferry
+
+
+def _trained(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_gradients_set_to_none_after_a_reload_are_freed_before_the_next_forward():
+    model, opt = _trained()
+    ferry = Ferry(model)
+    ferry.offload()
+    ferry.reload()
+    old = [weakref.ref(p.grad) for p in model.parameters()]
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    assert all(r() is not None for r in old)  # held by the ferry's plan until the caller's code reads the model
+    model(torch.randn(4, 32)).sum().backward()
+    gc.collect()
+    assert all(r() is None for r in old)  # the forward's check let them go, before backward made new ones
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = [p.grad.clone() for p in model.parameters()]
+    ferry.offload()
+    ferry.reload()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, want[k], atol=0, rtol=0)
+    for p, g in zip(model.parameters(), grads, strict=True):
+        torch.testing.assert_close(p.grad, g, atol=0, rtol=0)
+    ferry.close()
+
+
+def test_a_forward_only_phase_keeps_the_plan_and_the_skip_of_unchanged_storages():
+    model, _ = _trained()
+    ferry = Ferry(model, skip_unchanged=True)
+    ferry.offload()
+    ferry.reload()
+    plan = ferry._set.cache.plan
+    with torch.no_grad():
+        model(torch.randn(4, 32))
+    assert ferry._set.cache.plan is plan  # nothing dropped: the plan stays for the next offload
+    ferry.offload()
+    assert ferry.stats.offload_bytes_copied < ferry.state_bytes  # the unchanged storages skipped
+    ferry.reload()
+    ferry.close()
+
+
+def test_optimizer_state_replaced_by_load_state_dict_is_freed_at_the_load():
+    model, opt = _trained()
+    sd = copy.deepcopy(opt.state_dict())
+    ferry = Ferry(opt)
+    ferry.offload()
+    ferry.reload()
+    old = [weakref.ref(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    opt.state.clear()
+    opt.load_state_dict(sd)
+    gc.collect()
+    assert old and all(r() is None for r in old)
+    ferry.offload()
+    ferry.reload()
+    for st, want in zip(opt.state.values(), sd["state"].values(), strict=True):
+        for k, v in want.items():
+            torch.testing.assert_close(st[k], v, atol=0, rtol=0)
+    ferry.close()
+
+
+def test_a_resident_model_copies_and_saves_whole_and_its_copy_runs():
+    model, _ = _trained()
+    ferry = Ferry(model)
+    ferry.offload()
+    ferry.reload()
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 32)
+    torch.testing.assert_close(twin(x), model(x), atol=0, rtol=0)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    torch.testing.assert_close(loaded(x), model(x), atol=0, rtol=0)
+    ferry.close()
+
+
+def test_the_watch_keeps_neither_the_ferry_nor_its_hooks_alive():
+    model, opt = _trained()
+    ferry = Ferry(model, opt)
+    ferry.offload()
+    ferry.reload()
+    assert model._forward_pre_hooks and opt._optimizer_step_pre_hooks
+    r = weakref.ref(ferry)
+    del ferry
+    gc.collect()
+    assert r() is None
+    model(torch.randn(4, 32))  # a hook of a collected ferry does nothing
+    ferry = Ferry(model, opt)
+    ferry.offload()
+    ferry.reload()
+    ferry.offload()
+    assert not any("ResidentWatch" in repr(h) for h in model._forward_pre_hooks.values())
+    ferry.reload()
+    ferry.close()
+    assert not model._forward_pre_hooks and not opt._optimizer_step_pre_hooks

@@ -17,8 +17,7 @@ by :func:`device_bytes` at every decision of the dock ([Note: dock
 accounting] in ``engine``). A set on the host counts ``state_bytes``: the
 offload planned it, so it is what the reload brings back (and what an offload
 in flight still holds on the device). Not counted: a reload arena's filler
-([Note: reload arena]), device memory the ferry holds beside the state when
-cached blocks took the storages before the arena did. The walk costs what the fingerprint of
+([Note: reload arena]), at most one segment rounding (2 MiB) beside the state. The walk costs what the fingerprint of
 [Note: cached plan] costs (which every offload takes): 20-35 ms for 8192
 tensors (2048 Linears with grads) on a 2-core CI host; Qwen2.5-7B's 339
 parameters with grads and AdamW state are about 1,400 tensors, 3-6 ms at that

@@ -56,8 +56,9 @@ class OffloadGuards:
     naming what to call. Each module target (its ``state_dict()`` and
     ``load_state_dict()``) and each optimizer target (its ``state_dict()``)
     gets a pre-hook that waits for :attr:`pending` ([Note: state_dict() waits
-    for the offload]). Nothing is installed while the state is resident, so
-    resident forwards and checkpoints pay nothing.
+    for the offload]). None of these is installed while the state is resident (a
+    resident ferry's only hooks are its watch's: [Note: state dropped while resident] in
+    ``watch.py``).
 
     Attributes:
         pending: the transfer a ``state_dict()`` waits for (the ferry's last,

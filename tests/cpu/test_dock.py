@@ -682,3 +682,22 @@ def test_lru_prefetch_takes_an_idle_set_before_one_in_use():
             pass
         assert dock.prefetch("c") == ("c",)
         assert s["a"].resident and not s["b"].resident and s["c"].resident
+
+
+def test_an_evicted_set_counts_the_storages_its_offload_kept_on_the_device():
+    """A tensor the ferry does not know sharing a set's storage keeps it allocated through an eviction
+    ([Note: a storage shared with a tensor the ferry does not know]): the dock counts those bytes as held
+    until the alias goes, so the room it makes is there."""
+    dock, s = dock_with(6, a=4, b=4)
+    with dock.use("a"):
+        alias = s["a"].t[:10]  # a view the ferry does not know
+    with dock.use("b"):
+        assert not s["a"].resident and s["b"].resident
+        assert dock.resident_bytes == 8 * U  # b, and a's storage kept for the alias
+        assert torch.equal(alias, s["a"].want[:10])
+    del alias
+    with dock.use("a"):
+        pass
+    with dock.use("b"):
+        assert dock.resident_bytes == 4 * U  # nothing kept once the alias is gone
+    assert s["a"].ferry.reload() is not None and torch.equal(s["a"].t, s["a"].want)

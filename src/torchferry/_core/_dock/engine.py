@@ -67,7 +67,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from .._ferry.ferry import Ferry
-from .measure import appeared_bytes, ensure_plan, is_closed, targets_of
+from .measure import appeared_bytes, ensure_plan, is_closed, kept_bytes, targets_of
 from .mover import Mover
 from .records import _Claimant, _fmt, _Set
 from .schedule import Schedule, belady, held, lru
@@ -261,7 +261,8 @@ class DockEngine:
 
     def held(self, *, physical: bool = False, after_release: bool = False) -> int:
         """Bytes counted against the budget (see [Note: dock accounting])."""
-        return held(self.sets.values(), self.claimants.values(), physical=physical, after_release=after_release)
+        return held(self.sets.values(), self.claimants.values(), physical=physical, after_release=after_release,
+                    kept=lambda s: kept_bytes(s.ferry))
 
     # decisions ------------------------------------------------------------------
     def _victims(self, names: tuple[str, ...], *, base: int, ahead: bool) -> list[str] | None:
@@ -270,7 +271,8 @@ class DockEngine:
         ``ahead`` (a prefetch): plan as if the uses now open were left, and
         let sets in use be candidates (the caller acts only if none is chosen).
         """
-        incoming = sum(self.nbytes(n) for n in names if not self.resident(n))
+        incoming = sum(self.nbytes(n) - (kept_bytes(self.sets[n].ferry) if n in self.sets else 0)  # kept: there
+                       for n in names if not self.resident(n))
         need = self.held(after_release=ahead) + incoming - self.budget
         if need <= 0:
             return []

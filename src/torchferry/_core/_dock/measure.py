@@ -64,8 +64,8 @@ from .._state.host_blocks import in_host_pool
 from .._api.residency import Residency
 from .._state.targets import walk
 
-__all__ = ["appeared_bytes", "counted_bytes", "device_bytes", "ensure_plan", "is_closed", "objects_bytes",
-           "targets_of"]
+__all__ = ["appeared_bytes", "counted_bytes", "device_bytes", "ensure_plan", "is_closed", "kept_bytes",
+           "objects_bytes", "targets_of"]
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -133,6 +133,16 @@ def appeared_bytes(ferry: Ferry) -> int:
         return 0
     storages = [local_of(t).untyped_storage() for _, t in walk(targets_of(ferry))]
     return _unique_bytes(storages, ferry.device, pool=False)
+
+
+def kept_bytes(ferry: Ferry) -> int:
+    """Bytes an evicted set still holds on its device: the storages its offload kept allocated because a
+    tensor the ferry does not know shares them ([Note: a storage shared with a tensor the ferry does not
+    know] in ``_state/holders.py``), counted against the budget while the set is away; 0 for a resident set."""
+    off = ferry._offloaded
+    if ferry._closed or off is None:
+        return 0
+    return _unique_bytes(off.plan.storages, ferry.device, pool=False)
 
 
 def is_closed(ferry: Ferry) -> bool:

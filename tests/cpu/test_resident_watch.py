@@ -59,22 +59,53 @@ def test_a_forward_only_phase_keeps_the_plan_and_the_skip_of_unchanged_storages(
     ferry.close()
 
 
-def test_optimizer_state_replaced_by_load_state_dict_is_freed_at_the_load():
+def test_the_watch_never_breaks_the_callers_step_hooks_sparse_grads_or_a_collected_target():
+    """No hook on the optimizer: a user's step hook registered after the reload, sparse gradients and
+    an optimizer target collected while resident leave ``step()`` and the forward working."""
     model, opt = _trained()
-    sd = copy.deepcopy(opt.state_dict())
-    ferry = Ferry(opt)
+    ferry = Ferry(model, opt)
     ferry.offload()
     ferry.reload()
-    old = [weakref.ref(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    opt.state.clear()
-    opt.load_state_dict(sd)
+    opt.register_step_pre_hook(lambda o, a, k: None)
+    for p in model.parameters():
+        p.grad = p.grad.clone()
+    opt.step()
+    del opt
     gc.collect()
-    assert old and all(r() is None for r in old)
+    model.zero_grad(set_to_none=True)
+    model(torch.randn(4, 32))
+    emb = nn.Embedding(100, 8, sparse=True)
+    sgd = torch.optim.SGD(emb.parameters(), lr=0.1)
+    emb(torch.tensor([1, 2])).sum().backward()
+    sgd.step()
+    sgd.zero_grad()
+    f = Ferry(emb, sgd)
+    f.offload()
+    f.reload()
+    emb(torch.tensor([3, 4])).sum().backward()
+    sgd.step()
+    f.close()
+
+
+def test_the_check_at_a_forward_is_per_module_target():
+    """One hook per module target, each checking its own parameters' gradients."""
+    layers = [nn.Linear(4, 4) for _ in range(50)]
+    for m in layers:
+        m(torch.randn(2, 4)).sum().backward()
+    ferry = Ferry(*layers)
     ferry.offload()
     ferry.reload()
-    for st, want in zip(opt.state.values(), sd["state"].values(), strict=True):
-        for k, v in want.items():
-            torch.testing.assert_close(st[k], v, atol=0, rtol=0)
+    assert all(len(m._forward_pre_hooks) == 1 for m in layers)
+    old = weakref.ref(layers[7].weight.grad)
+    layers[7].zero_grad(set_to_none=True)
+    layers[3](torch.randn(2, 4))  # another target's hook: its own gradients are all there
+    gc.collect()
+    assert old() is not None
+    layers[7](torch.randn(2, 4))
+    gc.collect()
+    assert old() is None and not any(m._forward_pre_hooks for m in layers)
+    ferry.offload()
+    ferry.reload()
     ferry.close()
 
 
@@ -99,7 +130,7 @@ def test_the_watch_keeps_neither_the_ferry_nor_its_hooks_alive():
     ferry = Ferry(model, opt)
     ferry.offload()
     ferry.reload()
-    assert model._forward_pre_hooks and opt._optimizer_step_pre_hooks
+    assert model._forward_pre_hooks  # the plan holds gradients: watched
     r = weakref.ref(ferry)
     del ferry
     gc.collect()

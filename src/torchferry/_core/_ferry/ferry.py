@@ -27,7 +27,7 @@ from .moves import Offloaded
 from .pin_ahead import PinAhead
 from .rollback import Rollback
 from .state_set import StateSet
-from .watch import ResidentWatch, forget_if_dropped, grads_held
+from .watch import ResidentWatch, forget_plan_of
 
 __all__ = ["Ferry"]
 
@@ -105,9 +105,8 @@ class Ferry:
         self._closed = False
         self._mover = OneMover()  # see [Note: one thread moves a ferry]
         self._pin_ahead = PinAhead.arm(self._set, plan) if pin_ahead else None
-        self._watch = ResidentWatch(lambda full: forget_if_dropped(ref(), full))  # [Note: state dropped while resident]
+        self._watch = ResidentWatch(lambda: forget_plan_of(ref()))  # [Note: state dropped while resident]
         weakref.finalize(self, self._watch.disarm).atexit = False
-        self._watch_grads: list = []  # its gradient check: (parameter, gradient) weak references
 
     # ------------------------------------------------------------------ state
     @property
@@ -181,8 +180,7 @@ class Ferry:
         return self._last if self._last is not None else TransferHandle(direction, 0, None)  # type: ignore[arg-type]
 
     def _arm_watch(self, plan) -> None:  # see [Note: state dropped while resident] in watch.py
-        self._watch_grads = grads_held([r.tensor for r in plan.tensors])
-        self._watch.arm(plan.modules, plan.optimizers)
+        self._watch.arm(plan.modules, [r.tensor for r in plan.tensors])
 
     def _issued(self, handle: TransferHandle) -> TransferHandle:
         self._last = handle

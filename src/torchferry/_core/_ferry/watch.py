@@ -10,17 +10,20 @@ update_actor's backward then ran with the last step's gradients still allocated 
 its peak was 11.11 GB against 9.50 GB with verl's own helpers on one H100, 1.61 GB over, the
 parameters' bytes, which verl's helpers free at ``zero_grad()``.
 
-So while the state is resident a :class:`ResidentWatch` looks at the targets where the caller's code
-next reads them: a module target's forward (a pre-hook, prepended: before FSDP2's all-gather), an
-optimizer target's ``step()`` (pre-hook) and ``load_state_dict()`` (post-hook). At a forward it checks,
-by identity, that each parameter of the plan still holds the gradient the plan holds (about 0.1 us per
-parameter); at an optimizer's hooks, and where a gradient differs, it compares the targets' fingerprint
-with the plan's (about 2 us per tensor). If a tensor is gone or replaced the plan is forgotten, as after
-a reconcile: what the caller dropped is freed at once, and the next offload plans again (the
-fingerprint changed: it would have anyway). The hooks go with the next offload (or ``close()``); they
-do nothing while a layer-wise reload is under way (its own hooks hold the plan) or while ``torch.compile``
-traces (a compiled forward checks nothing: its state is freed at the next offload, as before). They copy and
-pickle as no-ops: a resident model may be deep-copied or saved whole.
+So while the state is resident and its plan holds gradients, a :class:`ResidentWatch` puts a forward
+pre-hook (prepended: before FSDP2's all-gather) on each module target whose parameters hold one of
+them; the hook checks, by identity, that those parameters still hold the plan's gradients (about 0.1 us
+per parameter, its own parameters only). If one is gone or replaced the plan is forgotten, as after a
+reconcile: the dropped gradients are freed before the forward (and the backward that makes new
+ones), and the next offload plans again (the fingerprint changed: it would have anyway). A plan
+without gradients installs nothing. The hooks go with the next offload (or ``close()``); they do
+nothing while a layer-wise reload is under way (its own hooks hold the plan) or while
+``torch.compile`` traces (a compiled forward checks nothing: the gradients go at the next offload, as
+before). They copy and pickle as no-ops: a resident model may be deep-copied or saved whole. Not
+watched: optimizer state replaced by ``load_state_dict()`` while resident (held until the next
+offload); optimizer hooks that changed what the optimizer's own hooks iterate over, and a full
+fingerprint at ``step()`` (which also sees state *added*, such as new gradients, and would drop the
+baseline of [Note: unchanged storages] for nothing), were tried and removed.
 """
 
 from __future__ import annotations
@@ -33,9 +36,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .._state.plan import fingerprint
 
-__all__ = ["ResidentWatch", "forget_if_dropped", "grads_held", "grads_still_held"]
+__all__ = ["ResidentWatch", "forget_plan_of", "grads_still_held"]
 
 
 def _inert(*args: object, **kwargs: object) -> None:
@@ -70,43 +72,35 @@ def _rebuild_inert() -> Callable[..., None]:
 
 
 class ResidentWatch:
-    """Hooks on a resident ferry's targets that let it forget its plan once the caller dropped part
-    of the state ([Note: state dropped while resident]).
+    """Forward pre-hooks on a resident ferry's module targets that let it forget its plan once the
+    caller dropped a gradient the plan holds ([Note: state dropped while resident]).
 
     Args:
-        check: ``check(full)`` forgets the plan if the targets no longer match it (``full``: compare the
-            whole fingerprint; else the cheap gradient check first) and returns whether to stop watching
-            (:func:`forget_if_dropped`, given the ferry through a weak reference: hooks on the user's
+        dropped: called (with no argument) when a hook finds a gradient gone; forgets the plan
+            (:func:`forget_plan_of`, given the ferry through a weak reference: hooks on the user's
             modules must not keep the ferry alive).
     """
 
-    def __init__(self, check: Callable[[bool], bool]) -> None:
-        self._check = check
+    def __init__(self, dropped: Callable[[], None]) -> None:
+        self._dropped = dropped
         self._handles: list[RemovableHandle] = []
 
     @property
     def armed(self) -> bool:
         return bool(self._handles)
 
-    def arm(self, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
-        """Installs the hooks (once: a second call while armed does nothing)."""
+    def arm(self, modules: list[nn.Module], tensors: list[torch.Tensor]) -> None:
+        """Installs one hook per module target whose parameters hold a gradient among ``tensors`` (the
+        plan's); none where the plan holds no gradient. Once: a second call while armed does nothing."""
         if self._handles:
             return
         ref = weakref.ref(self)
-
-        def fire(full: bool) -> Callable[[], None]:
-            def run() -> None:
-                watch = ref()
-                if watch is not None and watch._check(full):
-                    watch.disarm()
-            return run
-
-        cheap, full = _Hook(fire(False)), _Hook(fire(True))
+        ids = {id(t) for t in tensors}
         for m in modules:
-            self._handles.append(m.register_forward_pre_hook(cheap, prepend=True))
-        for opt in optimizers:
-            self._handles.append(opt.register_step_pre_hook(full))
-            self._handles.append(opt.register_load_state_dict_post_hook(full))
+            pairs = [(weakref.ref(p), weakref.ref(p.grad)) for p in m.parameters()
+                     if p.grad is not None and id(p.grad) in ids]
+            if pairs:
+                self._handles.append(m.register_forward_pre_hook(_Hook(_checker(ref, pairs)), prepend=True))
 
     def disarm(self) -> None:
         handles, self._handles = self._handles, []
@@ -114,43 +108,32 @@ class ResidentWatch:
             h.remove()
 
 
-def grads_held(tensors: list[torch.Tensor]) -> list[tuple[weakref.ref, weakref.ref]]:
-    """Per parameter among ``tensors`` whose gradient is among them too: weak references to the
-    parameter and that gradient, for :func:`grads_still_held`."""
-    ids = {id(t) for t in tensors}
-    return [(weakref.ref(t), weakref.ref(t.grad)) for t in tensors
-            if isinstance(t, nn.Parameter) and t.grad is not None and id(t.grad) in ids]
+def _checker(ref: weakref.ref, pairs: list[tuple[weakref.ref, weakref.ref]]) -> Callable[[], None]:
+    def check() -> None:
+        watch = ref()
+        if watch is None or grads_still_held(pairs):
+            return
+        watch.disarm()
+        watch._dropped()
+    return check
 
 
 def grads_still_held(pairs: list[tuple[weakref.ref, weakref.ref]]) -> bool:
     """Whether every parameter of ``pairs`` still holds its gradient (by identity)."""
     for p_ref, g_ref in pairs:
         p = p_ref()
-        if p is None or p.grad is not g_ref() or p.grad is None:
+        if p is None or p.grad is None or p.grad is not g_ref():
             return False
     return True
 
 
-def forget_if_dropped(ferry: Any, full: bool) -> bool:
-    """``ferry``'s watch check ([Note: state dropped while resident]): forgets its plan if the targets
-    dropped or replaced a tensor of it; returns whether to stop watching (the plan forgotten, the
-    state offloaded or the ferry closed)."""
-    if ferry is None or ferry._closed or ferry._offloaded is not None:
-        return True
-    run = ferry._prefetch
-    if run is not None:
-        if not run.finished:
-            return False  # its hooks hold the plan: a later hook checks
-        ferry._complete_prefetch()  # hands the finished layer-wise reload over, as any ferry call does
-    cache = ferry._set.cache
-    if cache is None:
-        return True
-    if not full and grads_still_held(ferry._watch_grads):
-        return False
-    if fingerprint(ferry._set.targets.resharded()) == cache.fingerprint:
-        return False
+def forget_plan_of(ferry: Any) -> None:
+    """A resident ``ferry``'s plan forgotten once its watch found a gradient of it dropped: what the
+    caller dropped is freed now; the next offload plans again (its fingerprint, which lists the
+    targets' tensors, differs anyway). Nothing while the ferry is closed, offloaded or reloading
+    layer by layer (its hooks hold the plan)."""
+    if ferry is None or ferry._closed or ferry._offloaded is not None or ferry._prefetch is not None:
+        return
     ferry._set.drop_arena()
     ferry._set.disarm_early()
-    ferry._set.forget()  # what the caller dropped goes now; the next offload plans again
-    ferry._watch_grads = []
-    return True
+    ferry._set.forget()

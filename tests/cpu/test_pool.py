@@ -98,6 +98,8 @@ def test_best_fit_replays_the_allocators_large_pool():
     assert best_fit([40 * MiB], [64 * MiB]) == (64 * MiB, 0)
     # a new 64 MiB segment for a 63 MiB request leaves 1 MiB: not split off, so the next request is new too
     assert best_fit([], [63 * MiB, MiB + 512]) == (63 * MiB + MiB + 512, 0)
+    # ten 2 MiB requests: one 20 MiB segment, its rest served to the nine others: all new memory
+    assert best_fit([], [2 * MiB] * 10) == (20 * MiB, 0)
     # the arena is the largest block: the cached blocks are taken first, the arena's rest is its tail
     assert best_fit([32 * MiB], [32 * MiB, 64 * MiB], arena=100 * MiB) == (0, 36 * MiB)
     # an arena smaller than a cached block takes a request that block would have held
@@ -119,3 +121,4 @@ def test_the_arena_is_sized_for_what_the_cached_blocks_cannot_hold():
     assert unplaced == 0 and tail < 2 * MiB
     assert a <= sum(sizes) - 1024 * MiB - 256 * MiB  # the cached 1 GiB and one 256 MiB storage's worth stay out
     assert arena_bytes([], [32 * MiB]) == 0  # under 64 MiB: one cudaMalloc per storage is cheap
+    assert arena_bytes([], [2 * MiB] * 100) == 200 * MiB  # ten 20 MiB segments otherwise

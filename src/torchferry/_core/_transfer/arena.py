@@ -101,7 +101,8 @@ def best_fit(free: list[int], sizes: list[int], arena: int = 0) -> tuple[int, in
         arena: the size of one more free block, the arena (bytes; 0: none).
 
     Returns:
-        The bytes of the requests no block held (each a new ``cudaMalloc``), and the arena's bytes
+        The bytes of the requests no cached block or arena held (those a new ``cudaMalloc`` served, or the
+        rest of a segment made for an earlier one), and the arena's bytes
         left free at the end (0 without an arena, or when a request took its rest).
     """
     ARENA = -1  # the arena's tag; cached blocks are tagged by their index, new segments' rests below -1
@@ -117,6 +118,8 @@ def best_fit(free: list[int], sizes: list[int], arena: int = 0) -> tuple[int, in
         else:
             size, tag = blocks.pop(i)
             rest = size - n
+            if tag < ARENA:  # the rest of a segment made for an earlier request: new memory too
+                unplaced += n
         if rest > _SMALL_SIZE:
             bisect.insort(blocks, (rest, tag))
     tail = next((n for n, tag in blocks if tag == ARENA), 0)

@@ -261,8 +261,7 @@ class DockEngine:
 
     def held(self, *, physical: bool = False, after_release: bool = False) -> int:
         """Bytes counted against the budget (see [Note: dock accounting])."""
-        return held(self.sets.values(), self.claimants.values(), physical=physical, after_release=after_release,
-                    kept=lambda s: kept_bytes(s.ferry))
+        return held(self.sets.values(), self.claimants.values(), physical=physical, after_release=after_release)
 
     # decisions ------------------------------------------------------------------
     def _victims(self, names: tuple[str, ...], *, base: int, ahead: bool) -> list[str] | None:

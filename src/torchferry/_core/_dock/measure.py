@@ -142,7 +142,7 @@ def kept_bytes(ferry: Ferry) -> int:
     off = ferry._offloaded
     if ferry._closed or off is None:
         return 0
-    return _unique_bytes(off.plan.storages, ferry.device, pool=False)
+    return sum(off.plan.nbytes[si] for si in off.kept)
 
 
 def is_closed(ferry: Ferry) -> bool:

@@ -34,7 +34,7 @@ from .._api.residency import Residency
 from .._ferry.interrupts import interrupts_deferred
 from .._ferry.swap import swap as swap_ferries
 from .._transfer.streams import side_stream
-from .measure import counted_bytes, kept_bytes
+from .measure import counted_bytes
 from .records import Move, _Claimant, _Set
 from .schedule import held
 
@@ -78,7 +78,7 @@ class Mover:
 
     def _held_now(self) -> int:
         """Bytes on the device now: outgoing sets count until their copies are complete."""
-        return held(self._sets.values(), self._claimants.values(), physical=True, kept=lambda s: kept_bytes(s.ferry))
+        return held(self._sets.values(), self._claimants.values(), physical=True)
 
     def _log(self, kind: str, name: str, nbytes: int, handle: TransferHandle | None, *, background: bool,
              swapped: bool = False) -> None:

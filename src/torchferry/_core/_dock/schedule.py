@@ -26,6 +26,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from .._api.residency import Residency
+from .measure import kept_bytes
 from .records import _Claimant, _Set
 
 __all__ = ["Schedule"]
@@ -95,13 +96,13 @@ class Schedule:
 
 
 def held(sets: Iterable[_Set], claimants: Iterable[_Claimant], *, physical: bool = False,
-         after_release: bool = False, kept: Callable[[_Set], int] = lambda s: 0) -> int:
+         after_release: bool = False) -> int:
     """Bytes counted against the budget (see [Note: dock accounting] in ``_engine``): each set's
-    ``nbytes`` as last measured; an evicted set's storages its offload kept on the device (``kept``).
+    ``nbytes`` as last measured; an evicted set, the storages its offload kept on the device
+    (:func:`~.measure.kept_bytes`).
 
     Args:
         physical: also count sets whose offload is still copying.
-        kept: an evicted set's bytes still on the device (``measure.kept_bytes`` of its ferry).
         after_release: as if every use now open were left (byte-count
             claimants in use then count nothing).
     """
@@ -111,7 +112,7 @@ def held(sets: Iterable[_Set], claimants: Iterable[_Claimant], *, physical: bool
         if not r.on_host or (physical and r is Residency.D2H_IN_FLIGHT):
             total += s.nbytes
         else:
-            total += kept(s)
+            total += kept_bytes(s.ferry)
     for c in claimants:
         if c.awake or (c.transient and c.in_use > 0 and not after_release):
             total += c.nbytes

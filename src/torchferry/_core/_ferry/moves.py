@@ -51,6 +51,7 @@ class Offloaded(NamedTuple):
     plan: Plan
     views: HostViews
     ids: list[int]
+    kept: frozenset[int] = frozenset()  # storages left allocated (see :class:`OffloadIssued`)
 
 
 class OffloadMove:
@@ -71,7 +72,7 @@ class OffloadMove:
 
     @property
     def offloaded(self) -> Offloaded:
-        return Offloaded(self.issued.plan, self.issued.views, self.issued.ids)
+        return Offloaded(self.issued.plan, self.issued.views, self.issued.ids, self.issued.kept)
 
     def handle(self, issued_at: float) -> TransferHandle:
         """The handle of the D2H copies (``issued_at``: ``time.perf_counter()`` at the call)."""

@@ -11,7 +11,18 @@ the next ``empty_cache()``: 12-87 ms for 339 storages of 30.5 GB against
 So we allocate one block the size of the large storages (the allocator's
 large pool: > 1 MiB, sizes rounded to 512 B) and free it at once: it stays
 cached as one segment, and the storages' ``resize_`` calls carve it front to
-back (best fit, split rule of ``c10/cuda/CUDACachingAllocator.cpp``).
+back (best fit, split rule of ``c10/cuda/CUDACachingAllocator.cpp``). When
+the state is offloaded again every block of the segment is free, it coalesces,
+and ``empty_cache()`` returns it with one ``cudaFree``.
+
+An earlier rule skipped the arena whenever any cached free block could hold a
+storage; with FSDP2 that was always the case, so every reload paid one
+``cudaMalloc`` per storage: 0.15-0.17 s of host time for 299 storages of
+35 GB (``reload()`` returned only after it), against 0.5 ms for 300
+allocations carved from a seeded arena, both measured on an H200
+(``git show 75cc57c:benchmarks/results/probe_alloc_h200_2026-11-30.json``,
+``git show 75cc57c:benchmarks/results/probe_prefetch_host_h200_2026-11-30.json``). A layer-wise reload waits for
+that host time before the first forward can even be queued.
 
 [Note: an arena only for what the cache cannot hold]
 Free blocks already cached on the reload's stream (there always are some in a

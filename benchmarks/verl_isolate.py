@@ -233,7 +233,30 @@ class StepProbe:
         return (int(st.get("num_alloc_retries", 0)), int(st.get("num_device_alloc", 0)),
                 int(st.get("num_device_free", 0)))
 
+    @staticmethod
+    def host_reference_s() -> float:
+        """Seconds of a fixed pure-Python workload (the least of three), taken before the step: a host whose
+        speed varies between steps (frequency, a neighbour on the core) shows here with no GPU involved."""
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            acc = 0
+            for i in range(100_000):
+                acc += i * i
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    @staticmethod
+    def main_cpu() -> int | None:
+        """The CPU the calling thread last ran on (``/proc/thread-self/stat``'s field 39)."""
+        try:
+            with open("/proc/thread-self/stat") as f:
+                return int(f.read().rsplit(")", 1)[1].split()[36])
+        except (OSError, IndexError, ValueError):
+            return None
+
     def begin(self) -> None:
+        self._ref = (self.host_reference_s(), self.main_cpu())
         self._at = (self._allocator(), self._gc_s, self._gc_n, time.process_time(),
                     resource.getrusage(resource.RUSAGE_SELF), _cpu_jiffies())
 
@@ -243,6 +266,7 @@ class StepProbe:
         a1 = self._allocator()
         out = {"alloc_retries": a1[0] - r0[0], "device_mallocs": a1[1] - r0[1], "device_frees": a1[2] - r0[2],
                "affinity_cpus": len(os.sched_getaffinity(0)), "gc_s": self._gc_s - g0,
+               "host_reference_s": self._ref[0], "main_cpu_at_start": self._ref[1], "main_cpu_at_end": self.main_cpu(),
                "gc_collections": self._gc_n - n0,
                "cpu_s": time.process_time() - c0, "minor_faults": u1.ru_minflt - u0.ru_minflt,
                "major_faults": u1.ru_majflt - u0.ru_majflt, "involuntary_switches": u1.ru_nivcsw - u0.ru_nivcsw,

@@ -332,6 +332,7 @@ def cmd_run(args) -> None:
 
     t_rounds = time.perf_counter()
     n = len(strategies)
+    last = -1
     for step in range(args.steps):  # rounds: every strategy one step, the order rotated each round
         k = step % n
         order = strategies[k:] + strategies[:k]
@@ -343,7 +344,7 @@ def cmd_run(args) -> None:
             if stop[0]:
                 log(f"stopping after {step} rounds: past --max-round-seconds {args.max_round_seconds}")
                 break
-        stopped = False
+        stopped, last = False, step
         for s in mine_now:
             ticket = n + step * n + order.index(s)
             turns.wait(ticket)
@@ -374,6 +375,12 @@ def cmd_run(args) -> None:
             f"{s.label} {records[s.label]['step_s'][-1]:.2f} s (loss {records[s.label]['losses'][-1]})"
             for s in mine_now))
 
+    # [Note: the last round ends together]: a process whose last turn came early in the last round went on to
+    # fingerprint its state on the GPU and write its records while the others stepped; the 7df6fbd run's last
+    # round found the machine's user CPU ticks doubled in the two steps after it (resident 418 against about
+    # 200, verl 1,292 against about 730: probe_per_step[8].machine_ticks) and both steps slowest of the run.
+    # So every process waits here until the last round's last turn is done.
+    turns.wait(n + (last + 1) * n)
     sync()
     pinned_process = 0
     if cuda and hasattr(torch.cuda, "host_memory_stats"):

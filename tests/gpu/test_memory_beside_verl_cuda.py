@@ -193,6 +193,7 @@ def test_verls_step_with_torchferrys_helpers_needs_no_more_device_memory(tmp_pat
         got[which] = json.loads(out.read_text())
     verl, tf = got["verl"], got["torchferry"]
     if os.environ.get("TORCHFERRY_RESULTS_DIR"):  # the GPU batch keeps the figures seen
+        os.makedirs(os.environ["TORCHFERRY_RESULTS_DIR"], exist_ok=True)
         with open(os.path.join(os.environ["TORCHFERRY_RESULTS_DIR"], "memory_beside_verl.json"), "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, **got}, f, indent=1)
     for i, (r_tf, r_verl) in enumerate(zip(tf["reserved_at_wake"], verl["reserved_at_wake"], strict=True)):

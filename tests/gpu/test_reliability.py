@@ -134,6 +134,7 @@ def test_thousand_cycles_hold_memory_flat():
     growth["pinned"] = ferry.pinned_bytes - host0
     print("growth over 1000 cycles:", growth)
     if os.environ.get("TORCHFERRY_RESULTS_DIR"):  # the GPU batch keeps the figures seen
+        os.makedirs(os.environ["TORCHFERRY_RESULTS_DIR"], exist_ok=True)
         with open(os.path.join(os.environ["TORCHFERRY_RESULTS_DIR"], "soak_gpu_1000_cycles.json"), "w") as f:
             import datetime
 

@@ -452,7 +452,6 @@ class Ferry:
     def _end_prefetch(self) -> TransferHandle:
         run, self._prefetch = self._prefetch, None
         assert run is not None
-        self._set.arena = run.arena if run.arena is not None else self._set.arena
         self._offloaded = None
         self._residency = Residency.H2D_IN_FLIGHT if self._streams.is_cuda else Residency.DEVICE
         return self._issued(run.handle())

@@ -65,6 +65,29 @@ tier, grew by 0 bytes on an H200
 Not done where the arena does not apply (a swap's release schedule frees
 storages as its copies go).
 
+[Note: no arena under a layer-wise reload]
+A layer-wise reload (``reload(prefetch=...)``, ``_schedules/prefetch.py``: verl's
+``optimizer_at_step`` and ``layerwise_reload``) allocates without an arena. With
+one, verl 0.9.1's FSDP1 actor (Qwen2.5-1.5B, one H100, the optimizer state
+reloaded at ``optimizer.step()``) trained to NaN: 8 of 8 processes across four
+runs, after 1 to 9 steps bit-identical to verl's; a process with no arena at
+all (the bench patched for the diagnosis, not kept) stayed bit-identical for 13
+steps beside two that failed
+(``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp-full-compute-rich_h100x1_2026-12-06_1e33954_arena-bisect.json``,
+strategy ``noarena``), as did one with ``optimizer_at_step`` off (whole
+reloads, arena on) for 12
+(``..._1e33954_at-step-bisect.json``, strategy ``noat``).
+A check of the device bytes against the pool when the reload completed found
+the storage at the arena's base (the embedding's AdamW state, 933.5 MB, issued
+first, through the caller's thread) wrong in one range: from byte 1,024 to the
+end of its first switch-point piece (1.6 to 25 KB), still wrong after a device
+synchronisation, while the first 1,024 bytes, which the piece's separator copies
+again right after it ([Note: switch points]), were right. The cause is not
+found. FSDP2 runs with the arena in that path stayed bit-identical (11 steps at
+56ad711); it is off there all the same (a layer-wise reload pays again one
+``cudaMalloc`` per storage the cache cannot hold, the host time measured
+above), and a whole reload keeps it.
+
 Only done with the native allocator and default rounding/splitting (no
 ``max_split_size_mb``, ``roundup_power2_divisions`` or ``expandable_segments``
 in ``PYTORCH_CUDA_ALLOC_CONF``), where those rules hold; otherwise storages

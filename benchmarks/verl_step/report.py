@@ -160,6 +160,11 @@ def _exposed(views: dict[str, dict], resident: str = "resident") -> dict:
                           for a, b in zip(r0["phase_s"][1:], base["phase_s"][1:], strict=False)],
                       "transfer_at_calls_s_per_step": _spread(at_calls), "transfer_at_calls_s_per_phase": at_phase,
                       "host_s_in_calls_per_phase": host_phase}
+        stalls = (r0.get("stall_s") or [])[1:]
+        if len(stalls) == len(at_calls) and stalls:  # recorded on a GPU ([Note: stalls recorded])
+            out[label]["stall_s_per_phase"] = {k: _median([st.get(k, 0.0) for st in stalls]) for k in phases}
+            out[label]["attributed_s_per_step"] = _spread([a + sum(st.values()) for a, st in zip(at_calls, stalls,
+                                                                                                  strict=True)])
     out["attribution"] = ("exposed_s_per_phase (the phase less the resident's of the same round) beside "
                           "transfer_at_calls_s_per_phase (the phase's FSDPEngine.to seconds, as transfer_at_calls) and "
                           "host_s_in_calls_per_phase (the host's seconds inside those calls): where the first exceeds "
@@ -168,8 +173,15 @@ def _exposed(views: dict[str, dict], resident: str = "resident") -> dict:
     out["transfer_at_calls"] = ("per round after the first: the sum of the step's FSDPEngine.to seconds (an offload "
                                 "until its copies are complete, a reload until the compute stream may go on); what a "
                                 "layer-wise reload's units or optimizer.step() wait for later is not in it")
+    out["attributed"] = ("per round after the first: transfer_at_calls plus the compute stream's waits for "
+                         "torchferry's copies outside those calls (stall_s_per_phase: a layer-wise reload's units, "
+                         "the optimizer state at step(); CUDA events around each wait, no added synchronisation); "
+                         "it does not depend on the resident step, so the host's jitter does not enter it")
     for key, ratio in (("exposed_transfer_s_per_step", "over_verl"), ("transfer_at_calls_s_per_step",
-                                                                       "at_calls_over_verl")):
+                                                                       "at_calls_over_verl"),
+                       ("attributed_s_per_step", "attributed_over_verl")):
+        if key not in out["verl"]:
+            continue
         v = out["verl"][key]["median"]
         for label in out:
             if isinstance(out[label], dict) and key in out[label] and label != "verl":
@@ -322,6 +334,11 @@ def bars(out: dict) -> dict:
         if e and v and v["median"] and v["min"]:
             row["exposed_over_verl"] = e["median"] / v["median"]
             row["worst_round_over_verl_best"] = e["max"] / v["min"] if v["min"] > 0 else None
+        ea = ex.get(label, {}).get("attributed_s_per_step") if ex else None
+        va = ex.get("verl", {}).get("attributed_s_per_step") if ex else None
+        if ea and va and va["median"] and va["min"]:  # calls + stalls: no resident step in it
+            row["attributed_over_verl"] = ea["median"] / va["median"]
+            row["attributed_worst_over_verl_best"] = ea["max"] / va["min"]
         free, vfree = entry.get("free_at_rollout_wake_bytes"), vmem.get("free_at_rollout_wake_bytes")
         row["free_at_wake_ge_verl"] = None if free is None or vfree is None else free >= vfree
         peaks, vpeaks = entry.get("phase_peak_gpu_bytes") or {}, vmem.get("phase_peak_gpu_bytes") or {}
@@ -396,9 +413,16 @@ def cmd_report(args) -> None:
             f"{f(v['transfer_at_calls_s_per_step']['max'])}]" + (f" = {f(v['at_calls_over_verl'])}x verl"
                                                                  if "at_calls_over_verl" in v else "")
             for k, v in ex.items() if isinstance(v, dict) and "transfer_at_calls_s_per_step" in v))
+        print("attributed s/step, calls + stalls (median [min, max]): " + ", ".join(
+            f"{k} {f(v['attributed_s_per_step']['median'])} [{f(v['attributed_s_per_step']['min'])}, "
+            f"{f(v['attributed_s_per_step']['max'])}]" + (f" = {f(v['attributed_over_verl'])}x verl"
+                                                          if "attributed_over_verl" in v else "")
+            for k, v in ex.items() if isinstance(v, dict) and "attributed_s_per_step" in v))
         for k, v in ex.items():
             if isinstance(v, dict) and "exposed_s_per_phase" in v:
                 print(f"  {k} per phase: " + ", ".join(f"{p} {f(x)}" for p, x in v["exposed_s_per_phase"].items()))
+            if isinstance(v, dict) and "stall_s_per_phase" in v:
+                print(f"  {k} stalls per phase: " + ", ".join(f"{p} {f(x)}" for p, x in v["stall_s_per_phase"].items()))
     print(f"wrote {path}")
 
 

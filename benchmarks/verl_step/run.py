@@ -66,6 +66,7 @@ def cmd_run(args) -> None:
     from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
     import torchferry.integrations.verl as tf_verl
+    from torchferry._core._transfer.streams import record_stalls
     from torchferry.integrations.verl import dock_rollout, docked, ferry_for
 
     strategies = parse_strategies(args.strategies)
@@ -135,7 +136,8 @@ def cmd_run(args) -> None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         t0 = time.perf_counter()
-        out = verl_to(self, device, model=model, optimizer=optimizer, grad=grad)
+        with record_stalls():  # waits inside the call are in its seconds, not in the phase's stalls
+            out = verl_to(self, device, model=model, optimizer=optimizer, grad=grad)
         if direction == "offload":
             sync()  # the next phase (the rollout) needs the memory: the copies complete here
         host_s = time.perf_counter() - t0
@@ -212,7 +214,27 @@ def cmd_run(args) -> None:
         r.update(losses=[], grad_norms=[], log_prob_sha256=[], log_prob_sum=[], ref_log_prob_sha256=[],
                  step_s=[], phase_s=[], gpu_allocated_at_start=[], peak_gpu_allocated=[], weight_sync_bytes=0,
                  weight_sync_bytes_per_step=[], peak_own_gpu_bytes=[], dock_steps=[], order=[],
-                 phase_peak_gpu_bytes=[], at_rollout_wake=[], probe=[], context_bytes=ctx)
+                 phase_peak_gpu_bytes=[], at_rollout_wake=[], probe=[], context_bytes=ctx, stall_s=[])
+
+    class PhaseStalls:
+        """Per phase, the compute stream's waits for torchferry's copies outside FSDPEngine.to (a layer-wise
+        reload's units, the optimizer state at step()), timed on the device ([Note: stalls recorded] in
+        src/torchferry/_core/_transfer/streams.py)."""
+
+        def __init__(self) -> None:
+            self.done: dict = {}
+            self._open = None
+
+        def start(self, phase: str) -> None:
+            self.stop()
+            cm = record_stalls()
+            self._open = (phase, cm, cm.__enter__())
+
+        def stop(self) -> None:
+            if self._open is not None:
+                phase, cm, stalls = self._open
+                cm.__exit__(None, None, None)
+                self.done[phase], self._open = stalls, None
 
     def one_step(s: Strategy, step: int) -> None:
         actor, actor_config = actors[s.label]
@@ -248,11 +270,13 @@ def cmd_run(args) -> None:
             if args.segments_at_wake is not None and step == int(args.segments_at_wake[1]):
                 _write_segments(Path(args.segments_at_wake[0]) / f"segments_{s.label}_rank{rank}.json", gpu)
         repinned = repin(cpus) if cpus is not None else False  # the setup may have reset the affinity
+        stalls = PhaseStalls()
         probe.begin()
         t_step = time.perf_counter()
         marks = {}
         if args.rollout_gb or args.rollout_matmuls:  # the KV cache wakes, the generation, the driver's sleep
             current["phase"] = "rollout"
+            stalls.start("rollout")
             asyncio.run(rollout.resume(["kv_cache"]))
             rollout.generate()
             rollout.sleep()
@@ -261,6 +285,7 @@ def cmd_run(args) -> None:
         batch, advantages = _batch(step, rank, shape, vocab, args.seed)
         # compute_log_prob (the trainer's _compute_old_log_prob -> ActorRolloutRefWorker.compute_log_prob)
         current["phase"] = "log_prob"
+        stalls.start("log_prob")
         td = left_right_2_no_padding(batch.clone())
         tu.assign_non_tensor(td, calculate_entropy=True, calculate_sum_pi_squared=False, compute_loss=False,
                              temperature=1.0)
@@ -272,6 +297,7 @@ def cmd_run(args) -> None:
         peak("log_prob")
         if lora:  # ref_in_actor: the reference is the actor with its adapters off (_compute_ref_log_prob)
             current["phase"] = "ref"
+            stalls.start("ref")
             td = left_right_2_no_padding(batch.clone())
             tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False, no_lora_adapter=True,
                                  temperature=1.0)
@@ -281,6 +307,7 @@ def cmd_run(args) -> None:
             peak("ref")
         # update_actor (the trainer's _update_actor -> ActorRolloutRefWorker.update_actor)
         current["phase"] = "update"
+        stalls.start("update")
         upd = batch.clone()
         upd["old_log_probs"] = old_log_probs.cpu()
         upd["advantages"] = advantages
@@ -296,6 +323,7 @@ def cmd_run(args) -> None:
         peak("update")
         if args.weight_sync:  # ActorRolloutRefWorker.update_weights, after update_actor
             current["phase"] = "weight_sync"
+            stalls.start("weight_sync")
             if cuda:  # update_weights empties the cache before the rollout's weights wake (engine_workers.py)
                 torch.cuda.empty_cache()
             asyncio.run(rollout.resume(["weights"]))
@@ -309,6 +337,8 @@ def cmd_run(args) -> None:
             sync()
         marks["weight_sync"] = time.perf_counter()
         rec["step_s"].append(time.perf_counter() - t_step)
+        stalls.stop()
+        rec["stall_s"].append({k: v.seconds() for k, v in stalls.done.items()} if cuda else {})
         rec["probe"].append({**probe.end(), "repinned": repinned})
         if args.weight_sync or vd is not None:
             peak("weight_sync")

@@ -45,7 +45,7 @@ from .._state.targets import Targets
 from .._transfer.arena import ReloadArena
 from .._transfer.copies import H2DIssued, issue_d2h, issue_h2d
 from .._transfer.gates import AllocGate, TailMark
-from .._transfer.streams import TransferStreams, streams_for
+from .._transfer.streams import TransferStreams, streams_for, wait_event
 from .moves import OffloadIssued, OffloadMove, Offloaded, ReloadMove
 from .reconcile import moved_away, reconcile
 
@@ -337,7 +337,7 @@ class StateSet:
                 move.arena.seal(plan.storages)
             early = self._hash_early(plan, off.views, copies) if hash_early else None
             if cuda:
-                self.streams.current().wait_event(copies.event)  # pyright: ignore[reportArgumentType]  # an event on a GPU
+                wait_event(self.streams.current(), copies.event)  # pyright: ignore[reportArgumentType]  # an event on a GPU
                 for stream in comm_streams(plan.modules):  # also read by FSDP2's all-gathers
                     stream.wait_event(copies.event)  # pyright: ignore[reportArgumentType]  # an event on a GPU
             parking.to_device(range(len(plan.tensors)))
@@ -372,7 +372,7 @@ class StateSet:
         if copies.early is None or self.unchanged is None or sources is None:
             return None
         event, storages, staged = copies.early
-        self.streams.current().wait_event(event)
+        wait_event(self.streams.current(), event)
         self.unchanged.copied_in(plan, views, sources, storages, fresh=True, staged=staged)
         return storages
 

@@ -70,7 +70,7 @@ from .._state.parking import Parking
 from .step_hooks import GlobalStepHook
 from .unchanged import UnchangedStorages
 from .._transfer.driver import DriverQueue, enabled as driver_copies_enabled, queue_for
-from .._transfer.streams import TransferStreams
+from .._transfer.streams import TransferStreams, wait_event
 from .groups import Group, group_plan, prefetch_groups, split_tail
 from .issuer import ISSUE_POLL_S, ISSUE_WINDOW_BYTES, Issuer, refill_bytes_from_env, wait_target
 
@@ -134,7 +134,7 @@ def _wait_at_step(key: int, done: torch.cuda.Event, device: torch.device):
         if done.query():
             _SETTLING.discard(key)
         else:
-            torch.cuda.current_stream(device).wait_event(done)
+            wait_event(torch.cuda.current_stream(device), done)
 
     return wait
 
@@ -203,11 +203,6 @@ class PrefetchRun:
         cuda = self.streams.is_cuda
         try:
             if cuda:
-                h2d = self.streams.h2d
-                h2d.wait_stream(self.streams.current())
-                if self._after is not None:
-                    h2d.wait_event(self._after)
-                self.start = self.streams.event(h2d, timing=True)
                 self._comm = comm_streams(self.plan.modules)
                 _SETTLING.install()  # finish() adds to it, maybe from inside a step
                 # No reload arena here: [Note: no arena under a layer-wise reload] in _transfer/arena.py.
@@ -217,6 +212,15 @@ class PrefetchRun:
                 self._refill = refill_bytes_from_env()
                 for gi in range(len(self.groups)):  # on the caller's thread and stream: see the Note
                     self._allocate_group(gi)
+            else:
+                self._allocate_group(0)
+            if cuda:  # after the allocations: [Note: reload allocates on the caller's stream] in copies.py
+                h2d = self.streams.h2d
+                h2d.wait_stream(self.streams.current())
+                if self._after is not None:
+                    h2d.wait_event(self._after)
+                self.start = self.streams.event(h2d, timing=True)
+            if self._background:
                 self._issue_ranged(0)  # the handle's event
             else:
                 self._issue_ahead(0)
@@ -271,7 +275,7 @@ class PrefetchRun:
             self._make_resident(gi)
         self.done = self._latest
         if self.done is not None:  # the last of this run's events on the H2D stream: after all its copies
-            self.streams.current().wait_event(self.done)  # also for groups made resident on another stream
+            wait_event(self.streams.current(), self.done)  # also for groups made resident on another stream
             if self.plan.optimizers:  # keyed by plan: one entry per ferry, holding only an event
                 _SETTLING.add(id(self.plan), _wait_at_step(id(self.plan), self.done, self.plan.device))
         self._close()
@@ -385,15 +389,16 @@ class PrefetchRun:
 
     def _allocate_group(self, gi: int) -> None:
         plan = self.plan
-        if self.streams.is_cuda and self.issued > 0 and self.policy.lookahead_bytes is not None:
-            # Issued from a forward hook: the blocks allocated now may have been
-            # freed by kernels still queued (see [Note: reload allocates on the caller's stream]).
-            self.streams.h2d.wait_stream(self.streams.current())
         for si in self.groups[gi].storages:
             if plan.storages[si].nbytes() != plan.nbytes[si]:  # else kept by the offload (holders.py)
                 plan.storages[si].resize_(plan.nbytes[si])
                 self._allocated.append(si)
         self._versions.append(self._group_versions(gi))
+        if self.streams.is_cuda and self.issued > 0 and self.policy.lookahead_bytes is not None:
+            # Issued from a forward hook, after the allocations: the blocks may have been freed by kernels
+            # still queued, or written by one the allocation queued (see [Note: reload allocates on the
+            # caller's stream] in copies.py).
+            self.streams.h2d.wait_stream(self.streams.current())
 
     def _issue_group(self, gi: int, queue: DriverQueue | None = None) -> None:
         """Allocates group ``gi`` (unless done), queues its copies (by pointer through ``queue`` if
@@ -450,7 +455,7 @@ class PrefetchRun:
                 self.events[gi] = self._latest = self.streams.event(self.streams.h2d)
         ev = self.events[gi]
         if ev is not None:
-            self.streams.current().wait_event(ev)
+            wait_event(self.streams.current(), ev)
             for stream in self._comm:  # FSDP2's all-gather copy-in reads the shard there
                 stream.wait_event(ev)
         group = self.groups[gi]

@@ -29,7 +29,7 @@ import torch
 from .._transfer.copies import D2HIssued, ReleaseRolledForward, undo_release
 from .._transfer.gates import AllocGate, Pending, free_pending
 from .._state.plan import Plan
-from .._transfer.streams import TransferStreams
+from .._transfer.streams import TransferStreams, wait_event
 
 __all__ = ["PROGRESS_EVERY", "ReleaseSchedule"]
 
@@ -79,7 +79,7 @@ class ReleaseSchedule:
                    if si not in unchanged and si not in kept and src.numel()]
         unchanged = frozenset(unchanged) - kept
         if kept and streams.is_cuda and issued.event is not None:
-            streams.current().wait_event(issued.event)
+            wait_event(streams.current(), issued.event)
         try:
             for si in unchanged:
                 plan.storages[si].resize_(0)

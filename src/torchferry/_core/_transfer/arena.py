@@ -79,14 +79,23 @@ reloads, arena on) for 12
 (``..._1e33954_at-step-bisect.json``, strategy ``noat``).
 A check of the device bytes against the pool when the reload completed found
 the storage at the arena's base (the embedding's AdamW state, 933.5 MB, issued
-first, through the caller's thread) wrong in one range: from byte 1,024 to the
-end of its first switch-point piece (1.6 to 25 KB), still wrong after a device
-synchronisation, while the first 1,024 bytes, which the piece's separator copies
-again right after it ([Note: switch points]), were right. The cause is not
-found. FSDP2 runs with the arena in that path stayed bit-identical (11 steps at
-56ad711); it is off there all the same (a layer-wise reload pays again one
-``cudaMalloc`` per storage the cache cannot hold, the host time measured
-above), and a whole reload keeps it.
+first) wrong from byte 1,024 to at most 25 KB, still wrong after a device
+synchronisation. The cause: verl's ``full_determinism`` turns on
+``torch.use_deterministic_algorithms(True)``, under which ``torch.empty`` on a
+GPU also queues a kernel filling its memory (``torch.utils.deterministic.fill_uninitialized_memory``);
+the arena's seed was a ``torch.empty`` of the whole arena, filled with 0xFF
+(NaN as fp32) on the caller's stream, and the layer-wise reload's H2D stream had
+waited for the caller's stream before the seed, so the fill raced the first
+copy into the arena's base (the first KiB was right: the piece's separator,
+[Note: switch points], copied it again after the fill). A whole reload's H2D
+stream waits for the caller's stream after its allocations, so the fill ran
+first there (and cost a memset of the whole arena). Now the arena and its
+fillers are allocated with no kernel (``torch.UntypedStorage``: :func:`_unfilled`),
+and a layer-wise reload's H2D stream waits for the caller's stream after it
+allocated, as a whole reload's does ([Note: reload allocates on the caller's
+stream] in ``copies.py``). The arena stays off under a layer-wise reload until a
+GPU run shows that path exact with it again (it pays one ``cudaMalloc`` per
+storage the cache cannot hold, the host time measured above).
 
 Only done with the native allocator and default rounding/splitting (no
 ``max_split_size_mb``, ``roundup_power2_divisions`` or ``expandable_segments``
@@ -221,6 +230,13 @@ def arena_supported() -> bool:
         return False
 
 
+def _unfilled(nbytes: int, device: torch.device) -> torch.UntypedStorage:
+    """``nbytes`` of device memory from the caching allocator with no kernel queued on them: under
+    ``torch.use_deterministic_algorithms(True)`` a ``torch.empty`` also fills its memory on the current
+    stream ([Note: no arena under a layer-wise reload])."""
+    return torch.UntypedStorage(nbytes, device=device)
+
+
 class ReloadArena:
     """Seeds the allocator with one segment for the large storages of a reload.
 
@@ -234,7 +250,7 @@ class ReloadArena:
         self._tail = base + total  # end of the bytes the storages can fill
         self._total = total
         self._device = device
-        self._fillers: list[torch.Tensor] = []  # 1D uint8 on device: the segment's tail
+        self._fillers: list[torch.UntypedStorage] = []  # on the device: the segment's tail
 
     @classmethod
     def seed(cls, device: torch.device, sizes: list[int],
@@ -261,13 +277,13 @@ class ReloadArena:
         if after is not None and not after.query():
             after.synchronize()
         # An allocation processes the allocator's completed events: blocks freed under them are free now.
-        torch.empty(1, dtype=torch.uint8, device=device)
+        _unfilled(1, device)
         total = arena_bytes(free_blocks(device, torch.cuda.current_stream(device).cuda_stream), large)
         if not total:
             return None
         reserved = torch.cuda.memory_reserved(device)
         try:
-            block = torch.empty(total, dtype=torch.uint8, device=device)
+            block = _unfilled(total, device)
         except torch.OutOfMemoryError:
             return None
         base, new_segment = block.data_ptr(), torch.cuda.memory_reserved(device) - reserved >= total
@@ -297,7 +313,7 @@ class ReloadArena:
             return  # storages did not follow the replay: left free (see the Note on what the cache cannot hold)
         for _ in range(4):  # best fit may first hand out a foreign free block of the same size
             try:
-                t = torch.empty(filler, dtype=torch.uint8, device=self._device)
+                t = _unfilled(filler, self._device)
             except torch.OutOfMemoryError:
                 return
             self._fillers.append(t)

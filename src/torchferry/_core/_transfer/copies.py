@@ -37,8 +37,8 @@ that will use it, and the H2D stream first waits for everything already queued
 there: the block may have been freed by pending current-stream work, and
 writing it before that work ran would corrupt it. The current stream then
 waits for the H2D event, so the next kernel sees complete data without a host
-sync. Allocation and copies are interleaved per storage so the copy engine
-starts while the host is still allocating.
+sync. Allocation and copies are interleaved per storage (an allocation that queues
+nothing, ``resize_``: [Note: no arena under a layer-wise reload] in ``arena.py``).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from .packing import PackChunk, pack_to_host, unpack_from_host
 from .._state.plan import Plan
 from .gates import AllocGate, TailMark, upload_rows
 from .signals import uninterruptible
-from .streams import TransferStreams
+from .streams import TransferStreams, wait_event
 
 __all__ = ["D2HIssued", "H2DEarly", "H2DIssued", "ReleaseRolledForward", "copy_runs", "issue_d2h", "issue_h2d",
            "release", "restore_released", "transfer_range", "undo_allocations", "undo_release"]
@@ -245,9 +245,9 @@ def release(plan: Plan, sources: list[torch.Tensor], slots: list[torch.Tensor], 
     if cuda and gathered is not None:
         packed, last_gather = gathered
         current = streams.current()
-        current.wait_event(last_gather)
+        wait_event(current, last_gather)
     if cuda and kept and copied is not None:
-        streams.current().wait_event(copied)
+        wait_event(streams.current(), copied)
     freed = [si for si in range(len(plan.storages)) if si not in kept]
     try:
         for si in freed:

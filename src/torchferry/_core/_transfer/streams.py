@@ -20,15 +20,80 @@ before it reads or writes tensors the current stream produced (prevents
 copying stale values, or writing into a block the allocator just recycled from
 pending current-stream work), and the current stream waits for the reload's
 event before the next kernel (prevents reading a half-copied parameter).
+
+[Note: stalls recorded]
+Where a transfer is not hidden, the caller's stream waits for a copy event: a layer-wise reload's
+unit, the optimizer state at ``step()``, a whole reload, a release behind its copies. How long it
+waited is a device-side figure: inside :func:`record_stalls`, each such wait (:func:`wait_event`)
+is bracketed by two timing events on the waiting stream, and the time between them is the
+stall: the second runs once both the stream's earlier work and the copy are done, so their
+difference is how long the copy held the stream up (0 when it was done first). Nothing is
+synchronised to record it; :meth:`Stalls.seconds` reads the events once they completed. The
+verl step bench reports it per phase beside the host time inside the offload and reload calls
+(``benchmarks/verl_step``), so exposed time is attributed rather than only subtracted.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
 
 import torch
 
 from .switch import SwitchPoints
 
-__all__ = ["TransferStreams", "side_stream", "streams_for"]
+__all__ = ["Stalls", "TransferStreams", "record_stalls", "side_stream", "streams_for", "wait_event"]
+
+_recording: contextvars.ContextVar[list[tuple[torch.cuda.Event, torch.cuda.Event]] | None] = \
+    contextvars.ContextVar("torchferry_stalls", default=None)
+
+
+class Stalls:
+    """The waits recorded by one :func:`record_stalls` ([Note: stalls recorded])."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @property
+    def count(self) -> int:
+        """Waits recorded."""
+        return len(self.pairs)
+
+    def seconds(self) -> float:
+        """Seconds the waiting streams were held up by copies, summed over the waits (blocks the host
+        until the recorded events completed). 0.0 on the CPU or with no wait."""
+        total = 0.0
+        for before, after in self.pairs:
+            after.synchronize()
+            total += before.elapsed_time(after) / 1e3
+        return total
+
+
+@contextlib.contextmanager
+def record_stalls() -> Iterator[Stalls]:
+    """Within it, every wait of a stream for a transfer's event on this thread is timed on the device
+    ([Note: stalls recorded]); nested uses record into the innermost."""
+    stalls = Stalls()
+    token = _recording.set(stalls.pairs)
+    try:
+        yield stalls
+    finally:
+        _recording.reset(token)
+
+
+def wait_event(stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+    """``stream.wait_event(event)``, timed inside :func:`record_stalls`."""
+    pairs = _recording.get()
+    if pairs is None:
+        stream.wait_event(event)
+        return
+    before = torch.cuda.Event(enable_timing=True)
+    before.record(stream)
+    stream.wait_event(event)
+    after = torch.cuda.Event(enable_timing=True)
+    after.record(stream)
+    pairs.append((before, after))
 
 
 class TransferStreams:

@@ -1,0 +1,50 @@
+"""[Note: stalls recorded] (``_core/_transfer/streams.py``) on the CPU: a wait outside a recording is the
+stream's own ``wait_event``; recordings nest; the verl step bench's report attributes calls plus stalls."""
+
+from torchferry._core._transfer import streams
+
+
+class _Stream:
+    def __init__(self) -> None:
+        self.waited: list[object] = []
+
+    def wait_event(self, event: object) -> None:
+        self.waited.append(event)
+
+
+def test_a_wait_outside_a_recording_is_the_streams_own():
+    s, ev = _Stream(), object()
+    streams.wait_event(s, ev)  # type: ignore[arg-type]
+    assert s.waited == [ev]
+
+
+def test_recordings_nest_and_an_empty_one_counts_nothing():
+    with streams.record_stalls() as outer:
+        with streams.record_stalls() as inner:
+            assert streams._recording.get() is inner.pairs
+        assert streams._recording.get() is outer.pairs
+    assert streams._recording.get() is None
+    assert (outer.count, outer.seconds(), inner.count) == (0, 0.0, 0)
+
+
+def test_the_report_attributes_calls_and_stalls_per_round():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from verl_step.report import _exposed
+
+    def rank0(step_s, events, stalls):
+        return {"per_rank": [{"step_s": step_s, "phase_s": [{"update": x} for x in step_s], "events": events,
+                              "stall_s": stalls}]}
+
+    call = [{"step": st, "phase": "update", "seconds": 0.5, "host_s": 0.4} for st in (1, 2)]
+    views = {"resident": rank0([5.0, 1.0, 1.2], [], []),
+             "verl": rank0([6.0, 2.0, 2.1], [{**e, "seconds": 1.0} for e in call], [{}, {}, {}]),
+             "torchferry": rank0([5.5, 1.4, 1.5], call, [{"update": 9.0}, {"update": 0.25}, {"update": 0.05}])}
+    out = _exposed(views)
+    tf = out["torchferry"]
+    assert tf["attributed_s_per_step"]["all"] == [0.75, 0.55]  # the first round is left out
+    assert tf["stall_s_per_phase"] == {"update": 0.15}
+    assert out["verl"]["attributed_s_per_step"]["all"] == [1.0, 1.0]
+    assert tf["attributed_over_verl"] == 0.65

@@ -14,7 +14,14 @@ unique storages on its device that its targets hold now, and those of the
 ferry's last plan, at their sizes now (the plan keeps its storages until the
 next offload: a replaced weight's old storage is still allocated), measured
 by :func:`device_bytes` at every decision of the dock ([Note: dock
-accounting] in ``engine``).
+accounting] in ``engine``). A resident set without a plan (``forget_plan()``,
+a replacement while offloaded, or the resident watch's ``forget_plan_of``
+after gradients were dropped: [Note: state dropped while resident] in
+``_ferry/watch.py``) counts the same walk plus FSDP2's sharded storages of its
+modules (``sharded_storages``), where such a unit left unsharded keeps them:
+counting ``max(device bytes, state_bytes)`` then kept the dropped gradients'
+bytes counted, and a dock evicted a set to make room that was there
+(``tests/cpu/test_dock_accounting.py::test_a_set_whose_plan_the_watch_forgot_counts_what_it_holds``).
 A set on the host counts ``state_bytes``: the offload planned it, so it is what
 the reload brings back (and what an offload in flight still holds on the
 device). Not counted: a reload arena's filler ([Note: reload arena]), at most
@@ -129,11 +136,17 @@ def targets_of(ferry: Ferry) -> list[object]:
 
 def device_storages(ferry: Ferry) -> dict[int, int]:
     """The unique storages on the ferry's device that its targets and its last plan hold now: ``StorageImpl``
-    address -> bytes now (see :func:`device_bytes`)."""
-    storages = [local_of(t).untyped_storage() for _, t in walk(targets_of(ferry))]
+    address -> bytes now (see :func:`device_bytes`). Without a plan, FSDP2's sharded storages of a unit left
+    unsharded too ([Note: a set counts its bytes now])."""
+    targets = targets_of(ferry)
+    storages = [local_of(t).untyped_storage() for _, t in walk(targets)]
     cache = ferry._set.cache
     if cache is not None:
         storages.extend(cache.plan.storages)
+    else:
+        for m in targets:
+            if isinstance(m, torch.nn.Module):
+                storages.extend(sharded_storages(m))
     return _unique_storages(storages, ferry.device)
 
 
@@ -243,7 +256,7 @@ def measured(ferry: Ferry) -> tuple[int, frozenset[int]]:
         return ferry.state_bytes + ahead, frozenset()
     now = device_storages(ferry)
     total = sum(now.values())
-    if r is Residency.PREFETCHING or ferry._set.cache is None:
+    if r is Residency.PREFETCHING:
         total = max(total, ferry.state_bytes)
     return total + ahead, frozenset(now)
 
@@ -251,11 +264,11 @@ def measured(ferry: Ferry) -> tuple[int, frozenset[int]]:
 def counted_bytes(ferry: Ferry) -> int:
     """Bytes a dock counts for the ferry's set now (see [Note: a set counts its bytes now]).
 
-    Resident: :func:`device_bytes`, at least ``state_bytes`` when the ferry
-    has no plan (after ``forget_plan()`` or a replacement while offloaded, FSDP2's
-    sharded storages of a unit left unsharded are not seen then: see
-    :func:`ensure_plan`) or a layer-wise reload is under way (``PREFETCHING``:
-    the units not yet arrived hold 0 bytes now). On the host: ``state_bytes``.
-    Both with :func:`first_step_projection` for an optimizer that has not stepped yet.
+    Resident: :func:`device_bytes` (without a plan, after ``forget_plan()``, the resident watch's
+    ``forget_plan_of`` or a replacement while offloaded, FSDP2's sharded storages of a unit left unsharded
+    are looked up in its FSDP2 state: what is on the device, not the last plan's ``state_bytes``); at least
+    ``state_bytes`` while a layer-wise reload is under way (``PREFETCHING``: the units not yet arrived hold
+    0 bytes now). On the host: ``state_bytes``. Both with :func:`first_step_projection` for an optimizer that
+    has not stepped yet.
     """
     return measured(ferry)[0]

@@ -687,10 +687,11 @@ def test_lru_prefetch_takes_an_idle_set_before_one_in_use():
 def test_an_evicted_set_counts_the_storages_its_offload_kept_on_the_device():
     """A tensor the ferry does not know sharing a set's storage keeps it allocated through an eviction
     ([Note: a storage shared with a tensor the ferry does not know]): the dock counts those bytes as held
-    until the alias goes, so the room it makes is there."""
-    dock, s = dock_with(6, a=4, b=4)
+    until the alias goes, so the room it makes is there (``test_dock_kept.py``: such a set is no victim)."""
+    dock, s = dock_with(8, a=4, b=4)
     with dock.use("a"):
         alias = s["a"].t[:10]  # a view the ferry does not know
+    dock.evict("a")
     with dock.use("b"):
         assert not s["a"].resident and s["b"].resident
         assert dock.resident_bytes == 8 * U  # b, and a's storage kept for the alias
@@ -698,6 +699,7 @@ def test_an_evicted_set_counts_the_storages_its_offload_kept_on_the_device():
     del alias
     with dock.use("a"):
         pass
+    dock.evict("a")
     with dock.use("b"):
         assert dock.resident_bytes == 4 * U  # nothing kept once the alias is gone
     assert s["a"].ferry.reload() is not None and torch.equal(s["a"].t, s["a"].want)

@@ -201,3 +201,32 @@ def test_an_optimizers_first_step_is_counted_before_it_runs_so_a_claimant_sleeps
         assert dock.resident_bytes <= dock.budget_bytes
         assert dock.nbytes("o") == made  # now measured: as told
     assert len(opt.state) == 2 and all(not torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))
+
+
+def test_a_set_whose_plan_the_watch_forgot_counts_what_it_holds():
+    """The resident watch forgets a plan whose gradients were dropped ([Note: state dropped while resident]);
+    the dock then counted ``max(device bytes, state_bytes)``: the dropped gradients' bytes, 2P for the P the
+    parameters hold, and evicted the module to make room that was there."""
+    import gc
+
+    m, opt = _trained(64)
+    P = sum(p.numel() * p.element_size() for p in m.parameters())
+    fm = Ferry(m, device="cpu")
+    fm.offload()
+    fm.reload()  # the plan (grads included) cached, the watch armed
+    to, fo = _set(1, 0)
+    o_bytes = to.numel() * 4
+    dock = Dock(2 * P + o_bytes - 1)
+    dock.add("m", fm)
+    dock.add("o", fo)
+    assert dock.nbytes("m") == 2 * P
+    opt.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        m(torch.ones(2, 64))  # the watch's forward pre-hook: the plan goes, and the gradients with it
+    gc.collect()
+    assert fm._set.cache is None and all(p.grad is None for p in m.parameters())
+    assert fm.state_bytes == 2 * P
+    assert dock.nbytes("m") == P
+    with dock.use("o"):
+        assert dock.resident_bytes == P + o_bytes
+    assert not fm.residency.on_host and fm.stats.offloads == 1  # not evicted: the room was there

@@ -64,17 +64,10 @@ def _switch_readers():
     from torchferry._core._transfer import arena, driver
     from torchferry.integrations import _helpers
 
-    def arena_flag():
-        arena.arena_supported.cache_clear()
-        try:
-            return arena.arena_supported()
-        finally:
-            arena.arena_supported.cache_clear()
-
     return [
         ("TORCHFERRY_DRIVER_COPIES", driver.enabled, True),
         ("TORCHFERRY_VERIFY_SKIPS", verify_skips, False),
-        ("TORCHFERRY_RELOAD_ARENA", arena_flag, True),
+        ("TORCHFERRY_RELOAD_ARENA", arena.arena_supported, True),
         ("TORCHFERRY_SKIP_UNCHANGED", _helpers.skip_unchanged, True),
         ("TORCHFERRY_OPTIMIZER_AT_STEP", _helpers.optimizer_at_step, False),
         ("TORCHFERRY_LAYERWISE_RELOAD", _helpers.LAYERWISE.get, False),
@@ -83,7 +76,8 @@ def _switch_readers():
 
 @pytest.mark.parametrize("index", range(6))
 def test_every_switch_of_torchferry_takes_every_spelling(monkeypatch, index):
-    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "native")  # the arena's other condition
+    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "native")  # the arena's other conditions
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "", raising=False)
     name, read, default = _switch_readers()[index]
     assert read() is default
     for raw in ON_SPELLINGS:

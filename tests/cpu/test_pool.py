@@ -78,12 +78,86 @@ def test_reload_arena_off_for_allocator_settings_it_cannot_rely_on(monkeypatch, 
     from torchferry._core._transfer import arena as _device_alloc
 
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
-    _device_alloc.arena_supported.cache_clear()
+    # what the allocator read from the environment (the real one would keep this conf for the process)
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: conf, raising=False)
+    assert not _device_alloc.arena_supported()
+    assert _device_alloc.ReloadArena.seed(torch.device("cuda", 0), [1 << 30]) is None
+
+
+def test_reload_arena_reads_the_allocator_settings_now(monkeypatch):
+    """[Note: allocator settings read now]: the settings made at run time over the environment's (verl's
+    ``_set_allocator_settings("expandable_segments:True")``), any spelling, and options it does not know
+    turn the arena off; an answer is never cached. Read once from the environment, the arena stayed on."""
+    from torchferry._core._transfer import arena
+
+    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "native")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    now = {"settings": ""}
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: now["settings"], raising=False)
+    cases = {
+        "": True,
+        "expandable_segments:True": False,
+        " Expandable_Segments : TRUE ": False,
+        "expandable_segments:False": True,
+        "garbage_collection_threshold:0.6, pinned_use_cuda_host_register:True": True,
+        "backend:native": True,
+        "backend: cudaMallocAsync": False,
+        "MAX_SPLIT_SIZE_MB:128": False,
+        "roundup_power2_divisions:[256:1,512:2,>:4],garbage_collection_threshold:0.8": False,
+        "large_segment_size_mb:64": False,  # not known to leave the segments alone
+    }
+    for conf, want in cases.items():
+        now["settings"] = conf
+        assert arena.arena_supported() is want, conf
+    now["settings"] = "expandable_segments:False"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # set back at run time
+    assert arena.arena_supported()
+    now["settings"] = "garbage_collection_threshold:0.6"
+    assert not arena.arena_supported()  # the environment's, not overridden
+    monkeypatch.delattr(torch._C, "_accelerator_getAllocatorSettings")  # torch 2.11: the environment only
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", " Expandable_Segments : True ")
+    assert not arena.arena_supported()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:64")
+    assert not arena.arena_supported()
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
+    assert arena.arena_supported()
+
+
+@pytest.mark.skipif(not hasattr(torch._C, "_accelerator_setAllocatorSettings"), reason="torch < 2.13")
+def test_reload_arena_off_after_expandable_segments_set_at_run_time(monkeypatch):
+    """Through torch's own setter, as verl calls it (``torch.cuda.memory._set_allocator_settings``)."""
+    from torchferry._core._transfer import arena
+
+    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "native")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    before = torch._C._accelerator_getAllocatorSettings()
     try:
-        assert not _device_alloc.arena_supported()
-        assert _device_alloc.ReloadArena.seed(torch.device("cuda", 0), [1 << 30]) is None
+        torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
+        assert arena.arena_supported()
+        torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
+        assert not arena.arena_supported()
     finally:
-        _device_alloc.arena_supported.cache_clear()
+        torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
+        if before:
+            torch._C._accelerator_setAllocatorSettings(before)
+
+
+def test_free_blocks_leave_out_expandable_segments(monkeypatch):
+    """An expandable segment grows and unmaps pages instead of splitting blocks: the replay of the best fit
+    takes only the free blocks of ordinary large segments of the stream ([Note: allocator settings read now])."""
+    from torchferry._core._transfer.arena import free_blocks
+
+    def seg(size, *, expandable=False, stream=7, device=0, state="inactive", kind="large"):
+        return {"device": device, "segment_type": kind, "stream": stream, "segment_pool_id": (0, 0),
+                "is_expandable": expandable, "blocks": [{"size": size, "state": state}]}
+
+    segments = [seg(64 * MiB), seg(128 * MiB, expandable=True), seg(32 * MiB, stream=8), seg(16 * MiB, device=1),
+                seg(8 * MiB, state="active_allocated"), seg(2 * MiB, kind="small"), seg(4 * MiB)]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda include_traces=True: segments)
+    assert free_blocks(torch.device("cuda", 0), 7) == [64 * MiB, 4 * MiB]
 
 
 MiB = 1 << 20

@@ -212,6 +212,6 @@ def switch_bytes(default: int) -> int:
 
 def allocator_conf() -> str:
     """PyTorch's caching-allocator settings, ``PYTORCH_CUDA_ALLOC_CONF`` and ``PYTORCH_ALLOC_CONF`` joined
-    by a comma, in lower case (read, not parsed: ``_transfer/arena`` looks for the options it cannot
-    work with)."""
+    by a comma, in lower case (``_transfer/arena`` parses it, with the settings made at run time over it:
+    [Note: allocator settings read now])."""
     return (os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")).lower()

@@ -67,7 +67,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from .._ferry.ferry import Ferry
-from .measure import appeared_bytes, ensure_plan, is_closed, kept_bytes, targets_of
+from .measure import appeared_bytes, ensure_plan, eviction_keeps, is_closed, kept_bytes, targets_of
 from .mover import Mover
 from .records import _Claimant, _fmt, _Set
 from .schedule import Schedule, belady, held, lru
@@ -270,8 +270,7 @@ class DockEngine:
         ``ahead`` (a prefetch): plan as if the uses now open were left, and
         let sets in use be candidates (the caller acts only if none is chosen).
         """
-        incoming = sum(self.nbytes(n) - (kept_bytes(self.sets[n].ferry) if n in self.sets else 0)  # kept: there
-                       for n in names if not self.resident(n))
+        incoming = sum(self.incoming(n) for n in names if not self.resident(n))
         need = self.held(after_release=ahead) + incoming - self.budget
         if need <= 0:
             return []
@@ -282,20 +281,41 @@ class DockEngine:
             if isinstance(item, _Claimant) and not item.movable:
                 continue  # a byte count's bytes are freed by its user, reserved ones never
             candidates.append(n)
-        if sum(self.nbytes(n) for n in candidates) < need:
+        freed = self.freed(candidates)
+        candidates = [n for n in candidates if freed[n] > 0]  # an eviction that frees nothing is no victim
+        if sum(freed[n] for n in candidates) < need:
             return None
         busy = {n for n in candidates if self.item(n).in_use}
         if self.schedule is None:
-            return lru(candidates, need, busy, self.item, self.nbytes)
-        return belady(self.schedule, candidates, need, base, busy, self.sets, self.nbytes)
+            return lru(candidates, need, busy, self.item, freed.__getitem__)
+        return belady(self.schedule, candidates, need, base, busy, self.sets, freed.__getitem__)
+
+    def incoming(self, name: str) -> int:
+        """Bytes bringing ``name`` in adds on the device: a set's less the storages its offload kept there
+        (they count already: [Note: kept storages count once] in ``measure``), a claimant's bytes."""
+        s = self.sets.get(name)
+        return self.claimants[name].nbytes if s is None else s.nbytes - kept_bytes(s.ferry)
+
+    def freed(self, names: Iterable[str]) -> dict[str, int]:
+        """Bytes the eviction of each resident set, or the sleep of each claimant, in ``names`` would free
+        now: a set's counted bytes less the storages its offload would keep ([Note: an eviction frees what
+        it releases] in ``measure``)."""
+        sets = self.sets.values()
+        now = held(sets, ())
+        return {n: (now - held(sets, (), evicting={n: eviction_keeps(self.sets[n].ferry)}) if n in self.sets
+                    else self.claimants[n].nbytes) for n in names}
 
     def _no_room(self, names: tuple[str, ...]) -> str:
         want = ", ".join(f"{n!r} ({_fmt(self.nbytes(n))})" for n in names if not self.resident(n))
         held_ = [(n, self.nbytes(n)) for n in sorted(self.in_use) if self.resident(n) and n not in names]
         holders = ", ".join(f"{n!r} {_fmt(b)}" for n, b in held_) or "nothing"
+        idle = [n for n, s in self.sets.items() if n not in names and not s.in_use and self.resident(n)]
+        kept = [(n, self.nbytes(n) - f) for n, f in self.freed(idle).items() if f < self.nbytes(n)]
+        stuck = ("; an eviction would leave on the device " + ", ".join(f"{n!r} {_fmt(b)}" for n, b in kept)
+                 + " (a tensor torchferry does not manage shares those storages: drop it to free them)") if kept else ""
         return (
             f"torchferry: Dock.use: cannot make room for {want} within the budget of {_fmt(self.budget)}: "
-            f"{_fmt(self.held())} is held, and what is in use cannot be evicted ({holders}); "
+            f"{_fmt(self.held())} is held, and what is in use cannot be evicted ({holders}){stuck}; "
             "leave those use() blocks first, or raise budget_bytes. Nothing was moved"
         )
 
@@ -393,12 +413,12 @@ class DockEngine:
         for v in victims:
             if v in self.claimants:
                 self.mover.sleep(self.claimants[v], background=background)
-        if len(out_sets) == 1 and loads and not background and not self.mover.fits_now(loads[0].nbytes):
+        if len(out_sets) == 1 and loads and not background and not self.mover.fits_now(self.incoming(loads[0].name)):
             self.mover.swap(out_sets.pop(), loads.pop(0))
         for s in out_sets:
             self.mover.evict(s, background=background)
         for s in loads:
-            self.mover.wait_room(s.nbytes)
+            self.mover.wait_room(self.incoming(s.name))
             self.mover.load(s, background=background)
         for c in wakes:
             self.mover.wake(c)
@@ -422,7 +442,7 @@ class DockEngine:
             else:
                 self.mover.evict(self.sets[v], background=True)
         if s is not None:
-            if self.mover.fits_now(s.nbytes):
+            if self.mover.fits_now(self.incoming(name)):
                 self.mover.load(s, background=True)
             else:
                 self._pending.append(name)  # loads when its room is free (see _poll)
@@ -438,9 +458,9 @@ class DockEngine:
             s = self.sets[n]
             if self.resident(n):
                 continue
-            if self.held() + s.nbytes > self.budget:
+            if self.held() + self.incoming(n) > self.budget:
                 continue  # the room went elsewhere: use() will bring it in
-            if self.mover.fits_now(s.nbytes):
+            if self.mover.fits_now(self.incoming(n)):
                 self.mover.load(s, background=True)
             else:
                 still.append(n)
@@ -457,10 +477,10 @@ class DockEngine:
         if need <= 0:
             return
         victims = self._victims((), base=self.pos, ahead=False)
-        if victims is None:  # what is in use holds more than the budget: free what is idle
-            victims = [n for n, item in (*self.sets.items(), *self.claimants.items())
-                       if self.resident(n) and not item.in_use
-                       and not (isinstance(item, _Claimant) and not item.movable)]
+        if victims is None:  # what is in use holds more than the budget: free what is idle (and frees something)
+            idle = [n for n, item in (*self.sets.items(), *self.claimants.items())
+                    if self.resident(n) and not item.in_use and not (isinstance(item, _Claimant) and not item.movable)]
+            victims = [n for n, f in self.freed(idle).items() if f > 0]
         logger.debug("dock: %d bytes over the budget after a use (state grew); evicting %s", need, victims)
         self.check_open(victims)
         for v in victims:

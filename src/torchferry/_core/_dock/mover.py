@@ -34,7 +34,7 @@ from .._api.residency import Residency
 from .._ferry.interrupts import interrupts_deferred
 from .._ferry.swap import swap as swap_ferries
 from .._transfer.streams import side_stream
-from .measure import counted_bytes
+from .measure import kept_bytes, measured
 from .records import Move, _Claimant, _Set
 from .schedule import held
 
@@ -73,7 +73,7 @@ class Mover:
 
     def measure(self, s: _Set) -> int:
         """Measures ``s`` now (see [Note: a set counts its bytes now]); returns its bytes."""
-        s.nbytes = counted_bytes(s.ferry)
+        s.nbytes, s.storages = measured(s.ferry)
         return s.nbytes
 
     def _held_now(self) -> int:
@@ -196,7 +196,7 @@ class Mover:
     @interrupts_deferred  # the move and its record together ([Note: all or nothing])
     def swap(self, out: _Set, into: _Set) -> None:
         """One set out and one in on both copy engines; ``into`` waits only for the bytes it needs."""
-        out_bytes, in_bytes = out.nbytes, into.nbytes
+        out_bytes, in_bytes = out.nbytes, into.nbytes - kept_bytes(into.ferry)  # kept: on the device already
         self.wait_room(in_bytes - out_bytes)  # other outgoing sets first
         self.hand_off(out)
         budget = None

@@ -76,6 +76,7 @@ class _Set:
     ferry: Ferry
     order: int  # registration order (ties of the LRU)
     nbytes: int = 0  # bytes counted now, measured at each decision (see [Note: a set counts its bytes now])
+    storages: frozenset[int] = frozenset()  # the device storages nbytes counts (StorageImpl addresses; resident)
     last_used: int = -1  # tick of the last use
     in_use: int = 0
     handle: TransferHandle | None = None  # the last move's

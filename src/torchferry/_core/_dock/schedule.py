@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from .._api.residency import Residency
-from .measure import kept_bytes
+from .measure import kept_storages
 from .records import _Claimant, _Set
 
 __all__ = ["Schedule"]
@@ -96,23 +96,35 @@ class Schedule:
 
 
 def held(sets: Iterable[_Set], claimants: Iterable[_Claimant], *, physical: bool = False,
-         after_release: bool = False) -> int:
+         after_release: bool = False, evicting: Mapping[str, Mapping[int, int]] | None = None) -> int:
     """Bytes counted against the budget (see [Note: dock accounting] in ``_engine``): each set's
     ``nbytes`` as last measured; an evicted set, the storages its offload kept on the device
-    (:func:`~.measure.kept_bytes`).
+    (:func:`~.measure.kept_storages`), each once across the sets and not where a resident set
+    counts it already ([Note: kept storages count once] in ``measure``).
 
     Args:
         physical: also count sets whose offload is still copying.
         after_release: as if every use now open were left (byte-count
             claimants in use then count nothing).
+        evicting: sets to count as if evicted now (name -> the storages their
+            offload would keep: :func:`~.measure.eviction_keeps`), for the
+            bytes an eviction frees ([Note: an eviction frees what it releases]).
     """
     total = 0
+    counted: set[int] = set()  # storages a set counts in its nbytes
+    kept: dict[int, int] = {}
     for s in sets:
         r = s.ferry.residency
-        if not r.on_host or (physical and r is Residency.D2H_IN_FLIGHT):
+        if evicting is not None and s.name in evicting:
+            kept.update(evicting[s.name])
+        elif not r.on_host or (physical and r is Residency.D2H_IN_FLIGHT):
             total += s.nbytes
+            counted.update(s.storages)
+            if r.on_host:  # in flight: its nbytes (the plan's) counts its kept storages too
+                counted.update(kept_storages(s.ferry))
         else:
-            total += kept_bytes(s.ferry)
+            kept.update(kept_storages(s.ferry))
+    total += sum(n for key, n in kept.items() if key not in counted)
     for c in claimants:
         if c.awake or (c.transient and c.in_use > 0 and not after_release):
             total += c.nbytes
@@ -121,7 +133,8 @@ def held(sets: Iterable[_Set], claimants: Iterable[_Claimant], *, physical: bool
 
 def lru(candidates: list[str], need: int, busy: set[str], item: Callable[[str], _Set | _Claimant],
         nbytes: Callable[[str], int]) -> list[str]:
-    """Least recently used first (for a prefetch, the ones idle now before those in use)."""
+    """Least recently used first (for a prefetch, the ones idle now before those in use); ``nbytes``: what
+    each candidate's eviction frees ([Note: an eviction frees what it releases] in ``measure``)."""
     def key(n: str) -> tuple[bool, int, int]:
         it = item(n)
         return (n in busy, it.last_used, it.order)
@@ -137,10 +150,11 @@ def lru(candidates: list[str], need: int, busy: set[str], item: Callable[[str], 
 
 def belady(schedule: Schedule, candidates: list[str], need: int, base: int, busy: set[str],
            sets: Mapping[str, _Set], nbytes: Callable[[str], int]) -> list[str]:
-    """See [Note: choosing victims]; ``busy`` members count against a group, for prefetches."""
+    """See [Note: choosing victims]; ``busy`` members count against a group, for prefetches; ``nbytes``: what
+    each candidate's eviction frees, a set's cost its counted bytes (its reload copies them all)."""
     dist = {n: schedule.distance(n, base) for n in candidates}
-    size = {n: nbytes(n) for n in candidates}
-    cost = {n: (size[n] if n in sets and dist[n] != math.inf else 0) for n in candidates}
+    size = {n: nbytes(n) for n in candidates}  # freed by the eviction
+    cost = {n: (sets[n].nbytes if n in sets and dist[n] != math.inf else 0) for n in candidates}  # back in
 
 
     def key(group: Sequence[str]) -> tuple:

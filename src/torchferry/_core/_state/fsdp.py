@@ -17,6 +17,7 @@ from torch import nn
 from .tree import module_tree
 
 __all__ = [
+    "allocator_settings_set",
     "base_held_by_python",
     "comm_streams",
     "dtensor_twin",
@@ -278,6 +279,19 @@ def _storage_object_refs() -> int:
     measured once on a tensor of one impl and its storage object."""
     t = torch.empty(1)
     return torch._C._storage_Use_Count(storage_key(t.untyped_storage())) - 1
+
+
+def allocator_settings_set() -> str | None:
+    """The caching allocator's settings string as torch last took it (``torch._C._accelerator_getAllocatorSettings``:
+    the last one set at run time, or the environment's before any); ``None`` where torch does not tell it
+    (torch < 2.13) or fails to."""
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if get is None:
+        return None
+    try:
+        return get()
+    except RuntimeError:
+        return None
 
 
 def storage_refs(storage: torch.UntypedStorage) -> int:

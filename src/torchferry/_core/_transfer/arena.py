@@ -97,22 +97,44 @@ stream] in ``copies.py``). The arena stays off under a layer-wise reload until a
 GPU run shows that path exact with it again (it pays one ``cudaMalloc`` per
 storage the cache cannot hold, the host time measured above).
 
-Only done with the native allocator and default rounding/splitting (no
-``max_split_size_mb``, ``roundup_power2_divisions`` or ``expandable_segments``
-in ``PYTORCH_CUDA_ALLOC_CONF``), where those rules hold; otherwise storages
-are allocated one by one, as before.
+[Note: allocator settings read now]
+Only done with the native allocator and default rounding/splitting, where those
+rules hold; otherwise storages are allocated one by one, as before.
+:func:`arena_supported` read ``PYTORCH_CUDA_ALLOC_CONF`` once per process
+(cached) and looked for substrings: it missed settings changed at run time
+(verl 0.9.1's ``set_expandable_segments`` in ``verl/utils/device.py`` calls
+``torch.cuda.memory._set_allocator_settings("expandable_segments:True")``, and
+``verl/workers/engine_workers.py`` turns it off and on again around the rollout,
+after a first reload may have asked), spellings with spaces or capitals
+(``"expandable_segments: True"``), and options it did not list. So every call
+reads the settings now: the environment's (``PYTORCH_CUDA_ALLOC_CONF``, then
+``PYTORCH_ALLOC_CONF``), with those the allocator was last given at run time
+over them where torch tells them (``torch._C._accelerator_getAllocatorSettings``,
+which returns the last string set, or the environment's before any: an option
+an earlier call set and the last one left out is not seen; a torch without it
+has the environment only). They are parsed as ``key:value`` pairs
+(spaces dropped, lower case, a bracketed list one value), and the arena is used
+only when every key is one known not to change the device pool's rounding,
+splitting or segments (:data:`_NEUTRAL`), ``expandable_segments`` is false and
+``backend`` native: an option this module does not know turns it off
+(``tests/cpu/test_pool.py::test_reload_arena_reads_the_allocator_settings_now``).
+Expandable segments made while they were on outlive the setting; the replay
+models fixed ``cudaMalloc``'d segments, which they are not, so :func:`free_blocks`
+leaves their free blocks out (``is_expandable`` in the snapshot).
 """
 
 from __future__ import annotations
 
 import bisect
-import functools
+import re
 
 import torch
 
 from .._api.env import ARENA_ENV, allocator_conf, reload_arena
+from .._state.fsdp import allocator_settings_set
 
-__all__ = ["ARENA_ENV", "ReloadArena", "arena_bytes", "arena_supported", "best_fit", "free_blocks"]
+__all__ = ["ARENA_ENV", "ReloadArena", "allocator_settings", "arena_bytes", "arena_supported", "best_fit",
+           "free_blocks", "parse_allocator_settings"]
 
 
 _SMALL_SIZE = 1 << 20  # kSmallSize: blocks up to 1 MiB go to the small pool
@@ -122,6 +144,15 @@ _ROUND_LARGE = 2 << 20  # kRoundLarge: large segments are multiples of 2 MiB
 _MIN_BLOCK = 512  # kMinBlockSize: request sizes are rounded to 512 B
 _MIN_ARENA = 64 << 20  # below this the per-storage cost is negligible
 _SIZING_ROUNDS = 6  # replays of the best fit while sizing an arena
+# allocator options that leave the device pool's rounding, splitting and segments as the replay has them
+# ([Note: allocator settings read now]): the garbage collection of cached blocks, the lock, the host
+# (pinned) pool's, graph capture's and the memory fraction
+_NEUTRAL = frozenset({"garbage_collection_threshold", "release_lock_on_cudamalloc", "release_lock_on_malloc",
+                      "pinned_use_cuda_host_register", "pinned_use_host_register", "pinned_num_register_threads",
+                      "pinned_use_background_threads", "pinned_reserve_segment_size_mb",
+                      "pinned_max_round_threshold_mb", "graph_capture_record_stream_reuse",
+                      "per_process_memory_fraction"})
+_DEFAULTS = {"expandable_segments": "false", "backend": "native"}  # options neutral at these values
 
 
 def _round(n: int, to: int) -> int:
@@ -198,8 +229,9 @@ def arena_bytes(free: list[int], sizes: list[int]) -> int:
 
 
 def free_blocks(device: torch.device, stream: int) -> list[int]:
-    """The sizes of the free blocks the caching allocator holds in its large pool for ``stream``
-    (a ``cudaStream_t`` as ``torch.cuda.Stream.cuda_stream``) on ``device``, from its snapshot."""
+    """The sizes (bytes) of the free blocks the caching allocator holds in its large pool for ``stream``
+    (a ``cudaStream_t`` as ``torch.cuda.Stream.cuda_stream``) on ``device``, from its snapshot; not those of
+    expandable segments ([Note: allocator settings read now])."""
     try:
         segments = torch.cuda.memory_snapshot(include_traces=False)
     except TypeError:  # a torch without the switch
@@ -207,23 +239,43 @@ def free_blocks(device: torch.device, stream: int) -> list[int]:
     return [b["size"] for seg in segments
             if seg.get("device") == device.index and seg.get("segment_type") == "large"
             and seg.get("stream") == stream and tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0)
+            and not seg.get("is_expandable", False)
             for b in seg["blocks"] if b["state"] == "inactive"]
 
 
-@functools.lru_cache(maxsize=1)
+def parse_allocator_settings(conf: str) -> dict[str, str]:
+    """``key:value`` pairs of an allocator settings string, keys and values in lower case without spaces,
+    a later key over an earlier one; a bracketed value (``roundup_power2_divisions:[256:1,>:4]``) is one."""
+    out: dict[str, str] = {}
+    for item in re.split(r",(?![^\[]*\])", "".join(conf.split()).lower()):
+        if item:
+            key, _, value = item.partition(":")
+            out[key] = value
+    return out
+
+
+def allocator_settings() -> dict[str, str]:
+    """The caching allocator's settings now, parsed (:func:`parse_allocator_settings`): the environment's,
+    with those last set at run time over them where torch tells them ([Note: allocator settings read now])."""
+    settings = parse_allocator_settings(allocator_conf())
+    current = allocator_settings_set()  # None: the environment only
+    if current is not None:
+        settings.update(parse_allocator_settings(current))
+    return settings
+
+
 def arena_supported() -> bool:
-    """True with the native CUDA caching allocator at default rounding and splitting, unless
-    ``TORCHFERRY_RELOAD_ARENA`` is off.
+    """True with the native CUDA caching allocator at default rounding, splitting and segments (its settings
+    read at each call: [Note: allocator settings read now]), unless ``TORCHFERRY_RELOAD_ARENA`` is off.
 
     Raises:
-        ValueError: ``TORCHFERRY_RELOAD_ARENA`` is neither on nor off (not cached: every call raises).
+        ValueError: ``TORCHFERRY_RELOAD_ARENA`` is neither on nor off.
     """
     if not reload_arena():
         return False
-    conf = allocator_conf()
-    if any(k in conf for k in ("max_split_size_mb", "roundup_power2_divisions", "expandable_segments:true",
-                               "backend:cudamallocasync")):
-        return False
+    for key, value in allocator_settings().items():
+        if key not in _NEUTRAL and _DEFAULTS.get(key) != value:
+            return False
     try:
         return torch.cuda.memory.get_allocator_backend() == "native"
     except (AttributeError, RuntimeError):

@@ -28,8 +28,30 @@ def test_a_storage_kept_for_two_sets_counts_once():
     assert dock.resident_bytes == 2 * U + U
     assert dock.free_bytes == 16 * U - 3 * U
     with dock.use("a", "b"):
-        assert dock.resident_bytes == 2 * U + 2 * U + U  # each resident set counts the storage it views
+        assert dock.resident_bytes == 2 * U + U  # resident, both view the one storage: once
     assert torch.equal(base, want)
+
+
+def test_resident_sets_sharing_a_storage_never_take_the_dock_over_its_budget():
+    """Two resident halves of a tensor the caller keeps counted it each: evicting one looked like freeing it, so
+    loading ``c`` took the dock to 5 units over a 4-unit budget. Counted once, neither frees anything, and
+    ``c`` is refused, naming what stays on the device."""
+    base = torch.randn(2 * U // 4, generator=torch.Generator().manual_seed(7))
+    c, e = torch.randn(U // 4), torch.randn(2 * U // 4)
+    ferries = [Ferry(t, device="cpu") for t in (base[: U // 4], base[U // 4:], c, e)]
+    for f in ferries:
+        f.offload().wait()
+    dock = Dock(4 * U)
+    for name, f in zip("abce", ferries, strict=True):
+        dock.add(name, f)
+    with dock.use("a"):
+        pass
+    dock.acquire("e")
+    dock.prefetch("b")
+    assert dock.resident_bytes <= 4 * U
+    with pytest.raises(RuntimeError, match=r"cannot make room for 'c'.*would leave on the device 'a'"):
+        dock.acquire("c")
+    assert dock.resident_bytes <= 4 * U and not dock.is_resident("c")
 
 
 def test_a_set_whose_eviction_frees_nothing_is_not_chosen():

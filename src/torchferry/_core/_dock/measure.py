@@ -57,8 +57,9 @@ held bytes (``schedule.held``) take the kept storages of all evicted sets by ``S
 once, and not one that a resident set counts already (:func:`measured` records the storages a resident set's
 bytes cover). A set coming back adds its bytes less its own kept storages (``DockEngine.incoming``): a
 prefetch of such a set counted them twice, kept and incoming, and never loaded
-(``::test_an_evicted_set_with_kept_storages_is_prefetched``). Resident sets sharing a storage still count it
-each, as before.
+(``::test_an_evicted_set_with_kept_storages_is_prefetched``). Resident sets sharing a storage count it once
+too: counted each, two halves of one tensor the caller keeps made a dock evict one half (which frees nothing)
+and then go over its budget by what it loaded (``tests/cpu/test_dock_kept.py``).
 
 [Note: an eviction frees what it releases]
 A resident set whose storages a tensor the ferry does not know shares frees, when evicted, only the rest:
@@ -246,19 +247,19 @@ def first_step_projection(ferry: Ferry) -> int:
                if isinstance(t, torch.optim.Optimizer) and not t.state)
 
 
-def measured(ferry: Ferry) -> tuple[int, frozenset[int]]:
-    """:func:`counted_bytes` and the storages it counts on the device (``StorageImpl`` addresses; none for a
-    set on the host), so that a storage an evicted set kept is not counted again ([Note: kept storages count
-    once])."""
+def measured(ferry: Ferry) -> tuple[int, dict[int, int]]:
+    """:func:`counted_bytes` and the storages it counts on the device (``StorageImpl`` address -> bytes; none
+    for a set on the host), so that a storage an evicted set kept, or another resident set counts, is not
+    counted again ([Note: kept storages count once])."""
     r = ferry.residency
     ahead = first_step_projection(ferry)
     if r.on_host:
-        return ferry.state_bytes + ahead, frozenset()
+        return ferry.state_bytes + ahead, {}
     now = device_storages(ferry)
     total = sum(now.values())
     if r is Residency.PREFETCHING:
         total = max(total, ferry.state_bytes)
-    return total + ahead, frozenset(now)
+    return total + ahead, dict(now)
 
 
 def counted_bytes(ferry: Ferry) -> int:

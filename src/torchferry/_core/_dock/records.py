@@ -4,7 +4,7 @@ state set and claimant."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Literal, NamedTuple
 
 from .._ferry.ferry import Ferry
@@ -76,7 +76,8 @@ class _Set:
     ferry: Ferry
     order: int  # registration order (ties of the LRU)
     nbytes: int = 0  # bytes counted now, measured at each decision (see [Note: a set counts its bytes now])
-    storages: frozenset[int] = frozenset()  # the device storages nbytes counts (StorageImpl addresses; resident)
+    # the device storages nbytes counts: StorageImpl address -> bytes (resident)
+    storages: Mapping[int, int] = dataclasses.field(default_factory=dict)
     last_used: int = -1  # tick of the last use
     in_use: int = 0
     handle: TransferHandle | None = None  # the last move's

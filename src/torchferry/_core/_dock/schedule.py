@@ -118,7 +118,7 @@ def held(sets: Iterable[_Set], claimants: Iterable[_Claimant], *, physical: bool
         if evicting is not None and s.name in evicting:
             kept.update(evicting[s.name])
         elif not r.on_host or (physical and r is Residency.D2H_IN_FLIGHT):
-            total += s.nbytes
+            total += s.nbytes - sum(n for key, n in s.storages.items() if key in counted)  # shared: once
             counted.update(s.storages)
             if r.on_host:  # in flight: its nbytes (the plan's) counts its kept storages too
                 counted.update(kept_storages(s.ferry))

@@ -290,7 +290,7 @@ def allocator_settings_set() -> str | None:
         return None
     try:
         return get()
-    except RuntimeError:
+    except (RuntimeError, ValueError):  # a setting torch itself cannot parse: the environment decides
         return None
 
 

@@ -160,7 +160,7 @@ def _exposed(views: dict[str, dict], resident: str = "resident") -> dict:
                           for a, b in zip(r0["phase_s"][1:], base["phase_s"][1:], strict=False)],
                       "transfer_at_calls_s_per_step": _spread(at_calls), "transfer_at_calls_s_per_phase": at_phase,
                       "host_s_in_calls_per_phase": host_phase}
-        stalls = (r0.get("stall_s") or [])[1:]
+        stalls = [st or {} for st in (r0.get("stall_s") or [])[1:]]
         if len(stalls) == len(at_calls) and stalls:  # recorded on a GPU ([Note: stalls recorded])
             out[label]["stall_s_per_phase"] = {k: _median([st.get(k, 0.0) for st in stalls]) for k in phases}
             out[label]["attributed_s_per_step"] = _spread([a + sum(st.values()) for a, st in zip(at_calls, stalls,

@@ -48,3 +48,19 @@ def test_the_report_attributes_calls_and_stalls_per_round():
     assert tf["stall_s_per_phase"] == {"update": 0.15}
     assert out["verl"]["attributed_s_per_step"]["all"] == [1.0, 1.0]
     assert tf["attributed_over_verl"] == 0.65
+
+
+def test_the_report_reads_a_missing_rounds_stalls_as_none():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from verl_step.report import _exposed
+
+    def rank0(step_s, stalls):
+        return {"per_rank": [{"step_s": step_s, "phase_s": [{"update": x} for x in step_s], "events": [],
+                              "stall_s": stalls}]}
+
+    views = {"resident": rank0([5.0, 1.0, 1.2], []), "verl": rank0([6.0, 2.0, 2.1], [{}, {}, {}]),
+             "torchferry": rank0([5.5, 1.4, 1.5], [None, None, {"update": 0.25}])}
+    assert _exposed(views)["torchferry"]["attributed_s_per_step"]["all"] == [0.0, 0.25]

@@ -1,7 +1,23 @@
 """[Note: stalls recorded] (``_core/_transfer/streams.py``) on the CPU: a wait outside a recording is the
 stream's own ``wait_event``; recordings nest; the verl step bench's report attributes calls plus stalls."""
 
+import sys
+from pathlib import Path
+
 from torchferry._core._transfer import streams
+
+
+def _exposed(views):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from verl_step.report import _exposed
+
+    return _exposed(views)
+
+
+def _rank0(step_s, stalls, events=()):
+    """A strategy's records as the report reads them: rank 0's steps, one phase, its calls and stalls."""
+    return {"per_rank": [{"step_s": step_s, "phase_s": [{"update": x} for x in step_s], "events": list(events),
+                          "stall_s": stalls}]}
 
 
 class _Stream:
@@ -28,20 +44,10 @@ def test_recordings_nest_and_an_empty_one_counts_nothing():
 
 
 def test_the_report_attributes_calls_and_stalls_per_round():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from verl_step.report import _exposed
-
-    def rank0(step_s, events, stalls):
-        return {"per_rank": [{"step_s": step_s, "phase_s": [{"update": x} for x in step_s], "events": events,
-                              "stall_s": stalls}]}
-
     call = [{"step": st, "phase": "update", "seconds": 0.5, "host_s": 0.4} for st in (1, 2)]
-    views = {"resident": rank0([5.0, 1.0, 1.2], [], []),
-             "verl": rank0([6.0, 2.0, 2.1], [{**e, "seconds": 1.0} for e in call], [{}, {}, {}]),
-             "torchferry": rank0([5.5, 1.4, 1.5], call, [{"update": 9.0}, {"update": 0.25}, {"update": 0.05}])}
+    views = {"resident": _rank0([5.0, 1.0, 1.2], []),
+             "verl": _rank0([6.0, 2.0, 2.1], [{}, {}, {}], [{**e, "seconds": 1.0} for e in call]),
+             "torchferry": _rank0([5.5, 1.4, 1.5], [{"update": 9.0}, {"update": 0.25}, {"update": 0.05}], call)}
     out = _exposed(views)
     tf = out["torchferry"]
     assert tf["attributed_s_per_step"]["all"] == [0.75, 0.55]  # the first round is left out
@@ -51,16 +57,6 @@ def test_the_report_attributes_calls_and_stalls_per_round():
 
 
 def test_the_report_reads_a_missing_rounds_stalls_as_none():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from verl_step.report import _exposed
-
-    def rank0(step_s, stalls):
-        return {"per_rank": [{"step_s": step_s, "phase_s": [{"update": x} for x in step_s], "events": [],
-                              "stall_s": stalls}]}
-
-    views = {"resident": rank0([5.0, 1.0, 1.2], []), "verl": rank0([6.0, 2.0, 2.1], [{}, {}, {}]),
-             "torchferry": rank0([5.5, 1.4, 1.5], [None, None, {"update": 0.25}])}
+    views = {"resident": _rank0([5.0, 1.0, 1.2], []), "verl": _rank0([6.0, 2.0, 2.1], [{}, {}, {}]),
+             "torchferry": _rank0([5.5, 1.4, 1.5], [None, None, {"update": 0.25}])}
     assert _exposed(views)["torchferry"]["attributed_s_per_step"]["all"] == [0.0, 0.25]

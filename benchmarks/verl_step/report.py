@@ -285,8 +285,11 @@ def report(runs: dict, command: str | None = None) -> dict:
                          dock_steps=ranks[0]["dock_steps"])
         out["strategies"][label] = entry
     out["strategies_what"] = ("peak_gpu_bytes: the largest over the steps and ranks of the device's peak allocated "
-                              "bytes in the strategy's step (its own: its process's, or, in one process, less the "
-                              "other strategies' bytes at its start); phase_peak_gpu_bytes: per phase, the median over "
+                              "bytes in the strategy's step (its own: its process's less what it held beside the strategy "
+                              "at its first step, or, in one process, less the other strategies' bytes at its start); "
+                              "left_behind_bytes_per_step: per step, the process's allocated bytes at its start that "
+                              "are neither the strategy's state on the device, its rollout's, nor there at the first "
+                              "step (what its helpers left on the device); phase_peak_gpu_bytes: per phase, the median over "
                               "the rounds after the first of that phase's peak allocated bytes (rank 0); "
                               "free_at_rollout_wake_bytes: the median over the rounds after the first, at the start of "
                               "the step before the rollout's KV cache is allocated, of the device's bytes less what "
@@ -314,6 +317,7 @@ def _memory(r0: dict) -> dict:
             "device_free_at_rollout_wake_bytes": int(statistics.median([w["device_free_bytes"] for w in wakes]))
             if wakes else None,
             "at_rollout_wake_per_round": r0.get("at_rollout_wake", []), "context_bytes": r0.get("context_bytes"),
+            "left_behind_bytes_per_step": r0.get("left_behind_bytes", []),
             "probe_per_step": r0.get("probe", [])}
 
 

@@ -214,7 +214,8 @@ def cmd_run(args) -> None:
         r.update(losses=[], grad_norms=[], log_prob_sha256=[], log_prob_sum=[], ref_log_prob_sha256=[],
                  step_s=[], phase_s=[], gpu_allocated_at_start=[], peak_gpu_allocated=[], weight_sync_bytes=0,
                  weight_sync_bytes_per_step=[], peak_own_gpu_bytes=[], dock_steps=[], order=[],
-                 phase_peak_gpu_bytes=[], at_rollout_wake=[], probe=[], context_bytes=ctx, stall_s=[])
+                 phase_peak_gpu_bytes=[], at_rollout_wake=[], probe=[], context_bytes=ctx, stall_s=[],
+                 left_behind_bytes=[])
 
     class PhaseStalls:
         """Per phase, the compute stream's waits for torchferry's copies outside FSDPEngine.to (a layer-wise
@@ -236,12 +237,22 @@ def cmd_run(args) -> None:
                 cm.__exit__(None, None, None)
                 self.done[phase], self._open = stalls, None
 
+    # [Note: the bytes beside a strategy]
+    # A phase's peak is the strategy's own: the process's peak allocated bytes less `others`, what the
+    # process holds that is not the strategy's state or its rollout's. In one process `others` is the other
+    # strategies' bytes at the step's start. In a process of its own it is fixed at the first step (cuBLAS's
+    # workspaces, NCCL's buffers): what the strategy's helpers leave on the device later is the strategy's.
+    # Taken at every step instead (until 2026-12-06), verl's FSDP1 helpers hid 6.25 GB they leave on the
+    # device after their offload: its phase peaks read 6.18 GB under torchferry's while the processes' peaks
+    # were equal, 30.94 and 30.95 GB, and verl's process kept 10.2 GB reserved at the rollout's wake against
+    # torchferry's 4.0 (benchmarks/results/verl_step_qwen2.5-1.5b_fsdp-full-compute-rich_h100x1_2026-12-06_
+    # aa8b35a_others-per-step.json: at_rollout_wake_per_round, phase_peak_gpu_bytes).
     def one_step(s: Strategy, step: int) -> None:
         actor, actor_config = actors[s.label]
         engine, rec, rollout = actor.engine, records[s.label], rollouts[s.label]
         current.update(label=s.label, step=step)
         vd = docked()
-        others = 0  # device bytes of the other strategies (where their last step left them)
+        others = 0  # device bytes not this strategy's: see [Note: the bytes beside a strategy]
         if cuda:
             _rewarm_cublas(gpu)  # the last step's empty_cache() freed cuBLAS's workspaces: counted in `others`
             sync()
@@ -250,6 +261,10 @@ def cmd_run(args) -> None:
                 vd.take_peak()
             rec["gpu_allocated_at_start"].append(torch.cuda.memory_allocated(gpu))
             others = rec["gpu_allocated_at_start"][-1] - _gpu_bytes(engine, rollout)
+            if isolated:
+                rec.setdefault("beside_bytes", others)
+                rec["left_behind_bytes"].append(others - rec["beside_bytes"])
+                others = rec["beside_bytes"]
         stats0 = vd.dock.stats if vd is not None and vd.dock is not None else None
         seq0 = vd.dock.moves[-1].seq + 1 if vd is not None and vd.dock is not None and vd.dock.moves else 0
         peaks: dict[str, int] = {}

@@ -33,14 +33,14 @@ def _case(rank: int, world: int) -> None:
     opt.zero_grad(set_to_none=True)
     want = {k: v.detach().clone() for k, v in opt.state_dict()["state"][0].items() if torch.is_tensor(v)}
     want_w = m[0].weight.full_tensor().clone()
-    for prefetch in (None, Prefetch()):
+    for prefetch in (False, Prefetch()):
         for _ in range(3):
             ferry = Ferry(m, opt)
             ferry.offload()
             torch.cuda.empty_cache()  # the reload's blocks come from new segments, as after verl's helpers
             torch.cuda._sleep(200_000_000)  # the current stream held up (~0.1 s) while the reload allocates
             ferry.reload(prefetch=prefetch)
-            if prefetch is not None:
+            if prefetch is not False:
                 with torch.no_grad():
                     m(x)  # the units come back in the forward; state_dict() below completes the rest
             torch.cuda.synchronize()

@@ -1,7 +1,9 @@
 """verl's step with torchferry's helpers needs no more device memory than with verl's own.
 
 Each helper set runs the order of a verl 0.9.1 colocated step (``PPOTrainer._step_once`` with
-``param_offload`` and ``optimizer_offload``) on an FSDP2 model in a fresh process of its own: the
+``param_offload`` and ``optimizer_offload``) on an FSDP2 model, and on an FSDP1 model wrapped as
+verl's ``FSDPEngine`` wraps one (bf16 ``MixedPrecision``, a unit per layer, flat parameters, a full
+state dict on one rank), in a fresh process of its own: the
 rollout's KV cache wakes (after ``empty_cache()``) and sleeps, old log-probs (model loaded,
 forward, model offloaded), update_actor (model and optimizer loaded, forward, backward, step,
 both offloaded), the weight sync (``empty_cache()``, each parameter staged on the device and cast
@@ -71,6 +73,26 @@ def _verls_helpers(model, optimizer, device):
     return offload_model, load_model, offload_optimizer, load_optimizer
 
 
+def _verls_fsdp1_helpers(model, optimizer, device):
+    """verl's FSDP1 model helpers (``offload_fsdp_model_to_cpu`` / ``load_fsdp_model_to_gpu``:
+    each unit's flat parameter moved with ``flat_param_to``, ``_local_shard`` re-pointed)."""
+    from torch.distributed.fsdp._runtime_utils import _lazy_init
+
+    _, _, offload_optimizer, load_optimizer = _verls_helpers(model, optimizer, device)
+
+    def move(to):
+        _lazy_init(model, model)
+        for handle in model._all_handles:
+            handle.flat_param_to(to, non_blocking=True)
+            handle.flat_param._local_shard = handle.flat_param.data
+
+    def offload_model():
+        move(torch.device("cpu"))
+        torch.cuda.empty_cache()
+
+    return offload_model, lambda: move(device), offload_optimizer, load_optimizer
+
+
 def _torchferrys_helpers(model, optimizer, device):
     from torchferry.integrations import _helpers as h
 
@@ -116,20 +138,37 @@ def _held(model, optimizer) -> dict:
             "blocks": sorted(blocks, key=lambda b: -b[0])}
 
 
-def _run(rank: int, world: int, which: str, out: str) -> None:
+def _wrap(kind: str, world: int, device: torch.device) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    torch.cuda.memory._record_memory_history(max_entries=100_000)
-    device = torch.device("cuda", torch.cuda.current_device())
     mesh = init_device_mesh("cuda", (world,))
     torch.manual_seed(0)
     model = _Model().to(device)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if kind == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision, ShardingStrategy, StateDictType
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}), device_id=device,
+                 sharding_strategy=ShardingStrategy.FULL_SHARD, device_mesh=mesh, use_orig_params=False,
+                 mixed_precision=MixedPrecision(torch.bfloat16, torch.float32, torch.float32))
+    FSDP.set_state_dict_type(model, StateDictType.FULL_STATE_DICT)  # verl's on one rank
+    return model
+
+
+def _run(rank: int, world: int, which: str, kind: str, out: str) -> None:
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = _wrap(kind, world, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    helpers = (_torchferrys_helpers if which == "torchferry" else _verls_helpers)(model, optimizer, device)
+    verls = _verls_helpers if kind == "fsdp2" else _verls_fsdp1_helpers
+    helpers = (_torchferrys_helpers if which == "torchferry" else verls)(model, optimizer, device)
     offload_model, load_model, offload_optimizer, load_optimizer = helpers
     ids = torch.randint(0, VOCAB, (4, TOKENS // 4), device=device, generator=torch.Generator(device).manual_seed(0))
     weights: dict[str, torch.Tensor] = {}
@@ -168,15 +207,23 @@ def _run(rank: int, world: int, which: str, out: str) -> None:
         optimizer.zero_grad(set_to_none=True)
         (-model(ids).gather(-1, ids.unsqueeze(-1)).mean()).backward()
         optimizer.step()
+        if step == 2:
+            record["in_update"] = _held(model, optimizer)
         offload_model()
         offload_optimizer()
         peaks["update"] = torch.cuda.max_memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.empty_cache()  # update_weights: each parameter staged on the device, cast into the rollout's
-        for name, p in model.state_dict().items():
+        if kind == "fsdp1":  # FSDP1's state dict unshards on the device: the model comes back for it
+            load_model()
+        params = model.state_dict()
+        if kind == "fsdp1":
+            offload_model()
+        for name, p in params.items():
             full = p.to(device).full_tensor() if hasattr(p, "full_tensor") else p.to(device)
             weights[name] = full.to(torch.bfloat16)
             del full
+        del params
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         peaks["weight_sync"] = torch.cuda.max_memory_allocated()
@@ -185,16 +232,17 @@ def _run(rank: int, world: int, which: str, out: str) -> None:
         json.dump(record, f)
 
 
-def test_verls_step_with_torchferrys_helpers_needs_no_more_device_memory(tmp_path):
+@pytest.mark.parametrize("kind", ["fsdp2", "fsdp1"])
+def test_verls_step_with_torchferrys_helpers_needs_no_more_device_memory(tmp_path, kind):
     got = {}
     for which in ("verl", "torchferry"):
         out = tmp_path / f"{which}.json"
-        run_spawned(functools.partial(_run, which=which, out=str(out)), world=1, backend="nccl")
+        run_spawned(functools.partial(_run, which=which, kind=kind, out=str(out)), world=1, backend="nccl")
         got[which] = json.loads(out.read_text())
     verl, tf = got["verl"], got["torchferry"]
     if os.environ.get("TORCHFERRY_RESULTS_DIR"):  # the GPU batch keeps the figures seen
         os.makedirs(os.environ["TORCHFERRY_RESULTS_DIR"], exist_ok=True)
-        with open(os.path.join(os.environ["TORCHFERRY_RESULTS_DIR"], "memory_beside_verl.json"), "w") as f:
+        with open(os.path.join(os.environ["TORCHFERRY_RESULTS_DIR"], f"memory_beside_verl_{kind}.json"), "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, **got}, f, indent=1)
     for i, (r_tf, r_verl) in enumerate(zip(tf["reserved_at_wake"], verl["reserved_at_wake"], strict=True)):
         assert r_tf <= r_verl + (32 << 20), (
@@ -204,4 +252,5 @@ def test_verls_step_with_torchferrys_helpers_needs_no_more_device_memory(tmp_pat
         for phase, b in p_verl.items():
             assert p_tf[phase] <= 1.01 * b, (
                 f"{phase}: torchferry's peak {p_tf[phase]} B, verl's {b} B; in the log-prob phase torchferry "
-                f"held {json.dumps(tf['in_log_prob'])}, verl {json.dumps(verl['in_log_prob'])}")
+                f"held {json.dumps(tf['in_log_prob'])}, verl {json.dumps(verl['in_log_prob'])}; after the "
+                f"update's step {json.dumps(tf['in_update'])}, verl {json.dumps(verl['in_update'])}")

@@ -186,6 +186,9 @@ def cmd_run(args) -> None:
         cfg = _verl_config(args.model_dir, shape, world, args.lr, offload=s.kind != "resident",
                            strategy=args.strategy, lora_rank=args.lora_rank)
         current.update(label=s.label, phase="init", step=-1)
+        if cuda and isolated:  # what the process holds before the strategy exists: [Note: the bytes beside a strategy]
+            _rewarm_cublas(gpu)
+            records[s.label]["beside_bytes"] = torch.cuda.memory_allocated(gpu)
         with active(s):
             t_build = time.perf_counter()
             actor, actor_config = _build_actor(cfg)
@@ -240,13 +243,14 @@ def cmd_run(args) -> None:
     # [Note: the bytes beside a strategy]
     # A phase's peak is the strategy's own: the process's peak allocated bytes less `others`, what the
     # process holds that is not the strategy's state or its rollout's. In one process `others` is the other
-    # strategies' bytes at the step's start. In a process of its own it is fixed at the first step (cuBLAS's
-    # workspaces, NCCL's buffers): what the strategy's helpers leave on the device later is the strategy's.
-    # Taken at every step instead (until 2026-12-06), verl's FSDP1 helpers hid 6.25 GB they leave on the
-    # device after their offload: its phase peaks read 6.18 GB under torchferry's while the processes' peaks
-    # were equal, 30.94 and 30.95 GB, and verl's process kept 10.2 GB reserved at the rollout's wake against
-    # torchferry's 4.0 (benchmarks/results/verl_step_qwen2.5-1.5b_fsdp-full-compute-rich_h100x1_2026-12-06_
-    # aa8b35a_others-per-step.json: at_rollout_wake_per_round, phase_peak_gpu_bytes).
+    # strategies' bytes at the step's start. In a process of its own it is what the process held before the
+    # strategy was built (cuBLAS's workspaces): whatever the strategy's helpers leave on the device that is
+    # not its state is the strategy's (left_behind_bytes). Taken at every step instead (until 2026-12-06),
+    # it hid 6.25 GB verl's FSDP1 helpers leave on the device from the first offload on: verl's phase peaks
+    # read up to 6.18 GB under torchferry's while the processes' peaks were equal (30.94 and 30.95 GB), and
+    # verl's process kept 10.2 GB reserved at the rollout's wake against torchferry's 4.0
+    # (benchmarks/results/verl_step_qwen2.5-1.5b_fsdp-full-compute-rich_h100x1_2026-12-06_aa8b35a_others-per-
+    # step.json: phase_peak_gpu_bytes, at_rollout_wake_per_round; its runs.json: gpu_allocated_at_start).
     def one_step(s: Strategy, step: int) -> None:
         actor, actor_config = actors[s.label]
         engine, rec, rollout = actor.engine, records[s.label], rollouts[s.label]
@@ -262,7 +266,6 @@ def cmd_run(args) -> None:
             rec["gpu_allocated_at_start"].append(torch.cuda.memory_allocated(gpu))
             others = rec["gpu_allocated_at_start"][-1] - _gpu_bytes(engine, rollout)
             if isolated:
-                rec.setdefault("beside_bytes", others)
                 rec["left_behind_bytes"].append(others - rec["beside_bytes"])
                 others = rec["beside_bytes"]
         stats0 = vd.dock.stats if vd is not None and vd.dock is not None else None

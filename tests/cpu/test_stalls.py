@@ -37,10 +37,32 @@ def test_a_wait_outside_a_recording_is_the_streams_own():
 def test_recordings_nest_and_an_empty_one_counts_nothing():
     with streams.record_stalls() as outer:
         with streams.record_stalls() as inner:
-            assert streams._recording.get() is inner.pairs
-        assert streams._recording.get() is outer.pairs
-    assert streams._recording.get() is None
+            assert streams._recording.get()[-1] is inner.pairs
+        assert streams._recording.get() == (outer.pairs,)
+    assert streams._recording.get() == ()
     assert (outer.count, outer.seconds(), inner.count) == (0, 0.0, 0)
+
+
+def test_a_recording_left_out_of_order_records_nothing_more(monkeypatch):
+    """Two recordings entered a-b and left a-b: once ``a`` is left, waits go to ``b`` only, and after ``b``
+    to none (a reset by token put ``a``'s list back when ``b`` was left, recording into it for good)."""
+
+    class _Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            pass
+
+        def record(self, stream: object) -> None:
+            pass
+
+    monkeypatch.setattr(streams.torch.cuda, "Event", _Event)
+    s = _Stream()
+    a, b = streams.record_stalls(), streams.record_stalls()
+    ra, rb = a.__enter__(), b.__enter__()
+    a.__exit__(None, None, None)
+    streams.wait_event(s, object())  # type: ignore[arg-type]
+    b.__exit__(None, None, None)
+    streams.wait_event(s, object())  # type: ignore[arg-type]
+    assert (ra.count, rb.count, len(s.waited), streams._recording.get()) == (0, 1, 2, ())
 
 
 def test_the_report_attributes_calls_and_stalls_per_round():

@@ -45,8 +45,8 @@ from .switch import SwitchPoints
 
 __all__ = ["Stalls", "TransferStreams", "record_stalls", "side_stream", "streams_for", "wait_event"]
 
-_recording: contextvars.ContextVar[list[tuple[torch.cuda.Event, torch.cuda.Event]] | None] = \
-    contextvars.ContextVar("torchferry_stalls", default=None)
+_recording: contextvars.ContextVar[tuple[list[tuple[torch.cuda.Event, torch.cuda.Event]], ...]] = \
+    contextvars.ContextVar("torchferry_stalls", default=())  # the open recordings' pairs, innermost last
 
 
 class Stalls:
@@ -73,21 +73,23 @@ class Stalls:
 @contextlib.contextmanager
 def record_stalls() -> Iterator[Stalls]:
     """Within it, every wait of a stream for a transfer's event on this thread is timed on the device
-    ([Note: stalls recorded]); nested uses record into the innermost."""
+    ([Note: stalls recorded]); nested uses record into the innermost still open. Leaving one closes that
+    one only, also out of order (an outer one left before an inner one records nothing more)."""
     stalls = Stalls()
-    token = _recording.set(stalls.pairs)
+    _recording.set((*_recording.get(), stalls.pairs))
     try:
         yield stalls
     finally:
-        _recording.reset(token)
+        _recording.set(tuple(p for p in _recording.get() if p is not stalls.pairs))
 
 
 def wait_event(stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
     """``stream.wait_event(event)``, timed inside :func:`record_stalls`."""
-    pairs = _recording.get()
-    if pairs is None:
+    open_ = _recording.get()
+    if not open_:
         stream.wait_event(event)
         return
+    pairs = open_[-1]
     before = torch.cuda.Event(enable_timing=True)
     before.record(stream)
     stream.wait_event(event)

@@ -139,15 +139,15 @@ def _exposed(views: dict[str, dict], resident: str = "resident") -> dict:
                          "the phase's seconds less the resident's of the same round",
                  "resident_step_s": _spread(rs),
                  "resident_step_spread": (max(rs) - min(rs)) / _median(rs) if rs else None,
-                 "resident_phase_s": {k: _spread([p[k] for p in base["phase_s"][1:]])
-                                      for k in (base["phase_s"][0] if base["phase_s"] else {})}}
+                 "resident_phase_s": {k: _spread([p[k] for p in base["phase_s"][1:] if k in p])
+                                      for k in _keys(base["phase_s"][1:])}}
     for label, v in views.items():
         if label == resident:
             continue
         r0 = v["per_rank"][0]
         per_round = [a - b for a, b in zip(r0["step_s"][1:], base["step_s"][1:], strict=False)]
-        phases = {k: _median([a[k] - b[k] for a, b in zip(r0["phase_s"][1:], base["phase_s"][1:], strict=False)])
-                  for k in (r0["phase_s"][0] if r0["phase_s"] else {})}
+        pairs = list(zip(r0["phase_s"][1:], base["phase_s"][1:], strict=False))
+        phases = {k: _median([a[k] - b[k] for a, b in pairs if k in a and k in b]) for k in _keys(r0["phase_s"][1:])}
         at_calls = [sum(e["seconds"] for e in r0["events"] if e["step"] == st) for st in range(1, len(r0["step_s"]))]
         at_phase = {k: _median([sum(e["seconds"] for e in r0["events"] if e["step"] == st and e["phase"] == k)
                                 for st in range(1, len(r0["step_s"]))]) for k in phases}
@@ -156,8 +156,7 @@ def _exposed(views: dict[str, dict], resident: str = "resident") -> dict:
         out[label] = {"step_s": _spread(r0["step_s"][1:]),
                       "exposed_transfer_s_per_step": _spread(per_round), "exposed_s_per_phase": phases,
                       "exposed_s_per_phase_per_round": [
-                          {k: a[k] - b[k] for k in a}
-                          for a, b in zip(r0["phase_s"][1:], base["phase_s"][1:], strict=False)],
+                          {k: a[k] - b[k] for k in a if k in b} for a, b in pairs],
                       "transfer_at_calls_s_per_step": _spread(at_calls), "transfer_at_calls_s_per_phase": at_phase,
                       "host_s_in_calls_per_phase": host_phase}
         stalls = [st or {} for st in (r0.get("stall_s") or [])[1:]]
@@ -180,14 +179,29 @@ def _exposed(views: dict[str, dict], resident: str = "resident") -> dict:
     for key, ratio in (("exposed_transfer_s_per_step", "over_verl"), ("transfer_at_calls_s_per_step",
                                                                        "at_calls_over_verl"),
                        ("attributed_s_per_step", "attributed_over_verl")):
-        if key not in out["verl"]:
+        if key not in out.get("verl", {}):
             continue
-        v = out["verl"][key]["median"]
+        v = out["verl"][key]
         for label in out:
             if isinstance(out[label], dict) and key in out[label] and label != "verl":
                 t = out[label][key]["median"]
-                out[label][ratio] = t / v if v and t is not None and v > 0 else None
+                out[label][ratio] = t / v["median"] if _decided(v) and t is not None else None
+    out["ratios"] = ("each *_over_verl: the strategy's median over verl's; None where verl's median is not above "
+                     "its own spread (max - min over the rounds): a ratio to a figure smaller than its noise "
+                     "decides nothing")
     return out
+
+
+def _decided(v: dict | None) -> bool:
+    """Whether a figure (:func:`_spread`) can be a ratio's denominator: a positive median above its own
+    spread (max - min over the rounds)."""
+    return bool(v) and v["median"] is not None and v["median"] > 0 and v["median"] > v["max"] - v["min"]
+
+
+def _keys(rounds: list[dict]) -> list[str]:
+    """The phases named in any round, in the order they first appear (a round may lack one: a phase a
+    strategy skipped, or a round cut short)."""
+    return list(dict.fromkeys(k for r in rounds for k in r))
 
 
 def report(runs: dict, command: str | None = None) -> dict:
@@ -325,7 +339,8 @@ def bars(out: dict) -> dict:
     """The verl step's bars, decided from this run alone: the resident step's spread (max - min over the median,
     <= 0.05), each strategy's exposed transfer over verl's (median, and its worst round against verl's best),
     and its device memory against verl's (free at the rollout's wake >= verl's; no phase's peak above verl's
-    by more than 1%). ``None`` where the run lacks what a bar needs."""
+    by more than 1%). ``None`` where the run lacks what a bar needs, or verl's figure is not above its own
+    spread (:func:`_decided`)."""
     ex, st = out.get("exposed") or {}, out["strategies"]
     res: dict = {"resident_step_spread": ex.get("resident_step_spread")}
     v = ex.get("verl", {}).get("exposed_transfer_s_per_step") if ex else None
@@ -335,14 +350,14 @@ def bars(out: dict) -> dict:
             continue
         e = ex.get(label, {}).get("exposed_transfer_s_per_step") if ex else None
         row: dict = {}
-        if e and v and v["median"] and v["min"]:
+        if e and v and _decided(v):
             row["exposed_over_verl"] = e["median"] / v["median"]
             row["worst_round_over_verl_best"] = e["max"] / v["min"] if v["min"] > 0 else None
         ea = ex.get(label, {}).get("attributed_s_per_step") if ex else None
         va = ex.get("verl", {}).get("attributed_s_per_step") if ex else None
-        if ea and va and va["median"] and va["min"]:  # calls + stalls: no resident step in it
+        if ea and va and _decided(va):  # calls + stalls: no resident step in it
             row["attributed_over_verl"] = ea["median"] / va["median"]
-            row["attributed_worst_over_verl_best"] = ea["max"] / va["min"]
+            row["attributed_worst_over_verl_best"] = ea["max"] / va["min"] if va["min"] > 0 else None
         free, vfree = entry.get("free_at_rollout_wake_bytes"), vmem.get("free_at_rollout_wake_bytes")
         row["free_at_wake_ge_verl"] = None if free is None or vfree is None else free >= vfree
         peaks, vpeaks = entry.get("phase_peak_gpu_bytes") or {}, vmem.get("phase_peak_gpu_bytes") or {}

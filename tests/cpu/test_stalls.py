@@ -4,6 +4,8 @@ stream's own ``wait_event``; recordings nest; the verl step bench's report attri
 import sys
 from pathlib import Path
 
+import pytest
+
 from torchferry._core._transfer import streams
 
 
@@ -82,3 +84,27 @@ def test_the_report_reads_a_missing_rounds_stalls_as_none():
     views = {"resident": _rank0([5.0, 1.0, 1.2], []), "verl": _rank0([6.0, 2.0, 2.1], [{}, {}, {}]),
              "torchferry": _rank0([5.5, 1.4, 1.5], [None, None, {"update": 0.25}])}
     assert _exposed(views)["torchferry"]["attributed_s_per_step"]["all"] == [0.0, 0.25]
+
+
+def test_the_report_takes_phases_a_round_lacks_and_a_run_without_verl():
+    """A phase missing from a round (a strategy that skipped it, a round cut short) is left out of that
+    round's difference; a run without verl's strategy has no ratios instead of a KeyError."""
+    base = _rank0([5.0, 1.0, 1.2], [])
+    base["per_rank"][0]["phase_s"] = [{"update": 5.0}, {"update": 1.0, "ref": 0.5}, {"update": 1.2}]
+    tf = _rank0([5.5, 1.4, 1.5], [{}, {}, {}])
+    tf["per_rank"][0]["phase_s"] = [{"update": 5.5}, {"update": 1.4}, {"update": 1.5, "ref": 0.3}]
+    out = _exposed({"resident": base, "torchferry": tf})
+    phases = out["torchferry"]["exposed_s_per_phase"]
+    assert phases["update"] == pytest.approx(0.35) and phases["ref"] is None  # no round has ref in both
+    assert "over_verl" not in out["torchferry"]
+    assert out["resident_phase_s"]["ref"]["all"] == [0.5]
+
+
+def test_a_ratio_to_a_verl_figure_under_its_own_spread_is_none():
+    """verl's exposed seconds 0.02 [-0.3, 0.4]: a ratio to it (here 25x) would decide nothing."""
+    views = {"resident": _rank0([5.0, 1.0, 1.0, 1.0], []),
+             "verl": _rank0([6.0, 0.7, 1.02, 1.4], [{}, {}, {}, {}]),
+             "torchferry": _rank0([5.5, 1.5, 1.5, 1.5], [{}, {}, {}, {}])}
+    out = _exposed(views)
+    assert out["torchferry"]["exposed_transfer_s_per_step"]["median"] == 0.5
+    assert out["torchferry"]["over_verl"] is None

@@ -75,14 +75,15 @@ tier, grew by 0 bytes on an H200
 Not done where the arena does not apply (a swap's release schedule frees
 storages as its copies go).
 
-[Note: no arena under a layer-wise reload]
+[Note: the arena under a layer-wise reload]
 A layer-wise reload (``reload(prefetch=...)``, ``_schedules/prefetch.py``: verl's
-``optimizer_at_step`` and ``layerwise_reload``) allocates without an arena. With
-one, verl 0.9.1's FSDP1 actor (Qwen2.5-1.5B, one H100, the optimizer state
-reloaded at ``optimizer.step()``) trained to NaN: 8 of 8 processes across four
-runs, after 1 to 9 steps bit-identical to verl's; a process with no arena at
-all (the bench patched for the diagnosis, not kept) stayed bit-identical for 13
-steps beside two that failed
+``optimizer_at_step`` and ``layerwise_reload``) seeds an arena before it allocates its
+storages, seals it after, and only then lets its H2D stream wait for the caller's
+stream. With the arena seeded the old way, verl 0.9.1's FSDP1 actor (Qwen2.5-1.5B,
+one H100, the optimizer state reloaded at ``optimizer.step()``) trained to NaN: 8 of
+8 processes across four runs, after 1 to 9 steps bit-identical to verl's; a process
+with no arena at all (the bench patched for the diagnosis, not kept) stayed
+bit-identical for 13 steps beside two that failed
 (``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp-full-compute-rich_h100x1_2026-12-06_1e33954_arena-bisect.json``,
 strategy ``noarena``), as did one with ``optimizer_at_step`` off (whole
 reloads, arena on) for 12
@@ -102,10 +103,16 @@ stream waits for the caller's stream after its allocations, so the fill ran
 first there (and cost a memset of the whole arena). Now the arena and its
 fillers are allocated with no kernel (``torch.UntypedStorage``: :func:`_unfilled`),
 and a layer-wise reload's H2D stream waits for the caller's stream after it
-allocated, as a whole reload's does ([Note: reload allocates on the caller's
-stream] in ``copies.py``). The arena stays off under a layer-wise reload until a
-GPU run shows that path exact with it again (it pays one ``cudaMalloc`` per
-storage the cache cannot hold, the host time measured above).
+seeded, allocated and sealed, as a whole reload's does ([Note: reload allocates
+on the caller's stream] in ``copies.py``): whatever an allocation queues runs
+before the first copy. Without the arena (b78a911 to 28d93dd) a layer-wise reload
+paid one ``cudaMalloc`` per storage the cache could not hold, and the offload
+after it one ``cudaFree`` per segment at ``empty_cache()``: with LoRA (one H100,
+Qwen2.5-1.5B, 6.47 GB per reload) the calls took 0.082 s per reload and 0.087 s
+per offload that copied nothing, against 0.081 s for both at e1b4d3e
+(``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp2-lora-compute-rich_h100x1_2026-12-06_28d93dd_micro-8-8.json``,
+its runs.json's events; ``..._e1b4d3e_micro-8-8.json``). Held exact under the fill
+with the caller's stream held up by ``tests/gpu/test_deterministic_fill_cuda.py``.
 
 [Note: allocator settings read now]
 Only done with the native allocator and default rounding/splitting, where those
@@ -312,7 +319,7 @@ def arena_supported() -> bool:
 def _unfilled(nbytes: int, device: torch.device) -> torch.UntypedStorage:
     """``nbytes`` of device memory from the caching allocator with no kernel queued on them: under
     ``torch.use_deterministic_algorithms(True)`` a ``torch.empty`` also fills its memory on the current
-    stream ([Note: no arena under a layer-wise reload])."""
+    stream ([Note: the arena under a layer-wise reload])."""
     return torch.UntypedStorage(nbytes, device=device)
 
 

@@ -105,7 +105,9 @@ def _batch(step: int, rank: int, shape: _Shape, vocab: int, seed: int):
     """A rollout's output in verl's left-right padded layout: left-padded prompts, right-padded responses.
 
     The tokens are seeded by (seed, step, rank), the valid lengths by (seed, rank) alone: every round
-    does the same work on the same shapes. [Note: the same shapes every round]: with lengths drawn per
+    does the same work on the same shapes.
+
+    [Note: the same shapes every round]: with lengths drawn per
     round (as until 2026-12-06), a round's valid tokens varied by 8% (11,673 to 12,680 of 16,384 at seed
     1, rank 0), and the resident step with them, which the spread of the resident step counted as noise.
     """

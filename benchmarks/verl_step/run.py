@@ -249,8 +249,8 @@ def cmd_run(args) -> None:
     # it hid 6.25 GB verl's FSDP1 helpers leave on the device from the first offload on: verl's phase peaks
     # read up to 6.18 GB under torchferry's while the processes' peaks were equal (30.94 and 30.95 GB), and
     # verl's process kept 10.2 GB reserved at the rollout's wake against torchferry's 4.0
-    # (benchmarks/results/verl_step_qwen2.5-1.5b_fsdp-full-compute-rich_h100x1_2026-12-06_aa8b35a_others-per-
-    # step.json: phase_peak_gpu_bytes, at_rollout_wake_per_round; its runs.json: gpu_allocated_at_start).
+    # (phase_peak_gpu_bytes, at_rollout_wake_per_round, and runs' gpu_allocated_at_start, in
+    # benchmarks/results/verl_step_qwen2.5-1.5b_fsdp-full-compute-rich_h100x1_2026-12-06_aa8b35a_others-per-step.json).
     def one_step(s: Strategy, step: int) -> None:
         actor, actor_config = actors[s.label]
         engine, rec, rollout = actor.engine, records[s.label], rollouts[s.label]

@@ -1,7 +1,7 @@
 """Bad arguments at the public entries (``_api/args.py`` and the checks that use it): each is refused
 in one line that starts with "torchferry: " and names the problem, before anything moves.
 
-Reproduces issue item 6: tried as a new user would, ``Ferry(m, device="gpu")`` answered with
+Found by trying the API as a new user would: ``Ferry(m, device="gpu")`` answered with
 torch's list of device types, ``swap(f, "x")`` with ``'str' object has no attribute 'device'``,
 and ``Ferry(nn.Linear(64, 64)).offload()`` with a "garbage collected" that did not say the
 ferry holds its targets weakly.

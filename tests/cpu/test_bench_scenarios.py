@@ -19,9 +19,9 @@ NO_GPU = "no transfer figures without a GPU"
 
 # ------------------------------------------------------------- bench-grpo
 def test_grpo_bench_runs_tiny_on_the_cpu_bit_exact_and_moves_only_the_reference(tmp_path):
-    """``torchferry bench-grpo --preset tiny`` end to end (it replaced the removed script `benchmarks/grpo_dock.py`, same
-    options and JSON): the JSON's keys, bit-exactness, and the bytes each strategy moves per step (the
-    dock: the reference in and out; verl-style: every set)."""
+    """``torchferry bench-grpo --preset tiny`` end to end (it replaced the script
+    ``git show 72c0885^:benchmarks/grpo_dock.py``, same options and JSON): the JSON's keys, bit-exactness,
+    and the bytes each strategy moves per step (the dock: the reference in and out; verl-style: every set)."""
     pytest.importorskip("transformers")
     pytest.importorskip("matplotlib")
     out, png = tmp_path / "g.json", tmp_path / "g.png"

@@ -13,7 +13,7 @@ from tests.helpers import Mixed, assert_same, snapshot
 
 IDS = torch.tensor([[1, 2, 3]])
 
-# verl.utils.fsdp_utils after PR #7347 (shared/seed/): the contract callers rely on.
+# verl.utils.fsdp_utils after verl PR #7347: the contract callers rely on.
 SEED_SIGNATURES = {
     "offload_fsdp2_model_to_cpu": "(model, empty_cache: bool = True)",
     "load_fsdp2_model_to_gpu": "(model)",

@@ -412,7 +412,7 @@ def _docked_linear(budget: int) -> tuple[Dock, torch.nn.Linear, Ferry]:
 
 
 def test_budget_counts_grads_kept_by_zero_grad_set_to_none_false():
-    """Reproduces the Dock budget report (item 3): grads kept by ``zero_grad(set_to_none=False)`` were
+    """A regression test (failed before its fix): grads kept by ``zero_grad(set_to_none=False)`` were
     not counted (the last plan had the parameters only), so a claimant got room that was not there."""
     dock, model, ferry = _docked_linear(3 * P)
     dock.add_claimant("kv", 3 * P // 2)
@@ -557,7 +557,7 @@ def test_a_set_grown_beyond_the_budget_alone_leaves_at_release_with_its_state():
 
 # ------------------------------------------------------------------------- one dock per ferry
 def test_a_ferry_held_by_another_live_dock_is_refused_and_neither_dock_changes():
-    """Reproduces the Dock report (item 4): a ferry in two docks, each evicting it while the other used it."""
+    """A regression test (failed before its fix): a ferry in two docks, each evicting it while the other used it."""
     first, s = dock_with(10, a=4)
     second, _ = dock_with(10, b=2)
     with first.use("a"):

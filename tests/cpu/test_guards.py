@@ -3,7 +3,7 @@
 On the CPU the copies are synchronous, so an offload "in flight" is made here: the offload's
 handle gets a stand-in event (:class:`CopiesInFlight`) and the host copies are overwritten
 with 0xFF bytes, what a GPU's unfinished DMA leaves in the pool; ``synchronize()`` lands the
-right bytes. Reproduces item 2 of the "no host read earlier than the bytes" issue: verl's
+right bytes. Before this fix, verl's
 checkpoint (``optimizer.state_dict()``, ``torch.save``) right after the optimizer's offload
 read the state before its copies had landed (3 of 3 trials on one H200).
 """

@@ -22,8 +22,8 @@ class _FakeEvent:
 
 
 def test_add_done_callback_keeps_every_callback_in_order():
-    """Reproduces a report of the adversarial review of prefetch, swap, packing, stats and
-    the verl integration (failed before its fix): Ferry.offload()/reload() register ferry._completed (the stats update) on the handle; a
+    """A regression test (failed before its fix):
+    Ferry.offload()/reload() register ferry._completed (the stats update) on the handle; a
     user's add_done_callback on an in-flight GPU handle replaces it, so ferry.stats never gets the
     seconds (last_*_s stays None, *_seconds under-counted)."""
     ev = _FakeEvent()

@@ -92,7 +92,7 @@ def test_unpatch_also_restores_verl_modules_imported_after_patch(monkeypatch):
 
 
 def test_unpatch_restores_a_verl_module_that_imported_the_helpers_by_name_after_patch():
-    """Reproduces a report of the adversarial review of the verl integration (failed before its
+    """A regression test of the verl integration (failed before its
     fix): patch() rebinds the helpers in fsdp_utils, so a verl module imported afterwards (e.g.
     verl.workers.engine.torchtitan.transformer_impl, which imports them by name and is not in
     _ENGINE_MODULES) binds torchferry's; unpatch() only restores what patch() itself replaced.
@@ -104,7 +104,7 @@ def test_unpatch_restores_a_verl_module_that_imported_the_helpers_by_name_after_
     original = fu.offload_fsdp_model_to_cpu
     tf_verl.patch()
     try:
-        probe = types.ModuleType("verl._breaker2_late_engine")
+        probe = types.ModuleType("verl._late_engine_probe")
         exec("from verl.utils.fsdp_utils import offload_fsdp_model_to_cpu", probe.__dict__)
         sys.modules[probe.__name__] = probe
     finally:
@@ -113,7 +113,7 @@ def test_unpatch_restores_a_verl_module_that_imported_the_helpers_by_name_after_
         assert fu.offload_fsdp_model_to_cpu is original
         assert probe.offload_fsdp_model_to_cpu is original, "late-imported verl module still routed to torchferry"
     finally:
-        sys.modules.pop("verl._breaker2_late_engine", None)
+        sys.modules.pop("verl._late_engine_probe", None)
 
 
 class _Event:
@@ -134,8 +134,8 @@ def test_offload_helpers_make_the_current_stream_wait_for_the_copies(patched, mo
     """verl reads host copies after synchronising its own stream, which ordered the seed's
     same-stream copies; torchferry's run on its D2H stream, so each offload helper makes the
     caller's current stream wait for their event (no host wait for the optimizer; the model's
-    empty_cache=True waits on the host as before). Reproduces item 2 of the "no host read
-    earlier than the bytes" issue (a stale host read after offload_fsdp_optimizer, 3 of 3
+    empty_cache=True waits on the host as before). Before this fix the host read
+    came earlier than the bytes (a stale host read after offload_fsdp_optimizer, 3 of 3
     trials on one H200)."""
     import torchferry._core._ferry.ferry
     from torchferry._core._api.handle import TransferHandle

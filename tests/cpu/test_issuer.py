@@ -260,7 +260,7 @@ def test_a_step_that_completes_a_reload_runs_beside_later_global_step_hooks(monk
     """The step pre-hook that completes a layer-wise reload removes its entry while torch iterates
     its global pre-hooks; a hook registered after it (offload during forward, a skip_unchanged
     ferry's, the user's) made ``step()`` raise "OrderedDict mutated during iteration" and not run
-    ([Note: a global step hook is never removed]). Found by an adversarial review."""
+    ([Note: a global step hook is never removed]); failed before its fix."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.fsdp import fully_shard

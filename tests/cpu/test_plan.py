@@ -193,13 +193,13 @@ def _cycles_exact_then_steps(ferry: Ferry, m: nn.Module, opt: torch.optim.Optimi
 
 @pytest.mark.parametrize("which", KINDS)
 def test_a_numpy_view_of_offloaded_state_does_not_block_reload_or_later_cycles(which):
-    """Reproduces issue item 5 as reported: ``np.asarray`` of an offloaded tensor (it views the
+    """A regression test (failed before its fix): ``np.asarray`` of an offloaded tensor (it views the
     pool) with ``device="cpu"``; the reload, with the array alive, must bring the state back, and
     every cycle after it, with the array alive and once it is gone, must be bit-exact."""
     m, opt = trained()
     ferry = Ferry(m, opt, device="cpu")
     ferry.offload()
-    ferry.reload()  # the plan is cached, as in the report
+    ferry.reload()  # the plan is cached, as when it failed
     want = snapshot(m, opt)
     ferry.offload()
     t, _ = _numpy_target(m, opt, which)
@@ -218,7 +218,7 @@ def test_a_numpy_view_of_offloaded_state_does_not_block_reload_or_later_cycles(w
 
 @pytest.mark.parametrize("which", KINDS)
 def test_a_numpy_view_of_resident_state_is_refused_before_anything_moves(which):
-    """Reproduces issue item 5 (the failure docs/reliability.md listed): with ``device="cpu"``,
+    """Failed before its fix (a failure ``docs/reliability.md`` listed): with ``device="cpu"``,
     ``t.numpy()`` of a resident tensor after the first cycle made the next ``offload()`` fail
     half-way, at the release, in PyTorch's words ("Trying to resize storage that is not
     resizable"), the state left offloaded, and every ``reload()`` then failed the same way.

@@ -1,7 +1,7 @@
 """Layer-wise reload with prefetch (``_schedules/prefetch.py``, [Note: prefetch reload]): ordering,
 look-ahead, step guard, writes made right after reload(prefetch=True) kept, bit-identical
-training, on FSDP2 over gloo (2 CPU processes). The tests named after a report of an
-adversarial review of prefetch reproduce it (each failed before its fix).
+training, on FSDP2 over gloo (2 CPU processes). A test whose docstring says "failed before
+its fix" is a regression test.
 """
 
 from __future__ import annotations
@@ -206,8 +206,8 @@ def _zero_grad_first_body(rank, world):
 
 @needs_dist
 def test_zero_grad_right_after_a_prefetching_reload_is_kept():
-    """Reproduces a report of the adversarial review of prefetch, swap, packing, stats and the verl
-    integration (failed before its fix): zero_grad(set_to_none=False) after reload(prefetch=True) zeroes the pool views; the unit's
+    """A regression test (failed before its fix):
+    zero_grad(set_to_none=False) after reload(prefetch=True) zeroes the pool views; the unit's
     pre-hook then re-points the grads at device copies made from the pool at reload() time, so
     the old grads come back and backward accumulates onto them. Same loop with reload(): exact."""
     run_spawned(_zero_grad_first_body, world=2)
@@ -233,8 +233,8 @@ def _inplace_write_body(rank, world):
 
 @needs_dist
 def test_inplace_write_right_after_a_prefetching_reload_is_kept():
-    """Reproduces a report of the adversarial review of prefetch, swap, packing, stats and the verl
-    integration (failed before its fix): an in-place write to the parameters (weight sync, EMA,
+    """A regression test (failed before its fix):
+    an in-place write to the parameters (weight sync, EMA,
     load_state_dict) right after reload(prefetch=True) was lost."""
     run_spawned(_inplace_write_body, world=2)
 
@@ -291,8 +291,8 @@ def _skipped_unit_body(rank, world):
 
 @needs_dist
 def test_optimizer_update_of_a_unit_not_run_in_forward_is_kept():
-    """Reproduces a report of the adversarial review of prefetch, swap, packing, stats and the verl
-    integration (failed before its fix): Model ferry never finishes (unit b's hook never fires, no optimizer in this ferry); AdamW's
+    """A regression test (failed before its fix):
+    Model ferry never finishes (unit b's hook never fires, no optimizer in this ferry); AdamW's
     decay writes b's pool views; the next offload() re-points b at the stale device copy."""
     run_spawned(_skipped_unit_body, world=2)
 
@@ -308,8 +308,8 @@ def _forward_prefetch_units_body(rank, world):
 
 @needs_dist
 def test_forward_prefetch_units_finds_the_explicit_prefetch_targets():
-    """Reproduces a report of the adversarial review of prefetch, swap, packing, stats and the verl
-    integration (failed before its fix): forward_prefetch_units() was always empty on torch 2.13
+    """A regression test (failed before its fix):
+    forward_prefetch_units() was always empty on torch 2.13
     (FSDPParamGroup has `.modules`, not `.module`), so FSDP2 all-gathered a unit before its hook ran."""
     run_spawned(_forward_prefetch_units_body, world=2)
 
@@ -335,16 +335,16 @@ def _lookahead_case(rank, world, mode):
 
 @needs_dist
 def test_lookahead_zero_with_set_modules_to_forward_prefetch_is_exact():
-    """Reproduces a report of the adversarial review of prefetch, swap, packing, stats and the verl
-    integration (failed before its fix): with lookahead_bytes=0, FSDP2's explicit forward prefetch
+    """A regression test (failed before its fix):
+    with lookahead_bytes=0, FSDP2's explicit forward prefetch
     all-gathered a unit before its hook made it resident."""
     run_spawned(functools.partial(_lookahead_case, mode="explicit"), world=2)
 
 
 @needs_dist
 def test_lookahead_zero_with_grouped_fully_shard_is_exact():
-    """Reproduces a report of the adversarial review of prefetch, swap, packing, stats and the verl
-    integration (failed before its fix): with lookahead_bytes=0, a unit of two modules grouped by
+    """A regression test (failed before its fix):
+    with lookahead_bytes=0, a unit of two modules grouped by
     one fully_shard call was all-gathered before its hook made it resident."""
     run_spawned(functools.partial(_lookahead_case, mode="grouped"), world=2)
 
@@ -373,8 +373,8 @@ def _grouped_grads_body(rank, world):
 
 @needs_dist
 def test_grouped_units_with_grads_finish_prefetching():
-    """Reproduces a report of the adversarial review of prefetch, swap, packing, stats and the verl
-    integration (failed before its fix): m[2]'s grads share one storage with m[1]'s, so group_plan puts them in m[1]'s group while
+    """A regression test (failed before its fix):
+    m[2]'s grads share one storage with m[1]'s, so group_plan puts them in m[1]'s group while
     the parameters stay in m[2]'s; re-pointing a DTensor grad apart from its parameter is refused
     (use count 2), and every later forward / reload() / offload() / close() raises the same."""
     run_spawned(_grouped_grads_body, world=2)
@@ -404,8 +404,8 @@ def _reserve_host_body(rank, world):
 
 @needs_dist
 def test_reserve_host_while_prefetching_completes_the_prefetch():
-    """Reproduces a report of the adversarial review of prefetch, swap, packing, stats and the verl
-    integration: reserve_host() during reload(prefetch=True) raised an error blaming "another
+    """A regression test (failed before its fix):
+    reserve_host() during reload(prefetch=True) raised an error blaming "another
     Ferry". It now completes the prefetch first and returns 0.0 (the pool already fits), the
     state resident and the model's output unchanged."""
     run_spawned(_reserve_host_body, world=2)
@@ -472,7 +472,7 @@ def _holds_case(rank, world, mode):
 @pytest.mark.parametrize("mode", ["two_ferries", "no_reshard_after_forward", "lookahead0", "sub_unit_first",
                                   "exception_in_forward"])
 def test_prefetch_training_is_bit_identical_in_every_mode(mode):
-    """Tried in the adversarial review of prefetch and held: two ferries, no reshard after forward,
+    """Cases tried against prefetch that held: two ferries, no reshard after forward,
     lookahead 0, a sub-unit run first, an exception in forward; training stays bit-identical."""
     body = functools.partial(_holds_case, mode=mode)
     run_spawned(body, world=2)

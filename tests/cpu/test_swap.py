@@ -1,5 +1,5 @@
 """torchferry.swap (``_ferry/swap.py``): one state set out, another in, both bit-exact; bad arguments
-(a closed ferry, a negative budget: from an adversarial review) are refused before anything moves.
+(a closed ferry, a negative budget) are refused before anything moves.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def test_swap_refuses_bad_arguments():
 
 
 def test_swap_into_a_closed_ferry_is_refused_before_moving_out():
-    """Reproduces a report of the adversarial review (failed before its fix): swap() checks 'same ferry' and devices up front but not a closed `into`: `out` is offloaded,
+    """A regression test (failed before its fix): swap() checks 'same ferry' and devices up front but not a closed `into`: `out` is offloaded,
     then into.reload() raises; the failed swap leaves `out` offloaded (nothing rolled back)."""
     a, c = nn.Linear(8, 8), nn.Linear(8, 8)
     fa, fc = Ferry(a), Ferry(c)
@@ -53,7 +53,7 @@ def test_swap_into_a_closed_ferry_is_refused_before_moving_out():
 
 
 def test_swap_refuses_a_negative_budget():
-    """Reproduces a report of the adversarial review (failed before its fix): gpu_budget_bytes is not validated (negative / zero accepted; on the CPU ignored entirely)."""
+    """A regression test (failed before its fix): gpu_budget_bytes is not validated (negative / zero accepted; on the CPU ignored entirely)."""
     a, c = nn.Linear(8, 8), nn.Linear(8, 8)
     fa, fc = Ferry(a), Ferry(c)
     fc.offload()

@@ -121,7 +121,7 @@ def test_prefetch_evicts_an_idle_set_while_compute_runs_and_use_waits_for_its_ro
 
 
 def test_device_memory_stays_within_the_budget_when_state_grows_while_resident():
-    """Reproduces the Dock budget report (item 3: 1024 MiB allocated after ``use("rollout")`` against an
+    """A regression test (failed before its fix: 1024 MiB allocated after ``use("rollout")`` against an
     896 MiB budget, the dock counting 768 MiB). The update phase keeps its grads
     (``zero_grad(set_to_none=False)``) and makes AdamW's first step, both while resident; at every
     ``use()`` entry and exit the device holds at most the budget, and what moved comes back bit-exact."""

@@ -1,9 +1,9 @@
 """Two GPUs, NCCL: the seed's 2-rank FSDP2 regression redone for torchferry.
 
-The seed (verl PR #7347, tests/special_distributed/test_fsdp2_pinned_model_transfer.py)
+The seed (verl PR #7347, verl:tests/special_distributed/test_fsdp2_pinned_model_transfer.py)
 checks that after offload every local shard is a pinned CPU tensor and that the
 round trip is bit-exact; with the seed's method, uneven shards lose pinning
-(shared/DESIGN.md). Here uneven and empty shards must stay pinned.
+(README.md, beside the seed). Here uneven and empty shards must stay pinned.
 """
 
 import pytest

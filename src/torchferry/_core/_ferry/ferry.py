@@ -184,7 +184,7 @@ class Ferry:
 
     def _issued(self, handle: TransferHandle) -> TransferHandle:
         self._last = handle
-        self._guards.pending = handle  # see [Note: state_dict() waits for the offload] in _guards.py
+        self._guards.pending = handle  # see [Note: state_dict() waits for the offload] in guards.py
         self._recorder.issued(handle)
         return handle
 

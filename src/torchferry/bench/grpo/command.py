@@ -1,5 +1,6 @@
-"""``torchferry bench-grpo`` as the command line runs it (it replaces the removed script `benchmarks/grpo_dock.py`, same
-options and JSON): checks, progress, the run, the summary, the JSON and the PNG (rank 0)."""
+"""``torchferry bench-grpo`` as the command line runs it (it replaces the script
+``git show 72c0885^:benchmarks/grpo_dock.py``, same options and JSON): checks, progress, the run, the summary, the
+JSON and the PNG (rank 0)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ fsdp_utils = import_fsdp_utils()
 
 import torchferry.integrations.skyrl as tf_skyrl  # noqa: E402
 import torchferry.integrations.verl as tf_verl  # noqa: E402
-from torchferry.integrations import _helpers  # noqa: E402
+from torchferry.integrations import _base as _helpers  # noqa: E402
 from tests.helpers import IDS, Mixed, build_uneven, cpu_mesh, identities, snapshot, train_step, trained  # noqa: E402
 from tests.spawn import run_spawned  # noqa: E402
 
@@ -369,7 +369,7 @@ def test_a_second_patch_keeps_the_first_ones_skip_choice_and_only_a_patched_inte
     tf_skyrl.patch(skip_unchanged=True)  # an explicit choice replaces it
     assert _skyrls("skip_unchanged")
     tf_skyrl.unpatch()
-    assert _helpers._skip.choice("skyrl") is None and _skyrls("skip_unchanged")
+    assert _helpers.patch_choices("skyrl") == {} and _skyrls("skip_unchanged")
 
 
 def test_the_optimizer_at_step_setting_comes_from_patch_and_unpatch_resets_it(monkeypatch):

@@ -56,14 +56,12 @@ from typing import Any
 
 import torch
 
-from ..._core._dock.dock import Dock
-from ..._core._dock.phases import PhaseOrder
-from ..._core._ferry.ferry import Ferry
-from ..._core._state.fsdp import local_of
-from .. import _helpers as compat
+from torchferry import Dock, Ferry
+
+from .._base import REGISTRY, PhaseOrder, SeedHelpers, has_state, helpers_of, local_of
 from ._dock_engine import EngineNames, check_first_step, offloads, resident_bytes, why_kept
 
-__all__ = ["VerlDock", "dock_rollout", "docked"]
+__all__ = ["VerlDock", "active", "dock_rollout", "docked", "docks"]
 
 logger = logging.getLogger("torchferry")
 
@@ -113,15 +111,16 @@ def dock_rollout(rollout: Any, weights_bytes: int, kv_cache_bytes: int) -> Any:
     async def resume_docked(tags, *args, **kwargs):
         if isinstance(tags, str):
             raise TypeError(f"torchferry: resume(tags={tags!r}): tags is a list of str, e.g. [{tags!r}]")
-        mode = ACTIVE
+        mode = active()
         if mode is not None:
             mode.rollout_wakes([t for t in tags if t in _TAGS], dict(sizes))
         return await resume(tags, *args, **kwargs)
 
     async def release_docked(*args, **kwargs):
         out = await release(*args, **kwargs)
-        if ACTIVE is not None:  # its memory is free once release() returns
-            ACTIVE.rollout_asleep()
+        mode = active()
+        if mode is not None:  # its memory is free once release() returns
+            mode.rollout_asleep()
         return out
 
     rollout.resume, rollout.release = resume_docked, release_docked
@@ -143,7 +142,6 @@ class VerlDock:
         self._next_index = 0  # engine<N>: never reused, also after an engine is collected
         self.sets: dict[str, Ferry] = {}  # the state sets registered in the dock: name -> its ferry
         self.reserved: set[str] = set()  # engines' engine<N>.resident in the dock
-        DOCKS.add(self)
 
     # --------------------------------------------------------------- the dock and its names
     def _dock_on(self, device: torch.device) -> Dock:
@@ -214,7 +212,7 @@ class VerlDock:
         self.dock.release(name)
 
     # --------------------------------------------------------------------- phases
-    def enter(self, engine: Any, mode: str, model: bool, optimizer: bool) -> None:
+    def enter(self, engine: Any, mode: str, model: bool, optimizer: bool, helpers: SeedHelpers | None = None) -> None:
         """A train/eval context's entry: what verl keeps resident of the engine measured, its sets and its
         workspace acquired ([Note: verl's offload flags under a Dock])."""
         e = self.engines.get(engine)
@@ -232,10 +230,10 @@ class VerlDock:
         try:
             self._reserve(dock, device)
             if model:
-                names.append(self._ensure_set(dock, e.params, engine.module))
-            if optimizer and engine.optimizer is not None and compat._has_state(engine.optimizer):
-                names.append(self._ensure_set(dock, e.optimizer, engine.optimizer))
-            elif mode == "train" and engine.optimizer is not None and not compat._has_state(engine.optimizer):
+                names.append(self._ensure_set(dock, e.params, engine.module, helpers))
+            if optimizer and engine.optimizer is not None and has_state(engine.optimizer):
+                names.append(self._ensure_set(dock, e.optimizer, engine.optimizer, helpers))
+            elif mode == "train" and engine.optimizer is not None and not has_state(engine.optimizer):
                 # its first step makes the state: will it fit?
                 held = sum(dock.nbytes(n) for n in names) + self._reserved_bytes(dock)
                 check_first_step(dock, e, engine.optimizer, device, held)
@@ -258,7 +256,7 @@ class VerlDock:
         e.open[mode] = (tuple(names), start, bool(started), self._state_bytes(dock, e, engine, device), device)
         self.phase_log.append(("enter", tuple(names)))
 
-    def leave(self, engine: Any, mode: str) -> None:
+    def leave(self, engine: Any, mode: str, helpers: SeedHelpers | None = None) -> None:
         """A train/eval context's exit: the workspace measured, the sets released (they stay resident
         while the budget allows), the next phase's sets started.
 
@@ -275,8 +273,8 @@ class VerlDock:
         dock = self.dock
         names, start, prefetched, state0, device = e.open.pop(mode)
         try:
-            if engine.optimizer is not None and compat._has_state(engine.optimizer) and offloads(engine)[1]:
-                self._ensure_set(dock, e.optimizer, engine.optimizer)
+            if engine.optimizer is not None and has_state(engine.optimizer) and offloads(engine)[1]:
+                self._ensure_set(dock, e.optimizer, engine.optimizer, helpers)
                 if e.optimizer not in names:  # this phase holds it from now on
                     self.order.joins(e.optimizer)
             if device.type != "cuda":  # no device memory to share: nothing to measure
@@ -352,11 +350,11 @@ class VerlDock:
         peak, self.peak_seen = max(self.peak_seen, torch.cuda.max_memory_allocated(d.device)), 0
         return peak
 
-    def _ensure_set(self, dock: Dock, name: str, obj: Any) -> str:
+    def _ensure_set(self, dock: Dock, name: str, obj: Any, helpers: SeedHelpers | None) -> str:
         if name in self.sets:
             return name
-        ferry = compat._get_or_make(obj, "verl")  # [Note: unpatch() brings the state back]
-        for other in list(DOCKS):  # a dock of another budget (patch(dock=...) changed) lets it go
+        ferry = (helpers or helpers_of("verl")).make(obj)  # recorded as verl's: [Note: unpatch() brings the state back]
+        for other in docks():  # a dock of another budget (patch(dock=...) changed) lets it go
             if other is not self and other.holds(ferry):
                 other.forget(ferry)
         dock.add(name, ferry)
@@ -442,7 +440,7 @@ def _nothing() -> None:
 
 
 def _device_of(engine: Any) -> torch.device:
-    ferry = compat.ferry_for(engine.module)
+    ferry = REGISTRY.ferry(engine.module)
     if ferry is not None:
         return ferry.device
     for p in engine.module.parameters():
@@ -452,17 +450,19 @@ def _device_of(engine: Any) -> torch.device:
     return torch.device("cpu")
 
 
-DOCKS: weakref.WeakSet[VerlDock] = weakref.WeakSet()
-"""Every dock made in this process, one per budget (``unpatch()`` keeps them: ``._dock_patch.DockPatch``)."""
+def docks() -> list[VerlDock]:
+    """Every verl dock made in this process and kept, one per budget (``unpatch()`` keeps them)."""
+    return [vd for key, vd in list(REGISTRY.kept.items()) if key[0] == "verl"]
 
-ACTIVE: VerlDock | None = None
-"""The process's dock mode while ``patch(dock=...)`` holds ([Note: verl under a Dock])."""
+
+def active() -> VerlDock | None:
+    """The process's dock mode while ``patch(dock=...)`` holds ([Note: verl under a Dock])."""
+    state = REGISTRY.patched.get("verl")
+    return None if state is None else state.router
 
 
 def docked() -> VerlDock | None:
     """The process's verl dock while ``patch(dock=...)`` holds, else ``None``: its :class:`~torchferry.Dock`
     (``.dock``: ``stats``, ``moves``, ``resident_bytes``), the phases it saw (``.phase_log``) and
     :meth:`VerlDock.take_peak`."""
-    return ACTIVE
-
-
+    return active()

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from ..._core._dock.dock import Dock
-from ..._core._dock.first_step import first_step_bytes
-from ..._core._dock.measure import objects_bytes
+from torchferry import Dock
+
+from .._base import first_step_bytes, objects_bytes
 
 __all__ = ["EngineNames", "check_first_step", "kept_on_device"]
 

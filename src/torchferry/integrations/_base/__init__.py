@@ -9,13 +9,12 @@
 * :mod:`.helpers`: the seed's helpers as one :class:`SeedHelpers` value per caller, its dock router
   received as a value;
 * :mod:`.ray_hook`: a Ray ``worker_process_setup_hook`` per integration;
-* the few pieces of the core the framework folders need (FSDP's internals are read in the core only).
+* the few pieces of the core the framework folders need: the framework-neutral :class:`PhaseDock` (verl's
+  dock mode adapts it), FSDP's internals (read in the core only).
 """
 
 from ..._core._api.args import check_bool
-from ..._core._dock.first_step import first_step_bytes
-from ..._core._dock.measure import objects_bytes
-from ..._core._dock.phases import PhaseOrder
+from ..._core._dock.phase_dock import PhaseDock
 from ..._core._state.fsdp import fsdp1_offloads_params, fsdp_modules, local_of, param_groups
 from ..._core._transfer.switch import whole_copies
 from .helpers import (
@@ -51,9 +50,9 @@ from .settings import (
 
 __all__ = [
     "DOCK_ENV", "FORWARDED_SETTINGS", "FSDP1_ENV", "LAYERWISE_ENV", "OPTIMIZER_AT_STEP_ENV", "REGISTRY", "SKIP_ENV",
-    "DockRouter", "Held", "HelperSet", "HookNames", "PatchState", "Patcher", "PhaseOrder", "SeedHelpers", "Settings",
-    "WorkerHook", "away", "check_bool", "dock_budget", "ferry_for", "first_step_bytes", "fsdp1_offloads_params",
-    "fsdp_modules", "has_state", "helpers_of", "load_fsdp2_model_to_gpu", "load_fsdp_optimizer", "local_of",
-    "objects_bytes", "offload_fsdp2_model_to_cpu", "offload_fsdp_optimizer", "param_groups", "parse_budget",
-    "patch_choices", "read_switch", "routed", "seed_replacements", "settings_of", "whole_copies",
+    "DockRouter", "Held", "HelperSet", "HookNames", "PatchState", "Patcher", "PhaseDock", "SeedHelpers", "Settings",
+    "WorkerHook", "away", "check_bool", "dock_budget", "ferry_for", "fsdp1_offloads_params", "fsdp_modules",
+    "has_state", "helpers_of", "load_fsdp2_model_to_gpu", "load_fsdp_optimizer", "local_of",
+    "offload_fsdp2_model_to_cpu", "offload_fsdp_optimizer", "param_groups", "parse_budget", "patch_choices",
+    "read_switch", "routed", "seed_replacements", "settings_of", "whole_copies",
 ]

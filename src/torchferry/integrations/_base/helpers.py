@@ -131,7 +131,7 @@ class DockRouter(Protocol):
 
     def holds(self, ferry: Ferry) -> bool: ...
 
-    def load_docked(self, ferry: Ferry) -> None: ...
+    def load(self, ferry: Ferry) -> None: ...
 
 
 def has_state(optimizer: torch.optim.Optimizer) -> bool:
@@ -188,7 +188,7 @@ class SeedHelpers:
         if ferry is None:
             return
         if self.router is not None and self._docked(ferry):
-            self.router.load_docked(ferry)
+            self.router.load(ferry)
             return
         if self.switch("layerwise_reload"):  # see [Note: the helpers' layer-wise reload]
             ferry.reload(prefetch=True)  # beside the forward: with switch points
@@ -219,7 +219,7 @@ class SeedHelpers:
             raise ValueError(f"torchferry: load_fsdp_optimizer(device_id={device_id!r}) but the state "
                              f"was offloaded from {ferry.device}; it reloads where it came from")
         if self.router is not None and self._docked(ferry):
-            self.router.load_docked(ferry)
+            self.router.load(ferry)
             return
         if self.switch("optimizer_at_step"):  # see [Note: optimizer state waited for at step()]
             ferry.reload(prefetch=True)  # beside the caller's compute: with switch points

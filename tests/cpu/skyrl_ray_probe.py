@@ -32,7 +32,7 @@ def _state() -> dict:
     apply()  # this worker's Python may be 3.11 too
     from skyrl.backends.skyrl_train.distributed import fsdp_utils
 
-    from torchferry.integrations import _helpers
+    from torchferry.integrations import skyrl as _helpers  # the public helper: the same function object
     from torchferry.integrations.skyrl import is_patched
 
     return {

@@ -62,15 +62,15 @@ def _switch_readers():
     """(variable, what reads it now, its default) for every switch of the core and the integrations."""
     from torchferry._core._schedules.unchanged import verify_skips
     from torchferry._core._transfer import arena, driver
-    from torchferry.integrations import _helpers
+    from torchferry.integrations._base import read_switch
 
     return [
         ("TORCHFERRY_DRIVER_COPIES", driver.enabled, True),
         ("TORCHFERRY_VERIFY_SKIPS", verify_skips, False),
         ("TORCHFERRY_RELOAD_ARENA", arena.arena_supported, True),
-        ("TORCHFERRY_SKIP_UNCHANGED", _helpers.skip_unchanged, True),
-        ("TORCHFERRY_OPTIMIZER_AT_STEP", _helpers.optimizer_at_step, False),
-        ("TORCHFERRY_LAYERWISE_RELOAD", _helpers.LAYERWISE.get, False),
+        ("TORCHFERRY_SKIP_UNCHANGED", lambda: read_switch("skip_unchanged"), True),
+        ("TORCHFERRY_OPTIMIZER_AT_STEP", lambda: read_switch("optimizer_at_step"), False),
+        ("TORCHFERRY_LAYERWISE_RELOAD", lambda: read_switch("layerwise_reload"), False),
     ]
 
 
@@ -102,7 +102,8 @@ def test_verify_skips_false_leaves_verify_mode_off(monkeypatch):
 
 def test_verl_fsdp1_switch_takes_every_spelling(monkeypatch):
     pytest.importorskip("verl.utils.fsdp_utils", reason="verl not installed")
-    from torchferry.integrations.verl._patch import FSDP1_ENV, fsdp1_through_torchferry
+    from torchferry.integrations._base import FSDP1_ENV
+    from torchferry.integrations.verl._patch import fsdp1_through_torchferry
 
     assert fsdp1_through_torchferry() is True
     for raw, want in [*((r, True) for r in ON_SPELLINGS), *((r, False) for r in OFF_SPELLINGS)]:
@@ -115,7 +116,7 @@ def test_verl_fsdp1_switch_takes_every_spelling(monkeypatch):
 
 def _fake_hook(monkeypatch, env_flag_name: str):
     """A WorkerHook over a stand-in helper module that is already imported: its patch runs at once."""
-    from torchferry.integrations._ray_hook import HookNames, WorkerHook
+    from torchferry.integrations._base.ray_hook import HookNames, WorkerHook
 
     module = "torchferry_test_env_helpers"
     monkeypatch.setitem(sys.modules, module, type(sys)(module))
@@ -148,17 +149,17 @@ def test_the_integrations_hooks_read_their_own_switch():
     pytest.importorskip("verl.utils.fsdp_utils", reason="verl not installed")
     from torchferry.integrations.verl import _ray as verl_ray
 
-    assert verl_ray._hook.names.env_flag == "TORCHFERRY_VERL"
+    assert verl_ray._HOOK.names.env_flag == "TORCHFERRY_VERL"
     try:
         from torchferry.integrations.skyrl import _ray as skyrl_ray
     except ImportError:
         return
-    assert skyrl_ray._hook.names.env_flag == "TORCHFERRY_SKYRL"
+    assert skyrl_ray._HOOK.names.env_flag == "TORCHFERRY_SKYRL"
 
 
 def test_a_failed_patch_fails_every_import_of_the_helper_module(monkeypatch, tmp_path):
     """Reproduces: the first import raised, the second succeeded unpatched."""
-    from torchferry.integrations._ray_hook import HookNames, WorkerHook, _PatchOnImport
+    from torchferry.integrations._base.ray_hook import HookNames, WorkerHook, _PatchOnImport
 
     module = "torchferry_test_env_fake_fsdp_utils"
     (tmp_path / f"{module}.py").write_text("VALUE = 1\n")
@@ -264,14 +265,14 @@ def test_every_byte_count_takes_the_same_forms(monkeypatch, name):
 @pytest.mark.parametrize("raw", ["0", "off", "OFF", " false ", "no", "No", "", "0.0"])
 def test_the_verl_dock_is_off_for_every_off_spelling_of_a_switch(monkeypatch, raw):
     """``TORCHFERRY_VERL_DOCK=0`` turned the dock off but ``off``/``false``/``no`` were refused."""
-    from torchferry.integrations.verl._dock_patch import DOCK_ENV, budget_spec
+    from torchferry.integrations._base import DOCK_ENV, dock_budget as budget_spec
 
     monkeypatch.setenv(DOCK_ENV, raw)
     assert budget_spec(None) is None
 
 
 def test_the_verl_dock_budget_is_a_byte_count_or_a_fraction(monkeypatch):
-    from torchferry.integrations.verl._dock_patch import DOCK_ENV, budget_spec
+    from torchferry.integrations._base import DOCK_ENV, dock_budget as budget_spec
 
     for raw, want in (("40e9", 40 * 10**9), ("40000000000", 40 * 10**9), ("0.6", 0.6), ("1.0", 1.0)):
         monkeypatch.setenv(DOCK_ENV, raw)

@@ -26,7 +26,7 @@ fsdp_utils = import_fsdp_utils()
 
 import torchferry.integrations.skyrl as tf_skyrl  # noqa: E402
 import torchferry.integrations.verl as tf_verl  # noqa: E402
-from torchferry.integrations import _helpers  # noqa: E402
+from torchferry.integrations import _base as _helpers  # noqa: E402
 from tests.helpers import IDS, Mixed, build_uneven, cpu_mesh, identities, snapshot, train_step, trained  # noqa: E402
 from tests.spawn import run_spawned  # noqa: E402
 
@@ -369,7 +369,7 @@ def test_a_second_patch_keeps_the_first_ones_skip_choice_and_only_a_patched_inte
     tf_skyrl.patch(skip_unchanged=True)  # an explicit choice replaces it
     assert _skyrls("skip_unchanged")
     tf_skyrl.unpatch()
-    assert _helpers._skip.choice("skyrl") is None and _skyrls("skip_unchanged")
+    assert _helpers.patch_choices("skyrl") == {} and _skyrls("skip_unchanged")
 
 
 def test_the_optimizer_at_step_setting_comes_from_patch_and_unpatch_resets_it(monkeypatch):
@@ -446,3 +446,54 @@ def test_unpatch_that_cannot_bring_the_state_back_raises_and_stays_patched(monke
     _assert_equal(before, snapshot(m, opt))
     m(IDS).backward()
     opt.step()
+
+
+# ------------------------------------------------------------------ SkyRL's helpers under a phase dock
+def test_skyrls_helpers_leave_their_sets_to_a_phase_dock_and_train_bit_identically():
+    """[Note: a trainer under a phase dock] in ``torchferry._core._dock.phase_dock``: the phase dock is not verl's.
+    A SkyRL-shaped step (the reference's forward, the policy's train phase) under one whose budget holds the
+    policy and its optimizer but not the reference beside them: SkyRL's offload helpers leave a docked set where
+    the dock has it, its loads make it resident, the dock evicts what the next phase needs room for and learns
+    the step, and the policy trains exactly as without offloading."""
+    from torchferry.integrations._base import REGISTRY, PhaseDock
+
+    tf_skyrl.patch()
+    state = REGISTRY.patched["skyrl"]
+    policy, opt = trained()
+    same, same_opt = trained()  # the same policy, never offloaded
+    torch.manual_seed(1)
+    reference = Mixed()
+    opt.zero_grad()
+    same_opt.zero_grad()  # the sets' bytes between phases: parameters, buffers, optimizer state
+    pf, of, rf = (state.helpers.make(x) for x in (policy, opt, reference))
+    pd = state.router = PhaseDock(pf.state_bytes + of.state_bytes + rf.state_bytes // 2, label="skyrl dock")
+    cpu = torch.device("cpu")
+    for step in range(4):
+        ids = (IDS + step) % 33
+        fsdp_utils.load_fsdp2_model_to_gpu(policy)  # SkyRL's backload_to_gpu: resident when it returns
+        fsdp_utils.load_fsdp_optimizer(opt, "cpu")
+        assert not pf.residency.on_host and not of.residency.on_host
+        assert rf.residency.on_host or step == 0  # the room made for them (the sets join at their first phase)
+        pd.enter(policy, "train", device=cpu, params=pf, optimizer=of)
+        for m, o in ((policy, opt), (same, same_opt)):
+            m(ids).backward()
+            o.step()
+            o.zero_grad()
+        pd.leave(policy, "train")
+        before = pf.residency, of.residency
+        fsdp_utils.offload_fsdp2_model_to_cpu(policy, empty_cache=True)  # SkyRL's offload_to_cpu
+        fsdp_utils.offload_fsdp_optimizer(opt)
+        assert (pf.residency, of.residency) == before  # left to the dock: they leave when the room is needed
+        pd.enter(reference, "eval", device=cpu, params=rf)
+        with torch.no_grad():
+            reference(ids)
+        pd.leave(reference, "eval")  # planned: the next phase's sets come in, the reference leaves for them
+        before = rf.residency
+        fsdp_utils.offload_fsdp2_model_to_cpu(reference, empty_cache=True)
+        assert rf.residency is before
+    assert pd.planned and pd.dock is not None and pd.dock.stats.evictions >= 4
+    _assert_equal(snapshot(same, same_opt), snapshot(policy, opt))
+    pd.dock.close()
+    state.router = None
+    tf_skyrl.unpatch()  # brings back what the dock left offloaded
+    assert not rf.residency.on_host and tf_skyrl.ferry_for(reference) is None

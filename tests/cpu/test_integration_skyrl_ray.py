@@ -72,7 +72,7 @@ def test_hook_patches_right_after_skyrl_imports_fsdp_utils_and_not_before():
         "import sys\n"
         "from tests.cpu.skyrl_import import apply\n"
         "from torchferry.integrations.skyrl import ray_worker_setup, is_patched\n"
-        "from torchferry.integrations import _helpers\n"
+        "from torchferry.integrations import skyrl as _helpers\n"
         "ray_worker_setup(); apply()\n"
         f"assert '{FSDP_UTILS}' not in sys.modules and not is_patched()  # nothing imported for it\n"
         f"from {FSDP_UTILS} import offload_fsdp_optimizer  # as SkyRL's fsdp_strategy does\n"

@@ -23,9 +23,9 @@ pytest.importorskip("hydra")
 
 import torchferry.integrations.verl as tf_verl  # noqa: E402
 from torchferry import Residency  # noqa: E402
-from torchferry.integrations import _helpers as compat  # noqa: E402
+from torchferry.integrations import _base as compat  # noqa: E402
 from torchferry.integrations.verl import _dock  # noqa: E402
-from torchferry.integrations.verl._dock_patch import DOCK_ENV, parse_budget  # noqa: E402
+from torchferry.integrations._base import DOCK_ENV, REGISTRY, parse_budget  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -37,14 +37,12 @@ from verl.workers.engine import base  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
-    from torchferry.integrations.verl import _patch
-
     monkeypatch.delenv(DOCK_ENV, raising=False)
     tf_verl.unpatch()
-    _patch._dock_patch.kept.clear()  # each test's docks its own
+    REGISTRY.kept.clear()  # each test's docks its own
     yield
     tf_verl.unpatch()
-    _patch._dock_patch.kept.clear()
+    REGISTRY.kept.clear()
 
 
 def _originals():
@@ -68,14 +66,14 @@ def test_a_bad_budget_fails_at_patch_with_nothing_replaced(value):
     with pytest.raises(ValueError, match="dock budget|give bytes") as e:
         tf_verl.patch(dock=value)
     assert "\n" not in str(e.value)
-    assert _originals() == before and not tf_verl.is_patched() and _dock.ACTIVE is None
+    assert _originals() == before and not tf_verl.is_patched() and _dock.active() is None
 
 
 def test_a_bad_budget_in_the_environment_fails_at_patch_naming_it(monkeypatch):
     monkeypatch.setenv(DOCK_ENV, "half")
     with pytest.raises(ValueError, match=DOCK_ENV):
         tf_verl.patch()
-    assert not tf_verl.is_patched() and _dock.ACTIVE is None
+    assert not tf_verl.is_patched() and _dock.active() is None
 
 
 def test_an_unknown_verl_version_fails_at_patch_with_nothing_replaced(monkeypatch):
@@ -99,27 +97,27 @@ def test_patch_replaces_the_context_and_unpatch_puts_it_back():
     before = _originals()
     names = tf_verl.patch(dock=10**9)
     assert "verl.workers.engine.base.BaseEngineCtx.__enter__" in names
-    assert _originals() != before and _dock.ACTIVE is not None and compat.DOCK_ROUTER is _dock.ACTIVE
-    assert _dock.ACTIVE.budget == 10**9
+    assert _originals() != before and _dock.active() is not None and REGISTRY.patched["verl"].helpers.router is _dock.active()
+    assert _dock.active().budget == 10**9
     assert compat.patch_choices("verl")[DOCK_ENV] == str(10**9)  # what the Ray hook passes on
-    kept = _dock.ACTIVE
+    kept = _dock.active()
     tf_verl.unpatch()
-    assert _originals() == before and _dock.ACTIVE is None and compat.DOCK_ROUTER is None
+    assert _originals() == before and _dock.active() is None and compat.helpers_of("verl").router is None
     tf_verl.patch(dock=10**9)  # the same budget: the same dock, its sets where it left them
-    assert _dock.ACTIVE is kept
+    assert _dock.active() is kept
     tf_verl.unpatch()
     tf_verl.patch(dock=2 * 10**9)  # another budget: its own dock; the first is kept for its budget
-    assert _dock.ACTIVE is not kept and _dock.ACTIVE.budget == 2 * 10**9 and kept in _dock.DOCKS
+    assert _dock.active() is not kept and _dock.active().budget == 2 * 10**9 and kept in _dock.docks()
 
 
 def test_without_a_dock_nothing_of_it_is_replaced():
     before = _originals()
     tf_verl.patch()
-    assert _originals() == before and _dock.ACTIVE is None and DOCK_ENV not in compat.patch_choices("verl")
+    assert _originals() == before and _dock.active() is None and DOCK_ENV not in compat.patch_choices("verl")
 
 
 def test_the_ray_hook_forwards_the_budget():
-    from torchferry.integrations._ray_hook import FORWARDED_SETTINGS
+    from torchferry.integrations._base import FORWARDED_SETTINGS
 
     assert DOCK_ENV in FORWARDED_SETTINGS
 
@@ -359,7 +357,7 @@ def test_unpatch_brings_back_what_the_dock_evicted(monkeypatch):
     monkeypatch.setattr(fsdp_utils, "get_device_id", lambda: "cpu")  # verl's own load, on the CPU
     vd, (e1, _), ferry, before = _evicted_by_the_dock()
     tf_verl.unpatch()
-    assert not tf_verl.is_patched() and _dock.ACTIVE is None
+    assert not tf_verl.is_patched() and _dock.active() is None
     assert base.BaseEngineCtx.__dict__["__enter__"].__module__ == "verl.workers.engine.base"  # verl's own
     assert ferry.residency is Residency.DEVICE and vd.dock.is_resident("engine0.params")
     after = e1.module.state_dict()

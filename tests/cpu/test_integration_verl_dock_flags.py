@@ -13,7 +13,7 @@ pytest.importorskip("verl.workers.engine_workers", reason="verl's actor code and
 
 import torchferry.integrations.verl as tf_verl  # noqa: E402
 from torchferry._core._state.host_blocks import in_host_pool  # noqa: E402
-from torchferry.integrations.verl._dock_patch import DOCK_ENV  # noqa: E402
+from torchferry.integrations._base import DOCK_ENV, REGISTRY  # noqa: E402
 
 from verl.workers.engine import base  # noqa: E402
 
@@ -25,14 +25,12 @@ B = 4 << 20  # the budget
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
-    from torchferry.integrations.verl import _patch
-
     monkeypatch.delenv(DOCK_ENV, raising=False)
     tf_verl.unpatch()
-    _patch._dock_patch.kept.clear()
+    REGISTRY.kept.clear()
     yield
     tf_verl.unpatch()
-    _patch._dock_patch.kept.clear()
+    REGISTRY.kept.clear()
 
 
 def _engine(param_offload: bool, optimizer_offload: bool, optimizer=torch.optim.AdamW, n: int = N, **kw):

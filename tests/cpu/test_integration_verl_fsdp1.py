@@ -14,6 +14,7 @@ verl_fsdp_utils = pytest.importorskip("verl.utils.fsdp_utils", reason="verl not 
 
 import torchferry.integrations.verl as tf_verl  # noqa: E402
 from torchferry.integrations.verl import _patch as verl_patch  # noqa: E402
+from torchferry.integrations._base import FSDP1_ENV  # noqa: E402
 from tests.helpers import identities, snapshot, train_step  # noqa: E402
 from tests.spawn import run_spawned  # noqa: E402
 
@@ -92,16 +93,18 @@ def test_fsdp1_models_stay_with_verls_code_when_switched_off_and_when_they_offlo
 
 
 def test_the_fsdp1_setting_comes_from_patch_else_the_environment(monkeypatch):
-    monkeypatch.delenv(verl_patch.FSDP1_ENV, raising=False)
+    monkeypatch.delenv(FSDP1_ENV, raising=False)
     tf_verl.patch(import_engines=False)
     assert verl_patch.fsdp1_through_torchferry()  # on by default
-    monkeypatch.setenv(verl_patch.FSDP1_ENV, "0")
+    monkeypatch.setenv(FSDP1_ENV, "0")
+    assert verl_patch.fsdp1_through_torchferry()  # the environment is read by patch() (Settings), not by each call
+    tf_verl.patch(import_engines=False)  # read again: no argument chose it
     assert not verl_patch.fsdp1_through_torchferry()
     tf_verl.patch(fsdp1=True, import_engines=False)
     assert verl_patch.fsdp1_through_torchferry()  # patch()'s choice over the environment
     tf_verl.unpatch()
     assert not verl_patch.fsdp1_through_torchferry()
-    monkeypatch.setenv(verl_patch.FSDP1_ENV, "sometimes")
+    monkeypatch.setenv(FSDP1_ENV, "sometimes")
     with pytest.raises(ValueError, match="TORCHFERRY_VERL_FSDP1 must be on .* got 'sometimes'"):
         tf_verl.patch(import_engines=False)
     assert not tf_verl.is_patched()

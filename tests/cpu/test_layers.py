@@ -264,3 +264,108 @@ def test_the_promise_checkers_pass_the_dict_copy_and_index_copy():
     """Not every call named like a copy is one: ``d.copy()`` (no argument) and ``out.index_copy_(...)``."""
     src = "def f(d, out, i, h):\n    e = d.copy()\n    out.index_copy_(0, i, h)\n"
     assert not _breaches("copies are queued only by _transfer", CORE + "_schedules.planted", src)
+
+
+# The integrations' rules ([Note: each integration's settings] in ``integrations/_base/settings.py``): a
+# framework folder (``verl/``, ``skyrl/``, ``areal/``) builds on ``torchferry``'s public names and
+# ``integrations._base`` only; no module of ``integrations`` keeps mutable state at module level (the one
+# registry, ``_base/registry.REGISTRY``, aside); the environment is read in ``_base/settings`` only.
+
+INTEGRATIONS = "torchferry.integrations."
+FRAMEWORKS = ("verl", "skyrl", "areal")
+MUTABLE_CALLS = {"dict", "list", "set", "defaultdict", "deque", "WeakKeyDictionary", "WeakValueDictionary", "WeakSet",
+                 "ContextVar", "Registry", "Patcher", "PatchState", "OrderedDict", "Counter"}
+
+
+def _framework_breaches(mod: str, source: str, modules: set[str], package: bool = False) -> list[str]:
+    """What framework module ``mod`` (a package's ``__init__`` with ``package``) imports of torchferry besides
+    its own folder, ``torchferry`` and ``_base``."""
+    folder = INTEGRATIONS + mod[len(INTEGRATIONS):].split(".")[0]
+    allowed = ("torchferry", INTEGRATIONS + "_base")
+    pkg = mod if package else mod.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names = [f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for t in names:
+            if t.startswith("torchferry") and t not in allowed and not (t == folder or t.startswith(folder + ".")):
+                out.append(f"{mod}:{node.lineno}: imports {t}")
+    return sorted(set(out))
+
+
+def _module_state(mod: str, source: str) -> list[str]:
+    """Module-level mutable objects: ``global`` rebinding, a module-level call of a mutable container (or a
+    holder of state), a lower-case module-level dict / list / set display."""
+    tree = ast.parse(source)
+    out = [f"{mod}:{n.lineno}: global {', '.join(n.names)}" for n in ast.walk(tree) if isinstance(n, ast.Global)]
+    for node in tree.body:
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        names = [t.id for t in targets if isinstance(t, ast.Name)]
+        value = node.value
+        called = _attr_chain(value.func).split(".")[-1] if isinstance(value, ast.Call) else ""
+        display = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp))
+        if called in MUTABLE_CALLS or (display and any(not n.isupper() and not n.startswith("__") for n in names)):
+            out.append(f"{mod}:{node.lineno}: {', '.join(names)} = {called or type(value).__name__}")
+    return out
+
+
+def _integration_sources() -> dict[str, str]:
+    return {m: open(p, encoding="utf-8").read() for m, p in sorted(_modules().items()) if m.startswith(INTEGRATIONS)}
+
+
+def test_a_framework_folder_imports_only_torchferrys_public_names_and_base():
+    modules = _modules()
+    found = [b for m, src in _integration_sources().items() if m[len(INTEGRATIONS):].split(".")[0] in FRAMEWORKS
+             for b in _framework_breaches(m, src, set(modules), modules[m].endswith("__init__.py"))]
+    assert not found, "\n".join(found)
+
+
+def test_no_integration_module_keeps_mutable_state_at_module_level():
+    found = [b for m, src in _integration_sources().items() if m != INTEGRATIONS + "_base.registry"
+             for b in _module_state(m, src)]
+    assert not found, "\n".join(found)
+
+
+def test_the_integrations_read_the_environment_only_in_base_settings():
+    found = [f"{m}:{line}: {what}" for m, src in _integration_sources().items() if m != INTEGRATIONS + "_base.settings"
+             for line, what in _environment(ast.parse(src))]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("planted", [
+    "from ..._core._ferry.ferry import Ferry\n",
+    "from torchferry._core._dock.dock import Dock\n",
+    "from .._base.settings import Settings\n",
+    "import torchferry.integrations.skyrl._patch\n",
+    "from ..skyrl import patch\n",
+])
+def test_the_framework_import_checker_sees_a_planted_breach(planted):
+    """A module of ``verl/`` importing the core's private modules, a ``_base`` submodule or another framework's
+    folder is reported; the same module importing ``torchferry`` or ``_base`` is not."""
+    modules = set(_modules())
+    assert _framework_breaches(INTEGRATIONS + "verl.planted", planted, modules), planted
+    fine = "from torchferry import Ferry\nfrom .._base import REGISTRY\nfrom ._dock import docked\n"
+    assert not _framework_breaches(INTEGRATIONS + "verl.planted", fine, modules)
+
+
+@pytest.mark.parametrize("planted", [
+    "import weakref\n_ferries = weakref.WeakKeyDictionary()\n",
+    "import contextvars\nACTIVE = contextvars.ContextVar('x', default=None)\n",
+    "_originals: dict = {}\n",
+    "_patcher = Patcher(HELPER_SET)\n",
+    "def f():\n    global _x\n    _x = 1\n",
+])
+def test_the_module_state_checker_sees_a_planted_breach(planted):
+    assert _module_state(INTEGRATIONS + "verl.planted", planted), planted
+    assert not _module_state(INTEGRATIONS + "verl.planted", "HELPERS = {'a': ('model',)}\nN = 3\n")

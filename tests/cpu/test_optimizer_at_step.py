@@ -1,4 +1,4 @@
-"""[Note: optimizer state waited for at step()] in ``torchferry.integrations._helpers``: with
+"""[Note: optimizer state waited for at step()] in ``torchferry.integrations._base.helpers``: with
 ``optimizer_at_step`` on, ``load_fsdp_optimizer`` leaves the state's copies to ``optimizer.step()``
 (the state stays host tensors until then), the steps are bit-identical to a run that never
 offloaded; off by default; the setting from ``patch()`` of the verl and SkyRL integrations, else
@@ -13,15 +13,14 @@ import torch
 from torch import nn
 
 from torchferry import Residency
-from torchferry.integrations import _helpers
+from torchferry.integrations import _base as _helpers
+from torchferry.integrations._base import REGISTRY, PatchState, SeedHelpers, Settings
 
 
 @pytest.fixture(autouse=True)
 def _reset(monkeypatch):
     monkeypatch.delenv(_helpers.OPTIMIZER_AT_STEP_ENV, raising=False)
-    before = _helpers.set_optimizer_at_step(None)
     yield
-    _helpers.set_optimizer_at_step(before)
 
 
 def _model_and_opt(seed: int = 0):
@@ -38,14 +37,14 @@ def _step(m, opt, x) -> None:
 
 
 @pytest.mark.parametrize("at_step", [False, True])
-def test_the_state_waits_for_step_only_when_switched_on_and_the_steps_stay_bit_identical(at_step):
+def test_the_state_waits_for_step_only_when_switched_on_and_the_steps_stay_bit_identical(at_step, monkeypatch):
     m, opt = _model_and_opt()
     ref_m, ref_opt = copy.deepcopy(m), None
     ref_opt = torch.optim.AdamW(ref_m.parameters(), lr=1e-2)
     xs = [torch.randn(16, 32, generator=torch.Generator().manual_seed(i)) for i in range(4)]
     _step(m, opt, xs[0])
     _step(ref_m, ref_opt, xs[0])
-    _helpers.set_optimizer_at_step(at_step)
+    monkeypatch.setenv(_helpers.OPTIMIZER_AT_STEP_ENV, "1" if at_step else "0")
     for x in xs[1:]:
         _helpers.offload_fsdp2_model_to_cpu(m)
         _helpers.offload_fsdp_optimizer(opt)
@@ -67,11 +66,11 @@ def test_the_state_waits_for_step_only_when_switched_on_and_the_steps_stay_bit_i
                 torch.testing.assert_close(a[k], b[k], atol=0, rtol=0)
 
 
-def test_a_state_dict_before_the_step_completes_the_reload():
+def test_a_state_dict_before_the_step_completes_the_reload(monkeypatch):
     m, opt = _model_and_opt()
     _step(m, opt, torch.randn(4, 32))
     want = copy.deepcopy(opt.state_dict())
-    _helpers.set_optimizer_at_step(True)
+    monkeypatch.setenv(_helpers.OPTIMIZER_AT_STEP_ENV, "1")
     _helpers.offload_fsdp_optimizer(opt)
     _helpers.load_fsdp_optimizer(opt, "cpu")
     got = opt.state_dict()  # waits for the state ([Note: prefetch reload])
@@ -81,7 +80,7 @@ def test_a_state_dict_before_the_step_completes_the_reload():
             torch.testing.assert_close(got["state"][k][name], t, atol=0, rtol=0)
 
 
-def test_a_checkpoint_loaded_before_the_step_completes_the_reload_and_is_what_the_step_reads():
+def test_a_checkpoint_loaded_before_the_step_completes_the_reload_and_is_what_the_step_reads(monkeypatch):
     """verl's load_checkpoint calls load_fsdp_optimizer, then optimizer.load_state_dict(): the
     reload completes first, and the loaded state is the one the step uses."""
     m, opt = _model_and_opt()
@@ -91,7 +90,7 @@ def test_a_checkpoint_loaded_before_the_step_completes_the_reload_and_is_what_th
     ref_opt = torch.optim.AdamW(ref_m.parameters(), lr=1e-2)
     ref_opt.load_state_dict(copy.deepcopy(saved))  # its own tensors: load_state_dict keeps the ones it is given
     _step(m, opt, torch.randn(4, 32))  # the state moves on; the checkpoint brings it back
-    _helpers.set_optimizer_at_step(True)
+    monkeypatch.setenv(_helpers.OPTIMIZER_AT_STEP_ENV, "1")
     _helpers.offload_fsdp_optimizer(opt)
     _helpers.load_fsdp_optimizer(opt, "cpu")
     assert _helpers.ferry_for(opt).residency is Residency.PREFETCHING
@@ -106,12 +105,12 @@ def test_a_checkpoint_loaded_before_the_step_completes_the_reload_and_is_what_th
 
 
 def test_the_setting_comes_from_the_environment_and_a_bad_value_moves_nothing(monkeypatch):
-    assert not _helpers.optimizer_at_step()  # off by default
+    assert not _helpers.read_switch("optimizer_at_step")  # off by default
     monkeypatch.setenv(_helpers.OPTIMIZER_AT_STEP_ENV, "1")
-    assert _helpers.optimizer_at_step()
-    _helpers.set_optimizer_at_step(False)
-    assert not _helpers.optimizer_at_step()  # the integration's setting over the environment
-    _helpers.set_optimizer_at_step(None)
+    assert _helpers.read_switch("optimizer_at_step")
+    chosen = SeedHelpers(REGISTRY, "verl", Settings.read({"optimizer_at_step": False}))
+    assert not chosen.switch("optimizer_at_step")  # the integration's setting over the environment
+    monkeypatch.setenv(_helpers.OPTIMIZER_AT_STEP_ENV, "1")
     m, opt = _model_and_opt()
     _step(m, opt, torch.randn(4, 32))
     _helpers.offload_fsdp_optimizer(opt)
@@ -123,7 +122,7 @@ def test_the_setting_comes_from_the_environment_and_a_bad_value_moves_nothing(mo
     _helpers.load_fsdp_optimizer(opt, "cpu")
     assert _helpers.ferry_for(opt).residency is Residency.DEVICE
     with pytest.raises(TypeError, match="optimizer_at_step must be True, False or None, got int 1"):
-        _helpers.set_optimizer_at_step(1)  # type: ignore[arg-type]
+        Settings.read({"optimizer_at_step": 1})  # type: ignore[dict-item]
 
 
 def _verls(name: str) -> bool:
@@ -144,12 +143,13 @@ def test_verl_and_skyrl_patched_in_one_process_keep_their_own_settings(monkeypat
     tf_verl.unpatch()
     try:
         tf_verl.patch(import_engines=False, skip_unchanged=False, fsdp1=False)
-        _helpers.apply_settings("skyrl", layerwise_reload=True)  # as SkyRL's patch(layerwise_reload=True)
+        REGISTRY.patched["skyrl"] = PatchState(name="skyrl", settings=Settings.read(  # as SkyRL's patch(layerwise_reload=True)
+            {"skip_unchanged": None, "optimizer_at_step": None, "layerwise_reload": True}))
         assert _helpers.settings_of("verl") == {"skip_unchanged": False, "optimizer_at_step": True,
                                                 "layerwise_reload": True}
         assert _helpers.settings_of("skyrl") == {"skip_unchanged": True, "optimizer_at_step": False,
                                                  "layerwise_reload": True}
-        assert not _helpers.optimizer_at_step() and _helpers.skip_unchanged()  # outside both: torchferry's
+        assert not _helpers.read_switch("optimizer_at_step") and _helpers.read_switch("skip_unchanged")  # outside both
         m, opt = _model_and_opt()
         _step(m, opt, torch.randn(4, 32))
         for load, at_step in ((fsdp_utils.load_fsdp_optimizer, True), (_helpers.load_fsdp_optimizer, False)):
@@ -166,7 +166,7 @@ def test_verl_and_skyrl_patched_in_one_process_keep_their_own_settings(monkeypat
         assert _verls("skip_unchanged")
     finally:
         tf_verl.unpatch()
-        _helpers.reset_settings("skyrl")
+        REGISTRY.patched.pop("skyrl", None)
 
 
 def test_verl_patch_sets_it_refuses_bad_values_and_unpatch_resets_it(monkeypatch):
@@ -249,7 +249,7 @@ def test_the_ray_hook_passes_a_drivers_patch_arguments_on(monkeypatch):
 
 
 def test_the_ray_hooks_pass_the_settings_on():
-    from torchferry.integrations._ray_hook import FORWARDED_SETTINGS
+    from torchferry.integrations._base import FORWARDED_SETTINGS
 
     assert _helpers.OPTIMIZER_AT_STEP_ENV in FORWARDED_SETTINGS and _helpers.LAYERWISE_ENV in FORWARDED_SETTINGS
 
@@ -263,7 +263,6 @@ def test_the_layerwise_setting_comes_from_patch_else_the_environment(monkeypatch
 
     monkeypatch.delenv(_helpers.LAYERWISE_ENV, raising=False)
     tf_verl.unpatch()
-    before = _helpers.LAYERWISE.set(None)
     try:
         assert not _verls("layerwise_reload")
         monkeypatch.setenv(_helpers.LAYERWISE_ENV, "1")
@@ -282,20 +281,16 @@ def test_the_layerwise_setting_comes_from_patch_else_the_environment(monkeypatch
         assert not _verls("layerwise_reload")
     finally:
         tf_verl.unpatch()
-        _helpers.LAYERWISE.set(before)
 
 
-def test_the_layerwise_reload_of_a_module_without_fsdp_units_is_whole():
+def test_the_layerwise_reload_of_a_module_without_fsdp_units_is_whole(monkeypatch):
     """Without FSDP2 units there is nothing to bring back unit by unit: the reload is whole."""
     m, opt = _model_and_opt()
     _step(m, opt, torch.randn(4, 32))
-    before = _helpers.LAYERWISE.set(True)
-    try:
-        want = [p.detach().clone() for p in m.parameters()]
-        _helpers.offload_fsdp2_model_to_cpu(m)
-        _helpers.load_fsdp2_model_to_gpu(m)
-        assert _helpers.ferry_for(m).residency is Residency.DEVICE
-        for p, w in zip(m.parameters(), want, strict=True):
-            torch.testing.assert_close(p, w, atol=0, rtol=0)
-    finally:
-        _helpers.LAYERWISE.set(before)
+    monkeypatch.setenv(_helpers.LAYERWISE_ENV, "1")
+    want = [p.detach().clone() for p in m.parameters()]
+    _helpers.offload_fsdp2_model_to_cpu(m)
+    _helpers.load_fsdp2_model_to_gpu(m)
+    assert _helpers.ferry_for(m).residency is Residency.DEVICE
+    for p, w in zip(m.parameters(), want, strict=True):
+        torch.testing.assert_close(p, w, atol=0, rtol=0)

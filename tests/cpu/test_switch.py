@@ -127,7 +127,8 @@ def test_the_framework_helpers_move_under_whole_copies(monkeypatch):
 
     from torch import nn
 
-    from torchferry.integrations import _helpers
+    from torchferry.integrations import _base
+    from torchferry.integrations._base import helpers as _helpers
 
     entered: list[str] = []
 
@@ -141,8 +142,8 @@ def test_the_framework_helpers_move_under_whole_copies(monkeypatch):
     opt = torch.optim.AdamW(m.parameters())
     m(torch.randn(2, 8)).sum().backward()
     opt.step()
-    _helpers.offload_fsdp2_model_to_cpu(m)
-    _helpers.offload_fsdp_optimizer(opt)
-    _helpers.load_fsdp2_model_to_gpu(m)
-    _helpers.load_fsdp_optimizer(opt, "cpu")
+    _base.offload_fsdp2_model_to_cpu(m)
+    _base.offload_fsdp_optimizer(opt)
+    _base.load_fsdp2_model_to_gpu(m)
+    _base.load_fsdp_optimizer(opt, "cpu")
     assert entered == ["in"] * 4

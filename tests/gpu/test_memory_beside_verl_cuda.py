@@ -94,13 +94,12 @@ def _verls_fsdp1_helpers(model, optimizer, device):
 
 
 def _torchferrys_helpers(model, optimizer, device):
-    from torchferry.integrations import _helpers as h
+    from torchferry.integrations._base import REGISTRY, SeedHelpers, Settings
 
-    h.LAYERWISE.set(True)  # verl's patch() defaults: [Note: verl's defaults] in integrations.verl._patch
-    h.set_optimizer_at_step(True)
-    h.set_skip_unchanged(True)
-    return (lambda: h.offload_fsdp2_model_to_cpu(model), lambda: h.load_fsdp2_model_to_gpu(model),
-            lambda: h.offload_fsdp_optimizer(optimizer), lambda: h.load_fsdp_optimizer(optimizer, device))
+    # verl's patch() defaults: [Note: verl's defaults] in integrations.verl._patch
+    h = SeedHelpers(REGISTRY, None, Settings(layerwise_reload=True, optimizer_at_step=True, skip_unchanged=True))
+    return (lambda: h.offload_model(model), lambda: h.load_model(model),
+            lambda: h.offload_optimizer(optimizer), lambda: h.load_optimizer(optimizer, device))
 
 
 def _segments() -> list[dict]:

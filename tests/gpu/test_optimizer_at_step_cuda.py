@@ -1,4 +1,4 @@
-"""GPU tier of [Note: optimizer state waited for at step()] (``torchferry.integrations._helpers``):
+"""GPU tier of [Note: optimizer state waited for at step()] (``torchferry.integrations._base.helpers``):
 the verl/SkyRL helpers with ``optimizer_at_step`` on, on CUDA: the state stays in flight through
 the forward and backward, comes back at ``optimizer.step()``, and three offload/reload steps are
 bit-identical to the same steps never offloaded."""
@@ -10,16 +10,16 @@ import torch
 
 from tests.helpers import assert_same_training, mlp_and_reference, train_step
 from torchferry import Residency
-from torchferry.integrations import _helpers
+from torchferry.integrations import _base as _helpers
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 
-def test_the_optimizer_state_comes_back_at_step_bit_identical():
+def test_the_optimizer_state_comes_back_at_step_bit_identical(monkeypatch):
     m, opt, ref_m, ref_opt, xs = mlp_and_reference("cuda")
-    before = _helpers.set_optimizer_at_step(True)
+    monkeypatch.setenv(_helpers.OPTIMIZER_AT_STEP_ENV, "1")
     try:
         for x in xs:
             _helpers.offload_fsdp2_model_to_cpu(m)
@@ -41,7 +41,6 @@ def test_the_optimizer_state_comes_back_at_step_bit_identical():
         torch.cuda.synchronize()
         assert_same_training(m, opt, ref_m, ref_opt)
     finally:
-        _helpers.set_optimizer_at_step(before)
         for f in (_helpers.ferry_for(m), _helpers.ferry_for(opt)):
             if f is not None:
                 f.close()

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import warnings
 
-from ..integrations.verl.helpers import (  # noqa: F401  (_ferries: the registry, for tests and introspection)
-    _ferries,
+from ..integrations.verl.helpers import (
     ferry_for,
     load_fsdp2_model_to_gpu,
     load_fsdp_optimizer,

@@ -203,6 +203,28 @@ class Dock:
             raise ValueError(f"torchferry: Dock.add_claimant: give {name!r} both sleep and wake, or neither")
         self._engine.add_claimant(name, nbytes, sleep, wake, empty_cache)
 
+    def has(self, name: str) -> bool:
+        """Whether ``name`` is registered (a state set, claimant or reserved bytes)."""
+        return name in self._engine.sets or name in self._engine.claimants
+
+    def resize(self, name: str, nbytes: int) -> None:
+        """A claimant's new byte count (a phase's workspace measured again), counted from its next use.
+
+        Raises:
+            ValueError: ``name`` is not a claimant (a set, reserved bytes, unknown), or ``nbytes`` is not an
+                int in [0, the budget].
+            RuntimeError: the claimant is in use or awake (its old bytes are held now).
+        """
+        c = self._engine.claimants.get(name)
+        if c is None or c.fixed:
+            raise ValueError(f"torchferry: Dock.resize: {name!r} is not a claimant")
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 <= nbytes <= self._engine.budget:
+            raise ValueError(f"torchferry: Dock.resize: {name!r} needs an int of bytes in [0, the budget "
+                             f"{self._engine.budget}], got {nbytes!r}")
+        if c.in_use or c.awake:
+            raise RuntimeError(f"torchferry: Dock.resize: {name!r} holds its bytes now (in use or awake)")
+        c.nbytes = nbytes
+
     def reserve(self, name: str, nbytes: int) -> None:
         """Counts ``nbytes`` that stay on the device beside the sets: state the dock never moves (a model a
         framework keeps resident). Counted at every decision, never evicted, as an awake claimant; called

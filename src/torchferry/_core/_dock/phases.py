@@ -9,9 +9,9 @@ at least one other phase, and the dock is planned with that cycle, so that
 eviction looks ahead ([Note: choosing victims] in ``dock``). A name added to
 the dock afterwards makes the planned order learnt again (the plan does not
 know it); a name removed while the order is still being learnt drops what was
-learnt with it (a plan naming it would be refused). Used by verl's dock mode
-(``torchferry.integrations.verl._dock``); a trainer that knows its phases
-calls :meth:`Dock.plan` itself.
+learnt with it (a plan naming it would be refused). Used by the phase dock
+(``phase_dock``, [Note: a trainer under a phase dock]); a trainer that knows
+its phases calls :meth:`Dock.plan` itself.
 """
 
 from __future__ import annotations

@@ -102,59 +102,23 @@ hashing. ``patch(skip_unchanged=...)`` forces one choice for every engine.
 from __future__ import annotations
 
 import gc
-import importlib
-import inspect
-import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import ModuleType
 
 import torch
 
-from ..._core._ferry.ferry import Ferry
-from ..._core._transfer.switch import whole_copies
-from .._bring_back import Held, bring_back
+from torchferry import Ferry
+
+from .._base import REGISTRY, HelperSet, PatchState, Settings, whole_copies
 
 __all__ = ["ferry_for", "is_patched", "patch", "unpatch"]
 
 _PREFIX = "torchferry.integrations.areal"
-_ENGINE_MODULE = "areal.engine.fsdp_engine"
-_ENGINE_CLASS = "FSDPEngine"
-# method name -> the parameters AReaL's method must have for the replacement to fit.
-_METHODS: dict[str, tuple[str, ...]] = {"offload": ("self",), "onload": ("self",)}
-# The callers that give is_offload its meaning; if they are gone, AReaL's protocol changed.
-_CALLERS = ("_offload_aware_context", "_ensure_ready")
-# What the replacements use of the engine module's globals, as AReaL's methods do.
-_MODULE_GLOBALS = ("current_platform", "dist")
-
-# method name -> AReaL's original function, for every method patch() replaced.
-_originals: dict[str, Callable] = {}
-_patched_class: list[type] = []  # the FSDPEngine class patched (one at most)
-_options: dict[str, bool | None] = {"skip_unchanged": None}
-
-
-class _EngineFerry:
-    """An engine's ferry and the model and optimizer it was made for (weakly, as the ferry; strongly
-    while offloaded: [Note: a model or optimizer replaced while offloaded])."""
-
-    __slots__ = ("ferry", "_model", "_optimizer", "held")
-
-    def __init__(self, ferry: Ferry, model: object, optimizer: object | None) -> None:
-        self.ferry = ferry
-        self._model = weakref.ref(model)
-        self._optimizer = None if optimizer is None else weakref.ref(optimizer)
-        self.held: tuple[object, ...] = ()  # the targets, while offloaded
-
-    def serves(self, model: object, optimizer: object | None) -> bool:
-        opt = None if self._optimizer is None else self._optimizer()
-        return self._model() is model and opt is optimizer
-
-
-# engine -> its ferry; weakly keyed, so the ferry goes with the engine.
-_engine_ferries: weakref.WeakKeyDictionary[object, _EngineFerry] = weakref.WeakKeyDictionary()
 
 
 def is_patched() -> bool:
     """True between :func:`patch` and :func:`unpatch`."""
-    return bool(_originals)
+    return "areal" in REGISTRY.patched
 
 
 def ferry_for(engine: object) -> Ferry | None:
@@ -167,7 +131,7 @@ def ferry_for(engine: object) -> Ferry | None:
         Its :class:`~torchferry.Ferry` (over the engine's current model and optimizer), or
         ``None`` if none was made for them yet.
     """
-    entry = _engine_ferries.get(engine)
+    entry = REGISTRY.entry(engine)
     if entry is None or not entry.serves(getattr(engine, "model", None), getattr(engine, "optimizer", None)):
         return None
     return entry.ferry
@@ -175,7 +139,8 @@ def ferry_for(engine: object) -> Ferry | None:
 
 def _skip_unchanged(engine: object, optimizer: object | None) -> bool:
     """See [Note: which engines skip unchanged storages]."""
-    forced = _options["skip_unchanged"]
+    state = REGISTRY.patched.get("areal")
+    forced = state.settings.choice("skip_unchanged") if state is not None else None
     if forced is not None:
         return forced
     if optimizer is None:
@@ -193,15 +158,15 @@ def _ferry_of(engine: object) -> Ferry:
             "destroy()); nothing was moved"
         )
     optimizer = getattr(engine, "optimizer", None)
-    entry = _engine_ferries.get(engine)
-    if entry is not None and entry.serves(model, optimizer):
-        return entry.ferry
+    ferry = ferry_for(engine)
+    if ferry is not None:
+        return ferry
     targets = (model,) if optimizer is None else (model, optimizer)
     # The engine's device, not one inferred from the tensors: with FSDP's CPUOffloadPolicy
     # (fsdp.offload_params) or per_layer_optim_step the state already on the CPU stays out.
     ferry = Ferry(*targets, device=getattr(engine, "device", None),
                   skip_unchanged=_skip_unchanged(engine, optimizer))
-    _engine_ferries[engine] = _EngineFerry(ferry, model, optimizer)
+    REGISTRY.put(engine, ferry, "areal", (model, optimizer))
     return ferry
 
 
@@ -217,14 +182,14 @@ def _ferry_of(engine: object) -> Ferry:
 def _settle(engine: object) -> None:
     """Brings back and closes the ferry of an engine whose model or optimizer was replaced since it was
     made ([Note: a model or optimizer replaced while offloaded]); a no-op otherwise."""
-    entry = _engine_ferries.get(engine)
+    entry = REGISTRY.entry(engine)
     if entry is None or entry.serves(getattr(engine, "model", None), getattr(engine, "optimizer", None)):
         return
     if entry.ferry.residency.on_host:
         with whole_copies():  # waited for by close()
             entry.ferry.reload()
     entry.ferry.close()
-    del _engine_ferries[engine]
+    REGISTRY.forget(engine)
 
 
 def _clears_as_areal_cuda(platform: object) -> bool:
@@ -238,7 +203,7 @@ def _clears_as_areal_cuda(platform: object) -> bool:
     return getattr(getattr(platform, "clear_memory", None), "__func__", None) is CudaPlatform.clear_memory
 
 
-def _replacements(module) -> dict[str, Callable]:
+def _replacements(module: ModuleType, original: Mapping[str, Callable]) -> dict[str, Callable]:
     """``offload`` and ``onload`` for ``module.FSDPEngine``; they read ``module.current_platform``
     and ``module.dist`` at each call, as AReaL's methods do."""
 
@@ -272,7 +237,8 @@ def _replacements(module) -> dict[str, Callable]:
         else:
             handle.wait()
             module.current_platform.clear_memory()
-        _engine_ferries[self].held = tuple(t for t in (self.model, getattr(self, "optimizer", None)) if t is not None)
+        REGISTRY.entry(self).held = tuple(  # type: ignore[union-attr]
+            t for t in (self.model, getattr(self, "optimizer", None)) if t is not None)
         module.current_platform.synchronize()
         module.dist.barrier(group=self.cpu_group)
         self.get_device_stats().log("after offload model")
@@ -296,56 +262,27 @@ def _replacements(module) -> dict[str, Callable]:
         if ferry is not None:
             with whole_copies():  # synchronised below: [Note: whole copies where the caller waits]
                 ferry.reload()
-            _engine_ferries[self].held = ()
+            REGISTRY.entry(self).held = ()  # type: ignore[union-attr]
         module.current_platform.synchronize()
         module.dist.barrier(group=self.cpu_group)
         self.get_device_stats().log("after onload model")
         self.is_offload = False
 
-    out: dict[str, Callable] = {"offload": offload, "onload": onload}
-    for name, fn in out.items():
+    for name, fn in (("offload", offload), ("onload", onload)):
         fn.__module__ = __name__
-        fn.__qualname__ = f"{_ENGINE_CLASS}.{name}"
-        fn.__torchferry_original__ = getattr(module, _ENGINE_CLASS).__dict__[name]  # type: ignore[attr-defined]
-        fn.__torchferry_integration__ = "areal"  # type: ignore[attr-defined]
-    return out
+        fn.__qualname__ = f"FSDPEngine.{name}"
+    return {"offload": offload, "onload": onload}
 
 
-def _engine_class():
-    """AReaL's ``FSDPEngine`` class, checked against what the replacements were written for.
-
-    Raises:
-        RuntimeError: areal is not importable, or the class, one of its methods or callers, or a
-            module global the replacements use is missing, or a method has other parameters.
-    """
-    try:
-        module = importlib.import_module(_ENGINE_MODULE)
-    except Exception as e:  # ImportError, or what areal's own imports raise without an optional package
-        raise RuntimeError(f"{_PREFIX}: areal is not importable ({type(e).__name__}: {e})") from e
-    cls = getattr(module, _ENGINE_CLASS, None)
-    if not isinstance(cls, type):
-        raise RuntimeError(f"{_PREFIX}: {_ENGINE_MODULE}.{_ENGINE_CLASS} is missing; AReaL changed")
-    for name, params in _METHODS.items():
-        fn = cls.__dict__.get(name)
-        if not inspect.isfunction(fn):
-            raise RuntimeError(f"{_PREFIX}: {_ENGINE_MODULE}.{_ENGINE_CLASS}.{name} is missing; AReaL changed")
-        got = tuple(inspect.signature(fn).parameters)
-        if got != params:
-            raise RuntimeError(
-                f"{_PREFIX}: {_ENGINE_MODULE}.{_ENGINE_CLASS}.{name}{got} does not have the parameters "
-                f"{params} this integration was written for; AReaL changed"
-            )
-    for name in _CALLERS:
-        if not callable(getattr(cls, name, None)):
-            raise RuntimeError(f"{_PREFIX}: {_ENGINE_MODULE}.{_ENGINE_CLASS}.{name} is missing; AReaL changed")
-    for name in _MODULE_GLOBALS:
-        if not hasattr(module, name):
-            raise RuntimeError(f"{_PREFIX}: {_ENGINE_MODULE}.{name} is missing; AReaL changed")
-    return module, cls
-
-
-def _names(cls: type) -> list[str]:
-    return [f"{cls.__module__}.{cls.__qualname__}.{name}" for name in _METHODS]
+HELPER_SET = HelperSet(
+    integration="areal", framework="AReaL", module="areal.engine.fsdp_engine", package="areal", cls="FSDPEngine",
+    helpers={"offload": ("self",), "onload": ("self",)}, replacements=_replacements,
+    # The callers that give is_offload its meaning (if they are gone, AReaL's protocol changed), and what the
+    # replacements use of the engine module's globals, as AReaL's methods do.
+    requires=("FSDPEngine._offload_aware_context", "FSDPEngine._ensure_ready", "current_platform", "dist"),
+    catch=(Exception,),  # ImportError, or what areal's own imports raise without an optional package
+)
+"""What this integration replaces in AReaL."""
 
 
 def patch(*, skip_unchanged: bool | None = None) -> list[str]:
@@ -370,19 +307,16 @@ def patch(*, skip_unchanged: bool | None = None) -> list[str]:
             or module globals the replacements rely on is missing or has other parameters than
             this integration was written for (nothing is replaced then).
     """
-    if _originals:
-        return _names(_patched_class[0])
+    state = REGISTRY.patched.get("areal")
+    if state is not None:
+        return next(iter(state.patchers.values())).names()
     if skip_unchanged is not None and not isinstance(skip_unchanged, bool):
         raise TypeError(f"{_PREFIX}: patch(skip_unchanged=...) takes None or a bool, not {skip_unchanged!r}")
-    module, cls = _engine_class()
-    new = _replacements(module)
-    originals = {name: cls.__dict__[name] for name in _METHODS}
-    for name, fn in new.items():
-        setattr(cls, name, fn)
-    _originals.update(originals)
-    _patched_class.append(cls)
-    _options["skip_unchanged"] = skip_unchanged
-    return _names(cls)
+    state = PatchState(name="areal", settings=Settings.read({} if skip_unchanged is None else
+                                                            {"skip_unchanged": skip_unchanged}))
+    names = state.patch(HELPER_SET)
+    REGISTRY.patched["areal"] = state
+    return names
 
 
 def unpatch() -> None:
@@ -393,28 +327,25 @@ def unpatch() -> None:
     An offloaded engine's state is reloaded synchronously, as the patched ``onload()`` does (without
     its barrier and logs), and its ``is_offload`` becomes False: AReaL's own ``onload()`` could not
     bring it back from torchferry's pool ([Note: unpatch() brings the state back] in
-    ``integrations._bring_back``).
+    ``integrations._base.registry``).
 
     Raises:
         RuntimeError: a reload failed (e.g. the device is out of memory; the message names the
             engine and what stays offloaded). Nothing is unpatched then and every engine is as it
             was (offloaded, ``is_offload`` True); free memory and call it again.
     """
-    if not _originals:
+    state = REGISTRY.patched.get("areal")
+    if state is None:
         return
-    entries = list(_engine_ferries.items())
-    held = [Held(f"{type(engine).__name__} engine ({entry.ferry.state_bytes} bytes)", entry.ferry)
-            for engine, entry in entries]
-    back = {id(h.ferry) for h in bring_back("areal", held)}  # raises before anything is unpatched
+    back = {id(h.ferry) for h in REGISTRY.bring_back("areal")}  # raises before anything is unpatched
+    entries = REGISTRY.of("areal")
     for engine, entry in entries:
         if id(entry.ferry) in back:  # as the patched onload() leaves it
             entry.held = ()
-            engine.is_offload = False
-    cls = _patched_class.pop()
-    for name, fn in _originals.items():
-        setattr(cls, name, fn)
-    _originals.clear()
-    for _, entry in entries:
+            engine.is_offload = False  # type: ignore[attr-defined]
+    for patcher in state.patchers.values():
+        patcher.unpatch()
+    del REGISTRY.patched["areal"]
+    for engine, entry in entries:
         entry.ferry.close()
-    _engine_ferries.clear()
-    _options["skip_unchanged"] = None
+        REGISTRY.forget(engine)

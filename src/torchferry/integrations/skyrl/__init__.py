@@ -22,11 +22,11 @@ in the worker before it imports SkyRL's FSDP code (see
 
 SkyRL's helpers are verl's (PR #7347) under the same names and signatures, so
 the drop-ins re-exported here are the same function objects as
-``torchferry.integrations.verl``'s (:mod:`torchferry.integrations._helpers`).
+``torchferry.integrations.verl``'s (:mod:`torchferry.integrations._base.helpers`).
 Written against SkyRL 0.4.0 (``skyrl.backends.skyrl_train.distributed.fsdp_utils``).
 """
 
-from .._helpers import (
+from .._base import (
     ferry_for,
     load_fsdp2_model_to_gpu,
     load_fsdp_optimizer,

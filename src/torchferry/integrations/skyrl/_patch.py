@@ -12,7 +12,7 @@ call them as module globals bound by ``from ...fsdp_utils import ...``):
 ``offload_fsdp2_model_to_cpu``, ``load_fsdp2_model_to_gpu``,
 ``offload_fsdp_optimizer``, ``load_fsdp_optimizer``. Written against SkyRL 0.4.0,
 whose helpers are verl's (PR #7347) under the same names and signatures. The
-machinery is :mod:`torchferry.integrations._patching`, shared with the verl
+machinery is :mod:`torchferry.integrations._base`, shared with the verl
 integration; this module names what SkyRL has, and what SkyRL's own helpers do
 besides moving state:
 
@@ -36,37 +36,21 @@ besides moving state:
 from __future__ import annotations
 
 import sys
-
 from collections.abc import Callable, Mapping
 from types import ModuleType
 
 import torch
 from torch import nn
 
-from .. import _helpers as helpers
-from .._patching import HelperSet, Patcher
+from .._base import REGISTRY, HelperSet, PatchState, Patcher, Settings, fsdp_modules, param_groups, seed_replacements
 
 __all__ = ["HELPER_SET", "is_patched", "patch", "unpatch"]
 
 _FSDP_UTILS = "skyrl.backends.skyrl_train.distributed.fsdp_utils"
-# Modules that import the helpers by name; patched when importable (fsdp_strategy needs flash_attn).
-_CALL_SITES = ("skyrl.backends.skyrl_train.distributed.fsdp_strategy",)
-# name -> the parameter names SkyRL's helper must have for the replacement to fit.
-_HELPERS: dict[str, tuple[str, ...]] = {
-    "offload_fsdp2_model_to_cpu": ("model", "empty_cache"),
-    "load_fsdp2_model_to_gpu": ("model",),
-    "offload_fsdp_optimizer": ("optimizer",),
-    "load_fsdp_optimizer": ("optimizer", "device_id"),
-}
 
 
 def _fsdp_keeps_params_on_host(model: nn.Module) -> bool:
-    """Whether an FSDP2 unit under ``model`` has a ``CPUOffloadPolicy`` (FSDP2 keeps its shards on the host).
-
-    Reads FSDP2's private ``FSDPState`` param groups through ``torchferry._core._state.fsdp``.
-    """
-    from torchferry._core._state.fsdp import fsdp_modules, param_groups
-
+    """Whether an FSDP2 unit under ``model`` has a ``CPUOffloadPolicy`` (FSDP2 keeps its shards on the host)."""
     units = fsdp_modules(model)
     if not units:
         return False
@@ -88,44 +72,33 @@ def _materialise_meta_buffers(model: nn.Module) -> None:
 
 
 def _replacements(fsdp_utils: ModuleType, original: Mapping[str, Callable]) -> dict[str, Callable]:
-    # See [Note: what stays with SkyRL's own helpers].
-    def offload_fsdp2_model_to_cpu(model, empty_cache: bool = True):
+    out = seed_replacements("skyrl", original)
+    offload = out["offload_fsdp2_model_to_cpu"].__wrapped__
+
+    def offload_fsdp2_model_to_cpu(model, empty_cache: bool = True):  # [Note: what stays with SkyRL's own helpers]
         if _fsdp_keeps_params_on_host(model):
             return original["offload_fsdp2_model_to_cpu"](model, empty_cache)
         _materialise_meta_buffers(model)
-        return helpers.offload_fsdp2_model_to_cpu(model, empty_cache)
+        return out["offload_fsdp2_model_to_cpu"](model, empty_cache)
 
-    def load_fsdp2_model_to_gpu(model):
-        if helpers.ferry_for(model) is None:
-            return original["load_fsdp2_model_to_gpu"](model)
-        return helpers.load_fsdp2_model_to_gpu(model)
-
-    def load_fsdp_optimizer(optimizer, device_id):
-        if helpers.ferry_for(optimizer) is None:
-            return original["load_fsdp_optimizer"](optimizer, device_id)
-        return helpers.load_fsdp_optimizer(optimizer, device_id)
-
-    return {
-        "offload_fsdp2_model_to_cpu": offload_fsdp2_model_to_cpu,
-        "load_fsdp2_model_to_gpu": load_fsdp2_model_to_gpu,
-        "offload_fsdp_optimizer": helpers.offload_fsdp_optimizer,
-        "load_fsdp_optimizer": load_fsdp_optimizer,
-    }
+    offload_fsdp2_model_to_cpu.__wrapped__ = offload  # type: ignore[attr-defined]
+    return {**out, "offload_fsdp2_model_to_cpu": offload_fsdp2_model_to_cpu}
 
 
 HELPER_SET = HelperSet(
-    integration="skyrl", framework="skyrl", module=_FSDP_UTILS, package="skyrl", helpers=_HELPERS,
-    replacements=_replacements, call_sites=_CALL_SITES,
-    # SkyRL 0.4.0 on Python < 3.12 fails at import with a pydantic error, not an ImportError.
-    catch=(Exception,),
+    integration="skyrl", framework="skyrl", module=_FSDP_UTILS, package="skyrl", replacements=_replacements,
+    helpers={"offload_fsdp2_model_to_cpu": ("model", "empty_cache"), "load_fsdp2_model_to_gpu": ("model",),
+             "offload_fsdp_optimizer": ("optimizer",), "load_fsdp_optimizer": ("optimizer", "device_id")},
+    # Modules that import the helpers by name; patched when importable (fsdp_strategy needs flash_attn).
+    call_sites=("skyrl.backends.skyrl_train.distributed.fsdp_strategy",),
+    catch=(Exception,),  # SkyRL 0.4.0 on Python < 3.12 fails at import with a pydantic error, not an ImportError
 )
 """What this integration replaces in SkyRL."""
-_patcher = Patcher(HELPER_SET)
 
 
 def is_patched() -> bool:
     """True between :func:`patch` and :func:`unpatch`."""
-    return _patcher.is_patched()
+    return "skyrl" in REGISTRY.patched
 
 
 def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
@@ -143,18 +116,18 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
         skip_unchanged: whether models' ferries skip unchanged storages, so that an offload
             after a forward-only phase (the reference, a policy offloaded for another role)
             copies nothing ([Note: the helpers skip unchanged storages] in
-            ``integrations._helpers``); ``None`` (default): an earlier ``patch()``'s choice,
+            ``integrations._base.helpers``); ``None`` (default): an earlier ``patch()``'s choice,
             else ``TORCHFERRY_SKIP_UNCHANGED``, on unless off. SkyRL's own (the verl
             integration's choice does not reach SkyRL's helpers: [Note: each integration's
-            settings] in ``integrations._helpers``), forgotten by ``unpatch()``.
+            settings] in ``integrations._base.settings``), forgotten by ``unpatch()``.
         optimizer_at_step: whether ``load_fsdp_optimizer`` leaves the optimizer state's copies
             to ``optimizer.step()``, behind the forward and backward before it ([Note: optimizer
-            state waited for at step()] in ``integrations._helpers``); ``None`` (default): an
+            state waited for at step()] in ``integrations._base.helpers``); ``None`` (default): an
             earlier ``patch()``'s choice, else ``TORCHFERRY_OPTIMIZER_AT_STEP``, off unless on.
             SkyRL's own, forgotten by ``unpatch()``.
         layerwise_reload: whether ``load_fsdp2_model_to_gpu`` reloads the FSDP2 units in forward
             order, each forward waiting only for its own ([Note: the helpers' layer-wise reload] in
-            ``integrations._helpers``); ``None`` (default): an earlier ``patch()``'s choice, else
+            ``integrations._base.helpers``); ``None`` (default): an earlier ``patch()``'s choice, else
             ``TORCHFERRY_LAYERWISE_RELOAD``, off unless on. SkyRL's own, forgotten by ``unpatch()``.
 
     Returns:
@@ -173,17 +146,20 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
     if not isinstance(import_call_sites, bool):
         raise TypeError(f"torchferry.integrations.skyrl: patch(import_call_sites=...) must be True or False, "
                         f"got {type(import_call_sites).__name__} {import_call_sites!r}")
-    settings = {"skip_unchanged": skip_unchanged, "optimizer_at_step": optimizer_at_step,
-                "layerwise_reload": layerwise_reload}
-    helpers.check_settings("skyrl", **settings)  # a bad value or environment: nothing replaced
+    state = REGISTRY.patched.get("skyrl")
+    args = {"skip_unchanged": skip_unchanged, "optimizer_at_step": optimizer_at_step,
+            "layerwise_reload": layerwise_reload}
+    settings = Settings.read(args, earlier=state.settings if state else None)  # a bad value: nothing replaced
+    fresh = state or PatchState(name="skyrl", settings=settings)
     try:
-        names = _patcher.patch(import_call_sites=import_call_sites)
+        names = fresh.patch(HELPER_SET, import_call_sites=import_call_sites)
     except RuntimeError as e:
         if sys.version_info < (3, 12) and "is not importable" in str(e):
             raise RuntimeError(f"{e}; SkyRL 0.4.0 needs Python >= 3.12 (this is "
                                f"{sys.version_info.major}.{sys.version_info.minor})") from e
         raise
-    helpers.apply_settings("skyrl", **settings)
+    fresh.settings = settings
+    REGISTRY.patched["skyrl"] = fresh
     return names
 
 
@@ -193,15 +169,15 @@ def unpatch() -> None:
 
     Every model and optimizer the patched helpers offloaded is reloaded first, synchronously:
     SkyRL's own helpers could not bring it back from torchferry's pool ([Note: unpatch() brings the
-    state back] in ``integrations._bring_back``). Then the ferries are closed (their pools returned).
+    state back] in ``integrations._base.registry``). Then the ferries are closed (their pools returned).
 
     Raises:
         RuntimeError: a reload failed (e.g. the device is out of memory; the message names it and
             what stays offloaded). Nothing is unpatched then and every ferry is where it was:
             SkyRL's patched helpers still hold the state; free memory and call it again.
     """
-    helpers.bring_back_held("skyrl")  # raises before anything is unpatched
-    if is_patched():
-        helpers.reset_settings("skyrl")
-    _patcher.unpatch()
-    helpers.drop_ferries("skyrl")
+    REGISTRY.bring_back("skyrl")  # raises before anything is unpatched
+    state = REGISTRY.patched.pop("skyrl", None)
+    for patcher in state.patchers.values() if state else [Patcher(HELPER_SET)]:
+        patcher.unpatch()
+    REGISTRY.drop("skyrl")

@@ -23,15 +23,13 @@ merges). So the hook goes into that ``ray.init`` call:
 :func:`ray_worker_setup` patches SkyRL's helpers in the worker as soon as the
 worker imports ``skyrl.backends.skyrl_train.distributed.fsdp_utils`` (at once if
 it already has); processes that never import it (the inference engines) pay
-nothing. The machinery is :mod:`torchferry.integrations._ray_hook`.
+nothing. The machinery is :mod:`torchferry.integrations._base.ray_hook`.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 
-from .._ray_hook import HookNames, WorkerHook
+from .._base import HookNames, WorkerHook
 from ._patch import _FSDP_UTILS, is_patched, patch
 
 __all__ = ["ENV_FLAG", "HOOK_PATH", "patch_when_imported", "ray_init_with_hook", "ray_worker_setup",
@@ -42,61 +40,14 @@ HOOK_PATH = "torchferry.integrations.skyrl.ray_worker_setup"
 ENV_FLAG = "TORCHFERRY_SKYRL"
 """Set to ``"1"`` in the job's ``env_vars`` by :func:`with_worker_setup`; off (``0``, ``false``, ...) does nothing."""
 
-_hook = WorkerHook(
+_HOOK = WorkerHook(
     HookNames(framework="skyrl", integration="skyrl", module=_FSDP_UTILS, hook_path=HOOK_PATH,
               env_flag=ENV_FLAG, next_hook_env="TORCHFERRY_SKYRL_NEXT_HOOK"),
     # Modules imported later (fsdp_strategy) bind the patched names by their own `from ... import`.
     patch=lambda: patch(import_call_sites=False),
     is_patched=is_patched,
 )
-
-
-def patch_when_imported() -> None:
-    """Patches SkyRL's helpers now if its ``fsdp_utils`` is imported, else right after its import.
-
-    Idempotent.
-
-    Raises:
-        RuntimeError: as :func:`~torchferry.integrations.skyrl.patch` (SkyRL changed), at once or
-            at that import.
-    """
-    _hook.patch_when_imported()
-
-
-def ray_worker_setup() -> None:
-    """Ray ``worker_process_setup_hook``: torchferry for SkyRL's helpers in this worker process.
-
-    Does nothing when the environment variable ``TORCHFERRY_SKYRL`` is off (``0``, ``false``, ``no``,
-    ``off``). Then runs the hook named in ``TORCHFERRY_SKYRL_NEXT_HOOK``, if any (a hook of the user's own that
-    :func:`with_worker_setup` found in the ``runtime_env``).
-
-    Raises:
-        RuntimeError: as :func:`~torchferry.integrations.skyrl.patch`, when SkyRL's helpers are
-            not the ones this integration was written for.
-    """
-    _hook.ray_worker_setup()
-
-
-def with_worker_setup(runtime_env: dict | None) -> dict:
-    """A copy of a Ray ``runtime_env`` whose worker processes run :func:`ray_worker_setup`.
-
-    Args:
-        runtime_env: the ``runtime_env`` given to ``ray.init`` (a dict, or ``None``). A
-            ``worker_process_setup_hook`` already there is kept and runs after torchferry's.
-
-    Returns:
-        The new ``runtime_env``, with ``TORCHFERRY_SKYRL=1`` in its ``env_vars`` and the driver's
-        transfer settings it does not set (``_ray_hook.FORWARDED_SETTINGS``).
-    """
-    return _hook.with_worker_setup(runtime_env)
-
-
-@contextlib.contextmanager
-def ray_init_with_hook() -> Iterator[None]:
-    """Within this block, ``ray.init(...)`` gets :func:`with_worker_setup` applied to its ``runtime_env``.
-
-    SkyRL's ``initialize_ray`` calls ``ray.init`` through the ``ray`` module's attribute, so
-    this reaches it without changing SkyRL's code or configuration.
-    """
-    with _hook.ray_init_with_hook():
-        yield
+patch_when_imported = _HOOK.patch_when_imported
+ray_worker_setup = _HOOK.ray_worker_setup
+with_worker_setup = _HOOK.with_worker_setup
+ray_init_with_hook = _HOOK.ray_init_with_hook

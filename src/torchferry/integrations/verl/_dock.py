@@ -1,4 +1,6 @@
-"""verl's trainer under a :class:`~torchferry.Dock`: ``patch(dock=budget)``.
+"""verl's trainer under a :class:`~torchferry.Dock`: ``patch(dock=budget)``, a thin adapter over the core's
+phase dock (``torchferry._core._dock.phase_dock``, [Note: a trainer under a phase dock]), which holds the
+framework-neutral part: the step learnt, the engines' sets, the workspaces measured, the rollout's claimants.
 
 [Note: verl under a Dock]
 With a budget (``patch(dock=...)`` or ``TORCHFERRY_VERL_DOCK``, which the Ray hook passes on;
@@ -10,7 +12,7 @@ bytes, or a fraction of the device's memory), verl's train/eval contexts (``Base
   phase: ``engine<N>.params`` (its model's ferry: parameters, gradients, buffers) with
   ``param_offload``, ``engine<N>.optimizer`` (the optimizer's, once it has state) with
   ``optimizer_offload``; what verl keeps on the device is reserved as ``engine<N>.resident``
-  ([Note: verl's offload flags under a Dock] in ``._dock_engine``);
+  ([Note: verl's offload flags under a Dock]);
 * entering a phase acquires its sets and a byte-count claimant ``engine<N>.workspace.<mode>``
   for what the phase allocates besides them (activations, gradients, temporaries), so
   idle sets leave only as far as the budget needs; leaving releases them: they stay resident
@@ -44,30 +46,41 @@ Not reached: the reference model under ``CPUOffloadPolicy`` (verl moves it with 
 hooks), engines with ``disable_auto_offload``. Wrong budgets and unknown verl versions fail at
 ``patch()``; a phase whose sets and workspace exceed the budget raises before verl's code runs,
 naming what did not fit.
+
+[Note: verl's offload flags under a Dock]).
+
+[Note: verl's offload flags under a Dock]
+verl's ``BaseEngineCtx`` moves an engine's parameters only with ``param_offload`` and its optimizer
+state only with ``optimizer_offload`` (``verl/workers/engine/base.py``, ``_context_switch``); what
+it does not move stays on the device for the whole run. So under a dock only what verl offloads
+is a state set (``engine<N>.params``, ``engine<N>.optimizer``) that the dock may evict, and what
+verl keeps resident is reserved (``Dock.reserve``) as ``engine<N>.resident``: counted against the
+budget at every decision, never evicted, measured again at each phase entry and exit and at each
+rollout wake (the optimizer's first step, a checkpoint load or gradients kept make it grow). Before,
+with ``param_offload=True, optimizer_offload=False`` the optimizer became a set after its first step
+and was evicted, and the second update raised "AdamW.step() while its state is offloaded"; with
+``param_offload=False`` the resident parameters were not counted (8.41 MB held against a 6.37 MB
+budget). An engine with neither flag is in the dock too (its state reserved, its
+phases' workspaces counted); one whose resident state alone exceeds the budget is refused at its
+first phase, naming the flags.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-import weakref
-from collections import deque
 from typing import Any
 
 import torch
 
-from ..._core._dock.dock import Dock
-from ..._core._dock.phases import PhaseOrder
-from ..._core._ferry.ferry import Ferry
-from ..._core._state.fsdp import local_of
-from .. import _helpers as compat
-from ._dock_engine import EngineNames, check_first_step, offloads, resident_bytes, why_kept
+from torchferry import Ferry
 
-__all__ = ["VerlDock", "dock_rollout", "docked"]
+from .._base import REGISTRY, PhaseDock, SeedHelpers, has_state, helpers_of, local_of
+
+__all__ = ["VerlDock", "active", "dock_rollout", "docked", "docks"]
 
 logger = logging.getLogger("torchferry")
 
-WORKSPACE_MARGIN = 0.10  # a phase's workspace claimant: its largest measured peak plus this fraction
 ROLLOUT_WEIGHTS, ROLLOUT_KV = "rollout.weights", "rollout.kv_cache"
 _TAGS = {"weights": ROLLOUT_WEIGHTS, "kv_cache": ROLLOUT_KV}
 
@@ -113,15 +126,16 @@ def dock_rollout(rollout: Any, weights_bytes: int, kv_cache_bytes: int) -> Any:
     async def resume_docked(tags, *args, **kwargs):
         if isinstance(tags, str):
             raise TypeError(f"torchferry: resume(tags={tags!r}): tags is a list of str, e.g. [{tags!r}]")
-        mode = ACTIVE
+        mode = active()
         if mode is not None:
             mode.rollout_wakes([t for t in tags if t in _TAGS], dict(sizes))
         return await resume(tags, *args, **kwargs)
 
     async def release_docked(*args, **kwargs):
         out = await release(*args, **kwargs)
-        if ACTIVE is not None:  # its memory is free once release() returns
-            ACTIVE.rollout_asleep()
+        mode = active()
+        if mode is not None:  # its memory is free once release() returns
+            mode.rollout_asleep()
         return out
 
     rollout.resume, rollout.release = resume_docked, release_docked
@@ -129,320 +143,80 @@ def dock_rollout(rollout: Any, weights_bytes: int, kv_cache_bytes: int) -> Any:
     return rollout
 
 
-class VerlDock:
-    """The process's dock over verl's engines ([Note: verl under a Dock])."""
+def offloads(engine: Any) -> tuple[bool, bool]:
+    """verl's ``(param_offload, optimizer_offload)`` of ``engine`` now (both on for an object without them)."""
+    return (bool(getattr(engine, "is_param_offload_enabled", True)),
+            bool(getattr(engine, "is_optimizer_offload_enabled", True)))
+
+
+def kept_on_device(engine: Any) -> list[object]:
+    """What verl keeps on the device of ``engine``: its module without ``param_offload``, its optimizer
+    without ``optimizer_offload`` ([Note: verl's offload flags under a Dock])."""
+    params, optimizer = offloads(engine)
+    out: list[object] = [] if params else [engine.module]
+    if not optimizer and engine.optimizer is not None:
+        out.append(engine.optimizer)
+    return out
+
+
+def why_kept(engine: Any) -> str:
+    """The flags that keep ``engine``'s state on the device, for messages."""
+    params, optimizer = offloads(engine)
+    parts = ([] if params else ["param_offload=False: its parameters"]) + \
+        ([] if optimizer else ["optimizer_offload=False: its optimizer state"])
+    return "; ".join(parts) or "nothing"
+
+
+class VerlDock(PhaseDock):
+    """The process's dock over verl's engines ([Note: verl under a Dock]): verl's engine contexts and rollout
+    said in the phase dock's terms."""
 
     def __init__(self, budget: int | float) -> None:
-        self.budget = budget
-        self.dock: Dock | None = None
-        self.engines: weakref.WeakKeyDictionary[Any, EngineNames] = weakref.WeakKeyDictionary()
-        self.awake: set[str] = set()  # rollout claimants woken since the last phase entry
-        self.order = PhaseOrder()  # the step's phases, learnt: [Note: a step's phases learnt]
-        self.phase_log: deque[tuple[str, tuple[str, ...]]] = deque(maxlen=256)  # (event, names), the latest
-        self.peak_seen = 0  # torch.cuda.max_memory_allocated before each reset of it, bytes (take_peak)
-        self._next_index = 0  # engine<N>: never reused, also after an engine is collected
-        self.sets: dict[str, Ferry] = {}  # the state sets registered in the dock: name -> its ferry
-        self.reserved: set[str] = set()  # engines' engine<N>.resident in the dock
-        DOCKS.add(self)
+        super().__init__(budget, label="verl dock", hint="TORCHFERRY_VERL_DOCK / patch(dock=...)")
 
-    # --------------------------------------------------------------- the dock and its names
-    def _dock_on(self, device: torch.device) -> Dock:
-        if self.dock is None:
-            budget = self.budget
-            if isinstance(budget, float):
-                if device.type != "cuda":
-                    raise ValueError(f"torchferry: verl dock: a fractional budget ({budget}) needs a GPU; "
-                                     f"give bytes on {device}")
-                total = torch.cuda.get_device_properties(device).total_memory
-                budget = int(budget * total)
-                if budget < 1 << 20:
-                    raise ValueError(f"torchferry: verl dock: the budget {self.budget} of {device}'s {total} bytes "
-                                     f"is {budget} bytes: give a larger fraction or bytes")
-            self.dock = Dock(budget, device=device)
-        return self.dock
-
-    @property
-    def planned(self) -> bool:
-        """Whether the dock was planned with the step's learnt order."""
-        return self.order.planned
-
-    @property
-    def cycle(self) -> list[frozenset[str]]:
-        """The phases learnt so far (each the names it holds)."""
-        return self.order.cycle
-
-    def _names_changed(self) -> None:
-        """A set or claimant added: a schedule planned without it is learnt again."""
-        self.order.added(self.dock)
-
-    def _record(self, names: tuple[str, ...]) -> None:
-        """Learns the step's order of phases ([Note: verl under a Dock])."""
-        assert self.dock is not None
-        self.order.record(self.dock, names)
-
-    def holds(self, ferry: Ferry) -> bool:
-        """Whether ``ferry`` is one of the dock's sets (the helpers then leave it to the dock)."""
-        return self._name_of(ferry) is not None
-
-    def _name_of(self, ferry: Ferry) -> str | None:
-        return next((n for n, f in self.sets.items() if f is ferry), None)
-
-    def forget(self, ferry: Ferry) -> None:
-        """Drops ``ferry``'s set (it stays where it is), for a dock of another budget to take it.
-
-        Raises:
-            RuntimeError: a phase of this dock holds it.
-        """
-        name = self._name_of(ferry)
-        if name is not None and self.dock is not None:
-            self.dock.remove(name)
-            del self.sets[name]
-            self._names_changed()
-
-    def load_docked(self, ferry: Ferry) -> None:
-        """A helper's load of a docked set outside a phase: resident when it returns (stays, lazily)."""
-        name = self._name_of(ferry)
-        assert self.dock is not None and name is not None
-        try:
-            if name in self.dock.in_use:
-                self.dock.require(name)
-                return
-            self.dock.acquire(name)
-        except (ValueError, RuntimeError) as err:
-            raise type(err)(f"torchferry: verl dock: verl's load of {name} outside a phase does not fit the budget "
-                            f"(TORCHFERRY_VERL_DOCK / patch(dock=...)): {err}") from err
-        self.dock.release(name)
-
-    # --------------------------------------------------------------------- phases
-    def enter(self, engine: Any, mode: str, model: bool, optimizer: bool) -> None:
-        """A train/eval context's entry: what verl keeps resident of the engine measured, its sets and its
-        workspace acquired ([Note: verl's offload flags under a Dock])."""
-        e = self.engines.get(engine)
-        if e is None:
-            e = self.engines[engine] = EngineNames(self._next_index)
-            self._next_index += 1
-            weakref.finalize(engine, self._forget_engine, e.names)
-        if mode in e.open:  # a context of the same mode inside the open one: nothing more to hold
-            e.depth[mode] = e.depth.get(mode, 0) + 1
-            return
-        device = _device_of(engine)
-        dock = self._dock_on(device)
-        self.rollout_asleep()  # the driver slept it before this phase: [Note: verl under a Dock]
-        names: list[str] = []
-        try:
-            self._reserve(dock, device)
-            if model:
-                names.append(self._ensure_set(dock, e.params, engine.module))
-            if optimizer and engine.optimizer is not None and compat._has_state(engine.optimizer):
-                names.append(self._ensure_set(dock, e.optimizer, engine.optimizer))
-            elif mode == "train" and engine.optimizer is not None and not compat._has_state(engine.optimizer):
-                # its first step makes the state: will it fit?
-                held = sum(dock.nbytes(n) for n in names) + self._reserved_bytes(dock)
-                check_first_step(dock, e, engine.optimizer, device, held)
-            self._size_workspace(dock, e, mode, names)
-            names.append(e.workspace[mode])
-            dock.acquire(*names)
-        except (ValueError, RuntimeError) as err:  # nothing acquired: verl's code has not run
-            raise type(err)(f"torchferry: verl dock: the {mode} phase of {e.tag} does not fit its budget "
-                            f"(TORCHFERRY_VERL_DOCK / patch(dock=...)): {err}") from err
-        try:
-            self._record(tuple(names))
-            started = dock.prefetch_next() if self.planned else ()
-        except BaseException:  # Ctrl-C or out of memory starting a prefetch: the phase does not open
-            dock.release(*names)
-            raise
-        start = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        if device.type == "cuda":
-            self.peak_seen = max(self.peak_seen, torch.cuda.max_memory_allocated(device))
-            torch.cuda.reset_peak_memory_stats(device)
-        e.open[mode] = (tuple(names), start, bool(started), self._state_bytes(dock, e, engine, device), device)
-        self.phase_log.append(("enter", tuple(names)))
-
-    def leave(self, engine: Any, mode: str) -> None:
-        """A train/eval context's exit: the workspace measured, the sets released (they stay resident
-        while the budget allows), the next phase's sets started.
-
-        Raises:
-            ValueError: the optimizer state its first step made can never fit the budget (the phase's
-                names are released first; the next train phase is refused before verl's code runs).
-        """
-        e = self.engines.get(engine)
-        if e is None or mode not in e.open or self.dock is None:
-            return
-        if e.depth.get(mode, 0):  # a nested context of the same mode: the outer one leaves
-            e.depth[mode] -= 1
-            return
-        dock = self.dock
-        names, start, prefetched, state0, device = e.open.pop(mode)
-        try:
-            if engine.optimizer is not None and compat._has_state(engine.optimizer) and offloads(engine)[1]:
-                self._ensure_set(dock, e.optimizer, engine.optimizer)
-                if e.optimizer not in names:  # this phase holds it from now on
-                    self.order.joins(e.optimizer)
-            if device.type != "cuda":  # no device memory to share: nothing to measure
-                e.measured.setdefault(mode, 0)
-            elif not prefetched:  # a prefetch's allocations are not the phase's
-                # the sets' own growth (AdamW's state made by the first step, gradients kept) is not workspace
-                grown = max(0, self._state_bytes(dock, e, engine, device) - state0)
-                peak = torch.cuda.max_memory_allocated(device) - start - grown
-                e.measured[mode] = max(e.measured.get(mode, 0), int(peak))
-        except ValueError as err:
-            raise ValueError(f"torchferry: verl dock: after the {mode} phase of {e.tag}: {err}") from err
-        finally:
-            dock.release(*names)
-        self._reserve(dock, device)  # the first step's state of an optimizer verl keeps resident, gradients kept
-        self._size_workspace(dock, e, mode, [])  # measured now: what prefetches until its next entry plan with
-        self.phase_log.append(("leave", names))
-        if self.planned:
-            dock.prefetch_next()
-
-    def close_phases(self) -> None:
-        """Releases every phase still open (``unpatch()`` inside a phase: verl's own ``__exit__`` ends it)."""
-        for e in list(self.engines.values()):
-            for mode in list(e.open):
-                names = e.open.pop(mode)[0]
-                e.depth.pop(mode, None)
-                if self.dock is not None:
-                    self.dock.release(*names)
-
-    def _forget_engine(self, names: tuple[str, ...]) -> None:
-        """An engine was garbage-collected: its sets and workspaces leave the dock (their ferries with them)."""
-        d = self.dock
-        for n in names:
-            try:
-                if d is not None and n not in d.in_use:
-                    d.remove(n)
-                    self.sets.pop(n, None)
-                    self.reserved.discard(n)
-            except ValueError:  # never registered
-                pass
-        self.order.removed(d, names)
-
-    def _state_bytes(self, dock: Dock, e: EngineNames, engine: Any, device: torch.device) -> int:
-        """Bytes the engine's registered sets count now, and what verl keeps of it on the device."""
-        return sum(dock.nbytes(n) for n in (e.params, e.optimizer) if n in self.sets) + resident_bytes(engine, device)
-
-    def _reserved_bytes(self, dock: Dock) -> int:
-        return sum(dock.nbytes(n) for n in self.reserved)
-
-    def _reserve(self, dock: Dock, device: torch.device) -> None:
-        """What verl keeps on the device of every engine, measured now and reserved in the dock
-        ([Note: verl's offload flags under a Dock]).
-
-        Raises:
-            ValueError: an engine keeps more than the budget (one line, naming its flags).
-        """
-        for engine, e in list(self.engines.items()):
-            nbytes = resident_bytes(engine, device)
-            if nbytes > dock.budget_bytes:
-                raise ValueError(f"{e.tag} keeps {nbytes} bytes on the device ({why_kept(engine)}), more than the "
-                                 f"budget of {dock.budget_bytes} bytes: raise it or turn that offload on in verl")
-            if nbytes or e.resident in self.reserved:
-                if e.resident not in self.reserved:
-                    self._names_changed()
-                dock.reserve(e.resident, nbytes)
-                self.reserved.add(e.resident)
-
-    def take_peak(self) -> int:
-        """The device's peak allocated bytes since the last call (``torch.cuda.max_memory_allocated``,
-        which each phase entry resets to measure the phase's workspace; 0 without a GPU dock)."""
-        d = self.dock
-        if d is None or d.device is None or d.device.type != "cuda":
-            return 0
-        peak, self.peak_seen = max(self.peak_seen, torch.cuda.max_memory_allocated(d.device)), 0
-        return peak
-
-    def _ensure_set(self, dock: Dock, name: str, obj: Any) -> str:
-        if name in self.sets:
-            return name
-        ferry = compat._get_or_make(obj, "verl")  # [Note: unpatch() brings the state back]
-        for other in list(DOCKS):  # a dock of another budget (patch(dock=...) changed) lets it go
+    def _set(self, obj: Any, helpers: SeedHelpers | None) -> Ferry:
+        """``obj``'s ferry (made by verl's helpers: [Note: unpatch() brings the state back]); a dock of another
+        budget (``patch(dock=...)`` changed) lets it go."""
+        ferry = (helpers or helpers_of("verl")).make(obj)
+        for other in docks():
             if other is not self and other.holds(ferry):
                 other.forget(ferry)
-        dock.add(name, ferry)
-        self.sets[name] = ferry
-        self._names_changed()
-        return name
+        return ferry
 
-    def _size_workspace(self, dock: Dock, e: EngineNames, mode: str, sets: list[str]) -> None:
-        """The workspace claimant: the rest of the budget until measured, then the largest measure plus
-        :data:`WORKSPACE_MARGIN` (at most the budget: more would never fit)."""
-        name = e.workspace[mode]
-        if mode in e.measured:
-            want = min(int(e.measured[mode] * (1 + WORKSPACE_MARGIN)), dock.budget_bytes)
-        else:
-            want = max(0, dock.budget_bytes - sum(dock.nbytes(n) for n in sets) - self._reserved_bytes(dock))
-        try:
-            have = dock.nbytes(name)
-        except ValueError:
-            dock.add_claimant(name, want)
-            self._names_changed()
+    def enter(self, engine: Any, mode: str, model: bool, optimizer: bool,  # type: ignore[override]
+              helpers: SeedHelpers | None = None) -> None:
+        """A train/eval context's entry ([Note: verl's offload flags under a Dock])."""
+        opt = engine.optimizer
+        super().enter(engine, mode, device=_device_of(engine), kept=kept_on_device(engine), kept_why=why_kept(engine),
+                      params=self._set(engine.module, helpers) if model else None,
+                      optimizer=self._set(opt, helpers) if optimizer and opt is not None and has_state(opt) else None,
+                      first_step=opt if mode == "train" and opt is not None and not has_state(opt) else None)
+
+    def leave(self, engine: Any, mode: str, helpers: SeedHelpers | None = None) -> None:  # type: ignore[override]
+        """A train/eval context's exit: the optimizer state its first step made becomes a set."""
+        opt = engine.optimizer
+        if engine not in self.engines or mode not in self.engines[engine].open:
             return
-        if have != want:
-            dock.remove(name)
-            dock.add_claimant(name, want)
+        moved = opt is not None and has_state(opt) and offloads(engine)[1]
+        super().leave(engine, mode, optimizer=self._set(opt, helpers) if moved else None,
+                      kept=kept_on_device(engine))
 
-    # --------------------------------------------------------------------- rollout
+    def load(self, ferry: Ferry, who: str = "verl's load") -> None:
+        """A helper's load of a docked set outside a phase: resident when it returns (stays, lazily)."""
+        super().load(ferry, who)
+
     def rollout_wakes(self, tags: list[str], nbytes: dict[str, int]) -> None:
-        """``rollout.resume(tags)``: room made for each tag's claimant, which stays awake until the
-        rollout sleeps (``release()`` or the next phase entry)."""
-        if not tags:
-            return
-        if self.dock is None:
-            if not torch.cuda.is_available():
-                return  # no phase has run and no GPU: nothing to count yet
-            self._dock_on(torch.device("cuda", torch.cuda.current_device()))
-        dock = self.dock
-        assert dock is not None
-        if dock.device is not None:
-            self._reserve(dock, dock.device)  # a checkpoint load since the last phase: counted before the wake
-        for tag in tags:
-            name = _TAGS[tag]
-            if nbytes[tag] > dock.budget_bytes:  # checked before anything changes
-                raise ValueError(f"torchferry: verl dock: the rollout's {tag} take {nbytes[tag]} bytes, more than the "
-                                 f"budget of {dock.budget_bytes} bytes: the budget (TORCHFERRY_VERL_DOCK / "
-                                 "patch(dock=...)) must hold the rollout's memory (gpu_memory_utilization of the "
-                                 "device) and what stays beside it")
-            try:
-                have = dock.nbytes(name)
-            except ValueError:
-                have = None
-            if have != nbytes[tag]:
-                if have is not None:
-                    self.rollout_asleep()
-                    dock.remove(name)
-                dock.add_claimant(name, nbytes[tag], sleep=_nothing, wake=_nothing, empty_cache=True)
-                self._names_changed()
-        for tag in tags:  # one phase per tag: resume(["weights"]) and resume(["kv_cache"]) come apart
-            name = _TAGS[tag]
-            if name in self.awake:
-                continue
-            try:
-                dock.acquire(name)
-            except (ValueError, RuntimeError) as err:
-                raise type(err)(f"torchferry: verl dock: the rollout's {tag} do not fit the budget: {err}") from err
-            self.awake.add(name)
-            self._record((name,))
-            self.phase_log.append(("rollout", (name,)))
-            if self.planned:
-                dock.prefetch_next()
+        """``rollout.resume(tags)``: room made for each tag's claimant."""
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        self.wake({_TAGS[t]: nbytes[t] for t in tags}, device, "the rollout's")
 
     def rollout_asleep(self) -> None:
         """The rollout's claimants asleep: their bytes no longer count."""
-        if self.dock is None or not self.awake:
-            return
-        names = tuple(sorted(self.awake))
-        self.awake.clear()
-        self.dock.release(*names)
-        self.dock.evict(*names)
-
-
-def _nothing() -> None:
-    """The rollout's own resume / the driver's sleep move its memory; the dock only counts it."""
+        self.asleep()
 
 
 def _device_of(engine: Any) -> torch.device:
-    ferry = compat.ferry_for(engine.module)
+    ferry = REGISTRY.ferry(engine.module)
     if ferry is not None:
         return ferry.device
     for p in engine.module.parameters():
@@ -452,17 +226,19 @@ def _device_of(engine: Any) -> torch.device:
     return torch.device("cpu")
 
 
-DOCKS: weakref.WeakSet[VerlDock] = weakref.WeakSet()
-"""Every dock made in this process, one per budget (``unpatch()`` keeps them: ``._dock_patch.DockPatch``)."""
+def docks() -> list[VerlDock]:
+    """Every verl dock made in this process and kept, one per budget (``unpatch()`` keeps them)."""
+    return [vd for key, vd in list(REGISTRY.kept.items()) if key[0] == "verl"]
 
-ACTIVE: VerlDock | None = None
-"""The process's dock mode while ``patch(dock=...)`` holds ([Note: verl under a Dock])."""
+
+def active() -> VerlDock | None:
+    """The process's dock mode while ``patch(dock=...)`` holds ([Note: verl under a Dock])."""
+    state = REGISTRY.patched.get("verl")
+    return None if state is None else state.router
 
 
 def docked() -> VerlDock | None:
     """The process's verl dock while ``patch(dock=...)`` holds, else ``None``: its :class:`~torchferry.Dock`
     (``.dock``: ``stats``, ``moves``, ``resident_bytes``), the phases it saw (``.phase_log``) and
     :meth:`VerlDock.take_peak`."""
-    return ACTIVE
-
-
+    return active()

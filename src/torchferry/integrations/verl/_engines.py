@@ -24,11 +24,10 @@ import importlib
 from collections.abc import Callable, Mapping
 from types import ModuleType
 
-from ..._core._state.fsdp import param_groups
-from .. import _helpers as compat
-from .._patching import HelperSet, Patcher
+from .._base import REGISTRY, HelperSet, Patcher, helpers_of, param_groups
 
-__all__ = ["ENGINE_PATCHERS", "importable_patchers"]
+__all__ = ["ENGINE_SETS", "importable_sets"]
+
 
 def _idle_and_resharded(model) -> None:
     """What verl's engine helpers do before moving an FSDP2 model: every param group IDLE, resharded."""
@@ -56,23 +55,23 @@ def _replacements(engine: str) -> Callable[[ModuleType, Mapping[str, Callable]],
     def build(module: ModuleType, original: Mapping[str, Callable]) -> dict[str, Callable]:
         def offload_model(model, empty_cache: bool = True):
             _idle_and_resharded(model)
-            compat.offload_fsdp2_model_to_cpu(model, empty_cache)
+            helpers_of("verl").offload_model(model, empty_cache)
 
         def load_model(model):
-            if compat.ferry_for(model) is None:  # not offloaded by a ferry: verl's own code
+            if REGISTRY.ferry(model) is None:  # not offloaded by a ferry: verl's own code
                 return original[f"load_{engine}_model_to_gpu"](model)
-            compat.load_fsdp2_model_to_gpu(model)
+            helpers_of("verl").load_model(model)
 
         def offload_optimizer(optimizer):
             for opt in _optimizers(optimizer):
-                compat.offload_fsdp_optimizer(opt)
+                helpers_of("verl").offload_optimizer(opt)
 
         def load_optimizer(optimizer, device_id):
             opts = _optimizers(optimizer)
-            if any(o.state and compat.ferry_for(o) is None for o in opts):  # verl's own code moved them
+            if any(o.state and REGISTRY.ferry(o) is None for o in opts):  # verl's own code moved them
                 return original[f"load_{engine}_optimizer"](optimizer, device_id)
             for opt in opts:
-                compat.load_fsdp_optimizer(opt, device_id)
+                helpers_of("verl").load_optimizer(opt, device_id)
 
         return {f"offload_{engine}_model_to_cpu": offload_model, f"load_{engine}_model_to_gpu": load_model,
                 f"offload_{engine}_optimizer": offload_optimizer, f"load_{engine}_optimizer": load_optimizer}
@@ -89,19 +88,19 @@ def _helper_set(engine: str) -> HelperSet:
     )
 
 
-ENGINE_PATCHERS = {engine: Patcher(_helper_set(engine)) for engine in ("veomni", "automodel")}
-"""One patcher per engine ([Note: the VeOmni and Automodel helpers])."""
+ENGINE_SETS = tuple(_helper_set(engine) for engine in ("veomni", "automodel"))
+"""One helper set per engine ([Note: the VeOmni and Automodel helpers])."""
 
 
-def importable_patchers() -> list[Patcher]:
+def importable_sets() -> list[HelperSet]:
     """The engines whose helper module imports here (their framework is installed), checked:
     a helper missing or with other parameters raises ``RuntimeError`` before anything is replaced."""
     out = []
-    for patcher in ENGINE_PATCHERS.values():
+    for hs in ENGINE_SETS:
         try:
-            importlib.import_module(patcher.helper_set.module)
+            importlib.import_module(hs.module)
         except Exception:  # the engine's framework is not installed (verl's engines say so too): skip
             continue
-        patcher.check()
-        out.append(patcher)
+        Patcher(hs).check()
+        out.append(hs)
     return out

@@ -15,7 +15,7 @@ models through torchferry]), ``offload_fsdp2_model_to_cpu``, ``load_fsdp2_model_
 engines' own helpers where those engines import ([Note: the VeOmni and
 Automodel helpers] in ``._engines``). Written against verl
 0.9.1 (the helpers of verl PR #7347). The machinery (signature check, replacing
-every binding, exact restore) is :mod:`torchferry.integrations._patching`,
+every binding, exact restore) is :mod:`torchferry.integrations._base`,
 shared with the SkyRL integration; this module names what verl has.
 
 [Note: FSDP1 models through torchferry]
@@ -61,100 +61,64 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from types import ModuleType
 
-from ..._core._api.args import check_bool, check_optional_bool
-from ..._core._api.env import env_flag
-from ..._core._ferry.ferry import Ferry
-from ..._core._state.fsdp import fsdp1_offloads_params
-from .. import _helpers as compat
-from .._patching import HelperSet, Patcher
-from . import _dock
-from ._dock_patch import DOCK_ENV, DockPatch, budget_spec, verl_targets
-from ._engines import ENGINE_PATCHERS, importable_patchers
+from torchferry import Ferry
+
+from .._base import (REGISTRY, HelperSet, PatchState, Patcher, Settings, check_bool, fsdp1_offloads_params, helpers_of,
+                     seed_replacements)
+from ._dock import docks
+from ._dock_patch import DOCK_SETS, patch_dock, unpatch_dock, verl_targets
+from ._engines import ENGINE_SETS, importable_sets
 
 __all__ = ["is_patched", "patch", "unpatch"]
 
 _FSDP_UTILS = "verl.utils.fsdp_utils"
-# Modules that import the helpers by name; patched when importable.
-_ENGINE_MODULES = ("verl.workers.engine.fsdp.transformer_impl", "verl.workers.fsdp_workers")
-# name -> the parameter names verl's helper must have for the replacement to fit.
-_HELPERS: dict[str, tuple[str, ...]] = {
-    "offload_fsdp_model_to_cpu": ("model", "empty_cache"),
-    "load_fsdp_model_to_gpu": ("model",),
-    "offload_fsdp2_model_to_cpu": ("model", "empty_cache"),
-    "load_fsdp2_model_to_gpu": ("model",),
-    "offload_fsdp_optimizer": ("optimizer",),
-    "load_fsdp_optimizer": ("optimizer", "device_id"),
-}
-
-
 VERL_DEFAULTS = {"optimizer_at_step": True, "layerwise_reload": True}
 """What ``patch()`` turns on where neither its argument nor the environment says ([Note: verl's defaults])."""
-FSDP1_ENV = "TORCHFERRY_VERL_FSDP1"
-_fsdp1: bool | None = None  # patch(fsdp1=...); None: the environment
 
 
 def fsdp1_through_torchferry() -> bool:
-    """Whether FSDP1 models go through torchferry ([Note: FSDP1 models through torchferry]):
-    ``patch(fsdp1=...)``, else ``TORCHFERRY_VERL_FSDP1`` (on, the default, or off).
+    """Whether FSDP1 models go through torchferry ([Note: FSDP1 models through torchferry]): ``patch(fsdp1=...)``,
+    else ``TORCHFERRY_VERL_FSDP1`` (on, the default, or off).
 
     Raises:
-        ValueError: ``TORCHFERRY_VERL_FSDP1`` is neither on nor off.
+        ValueError: unpatched, ``TORCHFERRY_VERL_FSDP1`` is neither on nor off.
     """
-    return _fsdp1 if _fsdp1 is not None else env_flag(FSDP1_ENV, True)
-
-
-compat.CHOICES[FSDP1_ENV] = ("verl", lambda: _fsdp1)  # the Ray hook passes a driver's patch(fsdp1=...) on
-_dock_patch = DockPatch()
-_dock_choice: str | None = None  # patch(dock=...) as the Ray hook passes it on
-compat.CHOICES[DOCK_ENV] = ("verl", lambda: _dock_choice)
+    return helpers_of("verl").switch("fsdp1")
 
 
 def _replacements(fsdp_utils: ModuleType, original: Mapping[str, Callable]) -> dict[str, Callable]:
     fsdp_version = fsdp_utils.fsdp_version
+    seed = seed_replacements("verl", original)
 
     def offload_fsdp_model_to_cpu(model, empty_cache: bool = True):
         if fsdp_version(model) == 1 and (not fsdp1_through_torchferry() or fsdp1_offloads_params(model)):
             return original["offload_fsdp_model_to_cpu"](model, empty_cache)  # verl's own code
-        return compat.offload_fsdp2_model_to_cpu(model, empty_cache)
+        return seed["offload_fsdp2_model_to_cpu"](model, empty_cache)
 
-    # A model or optimizer torchferry never moved (verl's own code offloaded it, before patch() or
-    # through a path patch() does not reach) is loaded by verl's own code, as SkyRL's replacements do.
+    # A model torchferry never moved is loaded by verl's own code (seed_replacements).
     def load_fsdp_model_to_gpu(model):
-        if compat.ferry_for(model) is None:
+        if REGISTRY.ferry(model) is None:
             return original["load_fsdp_model_to_gpu"](model)
-        return compat.load_fsdp2_model_to_gpu(model)
+        return seed["load_fsdp2_model_to_gpu"](model)
 
-    def load_fsdp2_model_to_gpu(model):
-        if compat.ferry_for(model) is None:
-            return original["load_fsdp2_model_to_gpu"](model)
-        return compat.load_fsdp2_model_to_gpu(model)
-
-    def load_fsdp_optimizer(optimizer, device_id):
-        if compat.ferry_for(optimizer) is None:
-            return original["load_fsdp_optimizer"](optimizer, device_id)
-        return compat.load_fsdp_optimizer(optimizer, device_id)
-
-    return {
-        "offload_fsdp_model_to_cpu": offload_fsdp_model_to_cpu,
-        "load_fsdp_model_to_gpu": load_fsdp_model_to_gpu,
-        "offload_fsdp2_model_to_cpu": compat.offload_fsdp2_model_to_cpu,
-        "load_fsdp2_model_to_gpu": load_fsdp2_model_to_gpu,
-        "offload_fsdp_optimizer": compat.offload_fsdp_optimizer,
-        "load_fsdp_optimizer": load_fsdp_optimizer,
-    }
+    return {**seed, "offload_fsdp_model_to_cpu": offload_fsdp_model_to_cpu,
+            "load_fsdp_model_to_gpu": load_fsdp_model_to_gpu}
 
 
 HELPER_SET = HelperSet(
-    integration="verl", framework="verl", module=_FSDP_UTILS, package="verl", helpers=_HELPERS,
-    replacements=_replacements, call_sites=_ENGINE_MODULES, requires=("fsdp_version",),
+    integration="verl", framework="verl", module=_FSDP_UTILS, package="verl", replacements=_replacements,
+    helpers={"offload_fsdp_model_to_cpu": ("model", "empty_cache"), "load_fsdp_model_to_gpu": ("model",),
+             "offload_fsdp2_model_to_cpu": ("model", "empty_cache"), "load_fsdp2_model_to_gpu": ("model",),
+             "offload_fsdp_optimizer": ("optimizer",), "load_fsdp_optimizer": ("optimizer", "device_id")},
+    # Modules that import the helpers by name; patched when importable.
+    call_sites=("verl.workers.engine.fsdp.transformer_impl", "verl.workers.fsdp_workers"), requires=("fsdp_version",),
 )
 """What this integration replaces in verl."""
-_patcher = Patcher(HELPER_SET)
 
 
 def is_patched() -> bool:
     """True between :func:`patch` and :func:`unpatch`."""
-    return _patcher.is_patched()
+    return "verl" in REGISTRY.patched
 
 
 def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
@@ -172,22 +136,22 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
             patches right after ``verl.utils.fsdp_utils`` is imported).
         skip_unchanged: whether models' ferries skip unchanged storages, so that
             an offload after a forward-only phase copies nothing ([Note: the
-            helpers skip unchanged storages] in ``integrations._helpers``);
+            helpers skip unchanged storages] in ``integrations._base.helpers``);
             ``None`` (default): an earlier ``patch()``'s choice, else
             ``TORCHFERRY_SKIP_UNCHANGED``, on unless off. verl's own (it does
             not reach SkyRL's helpers: [Note: each integration's settings] in
-            ``integrations._helpers``), forgotten by ``unpatch()``.
+            ``integrations._base.settings``), forgotten by ``unpatch()``.
         fsdp1: whether FSDP1 models go through torchferry too ([Note: FSDP1 models
             through torchferry]); ``None`` (default): an earlier ``patch()``'s
             choice, else ``TORCHFERRY_VERL_FSDP1``, on unless off.
         optimizer_at_step: whether ``load_fsdp_optimizer`` leaves the optimizer state's copies
             to ``optimizer.step()``, behind update_actor's forward and backward ([Note: optimizer
-            state waited for at step()] in ``integrations._helpers``); ``None`` (default): an
+            state waited for at step()] in ``integrations._base.helpers``); ``None`` (default): an
             earlier ``patch()``'s choice, else ``TORCHFERRY_OPTIMIZER_AT_STEP``, on unless off
             ([Note: verl's defaults]). verl's own, forgotten by ``unpatch()``.
         layerwise_reload: whether ``load_fsdp2_model_to_gpu`` reloads the FSDP2 units in forward
             order, each forward waiting only for its own ([Note: the helpers' layer-wise reload] in
-            ``integrations._helpers``); ``None`` (default): an earlier ``patch()``'s choice, else
+            ``integrations._base.helpers``); ``None`` (default): an earlier ``patch()``'s choice, else
             ``TORCHFERRY_LAYERWISE_RELOAD``, on unless off ([Note: verl's defaults]). verl's
             own, forgotten by ``unpatch()``.
         dock: a GPU budget for verl's trainer under a :class:`~torchferry.Dock` ([Note: verl under a
@@ -205,7 +169,7 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
     Raises:
         TypeError: ``skip_unchanged``, ``fsdp1``, ``optimizer_at_step`` or ``layerwise_reload`` is neither
             ``None`` nor a bool.
-        ValueError: ``dock`` or ``TORCHFERRY_VERL_DOCK`` is not a budget (see ``_dock_patch.parse_budget``).
+        ValueError: ``dock`` or ``TORCHFERRY_VERL_DOCK`` is not a budget (``_base.settings.parse_budget``).
         ValueError: ``TORCHFERRY_SKIP_UNCHANGED``, ``TORCHFERRY_VERL_FSDP1`` or
             ``TORCHFERRY_OPTIMIZER_AT_STEP`` or ``TORCHFERRY_LAYERWISE_RELOAD`` is neither on nor off.
         RuntimeError: verl is not importable, or one of its helpers is missing
@@ -213,32 +177,25 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
             (nothing is replaced then); with a dock, verl is not 0.9.x or the engine context,
             the worker or the engine it replaces changed.
     """
-    global _fsdp1, _dock_choice
-    settings = {"skip_unchanged": skip_unchanged, "optimizer_at_step": optimizer_at_step,
-                "layerwise_reload": layerwise_reload}
-    compat.check_settings("verl", **settings)  # a bad value or environment: nothing replaced
-    check_optional_bool(fsdp1, "patch(fsdp1=...)")
-    if fsdp1 is None and _fsdp1 is None:
-        fsdp1_through_torchferry()
-    budget = budget_spec(dock)  # a bad budget: nothing replaced
-    if budget is not None:
+    state = REGISTRY.patched.get("verl")
+    args = {"skip_unchanged": skip_unchanged, "optimizer_at_step": optimizer_at_step,
+            "layerwise_reload": layerwise_reload, "fsdp1": fsdp1}
+    settings = Settings.read(args, defaults=VERL_DEFAULTS, earlier=state.settings if state else None,
+                             with_dock=True, dock=dock)  # a bad value, environment or budget: nothing replaced
+    if settings.dock is not None:
         verl_targets()  # checked before anything is replaced
-    engines = importable_patchers()  # checked before anything is replaced
-    names = _patcher.patch(import_call_sites=import_engines)
+    engines = importable_sets()  # checked before anything is replaced
+    state = state or PatchState(name="verl", settings=settings)
+    names = state.patch(HELPER_SET, import_call_sites=import_engines)
     for engine in engines:  # see [Note: the VeOmni and Automodel helpers] in ._engines
-        names += engine.patch(import_call_sites=import_engines)
-    compat.set_patched_defaults("verl", **VERL_DEFAULTS)
-    compat.apply_settings("verl", **settings)
-    if fsdp1 is not None:
-        _fsdp1 = fsdp1
-    if budget is not None:
-        _dock_patch.patch(budget)
-        if dock is not None:
-            _dock_choice = str(budget)
+        names += state.patch(engine, import_call_sites=import_engines)
+    state.settings = settings
+    REGISTRY.patched["verl"] = state
+    if settings.dock is not None:
+        patch_dock(state, settings.dock)
     elif dock is not None:  # patch(dock=0): no dock from now on, in the Ray workers too
-        _dock_patch.unpatch()
-        _dock_choice = "0"
-    if _dock.ACTIVE is not None:
+        unpatch_dock(state)
+    if state.router is not None:
         names += ["verl.workers.engine.base.BaseEngineCtx.__enter__", "verl.workers.engine.base.BaseEngineCtx.__exit__",
                   "verl.workers.engine_workers.ActorRolloutRefWorker.init_model"]
     return names
@@ -248,7 +205,7 @@ def _dock_sets() -> dict[Ferry, str]:
     """Every verl dock's state sets (the active dock's and those kept for their budgets): ferry -> its
     name, e.g. ``"verl dock set engine0.params"``; their moves in flight waited for."""
     out = {}
-    for vd in list(_dock.DOCKS):
+    for vd in docks():
         if vd.dock is not None:
             vd.dock.wait()
         out.update({ferry: f"verl dock set {name}" for name, ferry in vd.sets.items()})
@@ -256,39 +213,15 @@ def _dock_sets() -> dict[Ferry, str]:
 
 
 def unpatch(*, keep_offloaded: bool = False) -> None:
-    """Brings back what verl's patched helpers (and a dock) hold offloaded, then puts verl's own
-    helpers back, also in verl modules imported after :func:`patch`. Idempotent.
-
-    Every model and optimizer that the patched helpers offloaded, or that a dock evicted, is
-    reloaded first, synchronously: verl's own helpers could not bring it back from torchferry's
-    pool ([Note: unpatch() brings the state back] in ``integrations._bring_back``). Then the
-    ferries are closed (their pools returned), but a dock's, which the dock keeps.
-
-    Args:
-        keep_offloaded: leave what the helpers and docks hold where it is, offloaded or not, and
-            their ferries open, for a later :func:`patch` to reload through the same ferries and
-            pools: for a process that runs verl's own helpers on other models in between
-            (``benchmarks/verl_actor.py`` takes turns between strategies so). verl's own helpers
-            cannot reload that state: a model left offloaded is unusable until ``patch()`` again.
-
-    Raises:
-        TypeError: ``keep_offloaded`` is not a bool.
-        RuntimeError: a reload failed (e.g. the device is out of memory; the message names it and
-            what stays offloaded). Nothing is unpatched then and every ferry is where it was:
-            verl's patched helpers still hold the state; free memory and call it again.
-    """
-    global _fsdp1, _dock_choice
     check_bool(keep_offloaded, "unpatch(keep_offloaded=...)")
     dock_sets = {} if keep_offloaded else _dock_sets()
     if not keep_offloaded:
-        compat.bring_back_held("verl", dock_sets)  # raises before anything is unpatched
-    if is_patched():
-        compat.reset_settings("verl")
-        _fsdp1 = None
-    _dock_patch.unpatch()
-    _dock_choice = None
-    _patcher.unpatch()
-    for engine in ENGINE_PATCHERS.values():
-        engine.unpatch()
+        REGISTRY.bring_back("verl", dock_sets)  # raises before anything is unpatched
+    state = REGISTRY.patched.pop("verl", None)
+    if state is not None:
+        unpatch_dock(state)
+    patchers = state.patchers.values() if state else [Patcher(hs) for hs in (HELPER_SET, *ENGINE_SETS, *DOCK_SETS)]
+    for patcher in patchers:
+        patcher.unpatch()
     if not keep_offloaded:
-        compat.drop_ferries("verl", keep=dock_sets)
+        REGISTRY.drop("verl", keep=dock_sets)

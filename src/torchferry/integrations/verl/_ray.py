@@ -7,7 +7,7 @@ and actors inherit the job's ``runtime_env`` (verl's worker groups add their
 own ``env_vars``, which Ray merges). :func:`ray_worker_setup` is that hook: it
 patches verl's helpers in the worker as soon as the worker imports
 ``verl.utils.fsdp_utils`` (at once if it already has), so processes that never
-import verl's FSDP code pay nothing. The machinery is :mod:`torchferry.integrations._ray_hook`.
+import verl's FSDP code pay nothing. The machinery is :mod:`torchferry.integrations._base.ray_hook`.
 
 Two ways to set it (both tested on the CPU with a real local Ray,
 ``tests/cpu/test_integration_verl_ray.py``):
@@ -21,10 +21,8 @@ Two ways to set it (both tested on the CPU with a real local Ray,
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 
-from .._ray_hook import HookNames, WorkerHook
+from .._base import HookNames, WorkerHook
 from ._patch import _FSDP_UTILS, is_patched, patch
 
 __all__ = ["HOOK_PATH", "ENV_FLAG", "ray_worker_setup", "patch_when_imported", "with_worker_setup",
@@ -35,61 +33,13 @@ HOOK_PATH = "torchferry.integrations.verl.ray_worker_setup"
 ENV_FLAG = "TORCHFERRY_VERL"
 """Set to ``"1"`` in the job's ``env_vars`` by :func:`with_worker_setup`; off (``0``, ``false``, ...) does nothing."""
 
-_hook = WorkerHook(
+_HOOK = WorkerHook(
     HookNames(framework="verl", integration="verl", module=_FSDP_UTILS, hook_path=HOOK_PATH,
               env_flag=ENV_FLAG, next_hook_env="TORCHFERRY_VERL_NEXT_HOOK"),
     patch=patch,
     is_patched=is_patched,
 )
-
-
-def patch_when_imported() -> None:
-    """Patches verl's helpers now if ``verl.utils.fsdp_utils`` is imported, else right after its import.
-
-    Idempotent.
-
-    Raises:
-        RuntimeError: as :func:`patch` (verl changed), at once or at that import.
-    """
-    _hook.patch_when_imported()
-
-
-def ray_worker_setup() -> None:
-    """Ray ``worker_process_setup_hook``: torchferry for verl's helpers in this worker process.
-
-    Does nothing when the environment variable ``TORCHFERRY_VERL`` is off (``0``, ``false``, ``no``, ``off``).
-    Then runs the hook named in ``TORCHFERRY_VERL_NEXT_HOOK``, if any (a hook of
-    the user's own that :func:`with_worker_setup` found in the ``runtime_env``).
-
-    Raises:
-        RuntimeError: as :func:`patch`, when verl's helpers are not the ones
-            this integration was written for.
-    """
-    _hook.ray_worker_setup()
-
-
-def with_worker_setup(runtime_env: dict | None) -> dict:
-    """A copy of a Ray ``runtime_env`` whose worker processes run :func:`ray_worker_setup`.
-
-    Args:
-        runtime_env: the ``runtime_env`` given to ``ray.init`` (a dict, or
-            ``None``). A ``worker_process_setup_hook`` already there is kept
-            and runs after torchferry's (a callable one is wrapped; a string
-            one is passed on by name).
-
-    Returns:
-        The new ``runtime_env``, with ``TORCHFERRY_VERL=1`` in its ``env_vars`` and the driver's
-        transfer settings it does not set (``_ray_hook.FORWARDED_SETTINGS``).
-    """
-    return _hook.with_worker_setup(runtime_env)
-
-
-@contextlib.contextmanager
-def ray_init_with_hook() -> Iterator[None]:
-    """Within this block, ``ray.init(...)`` gets :func:`with_worker_setup` applied to its ``runtime_env``.
-
-    verl's ``run_ppo`` calls ``ray.init`` through the ``ray`` module's
-    attribute, so this reaches it without changing verl's configuration.
-    """
-    with _hook.ray_init_with_hook():
-        yield
+patch_when_imported = _HOOK.patch_when_imported
+ray_worker_setup = _HOOK.ray_worker_setup
+with_worker_setup = _HOOK.with_worker_setup
+ray_init_with_hook = _HOOK.ray_init_with_hook

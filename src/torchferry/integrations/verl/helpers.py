@@ -8,18 +8,17 @@ Same names and signatures as ``verl.utils.fsdp_utils`` (verl PR #7347), so a ver
         offload_fsdp_optimizer, load_fsdp_optimizer,
     )
 
-The helpers themselves live in :mod:`torchferry.integrations._helpers`, shared
+The helpers themselves live in :mod:`torchferry.integrations._base.helpers`, shared
 with the SkyRL integration (SkyRL's are verl's under the same names); these are
 the same function objects and the same per-object ferries. What they do better
 than verl's, and how they order the caller's stream: the module docstring of
-:mod:`torchferry.integrations._helpers`, and its [Note: the verl helpers order
+:mod:`torchferry.integrations._base.helpers`, and its [Note: the verl helpers order
 the caller's stream].
 """
 
 from __future__ import annotations
 
-from .._helpers import (  # noqa: F401  (_ferries: the registry, for tests and introspection)
-    _ferries,
+from .._base import (
     ferry_for,
     load_fsdp2_model_to_gpu,
     load_fsdp_optimizer,

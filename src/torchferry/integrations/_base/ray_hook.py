@@ -9,8 +9,7 @@ one integration: it patches as soon as the worker imports the framework's
 helper module (at once if it already has), so processes that never import the
 framework's FSDP code pay nothing.
 
-The SkyRL integration is built on this; ``torchferry.integrations.verl._ray``
-is the same design written for verl alone.
+Each framework's ``_ray`` names its hook and exposes its methods (``ray_worker_setup`` ...).
 """
 
 from __future__ import annotations
@@ -25,16 +24,10 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from .._core._api.env import env_flag
+from .helpers import patch_choices
+from .settings import forwarded_env, hook_enabled, next_hook
 
-__all__ = ["FORWARDED_SETTINGS", "HookNames", "WorkerHook"]
-
-# The driver's settings a worker should see too: how torchferry moves state, the same on every node.
-# Not the node-local ones (host budgets, the ledger folder), tests' or the bench's.
-FORWARDED_SETTINGS = ("TORCHFERRY_SKIP_UNCHANGED", "TORCHFERRY_DRIVER_COPIES", "TORCHFERRY_SWITCH_BYTES",
-                      "TORCHFERRY_ISSUE_REFILL_BYTES", "TORCHFERRY_HASH", "TORCHFERRY_RELOAD_ARENA",
-                      "TORCHFERRY_VERL_FSDP1", "TORCHFERRY_OPTIMIZER_AT_STEP",
-                      "TORCHFERRY_LAYERWISE_RELOAD", "TORCHFERRY_VERL_DOCK")
+__all__ = ["HookNames", "WorkerHook"]
 
 logger = logging.getLogger("torchferry")
 
@@ -156,11 +149,11 @@ class WorkerHook:
             ValueError: the ``env_flag`` variable is neither on nor off.
         """
         n = self.names
-        if env_flag(n.env_flag, True):  # [Note: one parser for the environment]
+        if hook_enabled(n.env_flag):  # [Note: one parser for the environment]
             self.patch_when_imported()
             logger.debug("torchferry: %s's offload helpers are routed through torchferry in pid %d",
                          n.framework, os.getpid())
-        nxt = os.environ.get(n.next_hook_env)
+        nxt = next_hook(n.next_hook_env)
         if nxt:
             module, _, name = nxt.rpartition(".")
             getattr(importlib.import_module(module), name)()
@@ -175,7 +168,7 @@ class WorkerHook:
 
         Returns:
             The new ``runtime_env``, with ``<env_flag>=1`` in its ``env_vars``, and the driver's
-            settings of :data:`FORWARDED_SETTINGS` (``TORCHFERRY_SKIP_UNCHANGED`` ...) that it
+            settings of ``FORWARDED_SETTINGS`` (``TORCHFERRY_SKIP_UNCHANGED`` ...) that it
             does not set itself (Ray gives workers on other nodes the job's ``env_vars``, not the
             driver's environment), a driver's ``patch(...)`` arguments taking the place of its
             environment (``patch(layerwise_reload=False)``: ``TORCHFERRY_LAYERWISE_RELOAD=0``).
@@ -183,12 +176,10 @@ class WorkerHook:
         n = self.names
         env = dict(runtime_env or {})
         env_vars = dict(env.get("env_vars") or {})
-        from ._helpers import patch_choices
-
         theirs_vars = set(env_vars)
-        for k in FORWARDED_SETTINGS:  # the driver's settings reach the workers
-            if k in os.environ and k not in theirs_vars:
-                env_vars[k] = os.environ[k]
+        for k, v in forwarded_env().items():  # the driver's settings reach the workers
+            if k not in theirs_vars:
+                env_vars[k] = v
         for k, v in patch_choices(n.integration).items():  # a driver's patch(...) arguments too, over its environment
             if k not in theirs_vars:
                 env_vars[k] = v

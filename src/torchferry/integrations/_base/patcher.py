@@ -1,0 +1,216 @@
+"""Replacing a framework's functions or a class's methods by name, checked first and undone exactly.
+
+The machinery behind every ``torchferry.integrations.<name>.patch()``: an integration declares, in a
+:class:`HelperSet`, its framework's module (and class, for methods), the names with the parameters
+the replacements were written for, and a function that builds the replacements from the originals;
+a :class:`Patcher` over it does the rest, the same way for every framework:
+
+* ``patch()`` imports the module, checks every name's parameters (and any other attribute the
+  replacements use) before touching anything, then replaces: a class's methods on the class (so
+  on every subclass that does not define its own), a module's functions wherever a module of the
+  package holds the original object (the module itself and every module that bound it by name).
+  It is idempotent.
+* ``unpatch()`` puts the exact original objects back, also in modules of the package imported
+  after ``patch()`` (which bound the replacements by their own ``from ... import``).
+
+[Note: replacements remember their originals]
+Each replacement carries ``__torchferry_original__`` (the framework's object it replaced) and
+``__torchferry_integration__`` (which integration made it). ``unpatch()`` restores from the first
+what ``patch()`` did not record itself: a module imported after ``patch()`` binds the replacement,
+not the original, and without the tag would keep torchferry's helper after ``unpatch()`` (the
+late-import report in ``tests/cpu/test_integration_verl.py``). The second keeps one integration's
+``unpatch()`` from restoring another's names.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import ModuleType
+
+__all__ = ["HelperSet", "Patcher", "routed"]
+
+Replacements = Callable[[ModuleType, Mapping[str, Callable]], Mapping[str, Callable]]
+"""``(module, {name: framework's original}) -> {name: replacement}``, one per name."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class HelperSet:
+    """What one integration replaces in one module or class: the only part that differs between frameworks."""
+
+    integration: str
+    """The integration's name, as in ``torchferry.integrations.<integration>`` (error messages)."""
+    framework: str
+    """The framework as a user knows it (``"verl"``, ``"AReaL"``), for error messages."""
+    module: str
+    """The module defining the functions (or the class), e.g. ``"verl.utils.fsdp_utils"``."""
+    package: str
+    """Every module of this package (``package`` or ``package.*``) that holds a function by name gets the
+    replacement; the name a user installs the framework by (error messages)."""
+    helpers: Mapping[str, tuple[str, ...]]
+    """name -> the parameter names it must have for the replacement to fit."""
+    replacements: Replacements
+    """Builds the replacements from the module and the originals (see :data:`Replacements`)."""
+    cls: str | None = None
+    """A class of ``module`` whose methods ``helpers`` names (replaced on the class), or ``None``: functions."""
+    call_sites: tuple[str, ...] = ()
+    """Modules that import the functions by name, imported by ``patch()`` (when asked) so their names are
+    replaced at once; one that fails to import is skipped."""
+    requires: tuple[str, ...] = ()
+    """Other attributes the replacements use, dotted from ``module`` (``"dist"``, ``"FSDPEngine._ensure_ready"``)."""
+    catch: tuple[type[BaseException], ...] = (ImportError,)
+    """What importing ``module`` may raise for ``patch()`` to report the framework as not importable."""
+
+    def __post_init__(self) -> None:
+        if not self.helpers:
+            raise ValueError(f"torchferry.integrations.{self.integration}: HelperSet(helpers=...) is empty")
+        if not (self.module == self.package or self.module.startswith(self.package + ".")):
+            raise ValueError(f"torchferry.integrations.{self.integration}: HelperSet(module={self.module!r}) is not "
+                             f"in package {self.package!r}")
+
+    def error(self, what: str) -> str:
+        """A one-line message, ``torchferry.integrations.<integration>: <what>``."""
+        return f"torchferry.integrations.{self.integration}: {what}"
+
+    @property
+    def owner(self) -> str:
+        """Where the names live, for messages: ``module`` or ``module.Class``."""
+        return self.module if self.cls is None else f"{self.module}.{self.cls}"
+
+
+def routed(public: Callable, call: Callable) -> Callable:
+    """A replacement that runs ``call`` under the name and docstring of torchferry's ``public`` helper
+    (``__wrapped__``: ``public``)."""
+
+    @functools.wraps(public)
+    def replacement(*args, **kwargs):
+        return call(*args, **kwargs)
+
+    return replacement
+
+
+class Patcher:
+    """``patch()`` / ``unpatch()`` / ``is_patched()`` for one :class:`HelperSet`; its record of what it replaced
+    is held by the integration's patch state."""
+
+    def __init__(self, helper_set: HelperSet) -> None:
+        self.helper_set = helper_set
+        # (module name or class, attribute, original) for every attribute patch() replaced, in order.
+        self._patched: list[tuple[str | type, str, object]] = []
+
+    def is_patched(self) -> bool:
+        """True between :meth:`patch` and :meth:`unpatch`."""
+        return bool(self._patched)
+
+    def names(self) -> list[str]:
+        """The ``module.attribute`` names the last :meth:`patch` replaced (empty when not patched)."""
+        return [f"{o.__module__}.{o.__qualname__}.{a}" if isinstance(o, type) else f"{o}.{a}"
+                for o, a, _ in self._patched]
+
+    def check(self) -> tuple[ModuleType, object]:
+        """Imports the module and checks the names; changes nothing.
+
+        Returns:
+            The module and the object whose attributes are replaced (the module, or the class).
+
+        Raises:
+            RuntimeError: the framework is not importable, a name or required attribute is missing, or a
+                function has other parameters than ``HelperSet.helpers`` names.
+        """
+        hs = self.helper_set
+        try:
+            module = importlib.import_module(hs.module)
+        except hs.catch as e:
+            raise RuntimeError(hs.error(f"{hs.package} is not importable ({type(e).__name__}: {e})")) from e
+        owner: object = module if hs.cls is None else getattr(module, hs.cls, None)
+        if not isinstance(owner, (ModuleType, type)):
+            raise RuntimeError(hs.error(f"{hs.owner} is missing; {hs.framework} changed"))
+        for name, params in hs.helpers.items():
+            fn = getattr(owner, name, None) if hs.cls is None else owner.__dict__.get(name)
+            if fn is None or (hs.cls is not None and not inspect.isfunction(fn)):
+                raise RuntimeError(hs.error(f"{hs.owner}.{name} is missing; {hs.framework} changed"))
+            got = tuple(inspect.signature(fn).parameters)
+            if got != params:
+                raise RuntimeError(hs.error(f"{hs.owner}.{name}{got} does not have the parameters {params} this "
+                                            f"integration was written for; {hs.framework} changed"))
+        for path in hs.requires:
+            obj: object = module
+            for part in path.split("."):
+                obj = getattr(obj, part, None)
+            if obj is None or ("." in path and not callable(obj)):
+                raise RuntimeError(hs.error(f"{hs.module}.{path} is missing; {hs.framework} changed"))
+        return module, owner
+
+    def patch(self, *, import_call_sites: bool = True) -> list[str]:
+        """Replaces the names, on the class or in the module and every package module that bound them.
+
+        Idempotent: a second call replaces nothing and returns the same names.
+
+        Args:
+            import_call_sites: import ``HelperSet.call_sites`` first, so the names they bound are replaced
+                too. Without it, only modules already imported are patched; modules imported later bind
+                the replacements anyway.
+
+        Returns:
+            The names replaced.
+
+        Raises:
+            RuntimeError: as :meth:`check`; nothing is replaced then.
+        """
+        if self._patched:
+            return self.names()
+        module, owner = self.check()
+        hs = self.helper_set
+        originals = {name: getattr(owner, name) if hs.cls is None else owner.__dict__[name] for name in hs.helpers}
+        built = hs.replacements(module, originals)
+        new = {name: self._tagged(built[name], originals[name]) for name in hs.helpers}
+        if isinstance(owner, type):
+            for name, fn in new.items():
+                self._patched.append((owner, name, originals[name]))
+                setattr(owner, name, fn)
+            return self.names()
+        for mod_name in hs.call_sites if import_call_sites else ():
+            try:
+                importlib.import_module(mod_name)
+            except Exception:  # an optional call site whose own dependencies are missing
+                pass
+        for mod_name, mod in self._package_modules():
+            for name, orig in originals.items():
+                if getattr(mod, name, None) is orig:
+                    setattr(mod, name, new[name])
+                    self._patched.append((mod_name, name, orig))
+        return self.names()
+
+    def unpatch(self) -> None:
+        """Puts the framework's own objects back, also in modules imported after :meth:`patch`.
+
+        Idempotent. See [Note: replacements remember their originals].
+        """
+        while self._patched:
+            where, name, orig = self._patched.pop()
+            target = where if isinstance(where, type) else sys.modules.get(where)
+            if target is not None:
+                setattr(target, name, orig)
+        if self.helper_set.cls is not None:
+            return
+        tag = self.helper_set.integration
+        for _, mod in self._package_modules():
+            for name in self.helper_set.helpers:
+                fn = getattr(mod, name, None)
+                original = getattr(fn, "__torchferry_original__", None)
+                if original is not None and getattr(fn, "__torchferry_integration__", tag) == tag:
+                    setattr(mod, name, original)
+
+    def _package_modules(self) -> list[tuple[str, ModuleType]]:
+        pkg = self.helper_set.package
+        return [(n, m) for n, m in list(sys.modules.items()) if m is not None and (n == pkg or n.startswith(pkg + "."))]
+
+    def _tagged(self, fn: Callable, original: object) -> Callable:
+        """``fn`` marked with what it replaced ([Note: replacements remember their originals])."""
+        fn.__torchferry_original__ = original  # type: ignore[attr-defined]
+        fn.__torchferry_integration__ = self.helper_set.integration  # type: ignore[attr-defined]
+        return fn

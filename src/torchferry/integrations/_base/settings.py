@@ -1,0 +1,196 @@
+"""An integration's settings, read once by its ``patch()``: the only module of ``integrations`` that
+reads ``TORCHFERRY_*`` variables.
+
+[Note: each integration's settings]
+verl's and SkyRL's replacements call the same helpers, but each integration's ``patch()`` arguments
+and defaults are its own: verl's ``patch()`` turns ``layerwise_reload`` and ``optimizer_at_step`` on
+by default, SkyRL's leaves them off, and with both patched in one process neither may change what
+the other's helpers do, nor may one's ``unpatch()`` forget the other's choices. So each ``patch()``
+builds one frozen :class:`Settings` (:meth:`Settings.read`): a switch is the ``patch()`` argument,
+else an earlier ``patch()``'s argument (until ``unpatch()``), else its environment variable (one per
+process, shared), else the integration's default. The integration's patch state holds it, its
+replacements receive it as a value (``SeedHelpers.settings``), its Ray hook forwards the arguments
+(``Settings.chosen``). A helper called directly (``torchferry.integrations.verl.offload_fsdp2_model_to_cpu``)
+belongs to no integration: it reads each switch from the environment when it needs it, over
+torchferry's defaults (:func:`read_switch`). ``tests/cpu/test_optimizer_at_step.py`` patches both in
+one process.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..._core._api.args import check_optional_bool
+from ..._core._api.env import OFF, env_flag, parse_bytes
+
+__all__ = [
+    "DOCK_ENV", "FORWARDED_SETTINGS", "FSDP1_ENV", "LAYERWISE_ENV", "OPTIMIZER_AT_STEP_ENV", "SKIP_ENV", "SWITCHES",
+    "Settings", "dock_budget", "forwarded_env", "hook_enabled", "next_hook", "parse_budget", "read_switch",
+]
+
+SKIP_ENV = "TORCHFERRY_SKIP_UNCHANGED"
+OPTIMIZER_AT_STEP_ENV = "TORCHFERRY_OPTIMIZER_AT_STEP"
+LAYERWISE_ENV = "TORCHFERRY_LAYERWISE_RELOAD"
+FSDP1_ENV = "TORCHFERRY_VERL_FSDP1"
+DOCK_ENV = "TORCHFERRY_VERL_DOCK"
+SWITCHES: Mapping[str, tuple[str, bool]] = {  # switch -> (its environment variable, torchferry's default)
+    "skip_unchanged": (SKIP_ENV, True), "optimizer_at_step": (OPTIMIZER_AT_STEP_ENV, False),
+    "layerwise_reload": (LAYERWISE_ENV, False), "fsdp1": (FSDP1_ENV, True),
+}
+_WHAT = {"fsdp1": "patch(fsdp1=...)"}  # how an argument is named in a TypeError, where not by its name
+
+# The driver's settings a worker should see too: how torchferry moves state, the same on every node.
+# Not the node-local ones (host budgets, the ledger folder), tests' or the bench's.
+FORWARDED_SETTINGS = (SKIP_ENV, "TORCHFERRY_DRIVER_COPIES", "TORCHFERRY_SWITCH_BYTES", "TORCHFERRY_ISSUE_REFILL_BYTES",
+                      "TORCHFERRY_HASH", "TORCHFERRY_RELOAD_ARENA", FSDP1_ENV, OPTIMIZER_AT_STEP_ENV, LAYERWISE_ENV,
+                      DOCK_ENV)
+
+
+def read_switch(name: str, default: bool | None = None) -> bool:
+    """A switch as its environment variable says (on or off), else ``default`` (else torchferry's).
+
+    Raises:
+        ValueError: the variable is neither on nor off ([Note: one parser for the environment]).
+    """
+    env, ours = SWITCHES[name]
+    return env_flag(env, ours if default is None else default)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """What one integration's replacements do, fixed by its ``patch()`` ([Note: each integration's settings])."""
+
+    skip_unchanged: bool = True
+    """Models' new ferries skip unchanged storages ([Note: the helpers skip unchanged storages]); default on."""
+    optimizer_at_step: bool = False
+    """``load_fsdp_optimizer`` leaves the copies to ``step()`` ([Note: optimizer state waited for at step()])."""
+    layerwise_reload: bool = False
+    """``load_fsdp2_model_to_gpu`` reloads layer-wise ([Note: the helpers' layer-wise reload])."""
+    fsdp1: bool = True
+    """verl's FSDP1 models go through torchferry ([Note: FSDP1 models through torchferry]); default on."""
+    dock: int | float | None = None
+    """verl's dock budget from ``patch(dock=...)`` or ``TORCHFERRY_VERL_DOCK`` (bytes, or a fraction of the
+    device; ``None``: neither names one)."""
+    chosen: tuple[tuple[str, str], ...] = ()
+    """The ``patch()`` arguments given so far, as the variables a Ray worker reads (``("TORCHFERRY_LAYERWISE_RELOAD",
+    "0")``): what the integration's Ray hook passes on, over the driver's environment."""
+
+    def choice(self, name: str) -> bool | None:
+        """What a ``patch()`` argument said of switch ``name`` (``None``: no argument did)."""
+        value = dict(self.chosen).get(SWITCHES[name][0])
+        return None if value is None else value == "1"
+
+    @classmethod
+    def read(cls, args: Mapping[str, bool | None], *, defaults: Mapping[str, bool] | None = None,
+             earlier: Settings | None = None, with_dock: bool = False, dock: object = None) -> Settings:
+        """The settings of one ``patch()``: each switch of ``args`` from its argument, else ``earlier``'s
+        argument, else the environment over ``defaults`` (the integration's), else torchferry's; the switches
+        ``args`` does not name keep torchferry's defaults. Checks everything before anything is replaced.
+
+        Args:
+            args: switch name -> the ``patch()`` argument (``None``: not given).
+            defaults: the integration's own defaults (verl's: [Note: verl's defaults]).
+            earlier: the settings of an earlier ``patch()`` of the same integration still in force.
+            with_dock: read a dock budget (verl's): ``dock``, else ``TORCHFERRY_VERL_DOCK`` (:func:`dock_budget`).
+            dock: verl's ``patch(dock=...)``.
+
+        Raises:
+            TypeError: an argument is neither ``None`` nor a bool.
+            ValueError: a variable it reads is neither on nor off, or a malformed dock budget.
+        """
+        chosen = dict(earlier.chosen) if earlier is not None else {}
+        values: dict[str, bool] = {}
+        for name, value in args.items():
+            check_optional_bool(value, _WHAT.get(name, name))
+            env, _ = SWITCHES[name]
+            if value is not None:
+                chosen[env] = "1" if value else "0"
+            values[name] = chosen[env] == "1" if env in chosen else read_switch(name, (defaults or {}).get(name))
+        budget = dock_budget(dock) if with_dock else None
+        if with_dock and dock is not None:
+            chosen[DOCK_ENV] = "0" if budget is None else str(budget)
+        return cls(**values, dock=budget, chosen=tuple(sorted(chosen.items())))
+
+
+# ------------------------------------------------------------------------------------ verl's dock budget
+_FRACTION = re.compile(r"[0-9]*\.[0-9]+|[0-9]+\.")  # a str read as a fraction: ASCII digits and a point
+MIN_BUDGET_BYTES = 1 << 20  # below this a byte count is a slip (TORCHFERRY_VERL_DOCK=1 read as "on"), not a budget
+
+
+def parse_budget(value: object, where: str) -> int | float | None:
+    """A dock budget: bytes (an integer >= :data:`MIN_BUDGET_BYTES`, or a whole float above 1 such as
+    ``40e9``), a fraction of the device's memory (a float in (0, 1]), or ``None`` / ``0`` / ``0.0`` /
+    ``""`` (no dock). A str is a byte count as every other (``_api/env.parse_bytes``: ASCII digits or
+    ``40e9``), a fraction in ASCII digits with a point (``0.6``), or an off spelling of a switch
+    (``0, false, no, off``, any case: no dock); numpy numbers count as ints and floats.
+
+    Raises:
+        ValueError: anything else, naming ``where`` (a bool, a negative or non-finite number, a non-whole
+            float above 1, fewer than :data:`MIN_BUDGET_BYTES` bytes).
+    """
+    hint = "give bytes (e.g. 40000000000 or 40e9) or a fraction of the device's memory (a float in (0, 1], e.g. 0.6)"
+    if value is None:
+        return None
+    raw = value
+    if isinstance(value, str):
+        text = value.strip()
+        if text == "" or text.lower() in OFF:  # the off spellings of every switch (_api/env.OFF)
+            return None
+        try:
+            value = parse_bytes(text, where)  # [Note: one parser for byte counts]
+        except ValueError:
+            value = float(text) if _FRACTION.fullmatch(text) else None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"torchferry: {where}: {raw!r} is not a dock budget: {hint}")
+    if isinstance(value, numbers.Integral):
+        n = int(value)
+        if n == 0:
+            return None
+        if n >= MIN_BUDGET_BYTES:
+            return n
+        why = "1 is one byte, not 'on': 1.0 is the whole device" if n == 1 else f"{n} bytes is no GPU budget"
+        raise ValueError(f"torchferry: {where}: {raw!r} is not a dock budget ({why}): {hint}")
+    x = float(value)
+    if x == 0.0:
+        return None
+    if math.isfinite(x) and 0.0 < x <= 1.0:
+        return x
+    if math.isfinite(x) and x >= MIN_BUDGET_BYTES and x.is_integer():
+        return int(x)
+    raise ValueError(f"torchferry: {where}: {raw!r} is not a dock budget: {hint}")
+
+
+def dock_budget(choice: object) -> int | float | None:
+    """``patch(dock=...)``'s choice, else ``TORCHFERRY_VERL_DOCK`` (``None``: no dock).
+
+    Raises:
+        ValueError: a malformed budget (see :func:`parse_budget`).
+    """
+    if choice is not None:
+        return parse_budget(choice, "patch(dock=...)")
+    return parse_budget(os.environ.get(DOCK_ENV), DOCK_ENV)
+
+
+# ------------------------------------------------------------------------------------ the Ray hooks' reads
+def forwarded_env() -> dict[str, str]:
+    """The driver's :data:`FORWARDED_SETTINGS` that are set, for a Ray job's ``env_vars``."""
+    return {k: os.environ[k] for k in FORWARDED_SETTINGS if k in os.environ}
+
+
+def hook_enabled(flag: str) -> bool:
+    """A Ray hook's switch (``TORCHFERRY_VERL``): on unless off.
+
+    Raises:
+        ValueError: neither on nor off.
+    """
+    return env_flag(flag, True)
+
+
+def next_hook(env: str) -> str | None:
+    """The user's own hook a Ray hook runs after torchferry's (``module.function``), if any."""
+    return os.environ.get(env) or None

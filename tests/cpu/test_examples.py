@@ -348,7 +348,7 @@ def test_the_citation_checker_passes_what_a_reader_can_open():
     """Paths that exist (braces expanded), a commit's file, another repository's path, a format string."""
     source = ('"""``benchmarks/results/bench_qwen2.5-{1.5b,3b}-compute-rich_h200x1_2026-12-01_9365f08.json``,\n'
               "``git show 72c0885^:benchmarks/grpo_dock.py``, verl:tests/special_distributed/x.py, _core/_ferry/,\n"
-              '``tests/cpu/test_layers.py``, test_layers.py, _helpers.py."""\n'
+              '``tests/cpu/test_layers.py``, test_layers.py, _patch.py."""\n'
               'out = f"benchmarks/results/{name}.json"  # as in README.md\n')
     assert _python_findings(source) == []
 

@@ -246,11 +246,12 @@ def cmd_run(args) -> None:
     # strategies' bytes at the step's start. In a process of its own it is what the process held before the
     # strategy was built (cuBLAS's workspaces): whatever the strategy's helpers leave on the device that is
     # not its state is the strategy's (left_behind_bytes). Taken at every step instead (until 2026-12-06),
-    # it hid 6.25 GB verl's FSDP1 helpers leave on the device from the first offload on: verl's phase peaks
-    # read up to 6.18 GB under torchferry's while the processes' peaks were equal (30.94 and 30.95 GB), and
-    # verl's process kept 10.2 GB reserved at the rollout's wake against torchferry's 4.0
-    # (phase_peak_gpu_bytes, at_rollout_wake_per_round, and runs' gpu_allocated_at_start, in
-    # benchmarks/results/verl_step_qwen2.5-1.5b_fsdp-full-compute-rich_h100x1_2026-12-06_aa8b35a_others-per-step.json).
+    # it hid 6.2 GB verl's FSDP1 helpers leave on the device from the first offload on: verl's phase peaks
+    # read up to 6.18 GB under torchferry's and its process kept 10.2 GB reserved at the rollout's wake
+    # against torchferry's 4.0 (phase_peak_gpu_bytes, at_rollout_wake_per_round in
+    # benchmarks/results/verl_step_qwen2.5-1.5b_fsdp-full-compute-rich_h100x1_2026-12-06_aa8b35a_others-per-step.json);
+    # counted, both peak at 30.91 GB, verl leaving 6.17-6.21 GB per step (peak_gpu_bytes,
+    # left_behind_bytes_per_step in ..._28d93dd_micro-8-8.json).
     def one_step(s: Strategy, step: int) -> None:
         actor, actor_config = actors[s.label]
         engine, rec, rollout = actor.engine, records[s.label], rollouts[s.label]

@@ -108,11 +108,13 @@ on the caller's stream] in ``copies.py``): whatever an allocation queues runs
 before the first copy. Without the arena (b78a911 to 28d93dd) a layer-wise reload
 paid one ``cudaMalloc`` per storage the cache could not hold, and the offload
 after it one ``cudaFree`` per segment at ``empty_cache()``: with LoRA (one H100,
-Qwen2.5-1.5B, 6.47 GB per reload) the calls took 0.082 s per reload and 0.087 s
-per offload that copied nothing, against 0.081 s for both at e1b4d3e
-(``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp2-lora-compute-rich_h100x1_2026-12-06_28d93dd_micro-8-8.json``,
-its runs.json's events; ``..._e1b4d3e_micro-8-8.json``). Held exact under the fill
-with the caller's stream held up by ``tests/gpu/test_deterministic_fill_cuda.py``.
+Qwen2.5-1.5B, 6.47 GB per reload) the log-prob phase's reload and offload calls
+took 0.144 s against 0.081 s with the arena at e1b4d3e
+(``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp2-lora-compute-rich_h100x1_2026-12-06_28d93dd_micro-8-8.json``
+and ``..._e1b4d3e_micro-8-8.json``: ``transfer_at_calls_s_per_phase``; another H100,
+on which verl's calls took 25% longer too). ``tests/gpu/test_deterministic_fill_cuda.py``
+holds this path exact under the fill with the caller's stream held up (with the arena
+back: not yet run on a GPU).
 
 [Note: allocator settings read now]
 Only done with the native allocator and default rounding/splitting, where those

@@ -20,6 +20,7 @@ from verl_step.logprobs import LOGPROB_ROWS, _logprobs_chunked
 from verl_step.records import _part_bytes, _sha, fingerprints
 from verl_step.rollout import RolloutStandIn, _gpu_bytes, _rewarm_cublas, _weight_sync, _write_segments
 from verl_step.strategies import BUDGETS, Strategy, _settings_env, dock_budget, parse_strategies
+from verl_step.timing import CallTimer
 
 
 def cmd_run(args) -> None:
@@ -108,8 +109,10 @@ def cmd_run(args) -> None:
                 patched_names[s.label] = tf_verl.patch()
             else:
                 tf_verl.unpatch(keep_offloaded=True)
+            timer.wrap_helpers()
             yield
         finally:
+            timer.unwrap_helpers()
             # the other strategies' turns: this one's state stays in its ferries' pools until its next turn
             tf_verl.unpatch(keep_offloaded=True)
             for k, v in saved.items():
@@ -118,55 +121,14 @@ def cmd_run(args) -> None:
                 else:
                     os.environ[k] = v
 
-    # Timing around verl's FSDPEngine.to (instrumentation only: it calls verl's own method).
+    # Timing around every offload and reload call (instrumentation only: [Note: the calls timed] in timing.py).
     current: dict = {"label": None, "phase": "init", "step": -1}
     records: dict[str, dict] = {s.label: {"events": []} for s in strategies}
-    verl_to = ti.FSDPEngine.to
-
-    def timed_to(self, device, model=True, optimizer=True, grad=True):
-        if cuda:
-            direction = "offload" if device == "cpu" else "reload"
-        else:  # the CPU check: the part's state before the call (see _cpu_engine_to_by_direction)
-            off = self.__dict__.get("_cpu_offloaded", {"model": False, "optimizer": False})
-            direction = "reload" if off["model" if model else "optimizer"] else "offload"
-        with_optimizer = bool(optimizer and self.optimizer is not None and self.optimizer.state)
-        sync()  # a phase boundary: verl's phases end with their outputs on the host
-        start = end = None
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
-        with record_stalls():  # waits inside the call are in its seconds, not in the phase's stalls
-            out = verl_to(self, device, model=model, optimizer=optimizer, grad=grad)
-        if direction == "offload":
-            sync()  # the next phase (the rollout) needs the memory: the copies complete here
-        host_s = time.perf_counter() - t0
-        if end is not None:
-            end.record()  # a reload: where the compute stream may go on (no sync: the phase's forward follows)
-        residency: dict[str, str | None] = {"model": None, "optimizer": None}
-        parts = [p for p, on in (("model", model), ("optimizer", with_optimizer)) if on]
-        moved = sum(_part_bytes(self, p) for p in parts)  # what verl's helpers move: the whole part
-        for part, obj in (("model", self.module), ("optimizer", self.optimizer)):
-            f = None if obj is None else ferry_for(obj)
-            residency[part] = None if f is None else f.residency.name
-            if f is not None and part in parts and direction == "offload":  # unchanged storages stay
-                moved += f.stats.offload_bytes_copied - _part_bytes(self, part)
-        records[current["label"]]["events"].append({
-            "phase": current["phase"], "step": current["step"], "direction": direction, "model": bool(model),
-            "optimizer": with_optimizer, "host_s": host_s, "seconds": host_s, "_timing": (start, end),
-            "bytes": 0 if kinds[current["label"]] == "resident" else moved,
-            "gpu_allocated_after": torch.cuda.memory_allocated() if cuda else 0,
-            "model_residency_after": residency["model"], "optimizer_residency_after": residency["optimizer"]})
-        return out
-
-    def resolve_timings(label: str) -> None:
-        """After a synchronisation: each reload's seconds from its call until the compute stream could go on."""
-        for e in records[label]["events"]:
-            start, end = e.pop("_timing", (None, None))
-            if start is not None and e["direction"] == "reload":
-                e["seconds"] = max(start.elapsed_time(end) / 1e3, 0.0)
-
-    ti.FSDPEngine.to = timed_to
+    timer = CallTimer(ti=ti, records=records, current=current, kinds=kinds, cuda=cuda, sync=sync,
+                      ferry_for=ferry_for, record_stalls=record_stalls, engine_to=ti.FSDPEngine.to,
+                      profile=bool(args.profile_calls))
+    timer.install()
+    resolve_timings = timer.resolve
     if args.logprobs == "chunked":  # see _logprobs_chunked: the same for every strategy
         ti.logprobs_from_logits = _logprobs_chunked
 
@@ -196,6 +158,7 @@ def cmd_run(args) -> None:
             records[s.label]["build_s"] = time.perf_counter() - t_build
         resolve_timings(s.label)
         actors[s.label] = (actor, actor_config)
+        timer.know(actor.engine)
         log(f"{s.label}: {type(actor).__name__} / {type(actor.engine).__name__} built in "
             f"{records[s.label]['build_s']:.1f} s, "
             f"{sum(p.numel() for p in actor.engine.module.parameters()) / 1e9:.3f} B parameters")
@@ -446,6 +409,7 @@ def cmd_run(args) -> None:
             "torchferry_pool_bytes": {"pinned": sum(f.pinned_bytes for f in ferries),
                                       "host": sum(f.host_bytes for f in ferries)},
             "ferries": [repr(f) for f in ferries], "cpus": cpus,
+            **({"call_profile": timer.profile_of(s.label)} if args.profile_calls else {}),
             # The state after the steps (offloaded by verl's update_actor exit), fingerprinted exactly; compared
             # with verl's by against_verl once every strategy's records are together (merge_runs).
             "fingerprints": fingerprints(engine, rollouts[s.label].weights, gpu),

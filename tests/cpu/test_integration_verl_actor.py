@@ -168,6 +168,13 @@ def test_lora_adds_the_reference_phase_and_stays_bit_identical_through_the_weigh
     assert r["bit_identical"] is True, r["bit_identical_detail"]
     assert all(len(x["ref_log_prob_sha256"]) == 3 for x in verl_actor._view(runs, "torchferry")["per_rank"])
     assert "exposed" not in r
+    for label in ("verl", "torchferry"):  # the sync's own load and offload are timed too ([Note: the calls timed])
+        ws = [(e["step"], e["direction"], e["model"], e["optimizer"]) for e in _events(runs, label)
+              if e["phase"] == "weight_sync"]
+        # the first sync reads the parameters twice (the adapters, then the base: _weight_sync)
+        assert ws == [(s, d, True, False) for s in (0, 0, 1, 2) for d in ("reload", "offload")], (label, ws)
+        assert all(e["bytes"] > 0 for e in _events(runs, label) if e["phase"] == "weight_sync"
+                   and e["direction"] == "reload")
     for x in verl_actor._view(runs, "torchferry")["per_rank"]:  # the base on the first sync, then the adapters
         first, *later = x["weight_sync_bytes_per_step"]
         assert len(later) == 2 and all(0 < b < x["state_bytes"]["params"] / 4 < first for b in later), (first, later)

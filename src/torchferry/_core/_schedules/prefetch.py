@@ -61,12 +61,11 @@ from torch import nn
 
 from .._transfer.batches import copy_group_in, copy_now
 from .._transfer.copies import transfer_range, undo_allocations
-from .._transfer.arena import ReloadArena
 from .._state.fsdp import comm_streams, forward_prefetch_units, local_of, repoint_sharded_data, versions
 from .._api.hooks import PREFETCHING as _during, Uncopyable
 from .._api.handle import TransferHandle
 from .._host.layout import HostViews
-from .._state.plan import Plan, to_allocate
+from .._state.plan import Plan
 from .._state.parking import Parking
 from .step_hooks import GlobalStepHook
 from .unchanged import UnchangedStorages
@@ -161,7 +160,6 @@ class PrefetchRun:
         events: per issued group, its H2D event (``None`` on the CPU).
         start: H2D event before the first copy (timing), ``None`` on the CPU.
         issued_at: ``time.perf_counter()`` at the start.
-        arena: the device segment seeded for the whole reload, if any.
         done: once finished on a GPU, the run's last event on the H2D stream: after every group's
             copies and baseline hash, re-copies included (the finished handle's ``ready_event``).
     """
@@ -180,7 +178,6 @@ class PrefetchRun:
         self._hooks: list = []
         self._comm: list[torch.cuda.Stream] = []
         self.start: torch.cuda.Event | None = None
-        self.arena: ReloadArena | None = None
         self.done: torch.cuda.Event | None = None
         self._latest: torch.cuda.Event | None = None  # the event this run recorded last on the H2D stream
         self.issued_at = time.perf_counter()
@@ -211,14 +208,10 @@ class PrefetchRun:
             if self._background:
                 if cuda:
                     driver_copies_enabled()  # a bad TORCHFERRY_DRIVER_COPIES fails here, before anything moved
-                    # Before the allocations, sealed after them, all before the H2D stream waits:
-                    # [Note: the arena under a layer-wise reload] in _transfer/arena.py.
-                    self.arena = ReloadArena.seed(self.plan.device, to_allocate(self.plan), self._after)
+                    # No reload arena here: [Note: no arena under a layer-wise reload] in _transfer/arena.py.
                 self._refill = refill_bytes_from_env()
                 for gi in range(len(self.groups)):  # on the caller's thread and stream: see the Note
                     self._allocate_group(gi)
-                if self.arena is not None:
-                    self.arena.seal(self.plan.storages)
             else:
                 self._allocate_group(0)
             if cuda:  # after the allocations: [Note: reload allocates on the caller's stream] in copies.py
@@ -258,7 +251,7 @@ class PrefetchRun:
 
     def abort(self) -> None:
         """Undoes :meth:`begin` before any group was made resident: hooks removed, storages
-        released again after the copies into them, the arena given back (idempotent)."""
+        released again after the copies into them (idempotent)."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -269,9 +262,6 @@ class PrefetchRun:
             self.resident = set()
         allocated, self._allocated = self._allocated, []
         undo_allocations(self.plan, allocated, self.streams)  # after the copies into them; never raises
-        if self.arena is not None:
-            self.arena.release()
-            self.arena = None
 
     def finish(self) -> None:
         """Issues what is left and makes every group resident (idempotent); the current stream

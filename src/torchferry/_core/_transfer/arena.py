@@ -75,46 +75,39 @@ tier, grew by 0 bytes on an H200
 Not done where the arena does not apply (a swap's release schedule frees
 storages as its copies go).
 
-[Note: the arena under a layer-wise reload]
+[Note: no arena under a layer-wise reload]
 A layer-wise reload (``reload(prefetch=...)``, ``_schedules/prefetch.py``: verl's
-``optimizer_at_step`` and ``layerwise_reload``) seeds an arena before it allocates its
-storages, seals it after, and only then lets its H2D stream wait for the caller's
-stream. With the arena seeded the old way, verl 0.9.1's FSDP1 actor (Qwen2.5-1.5B,
-one H100, the optimizer state reloaded at ``optimizer.step()``) trained to NaN: 8 of
-8 processes across four runs, after 1 to 9 steps bit-identical to verl's; a process
-with no arena at all (the bench patched for the diagnosis, not kept) stayed
-bit-identical for 13 steps beside two that failed
+``optimizer_at_step`` and ``layerwise_reload``) allocates its storages one by one from
+the caching allocator, with no arena, and its H2D stream waits for the caller's stream
+after them ([Note: reload allocates on the caller's stream] in ``copies.py``). With an
+arena seeded before that wait, verl 0.9.1's FSDP1 actor (Qwen2.5-1.5B, one H100, the
+optimizer state reloaded at ``optimizer.step()``) trained to NaN: 8 of 8 processes
+across four runs, after 1 to 9 steps bit-identical to verl's; a process with no arena
+(the bench patched for the diagnosis, not kept) stayed bit-identical for 13 steps
 (``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp-full-compute-rich_h100x1_2026-12-06_1e33954_arena-bisect.json``,
-strategy ``noarena``), as did one with ``optimizer_at_step`` off (whole
-reloads, arena on) for 12
-(``..._1e33954_at-step-bisect.json``, strategy ``noat``).
-A check of the device bytes against the pool when the reload completed found
-the storage at the arena's base (the embedding's AdamW state, 933.5 MB, issued
-first) wrong from byte 1,024 to at most 25 KB, still wrong after a device
-synchronisation. The cause: verl's ``full_determinism`` turns on
-``torch.use_deterministic_algorithms(True)``, under which ``torch.empty`` on a
-GPU also queues a kernel filling its memory (``torch.utils.deterministic.fill_uninitialized_memory``);
-the arena's seed was a ``torch.empty`` of the whole arena, filled with 0xFF
-(NaN as fp32) on the caller's stream, and the layer-wise reload's H2D stream had
-waited for the caller's stream before the seed, so the fill raced the first
-copy into the arena's base (the first KiB was right: the piece's separator,
-[Note: switch points], copied it again after the fill). A whole reload's H2D
-stream waits for the caller's stream after its allocations, so the fill ran
-first there (and cost a memset of the whole arena). Now the arena and its
-fillers are allocated with no kernel (``torch.UntypedStorage``: :func:`_unfilled`),
-and a layer-wise reload's H2D stream waits for the caller's stream after it
-seeded, allocated and sealed, as a whole reload's does ([Note: reload allocates
-on the caller's stream] in ``copies.py``): whatever an allocation queues runs
-before the first copy. Without the arena (b78a911 to 28d93dd) a layer-wise reload
-paid one ``cudaMalloc`` per storage the cache could not hold, and the offload
-after it one ``cudaFree`` per segment at ``empty_cache()``: with LoRA (one H100,
-Qwen2.5-1.5B, 6.47 GB per reload) the log-prob phase's reload and offload calls
-took 0.144 s against 0.081 s with the arena at e1b4d3e
-(``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp2-lora-compute-rich_h100x1_2026-12-06_28d93dd_micro-8-8.json``
-and ``..._e1b4d3e_micro-8-8.json``: ``transfer_at_calls_s_per_phase``; another H100,
-on which verl's calls took 25% longer too). ``tests/gpu/test_deterministic_fill_cuda.py``
-holds this path exact under the fill with the caller's stream held up (with the arena
-back: not yet run on a GPU).
+strategy ``noarena``), as did one with ``optimizer_at_step`` off (whole reloads, arena
+on) for 12 (``..._1e33954_at-step-bisect.json``, strategy ``noat``). The storage at the
+arena's base (the embedding's AdamW state, 933.5 MB, issued first) was wrong from byte
+1,024 to at most 25 KB when the reload completed. The cause: verl's ``full_determinism``
+turns on ``torch.use_deterministic_algorithms(True)``, under which ``torch.empty`` on a
+GPU also queues a kernel filling its memory
+(``torch.utils.deterministic.fill_uninitialized_memory``); the arena's seed, a
+``torch.empty`` of the whole arena, was filled with 0xFF (NaN as fp32) on the caller's
+stream after the H2D stream had waited for it, so the fill raced the first copy (the
+first KiB was right: the piece's separator, [Note: switch points], copied it again).
+Arenas are now allocated with no kernel (``torch.UntypedStorage``: :func:`_unfilled`).
+With such an arena seeded, allocated into and sealed before the wait (ffc6d8a), the path
+was exact (``tests/gpu/test_deterministic_fill_cuda.py`` passed; the FSDP1 actor
+bit-identical over 11 rounds,
+``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp-full-compute-rich_h100x1_2026-12-06_eba85c2_micro-8-8.json``)
+but bought nothing and cost memory: with LoRA (one H100, 6.2 GB per reload) the log-prob
+phase's calls took 0.159 s against 0.144 s without it, and the rollout found 185 MB less
+free than under verl's helpers (84.05 against 84.24 GB, ``free_alone_bytes``; equal
+without it) (``..._fsdp2-lora-compute-rich_h100x1_2026-12-06_d133bc4_micro-8-8.json``
+against ``..._28d93dd_micro-8-8.json``). The calls' host time is spent elsewhere
+([Note: the calls timed] in ``benchmarks/verl_step/timing.py`` profiles them). So the
+layer-wise path keeps no arena; ``tests/gpu/test_deterministic_fill_cuda.py`` holds it
+exact under the fill with the caller's stream held up.
 
 [Note: allocator settings read now]
 Only done with the native allocator and default rounding/splitting, where those
@@ -321,7 +314,7 @@ def arena_supported() -> bool:
 def _unfilled(nbytes: int, device: torch.device) -> torch.UntypedStorage:
     """``nbytes`` of device memory from the caching allocator with no kernel queued on them: under
     ``torch.use_deterministic_algorithms(True)`` a ``torch.empty`` also fills its memory on the current
-    stream ([Note: the arena under a layer-wise reload])."""
+    stream ([Note: no arena under a layer-wise reload])."""
     return torch.UntypedStorage(nbytes, device=device)
 
 

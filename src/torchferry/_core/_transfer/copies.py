@@ -38,7 +38,7 @@ there: the block may have been freed by pending current-stream work, and
 writing it before that work ran would corrupt it. The current stream then
 waits for the H2D event, so the next kernel sees complete data without a host
 sync. Allocation and copies are interleaved per storage (an allocation that queues
-nothing, ``resize_``: [Note: the arena under a layer-wise reload] in ``arena.py``).
+nothing, ``resize_``: [Note: no arena under a layer-wise reload] in ``arena.py``).
 """
 
 from __future__ import annotations

@@ -494,3 +494,48 @@ def test_model_and_optimizer_without_fsdp_units_reload_plainly_with_prefetch():
     assert m.weight.grad is not None
     opt.step()
     assert not torch.equal(m.weight, before)  # the step updated the parameters
+
+
+def _kept_groups_body(rank, world):
+    import gc
+    import weakref
+
+    from torchferry._core._schedules import groups as g
+
+    def content(gs):
+        return [(None if x.unit is None else id(x.unit), x.storages, x.tensors, x.nbytes) for x in gs]
+
+    m, _ = three_units(cpu_mesh(world))
+    x = torch.randn(4, 16)
+    want = m(x).detach()
+    ferry = Ferry(m, skip_unchanged=True)
+    made = []
+    real = g.group_plan
+    g.group_plan = lambda plan: made.append(1) or real(plan)
+    try:
+        for _ in range(3):  # the same trees: the groups are made once and kept with the plan
+            ferry.offload()
+            ferry.reload(prefetch=True)
+            assert torch.equal(m(x), want)
+        assert len(made) == 1, made
+        plan = ferry._set.cache.plan
+        assert content(g.prefetch_groups(plan)) == content(real(plan))
+        assert len(made) == 1
+        # A tree changed with the same tensors (m[2]'s bias also registered in m[0]): made again, as group_plan
+        m[0].register_parameter("moved", m[2].bias)
+        assert content(g.prefetch_groups(plan)) == content(real(plan)) and len(made) == 2
+        del m[0].moved
+        # The plan keeps no module alive through its kept groups
+        alive = weakref.ref(m[1])
+        del m, ferry
+        gc.collect()
+        assert alive() is None
+    finally:
+        g.group_plan = real
+
+
+@needs_dist
+def test_groups_are_kept_with_the_plan_while_the_trees_stay():
+    """[Note: groups kept with the plan]: a layer-wise reload makes its groups once per plan and module trees,
+    makes them again (equal to group_plan's) when a tree changes, and holds no module strongly."""
+    run_spawned(_kept_groups_body, world=2)

@@ -9,6 +9,7 @@ from torch import nn
 
 from .._state.fsdp import fsdp_modules, lazy_init_done, unit_key
 from .._state.plan import Plan
+from .._state.tree import members, module_tree
 
 __all__ = ["TAIL_PIECE_BYTES", "Group", "group_plan", "prefetch_groups", "split_tail"]
 
@@ -58,14 +59,15 @@ def group_plan(plan: Plan) -> list[Group]:
             return [Group(None, list(range(len(plan.storages))), list(range(len(plan.tensors))), plan.state_bytes)]
         return []
     owner: dict[int, int] = {}  # id(tensor) -> group index
-    members = [m for root in plan.modules for m in fsdp_modules(root)]
-    for u in reversed(members):  # innermost first claims
+    units_in_order = [m for root in plan.modules for m in fsdp_modules(root)]
+    for u in reversed(units_in_order):  # innermost first claims
         gi = alias[id(u)]
-        for p in u.parameters():
+        tree = module_tree(u)  # one walk of the unit's modules, as u.parameters() and u.buffers() make
+        for _, p in members(tree, "_parameters"):
             owner.setdefault(id(p), gi)
             if p.grad is not None:
                 owner.setdefault(id(p.grad), gi)
-        for b in u.buffers():
+        for _, b in members(tree, "_buffers"):
             owner.setdefault(id(b), gi)
     tail = len(units)
     groups = [Group(u) for u in units] + [Group(None)]
@@ -98,12 +100,44 @@ def prefetch_groups(plan: Plan) -> list[Group] | None:
     Plain: state holding gradients (a ``zero_grad(set_to_none=False)`` before
     the forward would write their host copies with ``_foreach_zero_``, which
     DTensors do not count in their version counters), FSDP2 before its lazy
-    init, or nothing to defer (no units and no optimizer state).
+    init, or nothing to defer (no units and no optimizer state). The groups are
+    kept with the plan while the module trees stay as they were ([Note: groups
+    kept with the plan]).
     """
     if plan.has_grads:
         return None
-    groups = group_plan(plan) if lazy_init_done(plan.modules) else []
+    groups = _kept_groups(plan) if lazy_init_done(plan.modules) else []
     return groups if len(groups) > 1 or (groups and plan.optimizers) else None
+
+
+# [Note: groups kept with the plan]
+# group_plan() walks every unit's subtree (the root's is the whole model): with LoRA's adapters,
+# verl's Qwen2.5-1.5B has about 2,300 modules, and the walk was the largest part of a layer-wise
+# reload's host time (``groups.py group_plan`` under ``VERL_ACTOR_PROFILE=1``, benchmarks/README.md).
+# A plan is kept across offloads while its tensors are the same objects ([Note: cached plan] in
+# ``_state/plan.py``), and the groups depend only on the plan and on the module trees: which
+# module holds which parameters and buffers, and which modules are FSDP units. So the groups are
+# kept in ``plan.derived`` under the trees' signature (per module in pre-order: its id and its
+# parameters' and buffers' ids; one walk, memoised for the call: [Note: module walks] in
+# ``_state/tree.py``), with each group's unit as its index among the units (the plan holds no
+# module strongly); any change to a tree (a module replaced, moved or wrapped, a parameter
+# re-registered) changes the signature and the groups are made again. Each call gets fresh lists.
+def _tree_signature(plan: Plan) -> tuple:
+    return tuple((id(m), tuple(map(id, m._parameters.values())), tuple(map(id, m._buffers.values())))
+                 for root in plan.modules for _, m in module_tree(root))
+
+
+def _kept_groups(plan: Plan) -> list[Group]:
+    units = [u for root in plan.modules for u in fsdp_modules(root)]
+    key = _tree_signature(plan)
+    kept = plan.derived.get("groups")
+    if not (isinstance(kept, tuple) and kept[0] == key):
+        groups = group_plan(plan)
+        pos = {id(u): i for i, u in enumerate(units)}
+        kept = (key, [(None if g.unit is None else pos[id(g.unit)], g.storages, g.tensors, g.nbytes)
+                      for g in groups])
+        plan.derived["groups"] = kept
+    return [Group(None if u is None else units[u], list(st), list(ts), n) for u, st, ts, n in kept[1]]
 
 
 TAIL_PIECE_BYTES = 256 << 20  # a tail issued from the thread goes in groups of about this size (bytes)

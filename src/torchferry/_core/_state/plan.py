@@ -96,6 +96,9 @@ class Plan:
             last plan; a model dropped by its user must still be collected).
         optimizer_refs: weak references to the optimizer targets and the
             optimizers they wrap.
+        derived: layouts derived from the plan and kept with it by the layers above, each with
+            the key it is valid for (a layer-wise reload's groups: [Note: groups kept with the
+            plan] in ``_schedules/groups.py``); no strong reference to a module.
     """
 
     device: torch.device
@@ -104,6 +107,7 @@ class Plan:
     tensors: list[TensorRef]
     module_refs: list[weakref.ref]
     optimizer_refs: list[weakref.ref]
+    derived: dict[str, object] = dataclasses.field(default_factory=dict)
 
     @property
     def modules(self) -> list[nn.Module]:

@@ -104,7 +104,10 @@ but bought nothing and cost memory: with LoRA (one H100, 6.2 GB per reload) the 
 phase's calls took 0.159 s against 0.144 s without it, and the rollout found 185 MB less
 free than under verl's helpers (84.05 against 84.24 GB, ``free_alone_bytes``; equal
 without it) (``..._fsdp2-lora-compute-rich_h100x1_2026-12-06_d133bc4_micro-8-8.json``
-against ``..._28d93dd_micro-8-8.json``). The calls' host time is spent elsewhere
+against ``..._28d93dd_micro-8-8.json``). Its one gain: the offload's ``empty_cache()`` freed one
+segment, not one per storage (LoRA's offload calls 0.043 s with it, 0.083 s without at 2a41efd,
+``..._2a41efd_micro-8-8.json``, on another H100 whose verl offloads took 1.4x longer too); the
+rollout's memory comes first. The calls' host time is spent elsewhere
 ([Note: the calls timed] in ``benchmarks/verl_step/timing.py`` profiles them). So the
 layer-wise path keeps no arena; ``tests/gpu/test_deterministic_fill_cuda.py`` holds it
 exact under the fill with the caller's stream held up.

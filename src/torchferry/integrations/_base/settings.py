@@ -30,7 +30,7 @@ from ..._core._api.env import OFF, env_flag, parse_bytes
 
 __all__ = [
     "DOCK_ENV", "FORWARDED_SETTINGS", "FSDP1_ENV", "LAYERWISE_ENV", "OPTIMIZER_AT_STEP_ENV", "SKIP_ENV", "SWITCHES",
-    "Settings", "dock_budget", "forwarded_env", "hook_enabled", "next_hook", "parse_budget", "read_switch",
+    "Settings", "dock_budget", "forwarded_env", "hook_env", "parse_budget", "read_switch",
 ]
 
 SKIP_ENV = "TORCHFERRY_SKIP_UNCHANGED"
@@ -63,19 +63,15 @@ def read_switch(name: str, default: bool | None = None) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class Settings:
-    """What one integration's replacements do, fixed by its ``patch()`` ([Note: each integration's settings])."""
+    """What one integration's replacements do, fixed by its ``patch()`` ([Note: each integration's settings]).
+    The switches' Notes: [Note: the helpers skip unchanged storages], [Note: optimizer state waited for at
+    step()], [Note: the helpers' layer-wise reload], [Note: FSDP1 models through torchferry]."""
 
     skip_unchanged: bool = True
-    """Models' new ferries skip unchanged storages ([Note: the helpers skip unchanged storages]); default on."""
     optimizer_at_step: bool = False
-    """``load_fsdp_optimizer`` leaves the copies to ``step()`` ([Note: optimizer state waited for at step()])."""
     layerwise_reload: bool = False
-    """``load_fsdp2_model_to_gpu`` reloads layer-wise ([Note: the helpers' layer-wise reload])."""
     fsdp1: bool = True
-    """verl's FSDP1 models go through torchferry ([Note: FSDP1 models through torchferry]); default on."""
-    dock: int | float | None = None
-    """verl's dock budget from ``patch(dock=...)`` or ``TORCHFERRY_VERL_DOCK`` (bytes, or a fraction of the
-    device; ``None``: neither names one)."""
+    dock: int | float | None = None  # verl's dock budget: bytes, a fraction of the device, or None (no dock)
     chosen: tuple[tuple[str, str], ...] = ()
     """The ``patch()`` arguments given so far, as the variables a Ray worker reads (``("TORCHFERRY_LAYERWISE_RELOAD",
     "0")``): what the integration's Ray hook passes on, over the driver's environment."""
@@ -182,15 +178,11 @@ def forwarded_env() -> dict[str, str]:
     return {k: os.environ[k] for k in FORWARDED_SETTINGS if k in os.environ}
 
 
-def hook_enabled(flag: str) -> bool:
-    """A Ray hook's switch (``TORCHFERRY_VERL``): on unless off.
+def hook_env(flag: str, next_env: str) -> tuple[bool, str | None]:
+    """A Ray hook's switch (``TORCHFERRY_VERL``: on unless off) and the user's own hook it runs after
+    torchferry's (``module.function`` in ``next_env``), if any.
 
     Raises:
-        ValueError: neither on nor off.
+        ValueError: the switch is neither on nor off.
     """
-    return env_flag(flag, True)
-
-
-def next_hook(env: str) -> str | None:
-    """The user's own hook a Ray hook runs after torchferry's (``module.function``), if any."""
-    return os.environ.get(env) or None
+    return env_flag(flag, True), os.environ.get(next_env) or None

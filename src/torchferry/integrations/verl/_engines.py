@@ -89,7 +89,6 @@ def _helper_set(engine: str) -> HelperSet:
 
 
 ENGINE_SETS = tuple(_helper_set(engine) for engine in ("veomni", "automodel"))
-"""One helper set per engine ([Note: the VeOmni and Automodel helpers])."""
 
 
 def importable_sets() -> list[HelperSet]:

@@ -1,76 +1,49 @@
 """The seed's FSDP offload helpers, backed by torchferry: one object shared by every integration.
 
-verl's ``verl.utils.fsdp_utils`` (verl PR #7347) and SkyRL's ``skyrl.backends.skyrl_train.distributed.fsdp_utils``
-(adapted from verl's) define the same four helpers under the same names and signatures, "the seed" below.
-:class:`SeedHelpers` is their drop-in for one caller, everything it depends on received as values; the
-module-level functions are the helpers a user imports (no integration, the environment's settings). Unlike
-the seed's, the host copies live in one exact-size pinned pool made once per model/optimizer (not 1.90x the
-state in power-of-two blocks, allocated on the fly), uneven FSDP2 shards stay pinned, and every parameter,
-gradient and optimizer-state object keeps its identity; as with the seed, the offloaded tensors are CPU
-tensors in pinned memory, and with ``empty_cache=True`` the offload has completed when the helper returns.
+verl's ``verl.utils.fsdp_utils`` (verl PR #7347) and SkyRL's ``...skyrl_train.distributed.fsdp_utils`` define
+the same four helpers, "the seed" below. :class:`SeedHelpers` is their drop-in for one caller; the module-level
+functions are those a user imports (no integration, the environment's settings). What they do better than
+the seed's: ``docs/verl-quickstart.md`` ("What changes").
 
 [Note: the verl helpers order the caller's stream]
-The seed's ``.to("cpu", non_blocking=True)`` copies run on the caller's stream, so the framework's code may
-read the host copies after a synchronisation of that stream (``.item()``, a blocking ``.cpu()``,
-``torch.cuda.current_stream().synchronize()``). torchferry's run on its own D2H stream, which those do not
-order: on one H200 (12 x 8192^2 AdamW, 6.4 GB of state) the last state tensor read on the host right after
-verl's ``offload_fsdp_optimizer`` differed from the state in 3 of 3 trials. So each offload helper makes the
-caller's current stream wait for the offload's D2H event (``handle.wait_stream``; no host sync). The cost, as
-with the seed: work queued on that stream afterwards starts only once the D2H is done (6.4 GB: 0.12 s at the
-53.8 GB/s offloads reach on an H200, README); a ``save_checkpoint`` right after ``update_actor`` first reloads
-the model, whose H2D stream waits for the caller's stream, so it now starts after the optimizer's D2H.
-(SkyRL's ``FSDPStrategy`` calls ``torch.cuda.synchronize()`` after the helpers.) Checkpoints do not depend on
-this ordering: ``state_dict()`` waits for the copies by itself ([Note: state_dict() waits for the offload] in
-``torchferry._core._ferry.guards``); other host reads need this ordering plus a synchronisation, or
-``handle.wait()``.
+The seed's copies run on the caller's stream, so the framework may read the host copies after a
+synchronisation of that stream; torchferry's D2H stream is not ordered by it (on one H200 the last state
+tensor read right after verl's ``offload_fsdp_optimizer`` differed in 3 of 3 trials). So each offload helper
+makes the caller's current stream wait for the offload's D2H event (``handle.wait_stream``; no host sync): work
+queued on that stream afterwards starts once the D2H is done, as with the seed. ``state_dict()`` waits by itself
+([Note: state_dict() waits for the offload] in ``torchferry._core._ferry.guards``).
 
 [Note: optimizer state waited for at step()]
-verl's ``FSDPEngine.to`` reloads the optimizer state right after the model, before update_actor's first
-forward, and the seed's ``load_fsdp_optimizer`` makes the caller's stream wait for all of it (12.3 GB of AdamW
-state at Qwen2.5-1.5B: 0.228 s on one H200, ``load_optimizer`` in
-``benchmarks/results/frameworks_qwen2.5-1.5b_h200x1_2026-12-01_dc0385b.json``; 30.5 GB at 7B), although only
-``optimizer.step()`` reads it. With ``optimizer_at_step`` on, ``load_fsdp_optimizer`` reloads through
-``ferry.reload(prefetch=True)``: the copies run on the H2D stream behind the caller's forward and backward
-(with switch points: [Note: switch points]), and a step pre-hook completes them before ``optimizer.step()``
-(``state_dict()`` too: [Note: prefetch reload] in ``torchferry._core._schedules.prefetch``). Until then the
-state tensors are host tensors viewing the pinned pool, bit-identical to what comes back. verl 0.9.1's own
-actor (``TrainingWorker``, FSDP2, param and optimizer offload) with it on stays bit-identical to verl's
-unpatched run (``tests/cpu/test_integration_verl_actor.py``, on the CPU over gloo; on one H200 too,
-``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp2-full-compute-rich_h200x1_2026-12-02.json``). The caller's
-code must read no optimizer state between the load and the step (verl's and SkyRL's do not).
+The seed's ``load_fsdp_optimizer`` makes the caller's stream wait for all of the state before update_actor's
+first forward (12.3 GB of AdamW state at Qwen2.5-1.5B: 0.228 s on one H200, ``load_optimizer`` in
+``benchmarks/results/frameworks_qwen2.5-1.5b_h200x1_2026-12-01_dc0385b.json``), though only ``optimizer.step()``
+reads it. With ``optimizer_at_step`` on it reloads through ``ferry.reload(prefetch=True)``: the copies run behind
+the forward and backward ([Note: switch points]) and a step pre-hook (``state_dict()`` too) completes them
+([Note: prefetch reload] in ``torchferry._core._schedules.prefetch``). The caller must read no optimizer state
+between the load and the step (verl's and SkyRL's do not). verl 0.9.1's own actor stays bit-identical to its
+unpatched run (``tests/cpu/test_integration_verl_actor.py``; on one H200,
+``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp2-full-compute-rich_h200x1_2026-12-02.json``).
 
 [Note: the helpers' layer-wise reload]
 With ``layerwise_reload`` on, ``load_fsdp2_model_to_gpu`` reloads through ``ferry.reload(prefetch=True)``: the
-FSDP2 units come back in forward order on the H2D stream, each unit's forward waiting only for its own copies
-([Note: prefetch reload] in ``torchferry._core._schedules.prefetch``), so the phase's first forward starts
-after the first unit, not after the whole model (a reload before FSDP2's lazy init is whole: the units are
-not known yet). Until its unit's forward a parameter is a host tensor viewing the pinned pool;
-``state_dict()``, an offload and ``optimizer.step()`` complete the reload first. It fits phases that start
-with a forward (verl's compute_log_prob and update_actor, whose parameters have no ``.grad`` then: a state
-holding gradients is reloaded whole); code that reads parameters outside a forward right after the load sees
-host tensors; a ``module.to(...)`` there is made good at the reload ([Note: FSDP2's shard buffer after a
-move] in ``torchferry._core._state.fsdp``). An ``optimizer.load_state_dict()`` there places the loaded state
-on the host: load the model's state first (verl's ``load_checkpoint`` does) or call
-``ferry_for(model).reload()``. verl 0.9.1's own actor with it on stays bit-identical to verl's unpatched run,
-LoRA and its weight sync included (same tests and figures as above).
-
-Both switches are on under verl's ``patch()`` ([Note: verl's defaults] in ``integrations.verl._patch``), off
-elsewhere; ``patch(...)`` of an integration or ``TORCHFERRY_OPTIMIZER_AT_STEP`` /
-``TORCHFERRY_LAYERWISE_RELOAD`` (which the Ray hooks pass on) set them.
+FSDP2 units come back in forward order, each unit's forward waiting only for its own copies ([Note: prefetch
+reload]); a reload before FSDP2's lazy init, or of a state holding gradients, is whole. Until its unit's
+forward a parameter views the pinned pool; ``state_dict()``, an offload and ``optimizer.step()`` complete the
+reload first, and a ``module.to(...)`` is made good at it ([Note: FSDP2's shard buffer after a move] in
+``torchferry._core._state.fsdp``). An ``optimizer.load_state_dict()`` right after the load puts the state on the
+host: load the model's state first or call ``ferry_for(model).reload()``. verl's own actor, LoRA and its weight
+sync included, stays bit-identical (the tests and figures above). Both switches are on under verl's ``patch()``
+([Note: verl's defaults] in ``integrations.verl._patch``), off elsewhere.
 
 [Note: the helpers skip unchanged storages]
 A model's ferry is made with ``skip_unchanged=True`` ([Note: unchanged storages] in
-``torchferry._core._schedules.unchanged``): the frameworks offload after forward-only phases too (verl after
-old_log_prob and the reference's forward, SkyRL whenever another role of the colocation group needs the GPU),
-and after the first cycle such an offload copies nothing and only releases. A trained model's offload copies
-everything without hashing; what it costs there is one hash of the model's storages after each reload.
-Measured on one H200 (SkyRL's helpers, Qwen2.5-1.5B, ``benchmarks/frameworks.py``): a forward-only model's
-offload took 0.021 s with nothing copied against 0.121 s copying 6.2 GB; a trained model's offload 0.127 s
-against 0.119 s and its load 0.119 s against 0.116 s
+``torchferry._core._schedules.unchanged``): the frameworks offload after forward-only phases too, and after the
+first cycle such an offload copies nothing; a trained model's copies everything, for one hash of its storages
+after each reload. On one H200 (SkyRL's helpers, Qwen2.5-1.5B) a forward-only model's offload took 0.021 s
+against 0.121 s, a trained model's 0.127 s against 0.119 s
 (``benchmarks/results/frameworks_qwen2.5-1.5b_h200x1_2026-12-01_424a4de.json`` against
-``..._9365f08-models-plain.json``, separate runs). Optimizers' ferries are plain: their state changes at every
-step. ``patch(skip_unchanged=False)`` or ``TORCHFERRY_SKIP_UNCHANGED=0`` (passed on by the Ray hooks) makes
-plain ferries for the models offloaded after it is set (a ferry keeps its setting).
+``..._9365f08-models-plain.json``). Optimizers' ferries are plain. ``patch(skip_unchanged=False)`` or
+``TORCHFERRY_SKIP_UNCHANGED=0`` makes plain ferries for the models offloaded after it.
 """
 
 from __future__ import annotations
@@ -214,13 +187,9 @@ class PatchState:
 
 def unpatch_integration(name: str, helper_sets: Iterable[HelperSet], *, keep_offloaded: bool = False,
                         dock_sets: Mapping[Ferry, str] | None = None) -> PatchState | None:
-    """An integration's ``unpatch()``: what its replacements hold offloaded brought back (all or nothing: [Note:
-    unpatch() brings the state back]), its names restored (unpatched, ``helper_sets``' replacements that modules
-    imported after ``patch()`` bound), its ferries closed but ``dock_sets`` (a verl dock's, named so in
-    messages). ``keep_offloaded``: neither brought back nor closed.
-
-    Returns:
-        The patch state it ended (``None``: it was not patched).
+    """An integration's ``unpatch()``: what its replacements hold offloaded brought back (not with
+    ``keep_offloaded``: [Note: unpatch() brings the state back]), its names restored (unpatched: ``helper_sets``'
+    in modules imported after ``patch()``), its ferries closed but ``dock_sets``'; the state it ended returned.
 
     Raises:
         RuntimeError: a reload failed; nothing is unpatched then.
@@ -254,9 +223,8 @@ def settings_of(integration: str) -> dict[str, bool]:
 
 
 def patch_choices(integration: str) -> dict[str, str]:
-    """The arguments given to ``integration``'s ``patch()`` in this process, as the environment variables a
-    worker reads (``"1"`` / ``"0"``, a dock budget): what its Ray hook passes on, so a driver's
-    ``patch(layerwise_reload=False)`` reaches the workers as ``TORCHFERRY_LAYERWISE_RELOAD=0``."""
+    """The arguments given to ``integration``'s ``patch()`` in this process, as the environment variables its Ray
+    hook passes on (``patch(layerwise_reload=False)``: ``TORCHFERRY_LAYERWISE_RELOAD=0``)."""
     state = REGISTRY.patched.get(integration)
     return {} if state is None else dict(state.settings.chosen)
 
@@ -265,21 +233,14 @@ _DIRECT = SeedHelpers(REGISTRY)  # a user's own calls: no integration, the envir
 
 
 def ferry_for(obj: nn.Module | torch.optim.Optimizer) -> Ferry | None:
-    """The ferry the helpers keep for ``obj`` (a model or optimizer passed to one of them): its
-    :class:`~torchferry.Ferry`, or ``None`` if it was never offloaded through these helpers."""
+    """The :class:`~torchferry.Ferry` the helpers keep for ``obj`` (``None``: never offloaded through them)."""
     return REGISTRY.ferry(obj)
 
 
 def offload_fsdp2_model_to_cpu(model: nn.Module, empty_cache: bool = True) -> None:
-    """Offloads ``model``'s parameters, buffers and gradients to pinned host memory.
-
-    The current stream waits for the D2H copies (no host sync), so a later synchronisation of it orders
-    them, as after the seed's same-stream copy ([Note: the verl helpers order the caller's stream]).
-
-    Args:
-        model: an FSDP2 (``fully_shard``-ed) or plain module on one GPU.
-        empty_cache: wait for the D2H copies, then ``torch.cuda.empty_cache()`` to return the released
-            memory to the driver (the seed does the same, and its ``empty_cache`` synchronises too).
+    """Offloads the parameters, buffers and gradients of ``model`` (FSDP2 or plain, on one GPU) to pinned host
+    memory, the current stream waiting for the copies ([Note: the verl helpers order the caller's stream]);
+    with ``empty_cache``, waits for them and returns the released memory to the driver, as the seed does.
 
     Raises:
         RuntimeError: host memory could not be allocated or pinned (the model stays on the GPU, unchanged).
@@ -289,37 +250,32 @@ def offload_fsdp2_model_to_cpu(model: nn.Module, empty_cache: bool = True) -> No
 
 
 def load_fsdp2_model_to_gpu(model: nn.Module) -> None:
-    """Reloads what :func:`offload_fsdp2_model_to_cpu` offloaded; a no-op for a model never offloaded through
-    these helpers. The current stream waits for the H2D copies (as with the seed's same-stream
-    ``model.to(device, non_blocking=True)``), or, with ``layerwise_reload`` on, each FSDP2 unit's forward for
-    its own ([Note: the helpers' layer-wise reload])."""
+    """Reloads what :func:`offload_fsdp2_model_to_cpu` offloaded (a no-op for a model it never offloaded), the
+    current stream waiting for the copies, or with ``layerwise_reload`` on each FSDP2 unit's forward for its
+    own ([Note: the helpers' layer-wise reload])."""
     _DIRECT.load_model(model)
 
 
 def offload_fsdp_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Offloads every device tensor in ``optimizer.state`` to pinned host memory; a no-op for an optimizer
-    without state (before its first step), as in the seed. Returns with the D2H copies in flight, the current
-    stream waiting for them (no host sync: [Note: the verl helpers order the caller's stream]);
-    ``optimizer.state_dict()`` waits for them by itself."""
+    """Offloads every device tensor in ``optimizer.state`` to pinned host memory (a no-op without state, as in
+    the seed); returns with the copies in flight, the current stream waiting for them ([Note: the verl helpers
+    order the caller's stream])."""
     _DIRECT.offload_optimizer(optimizer)
 
 
 def load_fsdp_optimizer(optimizer: torch.optim.Optimizer, device_id: int | str | torch.device) -> None:
-    """Reloads what :func:`offload_fsdp_optimizer` offloaded onto ``device_id``, which must be the device the
-    state came from (torchferry restores the original storages). The current stream waits for the copies, or,
-    with ``optimizer_at_step`` on, only ``optimizer.step()`` does ([Note: optimizer state waited for at step()]).
+    """Reloads what :func:`offload_fsdp_optimizer` offloaded, the current stream waiting for the copies, or with
+    ``optimizer_at_step`` on only ``optimizer.step()`` ([Note: optimizer state waited for at step()]).
 
     Raises:
-        ValueError: ``device_id`` is not the device the state was offloaded from.
+        ValueError: ``device_id`` is not the device the state was offloaded from (it reloads where it came from).
     """
     _DIRECT.load_optimizer(optimizer, device_id)
 
 
 def seed_replacements(integration: str, original: Mapping[str, Callable]) -> dict[str, Callable]:
-    """The four seed helpers' replacements for ``integration`` (each ``__wrapped__``: the public helper): each
-    runs the integration's :func:`helpers_of` at its call; a load of an object torchferry never moved (the
-    framework's own code offloaded it, before ``patch()`` or through a path ``patch()`` does not reach) goes
-    to the framework's ``original``."""
+    """The four seed helpers' replacements for ``integration`` (each ``__wrapped__``: the public helper), each
+    running :func:`helpers_of` at its call; a load of an object torchferry never moved goes to ``original``."""
 
     def load_model(model):
         if REGISTRY.ferry(model) is None:

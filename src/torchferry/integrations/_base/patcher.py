@@ -17,6 +17,7 @@ late-import report in ``tests/cpu/test_integration_verl.py``). The second keeps 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -85,10 +86,8 @@ class Patcher:
                 for o, a, _ in self._patched]
 
     def check(self) -> tuple[ModuleType, object]:
-        """Imports the module and checks the names; changes nothing.
-
-        Returns:
-            The module and the object whose attributes are replaced (the module, or the class).
+        """Imports the module and checks the names, changing nothing; the module and the owner of the names
+        (the module, or the class).
 
         Raises:
             RuntimeError: the framework is not importable, a name or required attribute is missing, or a
@@ -120,10 +119,7 @@ class Patcher:
 
     def patch(self, *, import_call_sites: bool = True) -> list[str]:
         """Replaces the names, on the class or in the module and every package module that bound them (those of
-        ``HelperSet.call_sites`` imported first, with ``import_call_sites``). Idempotent.
-
-        Returns:
-            The names replaced.
+        ``HelperSet.call_sites`` imported first, with ``import_call_sites``), and returns them. Idempotent.
 
         Raises:
             RuntimeError: as :meth:`check`; nothing is replaced then.
@@ -141,10 +137,8 @@ class Patcher:
                 setattr(owner, name, fn)
             return self.names()
         for mod_name in hs.call_sites if import_call_sites else ():
-            try:
+            with contextlib.suppress(Exception):  # an optional call site whose own dependencies are missing
                 importlib.import_module(mod_name)
-            except Exception:  # an optional call site whose own dependencies are missing
-                pass
         for mod_name, mod in self._package_modules():
             for name, orig in originals.items():
                 if getattr(mod, name, None) is orig:

@@ -41,11 +41,9 @@ class HookNames:
 
 # [Note: a failed patch fails every import]
 # The patch runs inside the helper module's import, right after its code. When it raises (a bad
-# TORCHFERRY_VERL_DOCK in the worker's environment), Python's import drops the half-made module
-# from ``sys.modules``, so a second ``import`` runs the module again. The finder was removed before
-# the patch ran, so that second import found no finder, succeeded and left the framework unpatched:
-# the job ran without torchferry, silently. The finder goes back on ``sys.meta_path`` when the patch
-# raises, so every later import of the module runs the patch again and raises again.
+# TORCHFERRY_VERL_DOCK in the worker's environment), Python drops the half-made module, so a second ``import``
+# runs it again; with the finder already removed, that import succeeded unpatched and the job ran without
+# torchferry, silently. So the finder goes back on ``sys.meta_path`` when the patch raises.
 class _PatchAfterExec(importlib.abc.Loader):
     """Wraps the loader of the helper module: runs it, then the patch."""
 
@@ -95,14 +93,8 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 
 class WorkerHook:
-    """The Ray worker hook of one integration.
-
-    Args:
-        names: its names (:class:`HookNames`).
-        patch: patches now, without importing call sites (modules imported later bind the replacements by
-            their own ``from ... import``); raises ``RuntimeError`` when the framework changed.
-        is_patched: whether the integration is patched.
-    """
+    """The Ray worker hook of one integration: ``patch`` patches now, without importing call sites (modules
+    imported later bind the replacements by their own ``from ... import``)."""
 
     def __init__(self, names: HookNames, patch: Callable[[], object], is_patched: Callable[[], bool]) -> None:
         self.names, self._patch, self._is_patched = names, patch, is_patched
@@ -122,8 +114,8 @@ class WorkerHook:
             _PatchOnImport(self.names.module, self._patch).install()
 
     def ray_worker_setup(self) -> None:
-        """The hook: :meth:`patch_when_imported` unless the ``env_flag`` variable is off ([Note: one parser
-        for the environment]), then the hook named in ``next_hook_env``, either way.
+        """The hook: :meth:`patch_when_imported` unless ``env_flag`` is off ([Note: one parser for the
+        environment]), then the hook named in ``next_hook_env``.
 
         Raises:
             RuntimeError: as the integration's ``patch()``.
@@ -139,14 +131,10 @@ class WorkerHook:
             getattr(importlib.import_module(module), name)()
 
     def with_worker_setup(self, runtime_env: dict | None) -> dict:
-        """A copy of a Ray ``runtime_env`` (a dict, or ``None``) whose worker processes run the hook.
-
-        A ``worker_process_setup_hook`` already there runs after torchferry's (a callable one wrapped, a string
-        one passed on by name). ``env_vars`` get ``<env_flag>=1`` and the driver's ``FORWARDED_SETTINGS`` that
-        it does not set itself (Ray gives workers on other nodes the job's ``env_vars``, not the driver's
-        environment), a driver's ``patch(...)`` arguments taking the place of its environment
-        (``patch(layerwise_reload=False)``: ``TORCHFERRY_LAYERWISE_RELOAD=0``).
-        """
+        """A copy of a Ray ``runtime_env`` (a dict, or ``None``) whose worker processes run the hook, after which
+        a ``worker_process_setup_hook`` already there runs. Its ``env_vars`` get ``<env_flag>=1`` and, where
+        they do not set them, the driver's ``FORWARDED_SETTINGS`` (workers on other nodes see the job's
+        ``env_vars``, not the driver's environment), its ``patch(...)`` arguments over them."""
         n = self.names
         env = dict(runtime_env or {})
         env_vars = dict(env.get("env_vars") or {})

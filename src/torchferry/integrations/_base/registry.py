@@ -1,22 +1,17 @@
 """The one registry of the integrations: every ferry their helpers made, and each integration's patch state.
 
 [Note: unpatch() brings the state back]
-Between an integration's ``patch()`` and ``unpatch()`` the framework's offload helpers (verl's
-``offload_fsdp_model_to_cpu`` / ``offload_fsdp_optimizer``, SkyRL's ``offload_fsdp2_model_to_cpu``,
-AReaL's ``FSDPEngine.offload``; verl's dock evicting a set) move state into a ferry's pool, guarded, that
-only the ferry can put back. The framework's own load helpers cannot: verl's and SkyRL's
-``model.to(device)`` / ``state[key].to(device_id)`` leave the ferry offloaded and its guards in place,
-AReaL's ``onload()`` resumes a torch_memory_saver that paused nothing. So every ``unpatch()`` first brings
-back (:meth:`Registry.bring_back`) each ferry its replacements made that is not resident (offloaded, its
-offload in flight, or a layer-wise reload under way), synchronously, and all or nothing: a reload that
-fails (the device out of memory, the usual case) offloads again the ferries this call brought back,
-restores nothing and raises ``RuntimeError`` naming the cause and what stays offloaded; the integration
-stays patched and ``unpatch()`` may be called again once there is room. Only then are the originals
-restored and the ferries closed, but those a verl dock holds, which the dock keeps for a later
-``patch(dock=...)`` of its budget. verl's ``unpatch(keep_offloaded=True)`` does neither, for a process
-that switches to verl's own helpers for other models and patches again later (the turns of
-``benchmarks/verl_actor.py``). ``tests/cpu/test_integration_verl.py`` (and the SkyRL, AReaL and verl
-dock tests) check both paths.
+Between ``patch()`` and ``unpatch()`` the framework's offload helpers (and verl's dock evicting a set) move
+state into a ferry's pool, guarded, which the framework's own load helpers cannot bring back (verl's and
+SkyRL's ``.to(device)`` leave the ferry offloaded and its guards in place; AReaL's ``onload()`` resumes a
+torch_memory_saver that paused nothing). So every ``unpatch()`` first brings back (:meth:`Registry.bring_back`)
+each ferry its replacements made that is :func:`away`, synchronously, all or nothing: a reload that fails (the
+device out of memory) offloads again the ferries this call brought back, restores nothing and raises
+``RuntimeError`` naming the cause and what stays offloaded; the integration stays patched. Only then are the
+originals restored and the ferries closed, but those a verl dock holds, which it keeps for a later
+``patch(dock=...)`` of its budget. verl's ``unpatch(keep_offloaded=True)`` does neither (the turns of
+``benchmarks/verl_actor.py``). ``tests/cpu/test_integration_verl.py`` (and SkyRL's, AReaL's, the dock's) check
+both paths.
 """
 
 from __future__ import annotations

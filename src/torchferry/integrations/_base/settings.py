@@ -1,19 +1,14 @@
-"""An integration's settings, read once by its ``patch()``: the only module of ``integrations`` that
-reads ``TORCHFERRY_*`` variables.
+"""An integration's settings, read once by its ``patch()``: the only module of ``integrations`` that reads
+``TORCHFERRY_*`` variables.
 
 [Note: each integration's settings]
-verl's and SkyRL's replacements call the same helpers, but each integration's ``patch()`` arguments
-and defaults are its own: verl's ``patch()`` turns ``layerwise_reload`` and ``optimizer_at_step`` on
-by default, SkyRL's leaves them off, and with both patched in one process neither may change what
-the other's helpers do, nor may one's ``unpatch()`` forget the other's choices. So each ``patch()``
-builds one frozen :class:`Settings` (:meth:`Settings.read`): a switch is the ``patch()`` argument,
-else an earlier ``patch()``'s argument (until ``unpatch()``), else its environment variable (one per
-process, shared), else the integration's default. The integration's patch state holds it, its
-replacements receive it as a value (``SeedHelpers.settings``), its Ray hook forwards the arguments
-(``Settings.chosen``). A helper called directly (``torchferry.integrations.verl.offload_fsdp2_model_to_cpu``)
-belongs to no integration: it reads each switch from the environment when it needs it, over
-torchferry's defaults (:func:`read_switch`). ``tests/cpu/test_optimizer_at_step.py`` patches both in
-one process.
+verl's and SkyRL's replacements call the same helpers, but each integration's ``patch()`` arguments and
+defaults are its own (verl's turns ``layerwise_reload`` and ``optimizer_at_step`` on, SkyRL's leaves them off):
+with both patched in one process neither may change what the other's helpers do, nor may one's ``unpatch()``
+forget the other's choices. So each ``patch()`` builds one frozen :class:`Settings` (:meth:`Settings.read`),
+which its patch state holds, its replacements receive as a value and its Ray hook forwards (``chosen``). A
+helper called directly belongs to no integration: it reads each switch from the environment when it needs it
+(:func:`read_switch`). ``tests/cpu/test_optimizer_at_step.py`` patches both in one process.
 """
 
 from __future__ import annotations
@@ -84,16 +79,11 @@ class Settings:
     @classmethod
     def read(cls, args: Mapping[str, bool | None], *, defaults: Mapping[str, bool] | None = None,
              earlier: Settings | None = None, with_dock: bool = False, dock: object = None) -> Settings:
-        """The settings of one ``patch()``: each switch of ``args`` from its argument, else ``earlier``'s
-        argument, else the environment over ``defaults`` (the integration's), else torchferry's; the switches
-        ``args`` does not name keep torchferry's defaults. Checks everything before anything is replaced.
-
-        Args:
-            args: switch name -> the ``patch()`` argument (``None``: not given).
-            defaults: the integration's own defaults (verl's: [Note: verl's defaults]).
-            earlier: the settings of an earlier ``patch()`` of the same integration still in force.
-            with_dock: read a dock budget (verl's): ``dock``, else ``TORCHFERRY_VERL_DOCK`` (:func:`dock_budget`).
-            dock: verl's ``patch(dock=...)``.
+        """The settings of one ``patch()``: each switch of ``args`` (name -> the argument, ``None``: not given)
+        from its argument, else the argument of ``earlier`` (a ``patch()`` still in force), else the environment
+        over ``defaults`` (the integration's: [Note: verl's defaults]), else torchferry's; switches ``args`` does
+        not name keep torchferry's defaults. ``with_dock``: verl's budget too, ``dock`` else
+        ``TORCHFERRY_VERL_DOCK`` (:func:`dock_budget`). Checks everything before anything is replaced.
 
         Raises:
             TypeError: an argument is neither ``None`` nor a bool.
@@ -119,11 +109,10 @@ MIN_BUDGET_BYTES = 1 << 20  # below this a byte count is a slip (TORCHFERRY_VERL
 
 
 def parse_budget(value: object, where: str) -> int | float | None:
-    """A dock budget: bytes (an integer >= :data:`MIN_BUDGET_BYTES`, or a whole float above 1 such as
-    ``40e9``), a fraction of the device's memory (a float in (0, 1]), or ``None`` / ``0`` / ``0.0`` /
-    ``""`` (no dock). A str is a byte count as every other (``_api/env.parse_bytes``: ASCII digits or
-    ``40e9``), a fraction in ASCII digits with a point (``0.6``), or an off spelling of a switch
-    (``0, false, no, off``, any case: no dock); numpy numbers count as ints and floats.
+    """A dock budget: bytes (an integer >= :data:`MIN_BUDGET_BYTES`, or a whole float such as ``40e9``), a
+    fraction of the device's memory (a float in (0, 1]), or ``None`` / ``0`` / ``""`` / an off spelling (no
+    dock). A str is a byte count as every other (``_api/env.parse_bytes``) or a fraction in ASCII digits with a
+    point (``0.6``); numpy numbers count as ints and floats.
 
     Raises:
         ValueError: anything else, naming ``where`` (a bool, a negative or non-finite number, a non-whole

@@ -1,66 +1,46 @@
-"""``patch()``: AReaL's ``FSDPEngine.offload`` / ``onload`` through torchferry ferries.
+"""``patch()``: AReaL's ``FSDPEngine.offload`` / ``onload`` through torchferry ferries, replaced on
+``areal.engine.fsdp_engine.FSDPEngine`` (so on every subclass that does not define its own: ``FSDPPPOActor``,
+``FSDPPPOCritic``, ``FSDPLMEngine`` ...). Written against AReaL 1.0.4.
 
-Replaced on ``areal.engine.fsdp_engine.FSDPEngine``, and so on every subclass that does not define its own
-(``FSDPPPOActor``, ``FSDPPPOCritic``, ``FSDPLMEngine``, ``FSDPRWEngine``, ``FSDPDPOEngine``). Written against
-AReaL 1.0.4.
-
-AReaL's own ``offload()`` (``areal/engine/fsdp_engine.py``) raises ``RuntimeError`` unless torch_memory_saver
-is enabled (``TMS_INIT_ENABLE=1``, which AReaL's launchers and schedulers set, with the ``LD_PRELOAD`` hook,
-when ``enable_offload=True``), logs the device memory, runs ``current_platform.clear_memory()``,
-``torch_memory_saver.pause()``, synchronizes, waits at a barrier of the engine's gloo group (``cpu_group``),
-logs again and sets ``is_offload = True``; ``onload()`` resumes, synchronizes, waits at the barrier, logs and
-sets ``is_offload = False``. The replacements keep that sequence and those flags and move the engine's state
-with one :class:`~torchferry.Ferry` per engine over ``engine.model`` and ``engine.optimizer`` (the model alone
-for an engine without an optimizer, a reference or teacher), on ``engine.device``; no torch_memory_saver is
-needed, and a second ``offload()`` moves nothing (a second TMS pause ends the process). AReaL's callers keep
-their meaning: ``_offload_aware_context()`` (around ``update_weights``, ``save``, ``load``, ``export_stats``)
-onloads an offloaded engine for the outermost context and offloads it again at its end; ``_ensure_ready()``
-(``train_batch``, ``eval_batch``, ``forward_batch``) onloads it. While offloaded the engine's parameters,
-``.grad``s and optimizer state are CPU tensors viewing the ferry's pool, each the same Python object as
-before; a forward through the model raises ``RuntimeError`` naming ``reload()``.
+AReaL's own ``offload()`` needs torch_memory_saver (``TMS_INIT_ENABLE=1`` and its ``LD_PRELOAD`` hook, which
+AReaL's launchers set with ``enable_offload=True``): it logs the device memory, runs
+``current_platform.clear_memory()``, ``torch_memory_saver.pause()``, synchronizes, waits at a barrier of the
+engine's gloo group (``cpu_group``), logs again and sets ``is_offload``; ``onload()`` resumes, synchronizes,
+waits, logs. The replacements keep that sequence and those flags, so AReaL's callers
+(``_offload_aware_context()``, ``_ensure_ready()``) keep their meaning, and move the state with one
+:class:`~torchferry.Ferry` per engine over ``engine.model`` and ``engine.optimizer`` (the model alone for an
+engine without one), on ``engine.device``; a second ``offload()`` moves nothing (a second TMS pause ends the
+process). While offloaded the state is CPU tensors viewing the ferry's pool, each the same Python object.
 
 [Note: what torch_memory_saver released that a ferry does not]
-With ``LD_PRELOAD`` and ``TMS_INIT_ENABLE=1`` from process start, every ``cudaMalloc`` of every thread of the
-engine's process goes through torch_memory_saver (``csrc/entrypoint.cpp``), and ``pause()`` with no tag unmaps
-all of them (``TorchMemorySaver::pause`` in ``csrc/core.cpp``), each first copied to a host backup with a
-blocking ``cudaMemcpy`` (``TMS_INIT_ENABLE_CPU_BACKUP=1``). So it released, besides the model and optimizer
-state, everything else PyTorch's caching allocator had reserved in that process after AReaL's
-``empty_cache()``: live tensors that are not model state (cached activations, FSDP2's communication buffers
-alive at that moment, other engines' tensors in the same process), the free blocks of segments that are
-partly in use, cuBLAS workspaces, and whatever else the process allocated through ``cudaMalloc`` (NCCL's
-buffers where NCCL allocates them that way, Triton's or a library's scratch memory). A ferry releases exactly
-the storages of the engine's parameters, buffers, ``.grad``s and optimizer state (FSDP2 resharded first), and
-``clear_memory()`` returns to the driver the segments that leaves entirely free: the rest stays on the device,
-as do the CUDA context and memory mapped through the driver's ``cuMem*`` API. What torch_memory_saver did that
-a ferry does not need: it kept every virtual address (CUDA graphs and raw pointers stayed valid; a ferry's
-reload gives new addresses), and paid for that with a host copy of every reserved byte, free blocks included,
-into backups it allocated with ``cudaMallocHost`` at each pause and freed at each resume; a ferry's pool is
-the state's exact size, pinned once and kept.
+With ``TMS_INIT_ENABLE=1`` from process start every ``cudaMalloc`` of the process goes through
+torch_memory_saver, and ``pause()`` unmaps all of them, each first copied to a host backup. So it released,
+besides the model and optimizer state, everything else the caching allocator had reserved after AReaL's
+``empty_cache()``: live tensors that are not model state (cached activations, FSDP2's communication buffers,
+other engines' tensors), the free blocks of segments partly in use, cuBLAS workspaces, and other ``cudaMalloc``
+memory (NCCL's, Triton's). A ferry releases exactly the storages of the engine's parameters, buffers, ``.grad``s
+and optimizer state, and ``clear_memory()`` returns the segments that leaves entirely free: the rest stays on
+the device. In exchange torch_memory_saver kept every virtual address (CUDA graphs and raw pointers stayed
+valid; a ferry's reload gives new addresses) and paid a host copy of every reserved byte into backups
+allocated with ``cudaMallocHost`` at each pause; a ferry's pool is the state's exact size, pinned once.
 
 [Note: AReaL's clear_memory() beside the copies]
-AReaL's CUDA ``clear_memory()`` is ``torch.cuda.synchronize()``, ``gc.collect()``, ``torch.cuda.empty_cache()``
-(``areal/infra/platforms/cuda.py``). With the synchronize, barrier and logs after it, that took 0.37-0.43 s per
-offload of a 1.5B engine against 0.45 s of copies (one H200, ``overhead_s_all`` in
-``benchmarks/results/frameworks_qwen2.5-1.5b_h200x1_2026-12-01_424a4de.json``), most of it the collection:
-host work. Under ``whole_copies()`` ([Note: whole copies where the caller waits] in
-``torchferry._core._transfer.switch``) a ferry's ``offload()`` returns once all its D2H copies are queued, some
-20 ms into 0.45 s of copies for 24.7 GB; so on a CUDA device the replacement synchronizes first (whatever the
-collection frees is used by no pending kernel), queues the copies, collects while they run, waits for them,
-synchronizes and empties the cache: the same three steps, the collection moved under the DMA. It frees
-nothing the copies read (the ferry holds their sources until their event); ``empty_cache()`` still comes
-last, as in AReaL. Where ``current_platform.clear_memory`` is not AReaL's CUDA one (another platform, an
-override), the replacement waits for the copies and calls it as AReaL does. Measured at dc0385b (one H200,
-``benchmarks/results/frameworks_qwen2.5-1.5b_h200x1_2026-12-01_dc0385b.json``): the actor's offload took
-0.619 s, its copies 0.448 s of it, against 0.858 s at 424a4de; ``clear_memory()`` with the logs and barrier
-took 0.48-0.60 s alone in that process, so the method is now AReaL's own host work with the copies inside it.
+AReaL's CUDA ``clear_memory()`` is ``torch.cuda.synchronize()``, ``gc.collect()``, ``torch.cuda.empty_cache()``;
+with the logs and barrier it took 0.37-0.43 s per offload of a 1.5B engine against 0.45 s of copies (one H200,
+``overhead_s_all`` in ``benchmarks/results/frameworks_qwen2.5-1.5b_h200x1_2026-12-01_424a4de.json``), most of it
+the collection. Under ``whole_copies()`` ([Note: whole copies where the caller waits] in
+``torchferry._core._transfer.switch``) a ferry's ``offload()`` returns once its D2H copies are queued, so on a
+CUDA device the replacement synchronizes, queues the copies, collects while they run (the ferry holds their
+sources), waits for them, synchronizes and empties the cache: the same three steps, the collection under the
+DMA. Another platform's or an overridden ``clear_memory`` is called after the copies, as AReaL does. At dc0385b
+(``benchmarks/results/frameworks_qwen2.5-1.5b_h200x1_2026-12-01_dc0385b.json``) the actor's offload took
+0.619 s, 0.448 s of it copies, against 0.858 s at 424a4de.
 
 [Note: which engines skip unchanged storages]
-An engine without an optimizer (reference, teacher: forward-only) never writes its weights, so its ferry has
-``skip_unchanged=True``: after the first cycle an offload copies nothing and only releases (a 128-bit hash of
-each storage at reload and at offload decides; ``docs/ferry.md``). So does a LoRA engine (``config.use_lora``):
-its frozen base is most of the bytes. A full-parameter engine with an optimizer writes every weight each step,
-so its ferry copies everything without hashing. ``patch(skip_unchanged=...)`` forces one choice for every
-engine.
+An engine without an optimizer (reference, teacher) never writes its weights, so its ferry has
+``skip_unchanged=True``: after the first cycle an offload copies nothing and only releases (``docs/ferry.md``).
+So does a LoRA engine (``config.use_lora``), whose frozen base is most of the bytes. A full-parameter engine
+with an optimizer copies everything without hashing. ``patch(skip_unchanged=...)`` forces one choice.
 """
 
 from __future__ import annotations
@@ -225,34 +205,27 @@ def _replacements(module: ModuleType, original: Mapping[str, Callable]) -> dict[
 HELPER_SET = HelperSet(
     integration="areal", framework="AReaL", module="areal.engine.fsdp_engine", package="areal", cls="FSDPEngine",
     helpers={"offload": ("self",), "onload": ("self",)}, replacements=_replacements,
-    # The callers that give is_offload its meaning (if they are gone, AReaL's protocol changed), and what the
-    # replacements use of the engine module's globals, as AReaL's methods do.
+    # The callers that give is_offload its meaning, and the engine module's globals the replacements use.
     requires=("FSDPEngine._offload_aware_context", "FSDPEngine._ensure_ready", "current_platform", "dist"),
     catch=(Exception,),  # ImportError, or what areal's own imports raise without an optional package
 )
 
 
 def patch(*, skip_unchanged: bool | None = None) -> list[str]:
-    """Routes AReaL's ``FSDPEngine.offload`` / ``onload`` through torchferry ferries.
-
-    Idempotent: a second call changes nothing (its arguments included) and returns the same
-    names; :func:`unpatch` first to change them. Engines made before the call are covered too
-    (the methods are replaced on the class). Patches this process only: call it in every
-    process that runs an engine.
+    """Routes AReaL's ``FSDPEngine.offload`` / ``onload`` through torchferry ferries, in this process only
+    (engines made before the call too). Idempotent: a second call changes nothing, its arguments included.
 
     Args:
-        skip_unchanged: ``None`` (default): ``skip_unchanged=True`` for engines without an
-            optimizer and LoRA engines, off for the others ([Note: which engines skip
-            unchanged storages]); a bool: that for every engine.
+        skip_unchanged: ``None`` (default): on for engines without an optimizer and LoRA engines, off for the
+            others ([Note: which engines skip unchanged storages]); a bool: that for every engine.
 
     Returns:
         The ``module.Class.method`` names replaced.
 
     Raises:
         TypeError: ``skip_unchanged`` is neither ``None`` nor a bool.
-        RuntimeError: areal is not importable, or ``FSDPEngine`` or one of the methods, callers
-            or module globals the replacements rely on is missing or has other parameters than
-            this integration was written for (nothing is replaced then).
+        RuntimeError: areal is not importable, or ``FSDPEngine`` or one of the methods, callers or module globals
+            the replacements rely on is missing or has other parameters (nothing is replaced then).
     """
     state = REGISTRY.patched.get("areal")
     if state is not None:

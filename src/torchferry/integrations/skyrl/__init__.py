@@ -1,4 +1,4 @@
-"""torchferry for SkyRL: its FSDP2 offload helpers, replaced in one line or one command.
+"""torchferry for SkyRL 0.4.0: its FSDP2 offload helpers, replaced in one line or one command.
 
 In a process of your own::
 
@@ -6,21 +6,11 @@ In a process of your own::
     tf_skyrl.patch()      # SkyRL's offload_fsdp2_model_to_cpu & co. now go through torchferry
     tf_skyrl.unpatch()    # what they hold offloaded back on the device; SkyRL's own helpers again
 
-SkyRL's FSDP workers (``PolicyWorker``, ``CriticWorker``, ``RefWorker``) are Ray actors and its training loop a
-Ray task (``skyrl_entrypoint``), so the Ray hook :func:`ray_worker_setup` (``_base.ray_hook``) patches every
-worker that imports ``skyrl.backends.skyrl_train.distributed.fsdp_utils``. SkyRL starts Ray in one place,
-``skyrl.train.utils.utils.initialize_ray``, with no setting of its own for a setup hook, so the hook goes into
-that ``ray.init`` call::
-
-    python -m torchferry.integrations.skyrl.main_base <SkyRL's main_base arguments>
-    python -m skyrl.train.entrypoints.main_base ... \\
-        trainer.override_entrypoint=torchferry.integrations.skyrl.main_base
-
-With an entry point of your own, wrap its ``initialize_ray(cfg)`` in ``with tf_skyrl.ray_init_with_hook():``,
-or call ``tf_skyrl.patch_when_imported()`` in the worker before it imports SkyRL's FSDP code.
-
-The drop-in helpers re-exported here are the same function objects as ``torchferry.integrations.verl``'s
-(:mod:`torchferry.integrations._base.helpers`). Written against SkyRL 0.4.0.
+SkyRL's FSDP workers are Ray actors and its training loop a Ray task, so the Ray hook :func:`ray_worker_setup`
+patches every worker that imports SkyRL's ``fsdp_utils``. SkyRL starts Ray in ``initialize_ray`` with no
+setting for a setup hook: run :mod:`.main_base`, wrap your own ``initialize_ray(cfg)`` in ``with
+tf_skyrl.ray_init_with_hook():``, or call ``tf_skyrl.patch_when_imported()`` in the worker before it imports
+SkyRL's FSDP code. The helpers re-exported here are the same objects as ``torchferry.integrations.verl``'s.
 """
 
 from .._base import (

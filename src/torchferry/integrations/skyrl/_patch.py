@@ -42,11 +42,8 @@ def _fsdp_keeps_params_on_host(model: nn.Module) -> bool:
         return False
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    for unit in units:
-        state = unit._get_fsdp_state()  # pyright: ignore[reportCallIssue]  # FSDP2 private _get_fsdp_state
-        if any(isinstance(getattr(g, "offload_policy", None), CPUOffloadPolicy) for g in param_groups(state)):
-            return True
-    return False
+    groups = [g for unit in units for g in param_groups(unit._get_fsdp_state())]  # pyright: ignore[reportCallIssue]
+    return any(isinstance(getattr(g, "offload_policy", None), CPUOffloadPolicy) for g in groups)
 
 
 def _materialise_meta_buffers(model: nn.Module) -> None:
@@ -90,21 +87,12 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
     """Routes SkyRL's FSDP2 model and optimizer offload helpers through torchferry ([Note: what stays with
     SkyRL's own helpers]). Idempotent.
 
-    Each switch left ``None`` is an earlier ``patch()``'s choice, else its environment variable, else
-    torchferry's default; SkyRL's own ([Note: each integration's settings] in ``integrations._base.settings``),
-    forgotten by ``unpatch()``.
-
     Args:
         import_call_sites: also import ``fsdp_strategy`` now (when its own imports, flash_attn among them, are
-            there), so the names it bound by ``from ...fsdp_utils import ...`` are replaced too (modules
-            imported later bind the replaced helpers anyway).
-        skip_unchanged: models' ferries skip unchanged storages, so that an offload after a forward-only phase
-            copies nothing ([Note: the helpers skip unchanged storages] in ``integrations._base.helpers``);
-            ``TORCHFERRY_SKIP_UNCHANGED``, on by default.
-        optimizer_at_step: ``load_fsdp_optimizer`` leaves the state's copies to ``optimizer.step()`` ([Note:
-            optimizer state waited for at step()]); ``TORCHFERRY_OPTIMIZER_AT_STEP``, off by default.
-        layerwise_reload: ``load_fsdp2_model_to_gpu`` reloads the FSDP2 units in forward order ([Note: the
-            helpers' layer-wise reload]); ``TORCHFERRY_LAYERWISE_RELOAD``, off by default.
+            there), so the names it bound by ``from ...fsdp_utils import ...`` are replaced too.
+        skip_unchanged, optimizer_at_step, layerwise_reload: as :func:`torchferry.integrations.verl.patch`'s,
+            SkyRL's own ([Note: each integration's settings] in ``integrations._base.settings``); by default
+            only ``skip_unchanged`` is on.
 
     Returns:
         The ``module.attribute`` names replaced.
@@ -138,11 +126,10 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
 
 def unpatch() -> None:
     """Brings back what SkyRL's patched helpers hold offloaded ([Note: unpatch() brings the state back] in
-    ``integrations._base.registry``), then puts SkyRL's own helpers back, also in SkyRL modules imported after
-    :func:`patch`, and closes the ferries. Idempotent.
+    ``integrations._base.registry``), then SkyRL's own helpers again. Idempotent.
 
     Raises:
-        RuntimeError: a reload failed (e.g. the device is out of memory; the message names it and what stays
-            offloaded). Nothing is unpatched then; free memory and call it again.
+        RuntimeError: a reload failed (the device out of memory: the message names it and what stays
+            offloaded); nothing is unpatched then.
     """
     unpatch_integration("skyrl", (HELPER_SET,))

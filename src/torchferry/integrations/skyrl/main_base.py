@@ -1,4 +1,4 @@
-"""SkyRL's PPO trainer with torchferry switched on in every Ray worker: one command::
+"""SkyRL's PPO trainer with torchferry on in the driver and every Ray worker::
 
     python -m torchferry.integrations.skyrl.main_base <the arguments of python -m skyrl.train.entrypoints.main_base>
 
@@ -6,11 +6,7 @@ or SkyRL's own entry point, which hands over to this one before it parses its co
 
     python -m skyrl.train.entrypoints.main_base trainer.override_entrypoint=torchferry.integrations.skyrl.main_base ...
 
-Runs ``skyrl.train.entrypoints.main_base`` with its overrides after :func:`~torchferry.integrations.skyrl.patch`
-in this (driver) process, which checks before Ray starts that the installed SkyRL has the helpers this
-integration was written for; the ``runtime_env`` of SkyRL's ``ray.init`` (in ``initialize_ray``) gets the hook
-:func:`~torchferry.integrations.skyrl.ray_worker_setup` and ``TORCHFERRY_SKYRL=1``. torchferry must be
-importable by the Ray workers (installed in their Python environment, as SkyRL is).
+torchferry must be importable by the Ray workers (installed in their Python environment, as SkyRL is).
 """
 
 from __future__ import annotations
@@ -25,11 +21,8 @@ _OVERRIDE = "trainer.override_entrypoint="  # SkyRL's hand-over to this module; 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Runs ``skyrl.train.entrypoints.main_base.main`` with torchferry on in the driver and every Ray worker.
-
-    Args:
-        argv: SkyRL's config overrides (default: ``sys.argv[1:]``); a ``trainer.override_entrypoint=...`` among
-            them is dropped (SkyRL's ``main_base`` would hand over to it again).
+    """Runs ``skyrl.train.entrypoints.main_base.main`` on ``argv`` (default: ``sys.argv[1:]``; a
+    ``trainer.override_entrypoint=...`` dropped) after :func:`patch`, its ``ray.init`` given the Ray hook.
 
     Raises:
         RuntimeError: SkyRL is not importable, or its offload helpers are not the ones this integration was

@@ -1,4 +1,4 @@
-"""torchferry for verl: its FSDP2 offload helpers, replaced in one line or one command
+"""torchferry for verl: its FSDP offload helpers, replaced in one line or one command
 (``docs/verl-quickstart.md``).
 
 In a process of your own::
@@ -8,15 +8,10 @@ In a process of your own::
     tf_verl.unpatch()    # what they hold offloaded back on the device; verl's own helpers again
     tf_verl.patch(dock=0.6)  # the trainer under a Dock of 0.6 of the GPU: state stays while it fits
 
-For verl's trainer, whose FSDP workers are Ray actors (each its own process), the Ray hook
-:func:`ray_worker_setup` (``_base.ray_hook``) patches every worker that imports ``verl.utils.fsdp_utils``::
-
-    python -m torchferry.integrations.verl.main_ppo <verl's main_ppo arguments>
-    python -m verl.trainer.main_ppo ... \\
-        +ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=torchferry.integrations.verl.ray_worker_setup
-
-The drop-in helpers (same names and signatures as verl's, one :class:`~torchferry.Ferry` per model and
-optimizer) are :mod:`torchferry.integrations.verl.helpers`'s; ``torchferry.compat.verl`` is their older path.
+verl's FSDP workers are Ray actors, so the Ray hook :func:`ray_worker_setup` patches every worker that imports
+``verl.utils.fsdp_utils``: run :mod:`.main_ppo`, or give verl's own entry point the Hydra override
+``+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=torchferry.integrations.verl.ray_worker_setup``.
+The drop-in helpers are :mod:`.helpers`'s (``torchferry.compat.verl``: their older path).
 """
 
 from .._base import HookNames, WorkerHook

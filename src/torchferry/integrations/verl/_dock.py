@@ -1,52 +1,44 @@
 """verl's trainer under a :class:`~torchferry.Dock`: ``patch(dock=budget)``, a thin adapter over the core's
-phase dock (``torchferry._core._dock.phase_dock``, [Note: a trainer under a phase dock]), which holds the
+phase dock ([Note: a trainer under a phase dock] in ``torchferry._core._dock.phase_dock``), which holds the
 framework-neutral part: the step learnt, the engines' sets, the workspaces measured, the rollout's claimants.
 
 [Note: verl under a Dock]
-With a budget (``patch(dock=...)`` or ``TORCHFERRY_VERL_DOCK``, which the Ray hook passes on; bytes, or a
-fraction of the device's memory), verl's train/eval contexts (``BaseEngineCtx``, whose ``__enter__`` /
-``__exit__`` call ``FSDPEngine.to``) ask one dock per process instead of moving:
+With a budget (``patch(dock=...)`` or ``TORCHFERRY_VERL_DOCK``; bytes, or a fraction of the device's memory),
+verl's train/eval contexts (``BaseEngineCtx``, whose ``__enter__`` / ``__exit__`` call ``FSDPEngine.to``) ask
+one dock per process instead of moving (``docs/dock.md`` walks through it):
 
-* each FSDP engine (not a ``forward_only`` one, which verl keeps under FSDP2's ``CPUOffloadPolicy``) has a
-  state set for what verl offloads of it, registered at its first phase: ``engine<N>.params`` (its model's
-  ferry) with ``param_offload``, ``engine<N>.optimizer`` (once it has state) with ``optimizer_offload``; what
-  verl keeps on the device is reserved as ``engine<N>.resident`` ([Note: verl's offload flags under a Dock]);
-* entering a phase acquires its sets and a byte-count claimant ``engine<N>.workspace.<mode>`` for what the
-  phase allocates besides them, so idle sets leave only as far as the budget needs; leaving releases them:
-  they stay resident until the room is needed (eviction is lazy, [Note: choosing victims]);
-* the workspace is measured: its first phase of each mode counts the whole rest of the budget, then the peak
-  the phase allocated above what it held at its start (``torch.cuda.max_memory_allocated``, reset at each
-  phase entry) less what the sets grew by in it (AdamW's state made by the first step), plus 10%, the largest
-  seen so far;
-* the rollout's weights and KV cache are claimants ``rollout.weights`` / ``rollout.kv_cache``, woken at
-  ``rollout.resume(tags)`` (:func:`dock_rollout`, applied to the worker's rollout after
-  ``ActorRolloutRefWorker.init_model``), so the dock evicts before the engine maps its memory (with
-  ``empty_cache()``: vLLM and SGLang allocate outside PyTorch); the driver putting the rollout to sleep
-  (``sleep_replicas``, which the worker cannot see) is inferred at the next phase entry;
-* once one full step was seen, its order of phases becomes the dock's schedule (:meth:`~torchferry.Dock.plan`):
-  victims are chosen by when they are needed next, and each phase starts bringing in the next
-  (``prefetch_next``): the optimizer state behind old_log_prob's compute, its D2H behind the weight sync;
-* verl's other calls of the helpers (``update_weights``' offload, LoRA's staging, checkpoints) leave a docked
-  set where the dock has it (a load makes it resident); state a checkpoint puts on the device while its set
-  is evicted is counted ([Note: state loaded behind the dock's back] in ``torchferry._core._dock.measure``);
-* a context's exit leaves the dock its entry took, also when ``patch(dock=...)`` chose another dock in between.
+* each FSDP engine but a ``forward_only`` one has a state set for what verl offloads of it, from its first
+  phase: ``engine<N>.params`` with ``param_offload``, ``engine<N>.optimizer`` (once it has state) with
+  ``optimizer_offload``; what verl keeps on the device is reserved ([Note: verl's offload flags under a Dock]);
+* entering a phase acquires its sets and a claimant ``engine<N>.workspace.<mode>`` for what the phase allocates
+  besides them; leaving releases them, and they stay resident until the room is needed ([Note: choosing
+  victims]);
+* the workspace is measured: its first phase of each mode counts the rest of the budget, later ones the largest
+  peak above the phase's start (``torch.cuda.max_memory_allocated``, reset at each entry) less what the sets
+  grew by, plus 10%;
+* the rollout's weights and KV cache are claimants woken at ``rollout.resume(tags)`` (:func:`dock_rollout`,
+  applied after ``ActorRolloutRefWorker.init_model``), so the dock evicts, with ``empty_cache()``, before the
+  engine maps its memory; the driver putting the rollout to sleep, which the worker cannot see, is inferred at
+  the next phase entry;
+* after one full step the order of phases is the dock's schedule (:meth:`~torchferry.Dock.plan`): victims by
+  next use, and each phase starts bringing in the next (``prefetch_next``);
+* verl's other calls of the helpers (the weight sync, LoRA's staging, checkpoints) leave a docked set where the
+  dock has it (a load makes it resident; [Note: state loaded behind the dock's back] in
+  ``torchferry._core._dock.measure``);
+* a context's exit leaves the dock its entry took, also when ``patch(dock=...)`` chose another in between.
 
-Not reached: the reference model under ``CPUOffloadPolicy`` (verl moves it with FSDP2's own hooks), engines
-with ``disable_auto_offload``. Wrong budgets and unknown verl versions fail at ``patch()``; a phase whose sets
-and workspace exceed the budget raises before verl's code runs, naming what did not fit.
+Not reached: the reference model under ``CPUOffloadPolicy``, engines with ``disable_auto_offload``. Wrong
+budgets and unknown verl versions fail at ``patch()``; a phase that does not fit raises before verl's code runs.
 
 [Note: verl's offload flags under a Dock]
 verl's ``BaseEngineCtx`` moves an engine's parameters only with ``param_offload`` and its optimizer state only
-with ``optimizer_offload`` (``verl/workers/engine/base.py``, ``_context_switch``); what it does not move stays
-on the device for the whole run. So under a dock only what verl offloads is a state set that the dock may
-evict, and what verl keeps resident is reserved (``Dock.reserve``) as ``engine<N>.resident``: counted against
-the budget at every decision, never evicted, measured again at each phase entry and exit and at each rollout
-wake (the optimizer's first step, a checkpoint load or gradients kept make it grow). Before, with
-``param_offload=True, optimizer_offload=False`` the optimizer became a set after its first step and was
-evicted, and the second update raised "AdamW.step() while its state is offloaded"; with
-``param_offload=False`` the resident parameters were not counted (8.41 MB held against a 6.37 MB budget). An
-engine with neither flag is in the dock too; one whose resident state alone exceeds the budget is refused at
-its first phase, naming the flags.
+with ``optimizer_offload``; what it does not move stays on the device for the whole run. So only what verl
+offloads is a set the dock may evict, and what verl keeps is reserved (``Dock.reserve``) as
+``engine<N>.resident``: counted at every decision, never evicted, measured again at each phase entry and exit
+and rollout wake. Before, with ``optimizer_offload=False`` the optimizer was evicted after its first step and
+the second update raised "AdamW.step() while its state is offloaded"; with ``param_offload=False`` the
+resident parameters went uncounted (8.41 MB held against a 6.37 MB budget). An engine whose resident state
+alone exceeds the budget is refused at its first phase, naming the flags.
 """
 
 from __future__ import annotations

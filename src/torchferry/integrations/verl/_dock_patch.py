@@ -25,8 +25,8 @@ def _signature_check(obj: Callable, params: tuple[str, ...], what: str) -> None:
                            "this verl is not supported by patch(dock=...) (nothing was replaced)")
 
 
-def verl_targets() -> dict[str, Any]:
-    """What the dock mode replaces or reads in verl, checked.
+def verl_targets() -> type:
+    """verl's ``FSDPEngine``, once what the dock mode replaces or reads in verl is checked.
 
     Raises:
         RuntimeError: verl is not 0.9.x, or one of these changed (nothing is replaced then).
@@ -51,7 +51,7 @@ def verl_targets() -> dict[str, Any]:
     _signature_check(ctx.__init__, ("self", "engine", "mode"), "BaseEngineCtx.__init__")
     _signature_check(ctx.__exit__, ("self", "exc_type", "exc_val", "exc_tb"), "BaseEngineCtx.__exit__")
     _signature_check(worker.init_model, ("self",), "ActorRolloutRefWorker.init_model")
-    return {"ctx": ctx, "worker": worker, "engine": engine}
+    return engine
 
 
 def _rollout_bytes(worker: Any) -> tuple[int, int]:
@@ -69,7 +69,7 @@ def _rollout_bytes(worker: Any) -> tuple[int, int]:
 
 
 def _ctx_replacements(module: Any, original: Any) -> dict[str, Callable]:
-    engine_cls = verl_targets()["engine"]
+    engine_cls = verl_targets()
     enter, exit_ = original["__enter__"], original["__exit__"]
 
     def dockable(c) -> bool:
@@ -127,10 +127,9 @@ DOCK_SETS = (  # what patch(dock=...) replaces in verl, besides the helpers
 
 
 def patch_dock(state: PatchState, budget: int | float) -> None:
-    """verl's engine context under the dock of ``budget``: the one kept for that budget, else a new one
-    (``unpatch()`` keeps each dock made, its sets where it left them; a set held by the dock of another
-    budget moves to the one in use at its next phase, ``VerlDock.forget``)."""
-    verl_targets()  # raises before anything is replaced
+    """verl's engine context under the dock of ``budget`` (``patch()`` checked :func:`verl_targets`): the one kept
+    for that budget, else a new one (``unpatch()`` keeps each dock made, its sets where it left them; a set held
+    by the dock of another budget moves to the one in use at its next phase, ``VerlDock.forget``)."""
     for hs in DOCK_SETS:
         state.patch(hs)
     key = ("verl", type(budget).__name__, budget)  # 1 (a byte) and 1.0 (the device) are two budgets

@@ -1,38 +1,29 @@
-"""``patch()``: verl's FSDP2 offload helpers, replaced by torchferry's in one line.
-
-Replaced in ``verl.utils.fsdp_utils`` and wherever verl modules imported them by name (the names of
-:data:`HELPER_SET`: FSDP2, FSDP1 and plain modules go to torchferry), and the VeOmni and Automodel engines' own
-helpers where those engines import ([Note: the VeOmni and Automodel helpers] in ``._engines``). Written
-against verl 0.9.1 (the helpers of verl PR #7347).
+"""``patch()``: verl's FSDP offload helpers (:data:`HELPER_SET`, wherever verl modules bound them) and the VeOmni
+and Automodel engines' ([Note: the VeOmni and Automodel helpers] in ``._engines``) replaced by torchferry's.
+Written against verl 0.9.1 (the helpers of verl PR #7347).
 
 [Note: FSDP1 models through torchferry]
-verl's default actor strategy is FSDP1 (``strategy: fsdp``). verl's own FSDP1 helper moves each flat
-parameter with ``handle.flat_param_to("cpu", non_blocking=True)`` into pageable memory and re-points
-``_local_shard`` (``verl/utils/fsdp_utils.py``). A ferry moves an FSDP1 model as any module: its flat
-parameters (``use_orig_params=False``), or the original parameters and the flat ones they view (``True``),
-their ``.grad``s and buffers, storage by storage, into its pinned pool; ``_local_shard`` and the original
-parameters' views share the flat parameter's storage, which a reload gives back. A model whose units keep
-their flat parameters on the host themselves (``CPUOffload(offload_params=True)``) stays with verl's code,
-as do all FSDP1 models with ``patch(fsdp1=False)`` or ``TORCHFERRY_VERL_FSDP1=0``. On by default: verl's
-default strategy would otherwise get nothing; tested on the CPU (gloo, both ``use_orig_params``) and on a GPU
-(NCCL, both, against the same training without offload: ``tests/gpu/test_fsdp1_verl_cuda.py``).
+verl's default actor strategy is FSDP1, whose own helper moves each flat parameter into pageable memory
+(``handle.flat_param_to("cpu", non_blocking=True)``). A ferry moves an FSDP1 model as any module: its flat
+parameters (with ``use_orig_params=True`` the original parameters viewing them too), ``.grad``s and buffers,
+storage by storage, into its pinned pool; ``_local_shard`` and those views share the flat parameter's storage,
+which a reload gives back. On by default (verl's default strategy would otherwise get nothing); a model under
+``CPUOffload(offload_params=True)``, or every FSDP1 model with ``patch(fsdp1=False)`` /
+``TORCHFERRY_VERL_FSDP1=0``, stays with verl's code. Tested on the CPU (gloo, both ``use_orig_params``) and on a
+GPU against the same training without offload (``tests/gpu/test_fsdp1_verl_cuda.py``).
 
 [Note: verl's defaults]
-Under verl's ``patch()`` (the ``main_ppo`` wrapper and the Ray hook call it in every worker) three settings
-are on unless switched off by their ``patch()`` argument or environment variable (which the Ray hooks pass to
-the workers): ``skip_unchanged``, ``layerwise_reload`` and ``optimizer_at_step``. verl's phases start with a
-forward after ``FSDPEngine.to`` loads the model (compute_log_prob, the reference, update_actor), with no
-``.grad`` (verl zero-grads with ``set_to_none`` on leaving train mode), and read the optimizer state only in
-``optimizer.step()``: so the units come back behind the forward and the state behind forward and backward.
-Where verl touches the model between the load and a forward (its LoRA weight sync calls ``model.to("cpu")``
-and reads the adapters), the reload is completed first or stays exact ([Note: FSDP2's shard buffer after a
-move] in ``torchferry._core._state.fsdp``). Measured through verl 0.9.1's own FSDP2 actor
-(``benchmarks/verl_actor.sh``, Qwen2.5-1.5B, 16,384 tokens per phase, weight sync on, one H200, strategies
-interleaved in one process), per step: the seconds verl's ``FSDPEngine.to`` calls held the step were 0.487 s
-with these defaults against 0.951 s with the two off and 1.389 s for verl's own helpers; every run
-bit-identical to verl's (losses, log-probs, parameters, optimizer state, weight-sync buffers:
-``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp2-full-compute-rich_h200x1_2026-12-02.json``). FSDP1 models
-have no FSDP2 units: their reload stays whole. SkyRL's integration keeps torchferry's own defaults (both off).
+Under verl's ``patch()`` ``skip_unchanged``, ``layerwise_reload`` and ``optimizer_at_step`` are on unless
+switched off (each by its ``patch()`` argument or variable, which the Ray hooks pass on). verl's phases start
+with a forward after ``FSDPEngine.to`` loads the model, with no ``.grad`` (``set_to_none`` on leaving train
+mode), and read the optimizer state only in ``optimizer.step()``: so the units come back behind the forward
+and the state behind forward and backward; LoRA's weight sync, which calls ``model.to("cpu")`` right after the
+load, stays exact ([Note: FSDP2's shard buffer after a move] in ``torchferry._core._state.fsdp``). Through
+verl 0.9.1's own FSDP2 actor (``benchmarks/verl_actor.sh``, Qwen2.5-1.5B, one H200) ``FSDPEngine.to`` held each
+step 0.487 s with these defaults against 0.951 s with the two off and 1.389 s with verl's own helpers, every run
+bit-identical to verl's
+(``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp2-full-compute-rich_h200x1_2026-12-02.json``). FSDP1 models'
+reload stays whole. SkyRL's integration keeps torchferry's own defaults.
 """
 
 from __future__ import annotations
@@ -55,8 +46,7 @@ VERL_DEFAULTS = {"optimizer_at_step": True, "layerwise_reload": True}  # see [No
 
 
 def fsdp1_through_torchferry() -> bool:
-    """Whether FSDP1 models go through torchferry ([Note: FSDP1 models through torchferry]): ``patch(fsdp1=...)``,
-    else ``TORCHFERRY_VERL_FSDP1`` (on, the default, or off).
+    """Whether FSDP1 models go through torchferry ([Note: FSDP1 models through torchferry]).
 
     Raises:
         ValueError: unpatched, ``TORCHFERRY_VERL_FSDP1`` is neither on nor off.
@@ -73,7 +63,6 @@ def _replacements(fsdp_utils: ModuleType, original: Mapping[str, Callable]) -> d
             return original["offload_fsdp_model_to_cpu"](model, empty_cache)  # verl's own code
         return seed["offload_fsdp2_model_to_cpu"](model, empty_cache)
 
-    # A model torchferry never moved is loaded by verl's own code (seed_replacements).
     def load_fsdp_model_to_gpu(model):
         if REGISTRY.ferry(model) is None:
             return original["load_fsdp_model_to_gpu"](model)
@@ -100,31 +89,26 @@ def is_patched() -> bool:
 def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
           fsdp1: bool | None = None, optimizer_at_step: bool | None = None,
           layerwise_reload: bool | None = None, dock: int | float | str | None = None) -> list[str]:
-    """Routes verl's FSDP2 model and optimizer offload helpers through torchferry. Idempotent.
+    """Routes verl's FSDP model and optimizer offload helpers through torchferry. Idempotent.
 
-    Each switch left ``None`` is an earlier ``patch()``'s choice, else its environment variable, else its
-    default; verl's own ([Note: each integration's settings] in ``integrations._base.settings``), forgotten by
-    ``unpatch()``.
+    A switch left ``None`` is an earlier ``patch()``'s choice, else its environment variable, else on ([Note:
+    verl's defaults]); verl's own ([Note: each integration's settings] in ``integrations._base.settings``).
 
     Args:
         import_engines: also import verl's FSDP engine modules now, so the names they bound by ``from
-            verl.utils.fsdp_utils import ...`` are replaced too (modules imported later bind the replaced
-            helpers anyway).
-        skip_unchanged: models' ferries skip unchanged storages ([Note: the helpers skip unchanged storages]
-            in ``integrations._base.helpers``); ``TORCHFERRY_SKIP_UNCHANGED``, on by default.
-        fsdp1: FSDP1 models go through torchferry too ([Note: FSDP1 models through torchferry]);
-            ``TORCHFERRY_VERL_FSDP1``, on by default.
-        optimizer_at_step: ``load_fsdp_optimizer`` leaves the state's copies to ``optimizer.step()`` ([Note:
-            optimizer state waited for at step()]); ``TORCHFERRY_OPTIMIZER_AT_STEP``, on by default ([Note:
-            verl's defaults]).
-        layerwise_reload: ``load_fsdp2_model_to_gpu`` reloads the FSDP2 units in forward order ([Note: the
-            helpers' layer-wise reload]); ``TORCHFERRY_LAYERWISE_RELOAD``, on by default.
+            verl.utils.fsdp_utils import ...`` are replaced too.
+        skip_unchanged: models' ferries skip unchanged storages (``TORCHFERRY_SKIP_UNCHANGED``; [Note: the
+            helpers skip unchanged storages] in ``integrations._base.helpers``).
+        fsdp1: FSDP1 models go through torchferry too (``TORCHFERRY_VERL_FSDP1``; [Note: FSDP1 models through
+            torchferry]).
+        optimizer_at_step: ``load_fsdp_optimizer`` leaves the state's copies to ``optimizer.step()``
+            (``TORCHFERRY_OPTIMIZER_AT_STEP``; [Note: optimizer state waited for at step()]).
+        layerwise_reload: ``load_fsdp2_model_to_gpu`` reloads the FSDP2 units in forward order
+            (``TORCHFERRY_LAYERWISE_RELOAD``; [Note: the helpers' layer-wise reload]).
         dock: a GPU budget for verl's trainer under a :class:`~torchferry.Dock` ([Note: verl under a Dock] in
             ``integrations.verl._dock``): bytes (at least 1 MiB; ``40e9`` too) or a float in (0, 1] (a fraction
-            of the device's memory); ``0``: no dock (one made by an earlier ``patch()`` is switched off);
-            ``None``: ``TORCHFERRY_VERL_DOCK`` (the same, as text; unset or ``0``: no dock), else an earlier
-            ``patch()``'s dock. The budget must hold the rollout's memory (vLLM's ``gpu_memory_utilization``
-            of the device) and what a phase needs besides it.
+            of the device's memory), which must hold the rollout's memory too; ``0``: no dock (an earlier one
+            switched off); ``None``: ``TORCHFERRY_VERL_DOCK`` (the same, as text), else an earlier ``patch()``'s.
 
     Returns:
         The ``module.attribute`` names replaced.

@@ -1,14 +1,8 @@
-"""verl's PPO trainer with torchferry switched on in every Ray worker: one command
-(``docs/verl-quickstart.md``)::
+"""verl's PPO trainer with torchferry on in the driver and every Ray worker (``docs/verl-quickstart.md``)::
 
     python -m torchferry.integrations.verl.main_ppo <the arguments of python -m verl.trainer.main_ppo>
 
-Runs ``verl.trainer.main_ppo`` with its Hydra overrides after :func:`~torchferry.integrations.verl.patch` in
-this (driver) process, which checks before Ray starts that the installed verl has the helpers this
-integration was written for; the ``runtime_env`` of verl's ``ray.init`` gets the hook
-:func:`~torchferry.integrations.verl.ray_worker_setup` and ``TORCHFERRY_VERL=1`` (a hook of your own in
-``ray_kwargs.ray_init.runtime_env`` still runs, after torchferry's). torchferry must be importable by the Ray
-workers (installed in their Python environment, as verl is).
+torchferry must be importable by the Ray workers (installed in their Python environment, as verl is).
 """
 
 from __future__ import annotations
@@ -21,10 +15,8 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Runs ``verl.trainer.main_ppo.main`` with torchferry on in the driver and every Ray worker.
-
-    Args:
-        argv: verl's Hydra arguments (default: ``sys.argv[1:]``).
+    """Runs ``verl.trainer.main_ppo.main`` on ``argv`` (default: ``sys.argv[1:]``) after :func:`patch`, its
+    ``ray.init`` given the Ray hook (a hook of your own in ``ray_kwargs.ray_init.runtime_env`` runs after it).
 
     Raises:
         RuntimeError: verl is not importable, or its offload helpers are not the ones this integration was

@@ -147,11 +147,11 @@ def test_ray_hook_is_switched_off_by_every_spelling_of_off(monkeypatch, flag):
 
 def test_the_integrations_hooks_read_their_own_switch():
     pytest.importorskip("verl.utils.fsdp_utils", reason="verl not installed")
-    from torchferry.integrations.verl import _ray as verl_ray
+    import torchferry.integrations.verl as verl_ray
 
     assert verl_ray._HOOK.names.env_flag == "TORCHFERRY_VERL"
     try:
-        from torchferry.integrations.skyrl import _ray as skyrl_ray
+        import torchferry.integrations.skyrl as skyrl_ray
     except ImportError:
         return
     assert skyrl_ray._HOOK.names.env_flag == "TORCHFERRY_SKYRL"

@@ -66,14 +66,14 @@ def test_a_bad_budget_fails_at_patch_with_nothing_replaced(value):
     with pytest.raises(ValueError, match="dock budget|give bytes") as e:
         tf_verl.patch(dock=value)
     assert "\n" not in str(e.value)
-    assert _originals() == before and not tf_verl.is_patched() and _dock.active() is None
+    assert _originals() == before and not tf_verl.is_patched() and _dock.docked() is None
 
 
 def test_a_bad_budget_in_the_environment_fails_at_patch_naming_it(monkeypatch):
     monkeypatch.setenv(DOCK_ENV, "half")
     with pytest.raises(ValueError, match=DOCK_ENV):
         tf_verl.patch()
-    assert not tf_verl.is_patched() and _dock.active() is None
+    assert not tf_verl.is_patched() and _dock.docked() is None
 
 
 def test_an_unknown_verl_version_fails_at_patch_with_nothing_replaced(monkeypatch):
@@ -97,23 +97,24 @@ def test_patch_replaces_the_context_and_unpatch_puts_it_back():
     before = _originals()
     names = tf_verl.patch(dock=10**9)
     assert "verl.workers.engine.base.BaseEngineCtx.__enter__" in names
-    assert _originals() != before and _dock.active() is not None and REGISTRY.patched["verl"].helpers.router is _dock.active()
-    assert _dock.active().budget == 10**9
+    assert _originals() != before and _dock.docked() is not None
+    assert REGISTRY.patched["verl"].helpers.router is _dock.docked()
+    assert _dock.docked().budget == 10**9
     assert compat.patch_choices("verl")[DOCK_ENV] == str(10**9)  # what the Ray hook passes on
-    kept = _dock.active()
+    kept = _dock.docked()
     tf_verl.unpatch()
-    assert _originals() == before and _dock.active() is None and compat.helpers_of("verl").router is None
+    assert _originals() == before and _dock.docked() is None and compat.helpers_of("verl").router is None
     tf_verl.patch(dock=10**9)  # the same budget: the same dock, its sets where it left them
-    assert _dock.active() is kept
+    assert _dock.docked() is kept
     tf_verl.unpatch()
     tf_verl.patch(dock=2 * 10**9)  # another budget: its own dock; the first is kept for its budget
-    assert _dock.active() is not kept and _dock.active().budget == 2 * 10**9 and kept in _dock.docks()
+    assert _dock.docked() is not kept and _dock.docked().budget == 2 * 10**9 and kept in _dock.docks()
 
 
 def test_without_a_dock_nothing_of_it_is_replaced():
     before = _originals()
     tf_verl.patch()
-    assert _originals() == before and _dock.active() is None and DOCK_ENV not in compat.patch_choices("verl")
+    assert _originals() == before and _dock.docked() is None and DOCK_ENV not in compat.patch_choices("verl")
 
 
 def test_the_ray_hook_forwards_the_budget():
@@ -357,7 +358,7 @@ def test_unpatch_brings_back_what_the_dock_evicted(monkeypatch):
     monkeypatch.setattr(fsdp_utils, "get_device_id", lambda: "cpu")  # verl's own load, on the CPU
     vd, (e1, _), ferry, before = _evicted_by_the_dock()
     tf_verl.unpatch()
-    assert not tf_verl.is_patched() and _dock.active() is None
+    assert not tf_verl.is_patched() and _dock.docked() is None
     assert base.BaseEngineCtx.__dict__["__enter__"].__module__ == "verl.workers.engine.base"  # verl's own
     assert ferry.residency is Residency.DEVICE and vd.dock.is_resident("engine0.params")
     after = e1.module.state_dict()

@@ -1,114 +1,56 @@
 """The seed's FSDP offload helpers, backed by torchferry: one object shared by every integration.
 
-verl's ``verl.utils.fsdp_utils`` (verl PR #7347) and SkyRL's
-``skyrl.backends.skyrl_train.distributed.fsdp_utils`` (adapted from verl's) define the same four
-helpers under the same names and signatures, called "the seed" below. :class:`SeedHelpers` is their
-torchferry-backed drop-in, one value per caller: the registry its ferries live in, the integration
-whose replacements call it, that integration's :class:`~.settings.Settings` and its dock router (verl's
-dock mode: [Note: verl under a Dock]), all received as values. The module-level functions are the
-helpers a user imports (``torchferry.integrations.verl.offload_fsdp2_model_to_cpu``): no integration,
-the environment's settings, the same registry.
-
-Differences from the seed, all in the caller's favour: the host copies live in one exact-size pinned
-pool made once per model/optimizer (not 1.90x the state in power-of-two blocks, allocated on the fly),
-uneven FSDP2 shards stay pinned, and every parameter, gradient and optimizer-state object keeps its
-identity. As with the seed, the offloaded tensors are CPU tensors in pinned memory; with
-``empty_cache=True`` the offload has completed when the helper returns.
+verl's ``verl.utils.fsdp_utils`` (verl PR #7347) and SkyRL's ``...skyrl_train.distributed.fsdp_utils`` define
+the same four helpers, "the seed" below. :class:`SeedHelpers` is their drop-in for one caller; the module-level
+functions are those a user imports (no integration, the environment's settings). What they do better than
+the seed's: ``docs/verl-quickstart.md`` ("What changes").
 
 [Note: the verl helpers order the caller's stream]
-The seed's ``.to("cpu", non_blocking=True)`` copies run on the caller's stream, so the framework's
-code may read the host copies after a synchronisation of that stream (``.item()``, a blocking
-``.cpu()``, ``torch.cuda.current_stream().synchronize()``). torchferry's copies run on its
-own D2H stream, which those do not order: on one H200 (12 x 8192^2 AdamW, 6.4 GB of state)
-the last state tensor read on the host right after verl's ``offload_fsdp_optimizer`` differed from
-the state in 3 of 3 trials. So each offload helper makes the caller's current stream wait for
-the offload's D2H event (``handle.wait_stream``; no host sync): what a later synchronisation of
-that stream guaranteed after the seed's copy, it guarantees after torchferry's. The cost, as
-with the seed: kernels and copies queued on that stream afterwards start only once the D2H is
-done. Where verl queues
-work within the D2H's time (6.4 GB: 0.12 s at the 53.8 GB/s offloads reach on an H200, README)
-that work loses its overlap with it: a ``save_checkpoint`` right after ``update_actor`` first
-reloads the model (``load_fsdp_model_to_gpu``, whose H2D stream waits for the caller's
-stream), which now starts after the optimizer's D2H; the next step's reload for the rollout
-comes after a Ray round trip and the driver's work, usually later than that. (SkyRL's
-``FSDPStrategy.offload_to_cpu`` / ``backload_to_gpu`` call ``torch.cuda.synchronize()`` after
-the helpers, so there the copies are done when they return.) Checkpoints do
-not depend on this ordering: ``state_dict()`` waits for the copies by itself, whatever the
-stream ([Note: state_dict() waits for the offload] in ``torchferry._core._ferry.guards``); other host
-reads of the tensors need this ordering plus a synchronisation, or ``handle.wait()``.
+The seed's copies run on the caller's stream, so the framework may read the host copies after a
+synchronisation of that stream; torchferry's D2H stream is not ordered by it (on one H200 the last state
+tensor read right after verl's ``offload_fsdp_optimizer`` differed in 3 of 3 trials). So each offload helper
+makes the caller's current stream wait for the offload's D2H event (``handle.wait_stream``; no host sync): work
+queued on that stream afterwards starts once the D2H is done, as with the seed. ``state_dict()`` waits by itself
+([Note: state_dict() waits for the offload] in ``torchferry._core._ferry.guards``).
 
 [Note: optimizer state waited for at step()]
-verl's ``FSDPEngine.to`` reloads the optimizer state right after the model, before
-update_actor's first forward, and the seed's ``load_fsdp_optimizer`` makes the caller's stream
-wait for all of it (12.3 GB of AdamW state at Qwen2.5-1.5B: 0.228 s on one H200,
-``load_optimizer`` in ``benchmarks/results/frameworks_qwen2.5-1.5b_h200x1_2026-12-01_dc0385b.json``;
-30.5 GB at 7B), although only ``optimizer.step()`` reads it. With ``optimizer_at_step`` on
-(``patch(optimizer_at_step=True)`` of an integration, or ``TORCHFERRY_OPTIMIZER_AT_STEP=1``,
-which the Ray hooks pass on), ``load_fsdp_optimizer`` reloads through
-``ferry.reload(prefetch=True)``: the state's copies run on the H2D stream behind the caller's
-forward and backward (with switch points, so the compute stream's own small copies are not held
-up: [Note: switch points]), and a step pre-hook completes them before ``optimizer.step()``
-(``state_dict()`` too: [Note: prefetch reload] in ``torchferry._core._schedules.prefetch``).
-Until then the state tensors are host tensors viewing the pinned pool, bit-identical to what
-comes back. verl 0.9.1's own actor (``TrainingWorker``, FSDP2, param and optimizer offload) with
-it on stays bit-identical to verl's unpatched run, and its ``FSDPEngine.to`` returns with the
-state still to come (``tests/cpu/test_integration_verl_actor.py``, on the CPU over gloo; on one
-H200 too, ``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp2-full-compute-rich_h200x1_2026-12-02.json``).
-On under verl's ``patch()`` ([Note: verl's defaults] in ``integrations.verl._patch``), off
-elsewhere; the caller's code must read no optimizer state between the load and the step (verl's
-and SkyRL's do not: they run forward, backward, gradient clipping, then the step).
+The seed's ``load_fsdp_optimizer`` makes the caller's stream wait for all of the state before update_actor's
+first forward (12.3 GB of AdamW state at Qwen2.5-1.5B: 0.228 s on one H200, ``load_optimizer`` in
+``benchmarks/results/frameworks_qwen2.5-1.5b_h200x1_2026-12-01_dc0385b.json``), though only ``optimizer.step()``
+reads it. With ``optimizer_at_step`` on it reloads through ``ferry.reload(prefetch=True)``: the copies run behind
+the forward and backward ([Note: switch points]) and a step pre-hook (``state_dict()`` too) completes them
+([Note: prefetch reload] in ``torchferry._core._schedules.prefetch``). The caller must read no optimizer state
+between the load and the step (verl's and SkyRL's do not). verl 0.9.1's own actor stays bit-identical to its
+unpatched run (``tests/cpu/test_integration_verl_actor.py``; on one H200,
+``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp2-full-compute-rich_h200x1_2026-12-02.json``).
 
 [Note: the helpers' layer-wise reload]
-With ``layerwise_reload`` on (``patch(layerwise_reload=True)`` of an integration, or
-``TORCHFERRY_LAYERWISE_RELOAD=1``, which the Ray hooks pass on), ``load_fsdp2_model_to_gpu``
-reloads through ``ferry.reload(prefetch=True)``: the FSDP2 units come back in forward order on
-the H2D stream, each unit's forward waiting only for its own copies ([Note: prefetch reload] in
-``torchferry._core._schedules.prefetch``), so the phase's first forward starts after the first
-unit, not after the whole model (a reload before FSDP2's lazy init, the model's first forward, is
-whole: the units are not known yet). Until its unit's forward a parameter is a host tensor viewing the
-pinned pool (its bytes exact); ``state_dict()``, an offload and ``optimizer.step()`` complete the
-reload first. It fits phases that start with a forward (verl's compute_log_prob and update_actor,
-whose parameters have no ``.grad`` then: a state holding gradients is reloaded whole); code that
-reads parameters outside a forward right after the load (a ``param.device`` check) sees host
-tensors; a ``module.to(...)`` there is made good at the reload ([Note: FSDP2's shard buffer after
-a move] in ``torchferry._core._state.fsdp``). An ``optimizer.load_state_dict()`` there places the
-loaded state on its parameters' device, the host while they wait: load the model's state first
-(which completes its reload; verl's ``load_checkpoint`` does) or call ``ferry_for(model).reload()``.
-verl 0.9.1's own actor with it on stays bit-identical to verl's unpatched run, LoRA and its weight
-sync included (``tests/cpu/test_integration_verl_actor.py``,
-on the CPU over gloo; full fine-tuning with the weight sync on one H200 too:
-``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp2-full-compute-rich_h200x1_2026-12-02.json``). On
-under verl's ``patch()`` ([Note: verl's defaults] in ``integrations.verl._patch``), off elsewhere.
-
-One :class:`~torchferry.Ferry` is kept per model and per optimizer, weakly
-keyed, so it goes away with the object; :func:`ferry_for` returns it.
+With ``layerwise_reload`` on, ``load_fsdp2_model_to_gpu`` reloads through ``ferry.reload(prefetch=True)``: the
+FSDP2 units come back in forward order, each unit's forward waiting only for its own copies ([Note: prefetch
+reload]); a reload before FSDP2's lazy init, or of a state holding gradients, is whole. Until its unit's
+forward a parameter views the pinned pool; ``state_dict()``, an offload and ``optimizer.step()`` complete the
+reload first, and a ``module.to(...)`` is made good at it ([Note: FSDP2's shard buffer after a move] in
+``torchferry._core._state.fsdp``). An ``optimizer.load_state_dict()`` right after the load puts the state on the
+host: load the model's state first or call ``ferry_for(model).reload()``. verl's own actor, LoRA and its weight
+sync included, stays bit-identical (the tests and figures above). Both switches are on under verl's ``patch()``
+([Note: verl's defaults] in ``integrations.verl._patch``), off elsewhere.
 
 [Note: the helpers skip unchanged storages]
-A model's ferry is made with ``skip_unchanged=True`` ([Note: unchanged
-storages] in ``torchferry._core._schedules.unchanged``): the frameworks offload
-after forward-only phases too (verl after old_log_prob and the reference's
-forward, SkyRL whenever another role of the colocation group needs the GPU), and
-those bytes did not change, so after the first cycle such an offload copies
-nothing and only releases. A trained model's offload after ``optimizer.step()``
-copies everything without hashing (a step is a cheap host check that sends every
-parameter to the copy); what it costs there is one hash of the model's
-storages after each reload, on the device. Measured on one H200 (SkyRL's
-helpers, Qwen2.5-1.5B, ``benchmarks/frameworks.py``): a forward-only model's
-offload took 0.021 s with nothing copied against 0.121 s copying 6.2 GB; a
-trained model's offload 0.127 s against 0.119 s and its load 0.119 s against
-0.116 s (``benchmarks/results/frameworks_qwen2.5-1.5b_h200x1_2026-12-01_424a4de.json``
-against ``..._9365f08-models-plain.json``, separate runs). Optimizers' ferries are plain: their
-state changes at every step. ``patch(skip_unchanged=False)`` of an integration,
-or ``TORCHFERRY_SKIP_UNCHANGED=0`` in the environment (the Ray hooks pass it on
-to the workers), makes plain ferries for models too; it applies to the models
-offloaded after it is set (a ferry keeps its setting).
+A model's ferry is made with ``skip_unchanged=True`` ([Note: unchanged storages] in
+``torchferry._core._schedules.unchanged``): the frameworks offload after forward-only phases too, and after the
+first cycle such an offload copies nothing; a trained model's copies everything, for one hash of its storages
+after each reload. On one H200 (SkyRL's helpers, Qwen2.5-1.5B) a forward-only model's offload took 0.021 s
+against 0.121 s, a trained model's 0.127 s against 0.119 s
+(``benchmarks/results/frameworks_qwen2.5-1.5b_h200x1_2026-12-01_424a4de.json`` against
+``..._9365f08-models-plain.json``). Optimizers' ferries are plain. ``patch(skip_unchanged=False)`` or
+``TORCHFERRY_SKIP_UNCHANGED=0`` makes plain ferries for the models offloaded after it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -121,17 +63,9 @@ from .patcher import HelperSet, Patcher, routed
 from .registry import REGISTRY, Registry
 from .settings import SWITCHES, Settings, read_switch
 
-__all__ = ["DockRouter", "PatchState", "SeedHelpers", "ferry_for", "has_state", "helpers_of",
-           "load_fsdp2_model_to_gpu", "load_fsdp_optimizer", "offload_fsdp2_model_to_cpu", "offload_fsdp_optimizer",
-           "patch_choices", "seed_replacements", "settings_of"]
-
-
-class DockRouter(Protocol):
-    """A dock mode the helpers leave its sets to (verl's: [Note: verl under a Dock])."""
-
-    def holds(self, ferry: Ferry) -> bool: ...
-
-    def load(self, ferry: Ferry) -> None: ...
+__all__ = ["PatchState", "SeedHelpers", "ferry_for", "has_state", "helpers_of", "load_fsdp2_model_to_gpu",
+           "load_fsdp_optimizer", "offload_fsdp2_model_to_cpu", "offload_fsdp_optimizer", "patch_choices",
+           "seed_replacements", "settings_of", "unpatch_integration"]
 
 
 def has_state(optimizer: torch.optim.Optimizer) -> bool:
@@ -143,21 +77,15 @@ def has_state(optimizer: torch.optim.Optimizer) -> bool:
 class SeedHelpers:
     """The four helpers for one caller: an integration's replacements, or a user calling them directly."""
 
-    registry: Registry
-    """Where the ferries live (``REGISTRY``: one per process)."""
-    integration: str | None = None
-    """Whose replacements call (recorded on the ferries they move: ``unpatch()`` brings those back)."""
-    settings: Settings | None = None
-    """The integration's ``patch()`` settings; ``None``: each switch from the environment when it is needed."""
-    router: DockRouter | None = None
-    """A dock mode holding some ferries: a load of one makes its set resident, an offload does nothing."""
+    registry: Registry  # where the ferries live (REGISTRY: one per process)
+    integration: str | None = None  # whose replacements call (recorded on the ferries they move)
+    settings: Settings | None = None  # None: each switch from the environment when it is needed
+    router: Any = None
+    """A dock mode holding some ferries (verl's: [Note: verl under a Dock]): a load of one makes its set
+    resident (``router.load``), an offload does nothing."""
 
     def switch(self, name: str) -> bool:
         return read_switch(name) if self.settings is None else getattr(self.settings, name)
-
-    def ferry_for(self, obj: object) -> Ferry | None:
-        """The ferry the helpers keep for ``obj`` (``None``: never offloaded through them)."""
-        return self.registry.ferry(obj)
 
     def make(self, obj: nn.Module | torch.optim.Optimizer) -> Ferry:
         """``obj``'s ferry, made if it has none; recorded as moved by :attr:`integration`."""
@@ -187,7 +115,7 @@ class SeedHelpers:
         ferry = self.registry.ferry(model)
         if ferry is None:
             return
-        if self.router is not None and self._docked(ferry):
+        if self._docked(ferry):
             self.router.load(ferry)
             return
         if self.switch("layerwise_reload"):  # see [Note: the helpers' layer-wise reload]
@@ -207,10 +135,8 @@ class SeedHelpers:
 
     @torch.no_grad()
     def load_optimizer(self, optimizer: torch.optim.Optimizer, device_id: int | str | torch.device) -> None:
-        if not has_state(optimizer):
-            return
         ferry = self.registry.ferry(optimizer)
-        if ferry is None:
+        if not has_state(optimizer) or ferry is None:
             return
         device = torch.device(device_id) if not isinstance(device_id, int) else torch.device("cuda", device_id)
         if device.type == ferry.device.type and device.index is None:
@@ -218,7 +144,7 @@ class SeedHelpers:
         if device != ferry.device:
             raise ValueError(f"torchferry: load_fsdp_optimizer(device_id={device_id!r}) but the state "
                              f"was offloaded from {ferry.device}; it reloads where it came from")
-        if self.router is not None and self._docked(ferry):
+        if self._docked(ferry):
             self.router.load(ferry)
             return
         if self.switch("optimizer_at_step"):  # see [Note: optimizer state waited for at step()]
@@ -247,7 +173,6 @@ class PatchState:
     settings: Settings
     patchers: dict[str, Patcher] = field(default_factory=dict)  # HelperSet.module (or .cls) -> its patcher
     router: Any = None  # verl's dock mode while patch(dock=...) holds
-    extra: dict[str, Any] = field(default_factory=dict)  # what a framework keeps besides (verl's dock patcher)
 
     @property
     def helpers(self) -> SeedHelpers:
@@ -258,6 +183,25 @@ class PatchState:
         """Replaces ``helper_set``'s names (idempotent), its patcher kept here."""
         key = f"{helper_set.module}:{helper_set.cls}"
         return self.patchers.setdefault(key, Patcher(helper_set)).patch(import_call_sites=import_call_sites)
+
+
+def unpatch_integration(name: str, helper_sets: Iterable[HelperSet], *, keep_offloaded: bool = False,
+                        dock_sets: Mapping[Ferry, str] | None = None) -> PatchState | None:
+    """An integration's ``unpatch()``: what its replacements hold offloaded brought back (not with
+    ``keep_offloaded``: [Note: unpatch() brings the state back]), its names restored (unpatched: ``helper_sets``'
+    in modules imported after ``patch()``), its ferries closed but ``dock_sets``'; the state it ended returned.
+
+    Raises:
+        RuntimeError: a reload failed; nothing is unpatched then.
+    """
+    if not keep_offloaded:
+        REGISTRY.bring_back(name, dock_sets)
+    state = REGISTRY.patched.pop(name, None)
+    for patcher in state.patchers.values() if state else map(Patcher, helper_sets):
+        patcher.unpatch()
+    if not keep_offloaded:
+        REGISTRY.drop(name, keep=dock_sets or {})
+    return state
 
 
 def helpers_of(integration: str) -> SeedHelpers:
@@ -279,9 +223,8 @@ def settings_of(integration: str) -> dict[str, bool]:
 
 
 def patch_choices(integration: str) -> dict[str, str]:
-    """The arguments given to ``integration``'s ``patch()`` in this process, as the environment variables a
-    worker reads (``"1"`` / ``"0"``, a dock budget): what its Ray hook passes on, so a driver's
-    ``patch(layerwise_reload=False)`` reaches the workers as ``TORCHFERRY_LAYERWISE_RELOAD=0``."""
+    """The arguments given to ``integration``'s ``patch()`` in this process, as the environment variables its Ray
+    hook passes on (``patch(layerwise_reload=False)``: ``TORCHFERRY_LAYERWISE_RELOAD=0``)."""
     state = REGISTRY.patched.get(integration)
     return {} if state is None else dict(state.settings.chosen)
 
@@ -290,28 +233,14 @@ _DIRECT = SeedHelpers(REGISTRY)  # a user's own calls: no integration, the envir
 
 
 def ferry_for(obj: nn.Module | torch.optim.Optimizer) -> Ferry | None:
-    """The ferry the helpers keep for ``obj``.
-
-    Args:
-        obj: a model or optimizer passed to one of the helpers.
-
-    Returns:
-        Its :class:`~torchferry.Ferry`, or ``None`` if it was never offloaded through these helpers.
-    """
+    """The :class:`~torchferry.Ferry` the helpers keep for ``obj`` (``None``: never offloaded through them)."""
     return REGISTRY.ferry(obj)
 
 
 def offload_fsdp2_model_to_cpu(model: nn.Module, empty_cache: bool = True) -> None:
-    """Offloads ``model``'s parameters, buffers and gradients to pinned host memory.
-
-    The current stream waits for the D2H copies (no host sync), so a later synchronisation of it orders
-    them, as after the seed's same-stream copy; kernels queued on it afterwards start once the copies are
-    done ([Note: the verl helpers order the caller's stream]).
-
-    Args:
-        model: an FSDP2 (``fully_shard``-ed) or plain module on one GPU.
-        empty_cache: wait for the D2H copies, then ``torch.cuda.empty_cache()`` to return the released
-            memory to the driver (the seed does the same, and its ``empty_cache`` synchronises too).
+    """Offloads the parameters, buffers and gradients of ``model`` (FSDP2 or plain, on one GPU) to pinned host
+    memory, the current stream waiting for the copies ([Note: the verl helpers order the caller's stream]);
+    with ``empty_cache``, waits for them and returns the released memory to the driver, as the seed does.
 
     Raises:
         RuntimeError: host memory could not be allocated or pinned (the model stays on the GPU, unchanged).
@@ -321,51 +250,32 @@ def offload_fsdp2_model_to_cpu(model: nn.Module, empty_cache: bool = True) -> No
 
 
 def load_fsdp2_model_to_gpu(model: nn.Module) -> None:
-    """Reloads what :func:`offload_fsdp2_model_to_cpu` offloaded.
-
-    With ``layerwise_reload`` on, the FSDP2 units come back in forward order, each forward waiting only for
-    its own ([Note: the helpers' layer-wise reload]). Otherwise the H2D copies are asynchronous; the
-    current stream waits for them, so the next forward on that stream is ordered after them (as with the
-    seed's same-stream ``model.to(device, non_blocking=True)``). A no-op for a model that was never
-    offloaded through these helpers.
-    """
+    """Reloads what :func:`offload_fsdp2_model_to_cpu` offloaded (a no-op for a model it never offloaded), the
+    current stream waiting for the copies, or with ``layerwise_reload`` on each FSDP2 unit's forward for its
+    own ([Note: the helpers' layer-wise reload])."""
     _DIRECT.load_model(model)
 
 
 def offload_fsdp_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Offloads every device tensor in ``optimizer.state`` to pinned host memory.
-
-    Returns with the D2H copies in flight (as the seed's ``non_blocking`` copies), the current stream
-    waiting for them (no host sync): a later ``.item()``, blocking ``.cpu()`` or stream synchronisation
-    orders them, as after the seed's same-stream copy, and ``optimizer.state_dict()`` waits for them by
-    itself ([Note: the verl helpers order the caller's stream]). A no-op for an optimizer without state
-    (before its first step), as in the seed.
-    """
+    """Offloads every device tensor in ``optimizer.state`` to pinned host memory (a no-op without state, as in
+    the seed); returns with the copies in flight, the current stream waiting for them ([Note: the verl helpers
+    order the caller's stream])."""
     _DIRECT.offload_optimizer(optimizer)
 
 
 def load_fsdp_optimizer(optimizer: torch.optim.Optimizer, device_id: int | str | torch.device) -> None:
-    """Reloads what :func:`offload_fsdp_optimizer` offloaded.
-
-    The current stream waits for the copies, or, with ``optimizer_at_step`` on, only ``optimizer.step()``
-    does ([Note: optimizer state waited for at step()]).
-
-    Args:
-        optimizer: the optimizer.
-        device_id: the device to load onto; must be the device the state came from (torchferry restores
-            the original storages).
+    """Reloads what :func:`offload_fsdp_optimizer` offloaded, the current stream waiting for the copies, or with
+    ``optimizer_at_step`` on only ``optimizer.step()`` ([Note: optimizer state waited for at step()]).
 
     Raises:
-        ValueError: ``device_id`` is not the device the state was offloaded from.
+        ValueError: ``device_id`` is not the device the state was offloaded from (it reloads where it came from).
     """
     _DIRECT.load_optimizer(optimizer, device_id)
 
 
 def seed_replacements(integration: str, original: Mapping[str, Callable]) -> dict[str, Callable]:
-    """The four seed helpers' replacements for ``integration`` (each ``__wrapped__``: the public helper): each
-    runs the integration's :func:`helpers_of` at its call; a load of an object torchferry never moved (the
-    framework's own code offloaded it, before ``patch()`` or through a path ``patch()`` does not reach) goes
-    to the framework's ``original``."""
+    """The four seed helpers' replacements for ``integration`` (each ``__wrapped__``: the public helper), each
+    running :func:`helpers_of` at its call; a load of an object torchferry never moved goes to ``original``."""
 
     def load_model(model):
         if REGISTRY.ferry(model) is None:

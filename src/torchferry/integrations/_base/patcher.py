@@ -1,17 +1,10 @@
 """Replacing a framework's functions or a class's methods by name, checked first and undone exactly.
 
-The machinery behind every ``torchferry.integrations.<name>.patch()``: an integration declares, in a
-:class:`HelperSet`, its framework's module (and class, for methods), the names with the parameters
-the replacements were written for, and a function that builds the replacements from the originals;
-a :class:`Patcher` over it does the rest, the same way for every framework:
-
-* ``patch()`` imports the module, checks every name's parameters (and any other attribute the
-  replacements use) before touching anything, then replaces: a class's methods on the class (so
-  on every subclass that does not define its own), a module's functions wherever a module of the
-  package holds the original object (the module itself and every module that bound it by name).
-  It is idempotent.
-* ``unpatch()`` puts the exact original objects back, also in modules of the package imported
-  after ``patch()`` (which bound the replacements by their own ``from ... import``).
+An integration declares, in a :class:`HelperSet`, its framework's module (and class, for methods), the names
+with the parameters the replacements were written for, and a function that builds the replacements from the
+originals; a :class:`Patcher` does the rest, the same way for every framework: a class's methods are replaced
+on the class (so on every subclass that does not define its own), a module's functions wherever a module of
+the package holds the original object (the module itself and every module that bound it by name).
 
 [Note: replacements remember their originals]
 Each replacement carries ``__torchferry_original__`` (the framework's object it replaced) and
@@ -24,6 +17,7 @@ late-import report in ``tests/cpu/test_integration_verl.py``). The second keeps 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -42,38 +36,23 @@ Replacements = Callable[[ModuleType, Mapping[str, Callable]], Mapping[str, Calla
 class HelperSet:
     """What one integration replaces in one module or class: the only part that differs between frameworks."""
 
-    integration: str
-    """The integration's name, as in ``torchferry.integrations.<integration>`` (error messages)."""
-    framework: str
-    """The framework as a user knows it (``"verl"``, ``"AReaL"``), for error messages."""
-    module: str
-    """The module defining the functions (or the class), e.g. ``"verl.utils.fsdp_utils"``."""
+    integration: str  # as in torchferry.integrations.<integration> (error messages)
+    framework: str  # the framework as a user knows it ("verl", "AReaL"), for error messages
+    module: str  # the module defining the functions (or the class), e.g. "verl.utils.fsdp_utils"
     package: str
     """Every module of this package (``package`` or ``package.*``) that holds a function by name gets the
     replacement; the name a user installs the framework by (error messages)."""
-    helpers: Mapping[str, tuple[str, ...]]
-    """name -> the parameter names it must have for the replacement to fit."""
+    helpers: Mapping[str, tuple[str, ...]]  # name -> the parameter names it must have for the replacement to fit
     replacements: Replacements
-    """Builds the replacements from the module and the originals (see :data:`Replacements`)."""
-    cls: str | None = None
-    """A class of ``module`` whose methods ``helpers`` names (replaced on the class), or ``None``: functions."""
+    cls: str | None = None  # a class of module whose methods helpers names (replaced on the class), or None
     call_sites: tuple[str, ...] = ()
     """Modules that import the functions by name, imported by ``patch()`` (when asked) so their names are
     replaced at once; one that fails to import is skipped."""
     requires: tuple[str, ...] = ()
     """Other attributes the replacements use, dotted from ``module`` (``"dist"``, ``"FSDPEngine._ensure_ready"``)."""
-    catch: tuple[type[BaseException], ...] = (ImportError,)
-    """What importing ``module`` may raise for ``patch()`` to report the framework as not importable."""
-
-    def __post_init__(self) -> None:
-        if not self.helpers:
-            raise ValueError(f"torchferry.integrations.{self.integration}: HelperSet(helpers=...) is empty")
-        if not (self.module == self.package or self.module.startswith(self.package + ".")):
-            raise ValueError(f"torchferry.integrations.{self.integration}: HelperSet(module={self.module!r}) is not "
-                             f"in package {self.package!r}")
+    catch: tuple[type[BaseException], ...] = (ImportError,)  # what importing module may raise: "not importable"
 
     def error(self, what: str) -> str:
-        """A one-line message, ``torchferry.integrations.<integration>: <what>``."""
         return f"torchferry.integrations.{self.integration}: {what}"
 
     @property
@@ -94,17 +73,12 @@ def routed(public: Callable, call: Callable) -> Callable:
 
 
 class Patcher:
-    """``patch()`` / ``unpatch()`` / ``is_patched()`` for one :class:`HelperSet`; its record of what it replaced
-    is held by the integration's patch state."""
+    """``patch()`` / ``unpatch()`` for one :class:`HelperSet`; the integration's patch state holds it."""
 
     def __init__(self, helper_set: HelperSet) -> None:
         self.helper_set = helper_set
         # (module name or class, attribute, original) for every attribute patch() replaced, in order.
         self._patched: list[tuple[str | type, str, object]] = []
-
-    def is_patched(self) -> bool:
-        """True between :meth:`patch` and :meth:`unpatch`."""
-        return bool(self._patched)
 
     def names(self) -> list[str]:
         """The ``module.attribute`` names the last :meth:`patch` replaced (empty when not patched)."""
@@ -112,10 +86,8 @@ class Patcher:
                 for o, a, _ in self._patched]
 
     def check(self) -> tuple[ModuleType, object]:
-        """Imports the module and checks the names; changes nothing.
-
-        Returns:
-            The module and the object whose attributes are replaced (the module, or the class).
+        """Imports the module and checks the names, changing nothing; the module and the owner of the names
+        (the module, or the class).
 
         Raises:
             RuntimeError: the framework is not importable, a name or required attribute is missing, or a
@@ -146,17 +118,8 @@ class Patcher:
         return module, owner
 
     def patch(self, *, import_call_sites: bool = True) -> list[str]:
-        """Replaces the names, on the class or in the module and every package module that bound them.
-
-        Idempotent: a second call replaces nothing and returns the same names.
-
-        Args:
-            import_call_sites: import ``HelperSet.call_sites`` first, so the names they bound are replaced
-                too. Without it, only modules already imported are patched; modules imported later bind
-                the replacements anyway.
-
-        Returns:
-            The names replaced.
+        """Replaces the names, on the class or in the module and every package module that bound them (those of
+        ``HelperSet.call_sites`` imported first, with ``import_call_sites``), and returns them. Idempotent.
 
         Raises:
             RuntimeError: as :meth:`check`; nothing is replaced then.
@@ -174,10 +137,8 @@ class Patcher:
                 setattr(owner, name, fn)
             return self.names()
         for mod_name in hs.call_sites if import_call_sites else ():
-            try:
+            with contextlib.suppress(Exception):  # an optional call site whose own dependencies are missing
                 importlib.import_module(mod_name)
-            except Exception:  # an optional call site whose own dependencies are missing
-                pass
         for mod_name, mod in self._package_modules():
             for name, orig in originals.items():
                 if getattr(mod, name, None) is orig:
@@ -186,10 +147,8 @@ class Patcher:
         return self.names()
 
     def unpatch(self) -> None:
-        """Puts the framework's own objects back, also in modules imported after :meth:`patch`.
-
-        Idempotent. See [Note: replacements remember their originals].
-        """
+        """Puts the framework's own objects back, also in modules imported after :meth:`patch` ([Note:
+        replacements remember their originals]). Idempotent."""
         while self._patched:
             where, name, orig = self._patched.pop()
             target = where if isinstance(where, type) else sys.modules.get(where)

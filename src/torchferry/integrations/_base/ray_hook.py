@@ -1,15 +1,10 @@
 """A Ray ``worker_process_setup_hook`` that patches a framework's helpers in every worker.
 
-A framework whose training workers are Ray actors (each its own process)
-is not reached by ``patch()`` in the driver. Ray runs a job's
-``worker_process_setup_hook`` in every worker process it starts for that job,
-before any task or actor method, and actors inherit the job's ``runtime_env``
-(``env_vars`` an actor sets are merged). A :class:`WorkerHook` is that hook for
-one integration: it patches as soon as the worker imports the framework's
-helper module (at once if it already has), so processes that never import the
-framework's FSDP code pay nothing.
-
-Each framework's ``_ray`` names its hook and exposes its methods (``ray_worker_setup`` ...).
+``patch()`` in the driver does not reach training workers that are Ray actors (each its own process). Ray
+runs a job's ``worker_process_setup_hook`` in every worker process it starts for that job, before any task or
+actor method, and actors inherit the job's ``runtime_env`` (``env_vars`` an actor sets are merged). A
+:class:`WorkerHook` is that hook for one integration: it patches as soon as the worker imports the
+framework's helper module (at once if it already has), so processes that never import it pay nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from .helpers import patch_choices
-from .settings import forwarded_env, hook_enabled, next_hook
+from .settings import forwarded_env, hook_env
 
 __all__ = ["HookNames", "WorkerHook"]
 
@@ -36,31 +31,21 @@ logger = logging.getLogger("torchferry")
 class HookNames:
     """The names one integration's hook goes by."""
 
-    framework: str
-    """The framework as a user knows it (log messages)."""
-    integration: str
-    """The integration's name (``HelperSet.integration``): whose ``patch()`` choices the hook forwards."""
-    module: str
-    """The helper module whose import triggers the patch."""
-    hook_path: str
-    """The import path of the module-level hook function (Ray takes the hook by this name)."""
-    env_flag: str
-    """Set to ``"1"`` by :meth:`WorkerHook.with_worker_setup`; off (``0``, ``false``, ``no``, ``off``) makes the
-    hook do nothing; another value than on or off fails the hook."""
-    next_hook_env: str
-    """Names a hook of the user's own (``module.function``), run after torchferry's."""
+    framework: str  # the framework as a user knows it (log messages)
+    integration: str  # HelperSet.integration: whose patch() choices the hook forwards
+    module: str  # the helper module whose import triggers the patch
+    hook_path: str  # the import path of the hook function, as Ray's runtime_env takes it
+    env_flag: str  # "1" from with_worker_setup(); off makes the hook do nothing, neither on nor off fails it
+    next_hook_env: str  # names a hook of the user's own (module.function), run after torchferry's
 
 
 # [Note: a failed patch fails every import]
 # The patch runs inside the helper module's import, right after its code. When it raises (a bad
-# TORCHFERRY_VERL_DOCK in the worker's environment), Python's import drops the half-made module
-# from ``sys.modules``, so a second ``import`` runs the module again. The finder was removed before
-# the patch ran, so that second import found no finder, succeeded and left the framework unpatched:
-# the job ran without torchferry, silently. The finder goes back on ``sys.meta_path`` when the patch
-# raises, so every later import of the module runs the patch again and raises again.
+# TORCHFERRY_VERL_DOCK in the worker's environment), Python drops the half-made module, so a second ``import``
+# runs it again; with the finder already removed, that import succeeded unpatched and the job ran without
+# torchferry, silently. So the finder goes back on ``sys.meta_path`` when the patch raises.
 class _PatchAfterExec(importlib.abc.Loader):
-    """Wraps the loader of the helper module: runs it, then the patch (once it succeeds:
-    [Note: a failed patch fails every import])."""
+    """Wraps the loader of the helper module: runs it, then the patch."""
 
     def __init__(self, inner: importlib.abc.Loader, finder: _PatchOnImport) -> None:
         self._inner, self._finder = inner, finder
@@ -108,15 +93,8 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 
 class WorkerHook:
-    """The Ray worker hook of one integration.
-
-    Args:
-        names: its names (:class:`HookNames`).
-        patch: patches now, without importing call sites (modules imported later bind the
-            replacements by their own ``from ... import``); raises ``RuntimeError`` when the
-            framework changed.
-        is_patched: whether the integration is patched.
-    """
+    """The Ray worker hook of one integration: ``patch`` patches now, without importing call sites (modules
+    imported later bind the replacements by their own ``from ... import``)."""
 
     def __init__(self, names: HookNames, patch: Callable[[], object], is_patched: Callable[[], bool]) -> None:
         self.names, self._patch, self._is_patched = names, patch, is_patched
@@ -125,8 +103,7 @@ class WorkerHook:
         """Patches now if the helper module is imported, else right after its import. Idempotent.
 
         Raises:
-            RuntimeError: as the integration's ``patch()`` (the framework changed), at once or at
-                that import.
+            RuntimeError: as the integration's ``patch()`` (the framework changed), at once or at that import.
         """
         if self._is_patched():
             return
@@ -137,58 +114,39 @@ class WorkerHook:
             _PatchOnImport(self.names.module, self._patch).install()
 
     def ray_worker_setup(self) -> None:
-        """The hook: :meth:`patch_when_imported` in this process, then the user's next hook.
-
-        Does nothing of torchferry's when the ``env_flag`` variable is off (``0``, ``false``, ``no``,
-        ``off``, any case: [Note: one parser for the environment]); the hook named
-        in ``next_hook_env`` (one :meth:`with_worker_setup` found in the ``runtime_env``) runs
-        either way.
+        """The hook: :meth:`patch_when_imported` unless ``env_flag`` is off ([Note: one parser for the
+        environment]), then the hook named in ``next_hook_env``.
 
         Raises:
             RuntimeError: as the integration's ``patch()``.
             ValueError: the ``env_flag`` variable is neither on nor off.
         """
-        n = self.names
-        if hook_enabled(n.env_flag):  # [Note: one parser for the environment]
+        on, nxt = hook_env(self.names.env_flag, self.names.next_hook_env)
+        if on:
             self.patch_when_imported()
             logger.debug("torchferry: %s's offload helpers are routed through torchferry in pid %d",
-                         n.framework, os.getpid())
-        nxt = next_hook(n.next_hook_env)
+                         self.names.framework, os.getpid())
         if nxt:
             module, _, name = nxt.rpartition(".")
             getattr(importlib.import_module(module), name)()
 
     def with_worker_setup(self, runtime_env: dict | None) -> dict:
-        """A copy of a Ray ``runtime_env`` whose worker processes run the hook.
-
-        Args:
-            runtime_env: the ``runtime_env`` given to ``ray.init`` (a dict, or ``None``). A
-                ``worker_process_setup_hook`` already there is kept and runs after torchferry's
-                (a callable one is wrapped; a string one is passed on by name).
-
-        Returns:
-            The new ``runtime_env``, with ``<env_flag>=1`` in its ``env_vars``, and the driver's
-            settings of ``FORWARDED_SETTINGS`` (``TORCHFERRY_SKIP_UNCHANGED`` ...) that it
-            does not set itself (Ray gives workers on other nodes the job's ``env_vars``, not the
-            driver's environment), a driver's ``patch(...)`` arguments taking the place of its
-            environment (``patch(layerwise_reload=False)``: ``TORCHFERRY_LAYERWISE_RELOAD=0``).
-        """
+        """A copy of a Ray ``runtime_env`` (a dict, or ``None``) whose worker processes run the hook, after which
+        a ``worker_process_setup_hook`` already there runs. Its ``env_vars`` get ``<env_flag>=1`` and, where
+        they do not set them, the driver's ``FORWARDED_SETTINGS`` (workers on other nodes see the job's
+        ``env_vars``, not the driver's environment), its ``patch(...)`` arguments over them."""
         n = self.names
         env = dict(runtime_env or {})
         env_vars = dict(env.get("env_vars") or {})
         theirs_vars = set(env_vars)
-        for k, v in forwarded_env().items():  # the driver's settings reach the workers
-            if k not in theirs_vars:
-                env_vars[k] = v
-        for k, v in patch_choices(n.integration).items():  # a driver's patch(...) arguments too, over its environment
+        for k, v in {**forwarded_env(), **patch_choices(n.integration)}.items():
             if k not in theirs_vars:
                 env_vars[k] = v
         env_vars[n.env_flag] = "1"
         theirs = env.get("worker_process_setup_hook")
-        if theirs is None or theirs == n.hook_path:
-            env["worker_process_setup_hook"] = n.hook_path
-        elif isinstance(theirs, str):
-            env_vars[n.next_hook_env] = theirs
+        if theirs is None or isinstance(theirs, str):
+            if theirs not in (None, n.hook_path):
+                env_vars[n.next_hook_env] = theirs
             env["worker_process_setup_hook"] = n.hook_path
         else:
             env["worker_process_setup_hook"] = self._chain(theirs)
@@ -204,11 +162,8 @@ class WorkerHook:
 
     @contextlib.contextmanager
     def ray_init_with_hook(self) -> Iterator[None]:
-        """Within this block, ``ray.init(...)`` gets :meth:`with_worker_setup` applied to its ``runtime_env``.
-
-        Reaches code that calls ``ray.init`` through the ``ray`` module's attribute
-        (``import ray; ray.init(...)``), as verl's ``run_ppo`` and SkyRL's ``initialize_ray`` do.
-        """
+        """Within this block, ``ray.init(...)`` gets :meth:`with_worker_setup` applied to its ``runtime_env``
+        (code that calls it as ``ray.init``, as verl's ``run_ppo`` and SkyRL's ``initialize_ray`` do)."""
         import ray
 
         original = ray.init

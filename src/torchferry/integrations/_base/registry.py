@@ -1,24 +1,17 @@
 """The one registry of the integrations: every ferry their helpers made, and each integration's patch state.
 
 [Note: unpatch() brings the state back]
-Between an integration's ``patch()`` and ``unpatch()`` the framework's offload helpers (verl's
-``offload_fsdp_model_to_cpu`` / ``offload_fsdp_optimizer``, SkyRL's ``offload_fsdp2_model_to_cpu``,
-AReaL's ``FSDPEngine.offload``; verl's dock evicting a set) move state into a ferry's pool: the
-targets' tensors become CPU tensors viewing the pool, guarded so that a forward or ``step()``
-raises, and only the ferry can put the device storages back. The framework's own load helpers
-cannot: verl's and SkyRL's ``model.to(device)`` / ``state[key].to(device_id)`` leave the ferry
-offloaded and its guards in place, AReaL's ``onload()`` resumes a torch_memory_saver that paused
-nothing. So every ``unpatch()`` first brings back (:meth:`Registry.bring_back`) each ferry its
-replacements made that is not resident (offloaded, its offload in flight, or a layer-wise reload
-under way), synchronously, and all or nothing: a reload that fails (the device out of memory, the
-usual case) offloads again the ferries this call brought back, restores nothing and raises
-``RuntimeError`` naming the cause and what stays offloaded; the integration stays patched and
-``unpatch()`` may be called again once there is room. Only then are the originals restored and the
-ferries closed (their pools returned), but those a verl dock holds, which the dock keeps for a later
-``patch(dock=...)`` of its budget. verl's ``unpatch(keep_offloaded=True)`` does neither, for a process
-that switches to verl's own helpers for other models and patches again later (the turns of
-``benchmarks/verl_actor.py``). ``tests/cpu/test_integration_verl.py`` (and the SkyRL, AReaL and verl
-dock tests) check both paths.
+Between ``patch()`` and ``unpatch()`` the framework's offload helpers (and verl's dock evicting a set) move
+state into a ferry's pool, guarded, which the framework's own load helpers cannot bring back (verl's and
+SkyRL's ``.to(device)`` leave the ferry offloaded and its guards in place; AReaL's ``onload()`` resumes a
+torch_memory_saver that paused nothing). So every ``unpatch()`` first brings back (:meth:`Registry.bring_back`)
+each ferry its replacements made that is :func:`away`, synchronously, all or nothing: a reload that fails (the
+device out of memory) offloads again the ferries this call brought back, restores nothing and raises
+``RuntimeError`` naming the cause and what stays offloaded; the integration stays patched. Only then are the
+originals restored and the ferries closed, but those a verl dock holds, which it keeps for a later
+``patch(dock=...)`` of its budget. verl's ``unpatch(keep_offloaded=True)`` does neither (the turns of
+``benchmarks/verl_actor.py``). ``tests/cpu/test_integration_verl.py`` (and SkyRL's, AReaL's, the dock's) check
+both paths.
 """
 
 from __future__ import annotations
@@ -34,24 +27,21 @@ from ..._core._api.residency import Residency
 from ..._core._ferry.ferry import Ferry
 from ..._core._transfer.switch import whole_copies
 
-__all__ = ["REGISTRY", "Entry", "Held", "Registry", "away"]
+__all__ = ["REGISTRY", "Held", "Registry", "away"]
 
 
 class Held(NamedTuple):
-    """One ferry an integration's replacements made, and what it is for messages."""
+    """One ferry an integration's replacements made, and what it is for messages (``"model Mixed (1200
+    bytes)"``, ``"verl dock set engine0.params (...)"``)."""
 
     what: str
-    """E.g. ``"model Mixed (1200 bytes)"``, ``"verl dock set engine0.params (...)"``."""
     ferry: Ferry
-
-
-_AWAY = (Residency.D2H_IN_FLIGHT, Residency.HOST, Residency.PREFETCHING)
 
 
 def away(ferry: Ferry) -> bool:
     """Whether some of ``ferry``'s state is in its pool: offloaded (in flight or done), or a layer-wise
     reload under way."""
-    return ferry.residency in _AWAY
+    return ferry.residency in (Residency.D2H_IN_FLIGHT, Residency.HOST, Residency.PREFETCHING)
 
 
 def _first_line(err: BaseException) -> str:
@@ -94,9 +84,8 @@ class Registry:
         entry = self._entries.get(key)
         return None if entry is None else entry.ferry
 
-    def put(self, key: object, ferry: Ferry, who: str | None, targets: Iterable[object | None] = ()) -> Entry:
-        entry = self._entries[key] = Entry(ferry, who, targets)
-        return entry
+    def put(self, key: object, ferry: Ferry, who: str | None, targets: Iterable[object | None] = ()) -> None:
+        self._entries[key] = Entry(ferry, who, targets)
 
     def moved_by(self, key: object, who: str | None) -> None:
         """Records that ``who``'s replacements moved ``key``'s ferry (a helper called directly records nothing)."""
@@ -111,10 +100,7 @@ class Registry:
     def forget(self, key: object) -> None:
         self._entries.pop(key, None)
 
-    def held_by(self, who: str, names: Mapping[Ferry, str] | None = None) -> list[Held]:
-        """The ferries ``who``'s replacements moved, described for messages (a ferry in ``names`` under that
-        name too: a verl dock's set)."""
-        names = names or {}
+    def _held_by(self, who: str, names: Mapping[Ferry, str]) -> list[Held]:
         out = []
         for key, entry in self.of(who):
             kind = "model" if isinstance(key, nn.Module) else "optimizer" if isinstance(key, Optimizer) else "engine"
@@ -125,7 +111,7 @@ class Registry:
 
     def bring_back(self, who: str, names: Mapping[Ferry, str] | None = None) -> list[Held]:
         """Reloads every ferry of ``who`` that is :func:`away`, synchronously, all or nothing ([Note: unpatch()
-        brings the state back]).
+        brings the state back]); a ferry in ``names`` (a verl dock's set) is named so in messages.
 
         Returns:
             Those brought back, in order.
@@ -134,7 +120,7 @@ class Registry:
             RuntimeError: a reload failed (the message names it, the cause and everything that stays
                 offloaded); the ferries brought back before it were offloaded again.
         """
-        todo = [h for h in self.held_by(who, names) if away(h.ferry)]
+        todo = [h for h in self._held_by(who, names or {}) if away(h.ferry)]
         done: list[Held] = []
         for h in todo:
             try:
@@ -156,16 +142,15 @@ class Registry:
 
     def drop(self, who: str, keep: Collection[Ferry] = ()) -> None:
         """``who``'s ferries closed (their pools returned) and forgotten, but those in ``keep`` (a verl
-        dock's sets, which the dock keeps).
+        dock's sets, which the dock keeps: a later ``unpatch()`` brings them back).
 
         Raises:
             RuntimeError: one of them is offloaded (:meth:`bring_back` first).
         """
         for key, entry in self.of(who):
-            if entry.ferry in keep:
-                continue  # still this integration's: a later unpatch() brings it back
-            entry.ferry.close()
-            self._entries.pop(key, None)
+            if entry.ferry not in keep:
+                entry.ferry.close()
+                self._entries.pop(key, None)
 
 
 def _offload_again(done: list[Held]) -> str:

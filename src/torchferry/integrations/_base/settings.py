@@ -1,19 +1,14 @@
-"""An integration's settings, read once by its ``patch()``: the only module of ``integrations`` that
-reads ``TORCHFERRY_*`` variables.
+"""An integration's settings, read once by its ``patch()``: the only module of ``integrations`` that reads
+``TORCHFERRY_*`` variables.
 
 [Note: each integration's settings]
-verl's and SkyRL's replacements call the same helpers, but each integration's ``patch()`` arguments
-and defaults are its own: verl's ``patch()`` turns ``layerwise_reload`` and ``optimizer_at_step`` on
-by default, SkyRL's leaves them off, and with both patched in one process neither may change what
-the other's helpers do, nor may one's ``unpatch()`` forget the other's choices. So each ``patch()``
-builds one frozen :class:`Settings` (:meth:`Settings.read`): a switch is the ``patch()`` argument,
-else an earlier ``patch()``'s argument (until ``unpatch()``), else its environment variable (one per
-process, shared), else the integration's default. The integration's patch state holds it, its
-replacements receive it as a value (``SeedHelpers.settings``), its Ray hook forwards the arguments
-(``Settings.chosen``). A helper called directly (``torchferry.integrations.verl.offload_fsdp2_model_to_cpu``)
-belongs to no integration: it reads each switch from the environment when it needs it, over
-torchferry's defaults (:func:`read_switch`). ``tests/cpu/test_optimizer_at_step.py`` patches both in
-one process.
+verl's and SkyRL's replacements call the same helpers, but each integration's ``patch()`` arguments and
+defaults are its own (verl's turns ``layerwise_reload`` and ``optimizer_at_step`` on, SkyRL's leaves them off):
+with both patched in one process neither may change what the other's helpers do, nor may one's ``unpatch()``
+forget the other's choices. So each ``patch()`` builds one frozen :class:`Settings` (:meth:`Settings.read`),
+which its patch state holds, its replacements receive as a value and its Ray hook forwards (``chosen``). A
+helper called directly belongs to no integration: it reads each switch from the environment when it needs it
+(:func:`read_switch`). ``tests/cpu/test_optimizer_at_step.py`` patches both in one process.
 """
 
 from __future__ import annotations
@@ -30,7 +25,7 @@ from ..._core._api.env import OFF, env_flag, parse_bytes
 
 __all__ = [
     "DOCK_ENV", "FORWARDED_SETTINGS", "FSDP1_ENV", "LAYERWISE_ENV", "OPTIMIZER_AT_STEP_ENV", "SKIP_ENV", "SWITCHES",
-    "Settings", "dock_budget", "forwarded_env", "hook_enabled", "next_hook", "parse_budget", "read_switch",
+    "Settings", "dock_budget", "forwarded_env", "hook_env", "parse_budget", "read_switch",
 ]
 
 SKIP_ENV = "TORCHFERRY_SKIP_UNCHANGED"
@@ -63,19 +58,15 @@ def read_switch(name: str, default: bool | None = None) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class Settings:
-    """What one integration's replacements do, fixed by its ``patch()`` ([Note: each integration's settings])."""
+    """What one integration's replacements do, fixed by its ``patch()`` ([Note: each integration's settings]).
+    The switches' Notes: [Note: the helpers skip unchanged storages], [Note: optimizer state waited for at
+    step()], [Note: the helpers' layer-wise reload], [Note: FSDP1 models through torchferry]."""
 
     skip_unchanged: bool = True
-    """Models' new ferries skip unchanged storages ([Note: the helpers skip unchanged storages]); default on."""
     optimizer_at_step: bool = False
-    """``load_fsdp_optimizer`` leaves the copies to ``step()`` ([Note: optimizer state waited for at step()])."""
     layerwise_reload: bool = False
-    """``load_fsdp2_model_to_gpu`` reloads layer-wise ([Note: the helpers' layer-wise reload])."""
     fsdp1: bool = True
-    """verl's FSDP1 models go through torchferry ([Note: FSDP1 models through torchferry]); default on."""
-    dock: int | float | None = None
-    """verl's dock budget from ``patch(dock=...)`` or ``TORCHFERRY_VERL_DOCK`` (bytes, or a fraction of the
-    device; ``None``: neither names one)."""
+    dock: int | float | None = None  # verl's dock budget: bytes, a fraction of the device, or None (no dock)
     chosen: tuple[tuple[str, str], ...] = ()
     """The ``patch()`` arguments given so far, as the variables a Ray worker reads (``("TORCHFERRY_LAYERWISE_RELOAD",
     "0")``): what the integration's Ray hook passes on, over the driver's environment."""
@@ -88,16 +79,11 @@ class Settings:
     @classmethod
     def read(cls, args: Mapping[str, bool | None], *, defaults: Mapping[str, bool] | None = None,
              earlier: Settings | None = None, with_dock: bool = False, dock: object = None) -> Settings:
-        """The settings of one ``patch()``: each switch of ``args`` from its argument, else ``earlier``'s
-        argument, else the environment over ``defaults`` (the integration's), else torchferry's; the switches
-        ``args`` does not name keep torchferry's defaults. Checks everything before anything is replaced.
-
-        Args:
-            args: switch name -> the ``patch()`` argument (``None``: not given).
-            defaults: the integration's own defaults (verl's: [Note: verl's defaults]).
-            earlier: the settings of an earlier ``patch()`` of the same integration still in force.
-            with_dock: read a dock budget (verl's): ``dock``, else ``TORCHFERRY_VERL_DOCK`` (:func:`dock_budget`).
-            dock: verl's ``patch(dock=...)``.
+        """The settings of one ``patch()``: each switch of ``args`` (name -> the argument, ``None``: not given)
+        from its argument, else the argument of ``earlier`` (a ``patch()`` still in force), else the environment
+        over ``defaults`` (the integration's: [Note: verl's defaults]), else torchferry's; switches ``args`` does
+        not name keep torchferry's defaults. ``with_dock``: verl's budget too, ``dock`` else
+        ``TORCHFERRY_VERL_DOCK`` (:func:`dock_budget`). Checks everything before anything is replaced.
 
         Raises:
             TypeError: an argument is neither ``None`` nor a bool.
@@ -123,11 +109,10 @@ MIN_BUDGET_BYTES = 1 << 20  # below this a byte count is a slip (TORCHFERRY_VERL
 
 
 def parse_budget(value: object, where: str) -> int | float | None:
-    """A dock budget: bytes (an integer >= :data:`MIN_BUDGET_BYTES`, or a whole float above 1 such as
-    ``40e9``), a fraction of the device's memory (a float in (0, 1]), or ``None`` / ``0`` / ``0.0`` /
-    ``""`` (no dock). A str is a byte count as every other (``_api/env.parse_bytes``: ASCII digits or
-    ``40e9``), a fraction in ASCII digits with a point (``0.6``), or an off spelling of a switch
-    (``0, false, no, off``, any case: no dock); numpy numbers count as ints and floats.
+    """A dock budget: bytes (an integer >= :data:`MIN_BUDGET_BYTES`, or a whole float such as ``40e9``), a
+    fraction of the device's memory (a float in (0, 1]), or ``None`` / ``0`` / ``""`` / an off spelling (no
+    dock). A str is a byte count as every other (``_api/env.parse_bytes``) or a fraction in ASCII digits with a
+    point (``0.6``); numpy numbers count as ints and floats.
 
     Raises:
         ValueError: anything else, naming ``where`` (a bool, a negative or non-finite number, a non-whole
@@ -182,15 +167,11 @@ def forwarded_env() -> dict[str, str]:
     return {k: os.environ[k] for k in FORWARDED_SETTINGS if k in os.environ}
 
 
-def hook_enabled(flag: str) -> bool:
-    """A Ray hook's switch (``TORCHFERRY_VERL``): on unless off.
+def hook_env(flag: str, next_env: str) -> tuple[bool, str | None]:
+    """A Ray hook's switch (``TORCHFERRY_VERL``: on unless off) and the user's own hook it runs after
+    torchferry's (``module.function`` in ``next_env``), if any.
 
     Raises:
-        ValueError: neither on nor off.
+        ValueError: the switch is neither on nor off.
     """
-    return env_flag(flag, True)
-
-
-def next_hook(env: str) -> str | None:
-    """The user's own hook a Ray hook runs after torchferry's (``module.function``), if any."""
-    return os.environ.get(env) or None
+    return env_flag(flag, True), os.environ.get(next_env) or None

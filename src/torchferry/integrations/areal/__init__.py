@@ -1,21 +1,13 @@
-"""torchferry for AReaL: ``FSDPEngine.offload()`` / ``onload()`` through ferries, in one line.
-
-In the process that runs an AReaL FSDP engine (the trainer script itself under AReaL's SPMD
-launchers; each worker process under its single-controller schedulers)::
+"""torchferry for AReaL 1.0.4: ``FSDPEngine.offload()`` / ``onload()`` through ferries, in one line, in the process
+that runs an AReaL FSDP engine (the trainer script under AReaL's SPMD launchers; each worker process under its
+single-controller schedulers)::
 
     import torchferry.integrations.areal as tf_areal
     tf_areal.patch()     # FSDPEngine.offload / onload now go through torchferry
-    ...
     tf_areal.unpatch()   # offloaded engines back on the device; AReaL's own methods again
 
-Each engine gets one :class:`~torchferry.Ferry` over its model and optimizer (the model
-alone for an engine without one, a reference or teacher, with ``skip_unchanged=True``);
-``is_offload`` and AReaL's offload-aware contexts keep their meaning. What AReaL's methods did,
-what the replacements do, what torch_memory_saver released that a ferry does not ([Note: what
-torch_memory_saver released that a ferry does not]) and which engines skip unchanged storages:
-:mod:`torchferry.integrations.areal._patch`. Written against AReaL 1.0.4
-(``pip install --no-deps areal==1.0.4``); areal is imported by :func:`patch`, not by this
-package.
+What they do, and what torch_memory_saver released that a ferry does not: :mod:`._patch`. areal is
+imported by :func:`patch`, not by this package.
 """
 
 from ._patch import ferry_for, is_patched, patch, unpatch

@@ -1,102 +1,46 @@
-"""``patch()``: AReaL's ``FSDPEngine.offload`` / ``onload`` through torchferry ferries.
+"""``patch()``: AReaL's ``FSDPEngine.offload`` / ``onload`` through torchferry ferries, replaced on
+``areal.engine.fsdp_engine.FSDPEngine`` (so on every subclass that does not define its own: ``FSDPPPOActor``,
+``FSDPPPOCritic``, ``FSDPLMEngine`` ...). Written against AReaL 1.0.4.
 
-    import torchferry.integrations.areal as tf_areal
-    tf_areal.patch()     # in the process that runs the engine, before or after it is built
-    ...
-    tf_areal.unpatch()   # AReaL's own methods again
-
-Replaced on ``areal.engine.fsdp_engine.FSDPEngine``, and so on every subclass that does not
-define its own (``FSDPPPOActor``, ``FSDPPPOCritic``, ``FSDPLMEngine``, ``FSDPRWEngine``,
-``FSDPDPOEngine``): ``offload`` and ``onload``. Written against AReaL 1.0.4.
-
-AReaL's own methods (``areal/engine/fsdp_engine.py``): ``offload()`` raises ``RuntimeError``
-unless torch_memory_saver is enabled (``TMS_INIT_ENABLE=1``, which AReaL's launchers and
-schedulers set, with the ``LD_PRELOAD`` hook and ``TMS_INIT_ENABLE_CPU_BACKUP=1``, when
-``enable_offload=True``), logs the device memory, runs ``current_platform.clear_memory()``
-(synchronize, ``gc.collect()``, ``empty_cache()``), ``torch_memory_saver.pause()``,
-synchronizes, waits at a barrier of the engine's gloo group (``cpu_group``), logs again and
-sets ``is_offload = True``. ``onload()``: ``torch_memory_saver.resume()``, synchronize,
-barrier, log, ``is_offload = False``.
-
-The replacements keep that sequence and those flags, and move the engine's state with one
-:class:`~torchferry.Ferry` per engine over ``engine.model`` and ``engine.optimizer`` (an engine
-built without an optimizer config, a reference or teacher model, has no ``optimizer``
-attribute: the model alone), on ``engine.device``:
-
-* ``offload()``: ``ferry.offload()`` and a wait for its copies (AReaL's pause was synchronous
-  too), with what ``current_platform.clear_memory()`` does (``gc.collect()``, synchronize,
-  ``empty_cache()``, which returns the released blocks to the driver for the rollout engine) run
-  around the copies ([Note: AReaL's clear_memory() beside the copies]); synchronize, barrier, log,
-  ``is_offload = True``. No
-  torch_memory_saver is needed. A second ``offload()`` moves nothing (a second TMS pause ends
-  the process: "Cannot pause allocation that is not active").
-* ``onload()``: ``ferry.reload()``, synchronize (the state is on the device when it returns,
-  as after TMS's resume), barrier, log, ``is_offload = False``; a no-op move for an engine
-  never offloaded through torchferry.
-
-``is_offload`` and ``_offload_depth`` keep their meaning, because AReaL's callers call these
-methods: ``_offload_aware_context()`` (around ``update_weights``, ``save``, ``load``,
-``export_stats``) onloads an offloaded engine for the outermost context and offloads it again
-at its end; ``_ensure_ready()`` (``train_batch``, ``eval_batch``, ``forward_batch``) onloads it
-and leaves it onloaded. Between ``offload()`` and ``onload()`` the engine's parameters,
-``.grad``s and optimizer state are CPU tensors viewing the ferry's pool, each the same Python
-object as before; a forward through the model raises ``RuntimeError`` naming ``reload()``
-(under torch_memory_saver they stayed device tensors whose memory was unmapped).
+AReaL's own ``offload()`` needs torch_memory_saver (``TMS_INIT_ENABLE=1`` and its ``LD_PRELOAD`` hook, which
+AReaL's launchers set with ``enable_offload=True``): it logs the device memory, runs
+``current_platform.clear_memory()``, ``torch_memory_saver.pause()``, synchronizes, waits at a barrier of the
+engine's gloo group (``cpu_group``), logs again and sets ``is_offload``; ``onload()`` resumes, synchronizes,
+waits, logs. The replacements keep that sequence and those flags, so AReaL's callers
+(``_offload_aware_context()``, ``_ensure_ready()``) keep their meaning, and move the state with one
+:class:`~torchferry.Ferry` per engine over ``engine.model`` and ``engine.optimizer`` (the model alone for an
+engine without one), on ``engine.device``; a second ``offload()`` moves nothing (a second TMS pause ends the
+process). While offloaded the state is CPU tensors viewing the ferry's pool, each the same Python object.
 
 [Note: what torch_memory_saver released that a ferry does not]
-With ``LD_PRELOAD`` and ``TMS_INIT_ENABLE=1`` from process start, every ``cudaMalloc`` of
-every thread of the engine's process goes through torch_memory_saver (``csrc/entrypoint.cpp``:
-the thread-local "interesting region" defaults to that variable), and ``pause()`` with no tag
-unmaps all of them (``TorchMemorySaver::pause`` in ``csrc/core.cpp``), each first copied to a
-host backup with a blocking ``cudaMemcpy`` (``cpu_backup.h``, ``TMS_INIT_ENABLE_CPU_BACKUP=1``).
-So it released, besides the model and optimizer state, everything else PyTorch's caching
-allocator had reserved in that process after AReaL's ``empty_cache()``: live tensors that are
-not model state (cached activations or outputs someone still holds, FSDP2's communication
-buffers alive at that moment, device tensors of other engines in the same process), the free
-blocks of segments that are partly in use (``empty_cache()`` returns only whole free
-segments), cuBLAS workspaces (AReaL's ``clear_memory()`` does not clear them), and whatever
-else the process allocated through ``cudaMalloc`` (NCCL's buffers where NCCL allocates them
-that way, Triton's or a library's scratch memory). A ferry releases exactly the storages of the
-engine's parameters, buffers, ``.grad``s and optimizer state (FSDP2 resharded first), and
-``clear_memory()`` returns to the driver the segments that leaves entirely free: the rest above
-stays on the device after ``offload()``, as do the CUDA context and what the hook never saw
-(memory NCCL or others map through the driver's ``cuMem*`` API). What torch_memory_saver did
-that a ferry does not need: it kept every virtual address (CUDA graphs and raw pointers stayed
-valid; a ferry's reload gives new addresses), and it paid for that with a host copy of every
-reserved byte, free blocks included, into backups it allocated with ``cudaMallocHost`` at each
-pause and freed at each resume (``TMS_RETAIN_CPU_BACKUP`` off, AReaL does not set it): a
-ferry's pool is the state's exact size, pinned once and kept.
+With ``TMS_INIT_ENABLE=1`` from process start every ``cudaMalloc`` of the process goes through
+torch_memory_saver, and ``pause()`` unmaps all of them, each first copied to a host backup. So it released,
+besides the model and optimizer state, everything else the caching allocator had reserved after AReaL's
+``empty_cache()``: live tensors that are not model state (cached activations, FSDP2's communication buffers,
+other engines' tensors), the free blocks of segments partly in use, cuBLAS workspaces, and other ``cudaMalloc``
+memory (NCCL's, Triton's). A ferry releases exactly the storages of the engine's parameters, buffers, ``.grad``s
+and optimizer state, and ``clear_memory()`` returns the segments that leaves entirely free: the rest stays on
+the device. In exchange torch_memory_saver kept every virtual address (CUDA graphs and raw pointers stayed
+valid; a ferry's reload gives new addresses) and paid a host copy of every reserved byte into backups
+allocated with ``cudaMallocHost`` at each pause; a ferry's pool is the state's exact size, pinned once.
 
 [Note: AReaL's clear_memory() beside the copies]
-AReaL's CUDA ``clear_memory()`` is ``torch.cuda.synchronize()``, ``gc.collect()``,
-``torch.cuda.empty_cache()`` (``areal/infra/platforms/cuda.py``). With the synchronize, barrier
-and logs after it, that took 0.37-0.43 s per offload of a 1.5B engine against 0.45 s of copies
-(one H200, ``overhead_s_all`` in
-``benchmarks/results/frameworks_qwen2.5-1.5b_h200x1_2026-12-01_424a4de.json``), most of it the
-collection: host work. Under ``whole_copies()`` ([Note: whole copies where the caller waits] in
-``torchferry._core._transfer.switch``) a ferry's ``offload()`` returns once all its D2H copies
-are queued, some 20 ms into 0.45 s of copies for 24.7 GB; so on a CUDA device the replacement
-synchronizes first (as ``clear_memory()`` does before collecting: whatever the collection frees
-is used by no pending kernel), queues the copies, collects while they run, waits for them,
-synchronizes and empties the cache: the same three steps, the collection moved under the DMA.
-It frees nothing the copies read (the ferry holds their sources until their event);
-``empty_cache()`` still comes last, after the state's own storages are released, as in AReaL.
-Where ``current_platform.clear_memory`` is not AReaL's CUDA one (another platform, an override),
-the replacement waits for the copies and calls it as AReaL does. Measured at dc0385b (one H200,
-``benchmarks/results/frameworks_qwen2.5-1.5b_h200x1_2026-12-01_dc0385b.json``): the actor's
-offload took 0.619 s, its copies 0.448 s of it, against 0.858 s at 424a4de; ``clear_memory()``
-with the logs and barrier took 0.48-0.60 s alone in that process (the reference engine's
-offload, which copies nothing, 0.513 s), so the method is now AReaL's own host work with the
-copies inside it.
+AReaL's CUDA ``clear_memory()`` is ``torch.cuda.synchronize()``, ``gc.collect()``, ``torch.cuda.empty_cache()``;
+with the logs and barrier it took 0.37-0.43 s per offload of a 1.5B engine against 0.45 s of copies (one H200,
+``overhead_s_all`` in ``benchmarks/results/frameworks_qwen2.5-1.5b_h200x1_2026-12-01_424a4de.json``), most of it
+the collection. Under ``whole_copies()`` ([Note: whole copies where the caller waits] in
+``torchferry._core._transfer.switch``) a ferry's ``offload()`` returns once its D2H copies are queued, so on a
+CUDA device the replacement synchronizes, queues the copies, collects while they run (the ferry holds their
+sources), waits for them, synchronizes and empties the cache: the same three steps, the collection under the
+DMA. Another platform's or an overridden ``clear_memory`` is called after the copies, as AReaL does. At dc0385b
+(``benchmarks/results/frameworks_qwen2.5-1.5b_h200x1_2026-12-01_dc0385b.json``) the actor's offload took
+0.619 s, 0.448 s of it copies, against 0.858 s at 424a4de.
 
 [Note: which engines skip unchanged storages]
-An engine without an optimizer (reference, teacher: forward-only) never writes its weights, so
-its ferry has ``skip_unchanged=True``: after the first cycle an offload copies nothing and
-only releases (a 128-bit hash of each storage at reload and at offload decides; ``docs/ferry.md``).
-So does a LoRA engine (``config.use_lora``): its frozen base is most of the bytes, and only
-what the step wrote (adapters, their optimizer state, ``.grad``s) is copied. A full-parameter
-engine with an optimizer writes every weight each step, so its ferry copies everything without
-hashing. ``patch(skip_unchanged=...)`` forces one choice for every engine.
+An engine without an optimizer (reference, teacher) never writes its weights, so its ferry has
+``skip_unchanged=True``: after the first cycle an offload copies nothing and only releases (``docs/ferry.md``).
+So does a LoRA engine (``config.use_lora``), whose frozen base is most of the bytes. A full-parameter engine
+with an optimizer copies everything without hashing. ``patch(skip_unchanged=...)`` forces one choice.
 """
 
 from __future__ import annotations
@@ -109,7 +53,7 @@ import torch
 
 from torchferry import Ferry
 
-from .._base import REGISTRY, HelperSet, PatchState, Settings, whole_copies
+from .._base import REGISTRY, HelperSet, PatchState, Settings, away, unpatch_integration, whole_copies
 
 __all__ = ["ferry_for", "is_patched", "patch", "unpatch"]
 
@@ -122,15 +66,8 @@ def is_patched() -> bool:
 
 
 def ferry_for(engine: object) -> Ferry | None:
-    """The ferry the patched methods keep for ``engine``.
-
-    Args:
-        engine: an ``FSDPEngine`` (or subclass) offloaded through the patched ``offload()``.
-
-    Returns:
-        Its :class:`~torchferry.Ferry` (over the engine's current model and optimizer), or
-        ``None`` if none was made for them yet.
-    """
+    """The :class:`~torchferry.Ferry` the patched methods keep for ``engine`` (an ``FSDPEngine``), over its
+    current model and optimizer, or ``None`` if none was made for them yet."""
     entry = REGISTRY.entry(engine)
     if entry is None or not entry.serves(getattr(engine, "model", None), getattr(engine, "optimizer", None)):
         return None
@@ -171,17 +108,15 @@ def _ferry_of(engine: object) -> Ferry:
 
 
 # [Note: a model or optimizer replaced while offloaded]
-# AReaL's ``engine.offload(); engine.optimizer = AdamW(...); engine.onload()`` left the model on the
-# host: the onload looked for a ferry serving the new optimizer, found none, moved nothing and set
-# ``is_offload`` False; a retried ``offload()`` made a ferry for the new pair and was refused, the
-# model being "already offloaded by another Ferry". So the entry holds its model
-# and optimizer strongly while offloaded (the old optimizer cannot be collected with its state in
-# the pool), and ``onload()`` / ``offload()`` of an engine whose model or optimizer was replaced
-# first bring back what the old ferry holds and close it (:func:`_settle`): the model is resident
-# again, and the next ``offload()`` makes a ferry for the new pair, moving the new optimizer's state.
+# AReaL's ``engine.offload(); engine.optimizer = AdamW(...); engine.onload()`` left the model on the host: the
+# onload found no ferry serving the new optimizer, moved nothing and set ``is_offload`` False; a retried
+# ``offload()`` made a ferry for the new pair and was refused, the model being "already offloaded by another
+# Ferry". So the entry holds its model and optimizer strongly while offloaded, and ``onload()`` / ``offload()``
+# of an engine whose model or optimizer was replaced first bring back what the old ferry holds and close it:
+# the next ``offload()`` makes a ferry for the new pair.
 def _settle(engine: object) -> None:
-    """Brings back and closes the ferry of an engine whose model or optimizer was replaced since it was
-    made ([Note: a model or optimizer replaced while offloaded]); a no-op otherwise."""
+    """Brings back and closes the ferry of an engine whose model or optimizer was replaced since it was made;
+    a no-op otherwise."""
     entry = REGISTRY.entry(engine)
     if entry is None or entry.serves(getattr(engine, "model", None), getattr(engine, "optimizer", None)):
         return
@@ -193,9 +128,8 @@ def _settle(engine: object) -> None:
 
 
 def _clears_as_areal_cuda(platform: object) -> bool:
-    """Whether ``platform.clear_memory`` is AReaL's own CUDA one (synchronize, ``gc.collect()``,
-    ``empty_cache()``), which the patched ``offload()`` may run around its copies; an override, or
-    another platform, is called as it is."""
+    """Whether ``platform.clear_memory`` is AReaL's own CUDA one, which the patched ``offload()`` may run around
+    its copies ([Note: AReaL's clear_memory() beside the copies])."""
     try:
         from areal.infra.platforms.cuda import CudaPlatform  # pyright: ignore[reportMissingImports]
     except Exception:  # noqa: BLE001  (AReaL moved it: call clear_memory() as AReaL does)
@@ -204,22 +138,19 @@ def _clears_as_areal_cuda(platform: object) -> bool:
 
 
 def _replacements(module: ModuleType, original: Mapping[str, Callable]) -> dict[str, Callable]:
-    """``offload`` and ``onload`` for ``module.FSDPEngine``; they read ``module.current_platform``
-    and ``module.dist`` at each call, as AReaL's methods do."""
+    """``offload`` and ``onload`` for ``module.FSDPEngine``; they read ``module.current_platform`` and
+    ``module.dist`` at each call, as AReaL's methods do."""
 
     def offload(self) -> None:
-        """Offloads the engine's model (parameters, buffers, ``.grad``s) and optimizer state to
-        the host through its torchferry ferry (``torchferry.integrations.areal``).
-
-        Returns once the copies are done and the released memory went back to the driver
-        (``current_platform.clear_memory()``), after a barrier of the engine's ranks; then
-        ``is_offload`` is True. Moves nothing when already offloaded.
+        """Offloads the engine's model (parameters, buffers, ``.grad``s) and optimizer state to the host
+        through its torchferry ferry; returns once the copies are done and the released memory went back to
+        the driver, after a barrier of the engine's ranks, ``is_offload`` True. Moves nothing when already
+        offloaded.
 
         Raises:
-            RuntimeError: the engine has no model (before ``initialize()``, after
-                ``destroy()``), or host memory could not be allocated or pinned
-                (``torchferry.HostBudgetError`` among them); the state stays on the device,
-                ``is_offload`` unchanged.
+            RuntimeError: the engine has no model (before ``initialize()``, after ``destroy()``), or host
+                memory could not be allocated or pinned (``torchferry.HostBudgetError`` among them); the state
+                stays on the device, ``is_offload`` unchanged.
         """
         self.get_device_stats().log("before offload model")
         _settle(self)
@@ -245,19 +176,16 @@ def _replacements(module: ModuleType, original: Mapping[str, Callable]) -> dict[
         self.is_offload = True
 
     def onload(self) -> None:
-        """Reloads what :meth:`offload` moved (``torchferry.integrations.areal``).
-
-        Returns with the state on the device (synchronized), after a barrier of the engine's
-        ranks; then ``is_offload`` is False. Moves nothing for an engine that is resident or was
-        never offloaded through torchferry. A model or optimizer replaced since the offload: the
-        state offloaded comes back, the new ones move at the next offload ([Note: a model or
-        optimizer replaced while offloaded]).
+        """Reloads what :meth:`offload` moved; returns with the state on the device (synchronized), after a
+        barrier of the engine's ranks, ``is_offload`` False. Moves nothing for an engine that is resident or
+        was never offloaded through torchferry. A model or optimizer replaced since the offload: the state
+        offloaded comes back, the new ones move at the next offload.
 
         Raises:
-            RuntimeError: the device ran out of memory (the message names the bytes needed; the
-                state stays on the host, ``is_offload`` unchanged).
+            RuntimeError: the device ran out of memory (the message names the bytes needed; the state stays on
+                the host, ``is_offload`` unchanged).
         """
-        _settle(self)  # a replaced model or optimizer: the old ferry's state back, [Note: a model or ...]
+        _settle(self)  # see [Note: a model or optimizer replaced while offloaded]
         ferry = ferry_for(self)
         if ferry is not None:
             with whole_copies():  # synchronised below: [Note: whole copies where the caller waits]
@@ -277,35 +205,27 @@ def _replacements(module: ModuleType, original: Mapping[str, Callable]) -> dict[
 HELPER_SET = HelperSet(
     integration="areal", framework="AReaL", module="areal.engine.fsdp_engine", package="areal", cls="FSDPEngine",
     helpers={"offload": ("self",), "onload": ("self",)}, replacements=_replacements,
-    # The callers that give is_offload its meaning (if they are gone, AReaL's protocol changed), and what the
-    # replacements use of the engine module's globals, as AReaL's methods do.
+    # The callers that give is_offload its meaning, and the engine module's globals the replacements use.
     requires=("FSDPEngine._offload_aware_context", "FSDPEngine._ensure_ready", "current_platform", "dist"),
     catch=(Exception,),  # ImportError, or what areal's own imports raise without an optional package
 )
-"""What this integration replaces in AReaL."""
 
 
 def patch(*, skip_unchanged: bool | None = None) -> list[str]:
-    """Routes AReaL's ``FSDPEngine.offload`` / ``onload`` through torchferry ferries.
-
-    Idempotent: a second call changes nothing (its arguments included) and returns the same
-    names; :func:`unpatch` first to change them. Engines made before the call are covered too
-    (the methods are replaced on the class). Patches this process only: call it in every
-    process that runs an engine.
+    """Routes AReaL's ``FSDPEngine.offload`` / ``onload`` through torchferry ferries, in this process only
+    (engines made before the call too). Idempotent: a second call changes nothing, its arguments included.
 
     Args:
-        skip_unchanged: ``None`` (default): ``skip_unchanged=True`` for engines without an
-            optimizer and LoRA engines, off for the others ([Note: which engines skip
-            unchanged storages]); a bool: that for every engine.
+        skip_unchanged: ``None`` (default): on for engines without an optimizer and LoRA engines, off for the
+            others ([Note: which engines skip unchanged storages]); a bool: that for every engine.
 
     Returns:
         The ``module.Class.method`` names replaced.
 
     Raises:
         TypeError: ``skip_unchanged`` is neither ``None`` nor a bool.
-        RuntimeError: areal is not importable, or ``FSDPEngine`` or one of the methods, callers
-            or module globals the replacements rely on is missing or has other parameters than
-            this integration was written for (nothing is replaced then).
+        RuntimeError: areal is not importable, or ``FSDPEngine`` or one of the methods, callers or module globals
+            the replacements rely on is missing or has other parameters (nothing is replaced then).
     """
     state = REGISTRY.patched.get("areal")
     if state is not None:
@@ -320,32 +240,17 @@ def patch(*, skip_unchanged: bool | None = None) -> list[str]:
 
 
 def unpatch() -> None:
-    """Brings back the state of every engine offloaded through torchferry, then puts AReaL's own
-    ``offload`` / ``onload`` back on ``FSDPEngine`` and closes the ferries (their pools returned).
-    Idempotent.
-
-    An offloaded engine's state is reloaded synchronously, as the patched ``onload()`` does (without
-    its barrier and logs), and its ``is_offload`` becomes False: AReaL's own ``onload()`` could not
-    bring it back from torchferry's pool ([Note: unpatch() brings the state back] in
-    ``integrations._base.registry``).
+    """Brings back the state of every engine offloaded through torchferry (synchronously, as the patched
+    ``onload()`` without its barrier and logs; its ``is_offload`` False: [Note: unpatch() brings the state
+    back] in ``integrations._base.registry``), then puts AReaL's own ``offload`` / ``onload`` back on
+    ``FSDPEngine`` and closes the ferries. Idempotent.
 
     Raises:
-        RuntimeError: a reload failed (e.g. the device is out of memory; the message names the
-            engine and what stays offloaded). Nothing is unpatched then and every engine is as it
-            was (offloaded, ``is_offload`` True); free memory and call it again.
+        RuntimeError: a reload failed (e.g. the device is out of memory; the message names the engine and
+            what stays offloaded). Nothing is unpatched then and every engine is as it was; free memory and
+            call it again.
     """
-    state = REGISTRY.patched.get("areal")
-    if state is None:
-        return
-    back = {id(h.ferry) for h in REGISTRY.bring_back("areal")}  # raises before anything is unpatched
-    entries = REGISTRY.of("areal")
-    for engine, entry in entries:
-        if id(entry.ferry) in back:  # as the patched onload() leaves it
-            entry.held = ()
-            engine.is_offload = False  # type: ignore[attr-defined]
-    for patcher in state.patchers.values():
-        patcher.unpatch()
-    del REGISTRY.patched["areal"]
-    for engine, entry in entries:
-        entry.ferry.close()
-        REGISTRY.forget(engine)
+    offloaded = [engine for engine, entry in REGISTRY.of("areal") if away(entry.ferry)]
+    unpatch_integration("areal", ())
+    for engine in offloaded:  # as the patched onload() leaves it
+        engine.is_offload = False  # type: ignore[attr-defined]

@@ -1,4 +1,4 @@
-"""torchferry for SkyRL: its FSDP2 offload helpers, replaced in one line or one command.
+"""torchferry for SkyRL 0.4.0: its FSDP2 offload helpers, replaced in one line or one command.
 
 In a process of your own::
 
@@ -6,35 +6,33 @@ In a process of your own::
     tf_skyrl.patch()      # SkyRL's offload_fsdp2_model_to_cpu & co. now go through torchferry
     tf_skyrl.unpatch()    # what they hold offloaded back on the device; SkyRL's own helpers again
 
-For SkyRL's trainer, whose FSDP workers are Ray actors (each its own process)::
-
-    python -m torchferry.integrations.skyrl.main_base <SkyRL's main_base arguments>
-
-or SkyRL's own entry point, handing over to torchferry's::
-
-    python -m skyrl.train.entrypoints.main_base ... \\
-        trainer.override_entrypoint=torchferry.integrations.skyrl.main_base
-
-With an entry point of your own, wrap its ``initialize_ray(cfg)`` in
-``with tf_skyrl.ray_init_with_hook():``, or put ``tf_skyrl.patch_when_imported()``
-in the worker before it imports SkyRL's FSDP code (see
-:mod:`torchferry.integrations.skyrl._ray`).
-
-SkyRL's helpers are verl's (PR #7347) under the same names and signatures, so
-the drop-ins re-exported here are the same function objects as
-``torchferry.integrations.verl``'s (:mod:`torchferry.integrations._base.helpers`).
-Written against SkyRL 0.4.0 (``skyrl.backends.skyrl_train.distributed.fsdp_utils``).
+SkyRL's FSDP workers are Ray actors and its training loop a Ray task, so the Ray hook :func:`ray_worker_setup`
+patches every worker that imports SkyRL's ``fsdp_utils``. SkyRL starts Ray in ``initialize_ray`` with no
+setting for a setup hook: run :mod:`.main_base`, wrap your own ``initialize_ray(cfg)`` in ``with
+tf_skyrl.ray_init_with_hook():``, or call ``tf_skyrl.patch_when_imported()`` in the worker before it imports
+SkyRL's FSDP code. The helpers re-exported here are the same objects as ``torchferry.integrations.verl``'s.
 """
 
 from .._base import (
+    HookNames,
+    WorkerHook,
     ferry_for,
     load_fsdp2_model_to_gpu,
     load_fsdp_optimizer,
     offload_fsdp2_model_to_cpu,
     offload_fsdp_optimizer,
 )
-from ._patch import is_patched, patch, unpatch
-from ._ray import ENV_FLAG, HOOK_PATH, patch_when_imported, ray_init_with_hook, ray_worker_setup, with_worker_setup
+from ._patch import FSDP_UTILS, is_patched, patch, unpatch
+
+HOOK_PATH = "torchferry.integrations.skyrl.ray_worker_setup"
+ENV_FLAG = "TORCHFERRY_SKYRL"
+_HOOK = WorkerHook(HookNames(framework="skyrl", integration="skyrl", module=FSDP_UTILS, hook_path=HOOK_PATH,
+                             env_flag=ENV_FLAG, next_hook_env="TORCHFERRY_SKYRL_NEXT_HOOK"),
+                   patch=lambda: patch(import_call_sites=False), is_patched=is_patched)
+patch_when_imported = _HOOK.patch_when_imported
+ray_worker_setup = _HOOK.ray_worker_setup
+with_worker_setup = _HOOK.with_worker_setup
+ray_init_with_hook = _HOOK.ray_init_with_hook
 
 __all__ = [
     "ENV_FLAG",

@@ -1,36 +1,21 @@
 """``patch()``: SkyRL's FSDP2 offload helpers, replaced by torchferry's in one line.
 
-    import torchferry.integrations.skyrl as tf_skyrl
-    tf_skyrl.patch()     # before (or after) SkyRL builds its FSDPStrategy
-    ...
-    tf_skyrl.unpatch()   # what they hold offloaded back on the device; SkyRL's own helpers again
-
-Replaced in ``skyrl.backends.skyrl_train.distributed.fsdp_utils`` and wherever
-SkyRL modules imported them by name (``FSDPStrategy.offload_to_cpu`` /
-``backload_to_gpu`` in ``skyrl.backends.skyrl_train.distributed.fsdp_strategy``
-call them as module globals bound by ``from ...fsdp_utils import ...``):
-``offload_fsdp2_model_to_cpu``, ``load_fsdp2_model_to_gpu``,
-``offload_fsdp_optimizer``, ``load_fsdp_optimizer``. Written against SkyRL 0.4.0,
-whose helpers are verl's (PR #7347) under the same names and signatures. The
-machinery is :mod:`torchferry.integrations._base`, shared with the verl
-integration; this module names what SkyRL has, and what SkyRL's own helpers do
-besides moving state:
+Replaced in ``skyrl.backends.skyrl_train.distributed.fsdp_utils`` and wherever SkyRL modules imported them by
+name (``FSDPStrategy.offload_to_cpu`` / ``backload_to_gpu`` in ``...distributed.fsdp_strategy`` call them as
+module globals): the four helpers of :data:`HELPER_SET`. Written against SkyRL 0.4.0, whose helpers are
+verl's (PR #7347) under the same names and signatures.
 
 [Note: what stays with SkyRL's own helpers]
-* A model whose FSDP2 units keep their sharded parameters on the host
-  themselves (``fully_shard(..., offload_policy=CPUOffloadPolicy())``, SkyRL's
-  ``fsdp_config.cpu_offload=true``) goes to SkyRL's own
-  ``offload_fsdp2_model_to_cpu``. SkyRL calls it for such a model from
-  ``fsdp2_load_full_state_dict`` (a global of ``fsdp_utils``, so replaced too);
-  torchferry's would take the model's tensors into its pool and leave it
-  offloaded, so SkyRL's first forward would fail.
-* ``load_fsdp2_model_to_gpu`` / ``load_fsdp_optimizer`` of an object torchferry
-  never offloaded go to SkyRL's own (its ``.to(device)``), as before patching.
-* Before an offload, meta buffers left by SkyRL's meta-device init become
-  empty CPU buffers of their shape and dtype, as SkyRL's helper does (torchferry
-  refuses meta tensors). CPU buffers of a GPU model stay on the CPU (torchferry
-  leaves CPU tensors alone); SkyRL's ``model.to(device)`` reload would have
-  moved them to the GPU.
+* A model whose FSDP2 units keep their sharded parameters on the host themselves (``fully_shard(...,
+  offload_policy=CPUOffloadPolicy())``, SkyRL's ``fsdp_config.cpu_offload=true``) goes to SkyRL's own
+  ``offload_fsdp2_model_to_cpu``. SkyRL calls it for such a model from ``fsdp2_load_full_state_dict`` (a
+  global of ``fsdp_utils``, so replaced too); torchferry's would take the model's tensors into its pool and
+  leave it offloaded, so SkyRL's first forward would fail.
+* ``load_fsdp2_model_to_gpu`` / ``load_fsdp_optimizer`` of an object torchferry never offloaded go to SkyRL's
+  own (its ``.to(device)``), as before patching.
+* Before an offload, meta buffers left by SkyRL's meta-device init become empty CPU buffers of their shape and
+  dtype, as SkyRL's helper does (torchferry refuses meta tensors). CPU buffers of a GPU model stay on the CPU
+  (torchferry leaves CPU tensors alone); SkyRL's ``model.to(device)`` reload would have moved them to the GPU.
 """
 
 from __future__ import annotations
@@ -42,11 +27,12 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from .._base import REGISTRY, HelperSet, PatchState, Patcher, Settings, fsdp_modules, param_groups, seed_replacements
+from .._base import (REGISTRY, HelperSet, PatchState, Settings, fsdp_modules, param_groups, seed_replacements,
+                     unpatch_integration)
 
-__all__ = ["HELPER_SET", "is_patched", "patch", "unpatch"]
+__all__ = ["FSDP_UTILS", "HELPER_SET", "is_patched", "patch", "unpatch"]
 
-_FSDP_UTILS = "skyrl.backends.skyrl_train.distributed.fsdp_utils"
+FSDP_UTILS = "skyrl.backends.skyrl_train.distributed.fsdp_utils"
 
 
 def _fsdp_keeps_params_on_host(model: nn.Module) -> bool:
@@ -56,11 +42,8 @@ def _fsdp_keeps_params_on_host(model: nn.Module) -> bool:
         return False
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    for unit in units:
-        state = unit._get_fsdp_state()  # pyright: ignore[reportCallIssue]  # FSDP2 private _get_fsdp_state
-        if any(isinstance(getattr(g, "offload_policy", None), CPUOffloadPolicy) for g in param_groups(state)):
-            return True
-    return False
+    groups = [g for unit in units for g in param_groups(unit._get_fsdp_state())]  # pyright: ignore[reportCallIssue]
+    return any(isinstance(getattr(g, "offload_policy", None), CPUOffloadPolicy) for g in groups)
 
 
 def _materialise_meta_buffers(model: nn.Module) -> None:
@@ -86,14 +69,12 @@ def _replacements(fsdp_utils: ModuleType, original: Mapping[str, Callable]) -> d
 
 
 HELPER_SET = HelperSet(
-    integration="skyrl", framework="skyrl", module=_FSDP_UTILS, package="skyrl", replacements=_replacements,
+    integration="skyrl", framework="skyrl", module=FSDP_UTILS, package="skyrl", replacements=_replacements,
     helpers={"offload_fsdp2_model_to_cpu": ("model", "empty_cache"), "load_fsdp2_model_to_gpu": ("model",),
              "offload_fsdp_optimizer": ("optimizer",), "load_fsdp_optimizer": ("optimizer", "device_id")},
-    # Modules that import the helpers by name; patched when importable (fsdp_strategy needs flash_attn).
-    call_sites=("skyrl.backends.skyrl_train.distributed.fsdp_strategy",),
+    call_sites=("skyrl.backends.skyrl_train.distributed.fsdp_strategy",),  # patched when importable (flash_attn)
     catch=(Exception,),  # SkyRL 0.4.0 on Python < 3.12 fails at import with a pydantic error, not an ImportError
 )
-"""What this integration replaces in SkyRL."""
 
 
 def is_patched() -> bool:
@@ -103,45 +84,25 @@ def is_patched() -> bool:
 
 def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
           optimizer_at_step: bool | None = None, layerwise_reload: bool | None = None) -> list[str]:
-    """Routes SkyRL's FSDP2 model and optimizer offload helpers through torchferry.
-
-    Idempotent. What still goes to SkyRL's own helpers: [Note: what stays with
-    SkyRL's own helpers].
+    """Routes SkyRL's FSDP2 model and optimizer offload helpers through torchferry ([Note: what stays with
+    SkyRL's own helpers]). Idempotent.
 
     Args:
-        import_call_sites: also import ``fsdp_strategy`` now (when its own imports, flash_attn
-            among them, are there), so the names it bound by ``from ...fsdp_utils import ...``
-            are replaced too. Without it, only modules already imported are patched; modules
-            imported later bind the replaced helpers anyway.
-        skip_unchanged: whether models' ferries skip unchanged storages, so that an offload
-            after a forward-only phase (the reference, a policy offloaded for another role)
-            copies nothing ([Note: the helpers skip unchanged storages] in
-            ``integrations._base.helpers``); ``None`` (default): an earlier ``patch()``'s choice,
-            else ``TORCHFERRY_SKIP_UNCHANGED``, on unless off. SkyRL's own (the verl
-            integration's choice does not reach SkyRL's helpers: [Note: each integration's
-            settings] in ``integrations._base.settings``), forgotten by ``unpatch()``.
-        optimizer_at_step: whether ``load_fsdp_optimizer`` leaves the optimizer state's copies
-            to ``optimizer.step()``, behind the forward and backward before it ([Note: optimizer
-            state waited for at step()] in ``integrations._base.helpers``); ``None`` (default): an
-            earlier ``patch()``'s choice, else ``TORCHFERRY_OPTIMIZER_AT_STEP``, off unless on.
-            SkyRL's own, forgotten by ``unpatch()``.
-        layerwise_reload: whether ``load_fsdp2_model_to_gpu`` reloads the FSDP2 units in forward
-            order, each forward waiting only for its own ([Note: the helpers' layer-wise reload] in
-            ``integrations._base.helpers``); ``None`` (default): an earlier ``patch()``'s choice, else
-            ``TORCHFERRY_LAYERWISE_RELOAD``, off unless on. SkyRL's own, forgotten by ``unpatch()``.
+        import_call_sites: also import ``fsdp_strategy`` now (when its own imports, flash_attn among them, are
+            there), so the names it bound by ``from ...fsdp_utils import ...`` are replaced too.
+        skip_unchanged, optimizer_at_step, layerwise_reload: as :func:`torchferry.integrations.verl.patch`'s,
+            SkyRL's own ([Note: each integration's settings] in ``integrations._base.settings``); by default
+            only ``skip_unchanged`` is on.
 
     Returns:
         The ``module.attribute`` names replaced.
 
     Raises:
-        TypeError: ``import_call_sites`` is not a bool, or ``skip_unchanged``, ``optimizer_at_step`` or
-            ``layerwise_reload`` neither ``None`` nor a bool.
-        ValueError: ``TORCHFERRY_SKIP_UNCHANGED``, ``TORCHFERRY_OPTIMIZER_AT_STEP`` or
-            ``TORCHFERRY_LAYERWISE_RELOAD`` is neither on nor off.
-        RuntimeError: SkyRL's ``fsdp_utils`` is not importable (on Python < 3.12 the message says
-            SkyRL needs 3.12), or one of its helpers is
-            missing or has other parameters than this integration was written for (nothing is
-            replaced then).
+        TypeError: ``import_call_sites`` is not a bool, or a switch neither ``None`` nor a bool.
+        ValueError: a switch's environment variable is neither on nor off.
+        RuntimeError: SkyRL's ``fsdp_utils`` is not importable (on Python < 3.12 the message says SkyRL needs
+            3.12), or one of its helpers is missing or has other parameters than this integration was written
+            for (nothing is replaced then).
     """
     if not isinstance(import_call_sites, bool):
         raise TypeError(f"torchferry.integrations.skyrl: patch(import_call_sites=...) must be True or False, "
@@ -150,34 +111,25 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
     args = {"skip_unchanged": skip_unchanged, "optimizer_at_step": optimizer_at_step,
             "layerwise_reload": layerwise_reload}
     settings = Settings.read(args, earlier=state.settings if state else None)  # a bad value: nothing replaced
-    fresh = state or PatchState(name="skyrl", settings=settings)
+    state = state or PatchState(name="skyrl", settings=settings)
     try:
-        names = fresh.patch(HELPER_SET, import_call_sites=import_call_sites)
+        names = state.patch(HELPER_SET, import_call_sites=import_call_sites)
     except RuntimeError as e:
         if sys.version_info < (3, 12) and "is not importable" in str(e):
             raise RuntimeError(f"{e}; SkyRL 0.4.0 needs Python >= 3.12 (this is "
                                f"{sys.version_info.major}.{sys.version_info.minor})") from e
         raise
-    fresh.settings = settings
-    REGISTRY.patched["skyrl"] = fresh
+    state.settings = settings
+    REGISTRY.patched["skyrl"] = state
     return names
 
 
 def unpatch() -> None:
-    """Brings back what SkyRL's patched helpers hold offloaded, then puts SkyRL's own helpers back, also
-    in SkyRL modules imported after :func:`patch`. Idempotent.
-
-    Every model and optimizer the patched helpers offloaded is reloaded first, synchronously:
-    SkyRL's own helpers could not bring it back from torchferry's pool ([Note: unpatch() brings the
-    state back] in ``integrations._base.registry``). Then the ferries are closed (their pools returned).
+    """Brings back what SkyRL's patched helpers hold offloaded ([Note: unpatch() brings the state back] in
+    ``integrations._base.registry``), then SkyRL's own helpers again. Idempotent.
 
     Raises:
-        RuntimeError: a reload failed (e.g. the device is out of memory; the message names it and
-            what stays offloaded). Nothing is unpatched then and every ferry is where it was:
-            SkyRL's patched helpers still hold the state; free memory and call it again.
+        RuntimeError: a reload failed (the device out of memory: the message names it and what stays
+            offloaded); nothing is unpatched then.
     """
-    REGISTRY.bring_back("skyrl")  # raises before anything is unpatched
-    state = REGISTRY.patched.pop("skyrl", None)
-    for patcher in state.patchers.values() if state else [Patcher(HELPER_SET)]:
-        patcher.unpatch()
-    REGISTRY.drop("skyrl")
+    unpatch_integration("skyrl", (HELPER_SET,))

@@ -1,4 +1,4 @@
-"""SkyRL's PPO trainer with torchferry switched on in every Ray worker: one command.
+"""SkyRL's PPO trainer with torchferry on in the driver and every Ray worker::
 
     python -m torchferry.integrations.skyrl.main_base <the arguments of python -m skyrl.train.entrypoints.main_base>
 
@@ -6,28 +6,14 @@ or SkyRL's own entry point, which hands over to this one before it parses its co
 
     python -m skyrl.train.entrypoints.main_base trainer.override_entrypoint=torchferry.integrations.skyrl.main_base ...
 
-Takes exactly the overrides of ``skyrl.train.entrypoints.main_base`` and runs
-it, with two things added first:
-
-1. :func:`~torchferry.integrations.skyrl.patch` in this (driver) process, which
-   also checks, before Ray starts, that the installed SkyRL has the helpers this
-   integration was written for (an error names what changed);
-2. the ``runtime_env`` of SkyRL's ``ray.init`` (in ``initialize_ray``) gets the
-   ``worker_process_setup_hook`` :func:`~torchferry.integrations.skyrl.ray_worker_setup`
-   and ``TORCHFERRY_SKYRL=1``, so the ``skyrl_entrypoint`` task and every FSDP
-   worker SkyRL starts (each its own process) routes SkyRL's offload helpers
-   through torchferry.
-
-torchferry must be importable by the Ray workers (installed in their Python
-environment, as SkyRL is).
+torchferry must be importable by the Ray workers (installed in their Python environment, as SkyRL is).
 """
 
 from __future__ import annotations
 
 import sys
 
-from ._patch import patch
-from ._ray import ray_init_with_hook
+from . import patch, ray_init_with_hook
 
 __all__ = ["main"]
 
@@ -35,19 +21,14 @@ _OVERRIDE = "trainer.override_entrypoint="  # SkyRL's hand-over to this module; 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Runs ``skyrl.train.entrypoints.main_base.main`` with torchferry on in the driver and every Ray worker.
-
-    Args:
-        argv: SkyRL's config overrides (default: ``sys.argv[1:]``); a
-            ``trainer.override_entrypoint=...`` among them is dropped (SkyRL's
-            ``main_base`` would hand over to it again).
+    """Runs ``skyrl.train.entrypoints.main_base.main`` on ``argv`` (default: ``sys.argv[1:]``; a
+    ``trainer.override_entrypoint=...`` dropped) after :func:`patch`, its ``ray.init`` given the Ray hook.
 
     Raises:
-        RuntimeError: SkyRL is not importable, or its offload helpers are not
-            the ones this integration was written for.
+        RuntimeError: SkyRL is not importable, or its offload helpers are not the ones this integration was
+            written for.
     """
-    argv = sys.argv[1:] if argv is None else list(argv)
-    argv = [a for a in argv if not a.startswith(_OVERRIDE)]
+    argv = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith(_OVERRIDE)]
     patch()
     from skyrl.train.entrypoints import main_base  # after patch(): modules it imports bind torchferry's helpers
 

@@ -1,4 +1,5 @@
-"""torchferry for verl: its FSDP2 offload helpers, replaced in one line or one command.
+"""torchferry for verl: its FSDP offload helpers, replaced in one line or one command
+(``docs/verl-quickstart.md``).
 
 In a process of your own::
 
@@ -7,24 +8,15 @@ In a process of your own::
     tf_verl.unpatch()    # what they hold offloaded back on the device; verl's own helpers again
     tf_verl.patch(dock=0.6)  # the trainer under a Dock of 0.6 of the GPU: state stays while it fits
 
-For verl's trainer, whose FSDP workers are Ray actors (each its own process)::
-
-    python -m torchferry.integrations.verl.main_ppo <verl's main_ppo arguments>
-
-or, with verl's own entry point, the Ray hook as a Hydra override::
-
-    python -m verl.trainer.main_ppo ... \\
-        +ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=torchferry.integrations.verl.ray_worker_setup
-
-The drop-in helpers themselves (same names and signatures as verl's, one
-:class:`~torchferry.Ferry` per model and optimizer) are re-exported here from
-:mod:`torchferry.integrations.verl.helpers`; ``torchferry.compat.verl`` is
-their older import path.
+verl's FSDP workers are Ray actors, so the Ray hook :func:`ray_worker_setup` patches every worker that imports
+``verl.utils.fsdp_utils``: run :mod:`.main_ppo`, or give verl's own entry point the Hydra override
+``+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=torchferry.integrations.verl.ray_worker_setup``.
+The drop-in helpers are :mod:`.helpers`'s (``torchferry.compat.verl``: their older path).
 """
 
+from .._base import HookNames, WorkerHook
 from ._dock import dock_rollout, docked
-from ._patch import is_patched, patch, unpatch
-from ._ray import ENV_FLAG, HOOK_PATH, patch_when_imported, ray_worker_setup, with_worker_setup
+from ._patch import FSDP_UTILS, is_patched, patch, unpatch
 from .helpers import (
     ferry_for,
     load_fsdp2_model_to_gpu,
@@ -32,6 +24,16 @@ from .helpers import (
     offload_fsdp2_model_to_cpu,
     offload_fsdp_optimizer,
 )
+
+HOOK_PATH = "torchferry.integrations.verl.ray_worker_setup"
+ENV_FLAG = "TORCHFERRY_VERL"
+_HOOK = WorkerHook(HookNames(framework="verl", integration="verl", module=FSDP_UTILS, hook_path=HOOK_PATH,
+                             env_flag=ENV_FLAG, next_hook_env="TORCHFERRY_VERL_NEXT_HOOK"),
+                   patch=patch, is_patched=is_patched)
+patch_when_imported = _HOOK.patch_when_imported
+ray_worker_setup = _HOOK.ray_worker_setup
+with_worker_setup = _HOOK.with_worker_setup
+ray_init_with_hook = _HOOK.ray_init_with_hook
 
 __all__ = [
     "ENV_FLAG",

@@ -1,74 +1,49 @@
 """verl's trainer under a :class:`~torchferry.Dock`: ``patch(dock=budget)``, a thin adapter over the core's
-phase dock (``torchferry._core._dock.phase_dock``, [Note: a trainer under a phase dock]), which holds the
+phase dock ([Note: a trainer under a phase dock] in ``torchferry._core._dock.phase_dock``), which holds the
 framework-neutral part: the step learnt, the engines' sets, the workspaces measured, the rollout's claimants.
 
 [Note: verl under a Dock]
-With a budget (``patch(dock=...)`` or ``TORCHFERRY_VERL_DOCK``, which the Ray hook passes on;
-bytes, or a fraction of the device's memory), verl's train/eval contexts (``BaseEngineCtx``, whose
-``__enter__`` / ``__exit__`` call ``FSDPEngine.to``) ask one dock per process instead of moving:
+With a budget (``patch(dock=...)`` or ``TORCHFERRY_VERL_DOCK``; bytes, or a fraction of the device's memory),
+verl's train/eval contexts (``BaseEngineCtx``, whose ``__enter__`` / ``__exit__`` call ``FSDPEngine.to``) ask
+one dock per process instead of moving (``docs/dock.md`` walks through it):
 
-* each FSDP engine (not a ``forward_only`` one, which verl keeps under FSDP2's
-  ``CPUOffloadPolicy``) has a state set for what verl offloads of it, registered at its first
-  phase: ``engine<N>.params`` (its model's ferry: parameters, gradients, buffers) with
-  ``param_offload``, ``engine<N>.optimizer`` (the optimizer's, once it has state) with
-  ``optimizer_offload``; what verl keeps on the device is reserved as ``engine<N>.resident``
-  ([Note: verl's offload flags under a Dock]);
-* entering a phase acquires its sets and a byte-count claimant ``engine<N>.workspace.<mode>``
-  for what the phase allocates besides them (activations, gradients, temporaries), so
-  idle sets leave only as far as the budget needs; leaving releases them: they stay resident
-  until the room is needed (eviction is lazy, [Note: choosing victims]);
-* the workspace is measured: its first phase of each mode counts the whole rest of the budget
-  (every idle set leaves), then the peak the phase allocated above what it held at its start
-  (``torch.cuda.max_memory_allocated``: the device's peak statistics are reset at each phase
-  entry) less what the sets grew by in it (AdamW's state made by the first step), plus 10%, the
-  largest seen so far;
-* the rollout's weights and KV cache are claimants ``rollout.weights`` / ``rollout.kv_cache``,
-  woken at ``rollout.resume(tags)`` (:func:`dock_rollout`, applied to the worker's rollout
-  after ``ActorRolloutRefWorker.init_model``), so the dock evicts before the engine maps its
-  memory (with ``empty_cache()``: vLLM and SGLang allocate outside PyTorch); which sets leave
-  is the dock's choice (the fewest bytes to bring back before their next use, [Note: choosing
+* each FSDP engine but a ``forward_only`` one has a state set for what verl offloads of it, from its first
+  phase: ``engine<N>.params`` with ``param_offload``, ``engine<N>.optimizer`` (once it has state) with
+  ``optimizer_offload``; what verl keeps on the device is reserved ([Note: verl's offload flags under a Dock]);
+* entering a phase acquires its sets and a claimant ``engine<N>.workspace.<mode>`` for what the phase allocates
+  besides them; leaving releases them, and they stay resident until the room is needed ([Note: choosing
   victims]);
-* what the worker cannot see, the driver putting the rollout to sleep (verl's colocated
-  trainer does it before each training phase, ``sleep_replicas``), is inferred: at the next
-  phase entry the rollout's claimants count as asleep;
-* once one full step was seen (from a phase back to its first phase), its order of phases
-  becomes the dock's schedule (:meth:`~torchferry.Dock.plan`): victims are chosen by when
-  they are needed next, and each phase starts bringing in the next (``prefetch_next``): the
-  optimizer state behind old_log_prob's compute, its D2H behind the weight sync;
-* verl's other calls of the helpers (``update_weights``' offload, LoRA's staging, checkpoints)
-  leave a docked set where the dock has it (a load makes it resident); state a checkpoint puts
-  on the device while its set is evicted is counted ([Note: state loaded behind the dock's back]
-  in ``torchferry._core._dock.measure``);
-* a context's exit leaves the dock its entry took, also when ``patch(dock=...)`` chose another
-  dock in between (before, the old dock's names stayed in use for good).
+* the workspace is measured: its first phase of each mode counts the rest of the budget, later ones the largest
+  peak above the phase's start (``torch.cuda.max_memory_allocated``, reset at each entry) less what the sets
+  grew by, plus 10%;
+* the rollout's weights and KV cache are claimants woken at ``rollout.resume(tags)`` (:func:`dock_rollout`,
+  applied after ``ActorRolloutRefWorker.init_model``), so the dock evicts, with ``empty_cache()``, before the
+  engine maps its memory; the driver putting the rollout to sleep, which the worker cannot see, is inferred at
+  the next phase entry;
+* after one full step the order of phases is the dock's schedule (:meth:`~torchferry.Dock.plan`): victims by
+  next use, and each phase starts bringing in the next (``prefetch_next``);
+* verl's other calls of the helpers (the weight sync, LoRA's staging, checkpoints) leave a docked set where the
+  dock has it (a load makes it resident; [Note: state loaded behind the dock's back] in
+  ``torchferry._core._dock.measure``);
+* a context's exit leaves the dock its entry took, also when ``patch(dock=...)`` chose another in between.
 
-Not reached: the reference model under ``CPUOffloadPolicy`` (verl moves it with FSDP2's own
-hooks), engines with ``disable_auto_offload``. Wrong budgets and unknown verl versions fail at
-``patch()``; a phase whose sets and workspace exceed the budget raises before verl's code runs,
-naming what did not fit.
-
-[Note: verl's offload flags under a Dock]).
+Not reached: the reference model under ``CPUOffloadPolicy``, engines with ``disable_auto_offload``. Wrong
+budgets and unknown verl versions fail at ``patch()``; a phase that does not fit raises before verl's code runs.
 
 [Note: verl's offload flags under a Dock]
-verl's ``BaseEngineCtx`` moves an engine's parameters only with ``param_offload`` and its optimizer
-state only with ``optimizer_offload`` (``verl/workers/engine/base.py``, ``_context_switch``); what
-it does not move stays on the device for the whole run. So under a dock only what verl offloads
-is a state set (``engine<N>.params``, ``engine<N>.optimizer``) that the dock may evict, and what
-verl keeps resident is reserved (``Dock.reserve``) as ``engine<N>.resident``: counted against the
-budget at every decision, never evicted, measured again at each phase entry and exit and at each
-rollout wake (the optimizer's first step, a checkpoint load or gradients kept make it grow). Before,
-with ``param_offload=True, optimizer_offload=False`` the optimizer became a set after its first step
-and was evicted, and the second update raised "AdamW.step() while its state is offloaded"; with
-``param_offload=False`` the resident parameters were not counted (8.41 MB held against a 6.37 MB
-budget). An engine with neither flag is in the dock too (its state reserved, its
-phases' workspaces counted); one whose resident state alone exceeds the budget is refused at its
-first phase, naming the flags.
+verl's ``BaseEngineCtx`` moves an engine's parameters only with ``param_offload`` and its optimizer state only
+with ``optimizer_offload``; what it does not move stays on the device for the whole run. So only what verl
+offloads is a set the dock may evict, and what verl keeps is reserved (``Dock.reserve``) as
+``engine<N>.resident``: counted at every decision, never evicted, measured again at each phase entry and exit
+and rollout wake. Before, with ``optimizer_offload=False`` the optimizer was evicted after its first step and
+the second update raised "AdamW.step() while its state is offloaded"; with ``param_offload=False`` the
+resident parameters went uncounted (8.41 MB held against a 6.37 MB budget). An engine whose resident state
+alone exceeds the budget is refused at its first phase, naming the flags.
 """
 
 from __future__ import annotations
 
 import inspect
-import logging
 from typing import Any
 
 import torch
@@ -77,22 +52,17 @@ from torchferry import Ferry
 
 from .._base import REGISTRY, PhaseDock, SeedHelpers, has_state, helpers_of, local_of
 
-__all__ = ["VerlDock", "active", "dock_rollout", "docked", "docks"]
+__all__ = ["VerlDock", "dock_rollout", "docked", "docks"]
 
-logger = logging.getLogger("torchferry")
-
-ROLLOUT_WEIGHTS, ROLLOUT_KV = "rollout.weights", "rollout.kv_cache"
-_TAGS = {"weights": ROLLOUT_WEIGHTS, "kv_cache": ROLLOUT_KV}
+_TAGS = {"weights": "rollout.weights", "kv_cache": "rollout.kv_cache"}
 
 
 def dock_rollout(rollout: Any, weights_bytes: int, kv_cache_bytes: int) -> Any:
-    """Makes a rollout's memory claimants of the process's verl dock: ``rollout.resume(tags)``
-    first makes room for ``rollout.weights`` (``weights_bytes``) and / or ``rollout.kv_cache``
-    (``kv_cache_bytes``), then resumes; ``rollout.release()`` marks both asleep (the next phase
-    entry does too: [Note: verl under a Dock]). Applied to the worker's rollout by ``patch(dock=...)``;
-    call it on a rollout of your own; called again, it takes the new byte counts. A no-op without a
-    dock. A ``resume`` that raises leaves its claimants counted until the next phase entry (its memory
-    may be half mapped).
+    """Makes a rollout's memory claimants of the process's verl dock: ``rollout.resume(tags)`` first makes room
+    for ``rollout.weights`` and / or ``rollout.kv_cache``, then resumes; ``rollout.release()`` marks both asleep
+    (the next phase entry does too: [Note: verl under a Dock]). Applied to the worker's rollout by
+    ``patch(dock=...)``; called again, it takes the new byte counts. A no-op without a dock. A ``resume`` that
+    raises leaves its claimants counted until the next phase entry (its memory may be half mapped).
 
     Args:
         rollout: an object with ``async resume(tags)`` (``tags``: a list of ``"weights"`` /
@@ -126,14 +96,14 @@ def dock_rollout(rollout: Any, weights_bytes: int, kv_cache_bytes: int) -> Any:
     async def resume_docked(tags, *args, **kwargs):
         if isinstance(tags, str):
             raise TypeError(f"torchferry: resume(tags={tags!r}): tags is a list of str, e.g. [{tags!r}]")
-        mode = active()
+        mode = docked()
         if mode is not None:
             mode.rollout_wakes([t for t in tags if t in _TAGS], dict(sizes))
         return await resume(tags, *args, **kwargs)
 
     async def release_docked(*args, **kwargs):
         out = await release(*args, **kwargs)
-        mode = active()
+        mode = docked()
         if mode is not None:  # its memory is free once release() returns
             mode.rollout_asleep()
         return out
@@ -231,14 +201,9 @@ def docks() -> list[VerlDock]:
     return [vd for key, vd in list(REGISTRY.kept.items()) if key[0] == "verl"]
 
 
-def active() -> VerlDock | None:
-    """The process's dock mode while ``patch(dock=...)`` holds ([Note: verl under a Dock])."""
-    state = REGISTRY.patched.get("verl")
-    return None if state is None else state.router
-
-
 def docked() -> VerlDock | None:
     """The process's verl dock while ``patch(dock=...)`` holds, else ``None``: its :class:`~torchferry.Dock`
     (``.dock``: ``stats``, ``moves``, ``resident_bytes``), the phases it saw (``.phase_log``) and
     :meth:`VerlDock.take_peak`."""
-    return active()
+    state = REGISTRY.patched.get("verl")
+    return None if state is None else state.router

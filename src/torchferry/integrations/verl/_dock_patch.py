@@ -1,22 +1,18 @@
 """``patch(dock=...)``'s side in verl: verl's classes checked, the engine context and the worker's ``init_model``
-replaced through the one :class:`~.._base.Patcher` ([Note: verl under a Dock] in ``._dock``); the budget is read
-by ``Settings.read`` (``integrations._base.settings``)."""
+replaced ([Note: verl under a Dock] in ``._dock``)."""
 
 from __future__ import annotations
 
 import inspect
-import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .._base import REGISTRY, HelperSet, PatchState
-from ._dock import VerlDock, active, dock_rollout
+from ._dock import VerlDock, dock_rollout, docked
 
 __all__ = ["patch_dock", "unpatch_dock", "verl_targets"]
-
-logger = logging.getLogger("torchferry")
 
 
 def _signature_check(obj: Callable, params: tuple[str, ...], what: str) -> None:
@@ -29,8 +25,8 @@ def _signature_check(obj: Callable, params: tuple[str, ...], what: str) -> None:
                            "this verl is not supported by patch(dock=...) (nothing was replaced)")
 
 
-def verl_targets() -> dict[str, Any]:
-    """What the dock mode replaces or reads in verl, checked.
+def verl_targets() -> type:
+    """verl's ``FSDPEngine``, once what the dock mode replaces or reads in verl is checked.
 
     Raises:
         RuntimeError: verl is not 0.9.x, or one of these changed (nothing is replaced then).
@@ -55,7 +51,7 @@ def verl_targets() -> dict[str, Any]:
     _signature_check(ctx.__init__, ("self", "engine", "mode"), "BaseEngineCtx.__init__")
     _signature_check(ctx.__exit__, ("self", "exc_type", "exc_val", "exc_tb"), "BaseEngineCtx.__exit__")
     _signature_check(worker.init_model, ("self",), "ActorRolloutRefWorker.init_model")
-    return {"ctx": ctx, "worker": worker, "engine": engine}
+    return engine
 
 
 def _rollout_bytes(worker: Any) -> tuple[int, int]:
@@ -73,19 +69,19 @@ def _rollout_bytes(worker: Any) -> tuple[int, int]:
 
 
 def _ctx_replacements(module: Any, original: Any) -> dict[str, Callable]:
-    engine_cls = verl_targets()["engine"]
+    engine_cls = verl_targets()
     enter, exit_ = original["__enter__"], original["__exit__"]
 
     def dockable(c) -> bool:
         eng = c.engine
         # every flag: what verl keeps resident is reserved ([Note: verl's offload flags under a Dock])
-        return (active() is not None and isinstance(eng, engine_cls) and not c.disable_auto_offload
+        return (docked() is not None and isinstance(eng, engine_cls) and not c.disable_auto_offload
                 and not eng.engine_config.forward_only)
 
     def __enter__(c):
         if not dockable(c):
             return enter(c)
-        vd, state = active(), REGISTRY.patched["verl"]
+        vd, state = docked(), REGISTRY.patched["verl"]
         assert vd is not None
         vd.enter(c.engine, c.mode, model=c.engine.is_param_offload_enabled,
                  optimizer=c.mode == "train" and c.engine.is_optimizer_offload_enabled, helpers=state.helpers)
@@ -96,7 +92,7 @@ def _ctx_replacements(module: Any, original: Any) -> dict[str, Callable]:
         entered = c.__dict__.pop("_torchferry_dock", None)
         if entered is None and not dockable(c):
             return exit_(c, exc_type, exc_val, exc_tb)
-        vd = entered if entered is not None else active()
+        vd = entered if entered is not None else docked()
         assert vd is not None
         try:
             vd.leave(c.engine, c.mode, helpers=REGISTRY.patched["verl"].helpers)
@@ -113,7 +109,7 @@ def _worker_replacements(module: Any, original: Any) -> dict[str, Callable]:
     def init_model_docked(w, *args, **kwargs):
         out = init_model(w, *args, **kwargs)
         rollout = getattr(w, "rollout", None)
-        if active() is not None and rollout is not None and getattr(w, "actor", None) is not None:
+        if docked() is not None and rollout is not None and getattr(w, "actor", None) is not None:
             dock_rollout(rollout, *_rollout_bytes(w))
         return out
 
@@ -121,21 +117,19 @@ def _worker_replacements(module: Any, original: Any) -> dict[str, Callable]:
     return {"init_model": init_model_docked}
 
 
-DOCK_SETS = (
+DOCK_SETS = (  # what patch(dock=...) replaces in verl, besides the helpers
     HelperSet(integration="verl", framework="verl", module="verl.workers.engine.base", package="verl",
               cls="BaseEngineCtx", replacements=_ctx_replacements,
               helpers={"__enter__": ("self",), "__exit__": ("self", "exc_type", "exc_val", "exc_tb")}),
     HelperSet(integration="verl", framework="verl", module="verl.workers.engine_workers", package="verl",
               cls="ActorRolloutRefWorker", helpers={"init_model": ("self",)}, replacements=_worker_replacements),
 )
-"""What ``patch(dock=...)`` replaces in verl, besides the helpers."""
 
 
 def patch_dock(state: PatchState, budget: int | float) -> None:
-    """verl's engine context under the dock of ``budget``: the one kept for that budget, else a new one
-    (``unpatch()`` keeps each dock made, its sets where it left them; a set held by the dock of another
-    budget moves to the one in use at its next phase, ``VerlDock.forget``)."""
-    verl_targets()  # raises before anything is replaced
+    """verl's engine context under the dock of ``budget`` (``patch()`` checked :func:`verl_targets`): the one kept
+    for that budget, else a new one (``unpatch()`` keeps each dock made, its sets where it left them; a set held
+    by the dock of another budget moves to the one in use at its next phase, ``VerlDock.forget``)."""
     for hs in DOCK_SETS:
         state.patch(hs)
     key = ("verl", type(budget).__name__, budget)  # 1 (a byte) and 1.0 (the device) are two budgets

@@ -1,21 +1,13 @@
 """verl's VeOmni and Automodel engines' offload helpers, replaced where those engines import.
 
 [Note: the VeOmni and Automodel helpers]
-verl 0.9.1's VeOmni and Automodel engines (``verl/workers/engine/veomni``,
-``verl/workers/engine/automodel``) move their FSDP2 models with helpers of
-their own, bound by name in each engine's ``transformer_impl``:
-``offload_<engine>_model_to_cpu(model, empty_cache)`` sets every FSDP2 param
-group's training state to IDLE, ``model.reshard()``, then a blocking
-``model.cpu()`` into pageable memory; ``load_<engine>_model_to_gpu(model)`` is
-``model.to(device)``; the optimizer helpers copy each state tensor with
-``.to(..., non_blocking=True)`` (VeOmni's also walk a ``MultiOptimizer``'s
-``optimizers_dict``, its expert-parallel split). The replacements keep the
-prelude (IDLE, reshard) and move the state through the same ferries as the FSDP
-helpers ([Note: the helpers skip unchanged storages] and the other settings
-apply). A model or optimizer no ferry offloaded (built on the host, or moved by
-verl's own code) is loaded by verl's own helper. Each engine's package imports
-its framework (``veomni``, ``nemo_automodel``) at import time: where that is not
-installed, ``patch()`` skips the engine and says nothing.
+verl 0.9.1's VeOmni and Automodel engines move their FSDP2 models with helpers of their own, bound by name in
+each engine's ``transformer_impl``: ``offload_<engine>_model_to_cpu`` sets every FSDP2 param group IDLE,
+``model.reshard()``, then a blocking ``model.cpu()`` into pageable memory; the optimizer helpers copy each state
+tensor (VeOmni's across a ``MultiOptimizer``'s ``optimizers_dict`` too). The replacements keep the prelude and
+move the state through the same ferries and settings as the FSDP helpers; a model or optimizer no ferry
+offloaded is loaded by verl's own helper. Where an engine's framework (``veomni``, ``nemo_automodel``) is not
+installed, its package does not import and ``patch()`` skips it.
 """
 
 from __future__ import annotations
@@ -35,10 +27,7 @@ def _idle_and_resharded(model) -> None:
     from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
 
     for module in model.modules():
-        state = _get_module_fsdp_state(module)
-        if state is None:
-            continue
-        for group in param_groups(state):
+        for group in param_groups(_get_module_fsdp_state(module)):  # none for a module outside FSDP2
             group._training_state = TrainingState.IDLE
     if callable(getattr(model, "reshard", None)):
         model.reshard()
@@ -89,12 +78,10 @@ def _helper_set(engine: str) -> HelperSet:
 
 
 ENGINE_SETS = tuple(_helper_set(engine) for engine in ("veomni", "automodel"))
-"""One helper set per engine ([Note: the VeOmni and Automodel helpers])."""
 
 
 def importable_sets() -> list[HelperSet]:
-    """The engines whose helper module imports here (their framework is installed), checked:
-    a helper missing or with other parameters raises ``RuntimeError`` before anything is replaced."""
+    """The engines whose helper module imports here, checked (``RuntimeError`` before anything is replaced)."""
     out = []
     for hs in ENGINE_SETS:
         try:

@@ -1,59 +1,29 @@
-"""``patch()``: verl's FSDP2 offload helpers, replaced by torchferry's in one line.
-
-    import torchferry.integrations.verl as tf_verl
-    tf_verl.patch()     # before (or after) verl builds its workers
-    ...
-    tf_verl.unpatch()   # what they hold offloaded back on the device; verl's own helpers again
-
-Replaced in ``verl.utils.fsdp_utils`` and wherever verl modules imported them
-by name (``from verl.utils.fsdp_utils import offload_fsdp_model_to_cpu`` in
-the FSDP engine): ``offload_fsdp_model_to_cpu``, ``load_fsdp_model_to_gpu``
-(FSDP2, FSDP1 and plain modules go to torchferry; FSDP1 models to verl's own
-code with ``patch(fsdp1=False)`` or ``TORCHFERRY_VERL_FSDP1=0``: [Note: FSDP1
-models through torchferry]), ``offload_fsdp2_model_to_cpu``, ``load_fsdp2_model_to_gpu``,
-``offload_fsdp_optimizer``, ``load_fsdp_optimizer``; and the VeOmni and Automodel
-engines' own helpers where those engines import ([Note: the VeOmni and
-Automodel helpers] in ``._engines``). Written against verl
-0.9.1 (the helpers of verl PR #7347). The machinery (signature check, replacing
-every binding, exact restore) is :mod:`torchferry.integrations._base`,
-shared with the SkyRL integration; this module names what verl has.
+"""``patch()``: verl's FSDP offload helpers (:data:`HELPER_SET`, wherever verl modules bound them) and the VeOmni
+and Automodel engines' ([Note: the VeOmni and Automodel helpers] in ``._engines``) replaced by torchferry's.
+Written against verl 0.9.1 (the helpers of verl PR #7347).
 
 [Note: FSDP1 models through torchferry]
-verl's default actor strategy is FSDP1 (``strategy: fsdp``). verl's own FSDP1
-helper moves each flat parameter with ``handle.flat_param_to("cpu",
-non_blocking=True)`` into pageable memory and re-points ``_local_shard``
-(``verl/utils/fsdp_utils.py``). A ferry moves an FSDP1 model as any module:
-its flat parameters (``use_orig_params=False``), or the original parameters
-and the flat ones they view (``True``), their ``.grad``s and buffers, storage by
-storage, into its pinned pool; ``_local_shard`` and the original parameters'
-views share the flat parameter's storage, which a reload gives back, so they
-are valid again after it. A model whose units keep their flat parameters on
-the host themselves (``CPUOffload(offload_params=True)``) stays with verl's
-code. On by default: verl's default strategy would otherwise get nothing; tested
-on the CPU (gloo, both ``use_orig_params``) and on a GPU (NCCL, both, against
-the same training without offload: ``tests/gpu/test_fsdp1_verl_cuda.py``, run
-with verl's wheels brought to the GPU machine).
+verl's default actor strategy is FSDP1, whose own helper moves each flat parameter into pageable memory
+(``handle.flat_param_to("cpu", non_blocking=True)``). A ferry moves an FSDP1 model as any module: its flat
+parameters (with ``use_orig_params=True`` the original parameters viewing them too), ``.grad``s and buffers,
+storage by storage, into its pinned pool; ``_local_shard`` and those views share the flat parameter's storage,
+which a reload gives back. On by default (verl's default strategy would otherwise get nothing); a model under
+``CPUOffload(offload_params=True)``, or every FSDP1 model with ``patch(fsdp1=False)`` /
+``TORCHFERRY_VERL_FSDP1=0``, stays with verl's code. Tested on the CPU (gloo, both ``use_orig_params``) and on a
+GPU against the same training without offload (``tests/gpu/test_fsdp1_verl_cuda.py``).
 
 [Note: verl's defaults]
-Under verl's ``patch()`` (the ``main_ppo`` wrapper and the Ray hook call it in every worker) three
-settings are on unless switched off, each by its ``patch()`` argument or environment variable
-(which the Ray hooks pass to the workers): ``skip_unchanged`` (``TORCHFERRY_SKIP_UNCHANGED=0``),
-``layerwise_reload`` (``TORCHFERRY_LAYERWISE_RELOAD=0``) and ``optimizer_at_step``
-(``TORCHFERRY_OPTIMIZER_AT_STEP=0``). verl's phases start with a forward after ``FSDPEngine.to``
-loads the model (compute_log_prob, the reference, update_actor), with no ``.grad`` (verl zero-grads
-with ``set_to_none`` on leaving train mode), and read the optimizer state only in
-``optimizer.step()``: so the units come back behind the forward and the state behind forward and
-backward. Where verl touches the model between the load and a forward (its LoRA weight sync calls
-``model.to("cpu")`` and reads the adapters), the reload is completed first or stays exact
-([Note: FSDP2's shard buffer after a move] in ``torchferry._core._state.fsdp``). Measured through
-verl 0.9.1's own FSDP2 actor (``benchmarks/verl_actor.sh``, Qwen2.5-1.5B, 16,384 tokens per phase,
-weight sync on, one H200, strategies interleaved in one process), per step: the seconds verl's
-``FSDPEngine.to`` calls held the step were 0.487 s with these defaults against 0.951 s with the two
-off and 1.389 s for verl's own helpers; every run bit-identical to verl's (losses, log-probs,
-parameters, optimizer state, weight-sync buffers:
-``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp2-full-compute-rich_h200x1_2026-12-02.json``).
-FSDP1 models have no FSDP2 units: their reload stays whole. SkyRL's integration keeps torchferry's
-own defaults (both off).
+Under verl's ``patch()`` ``skip_unchanged``, ``layerwise_reload`` and ``optimizer_at_step`` are on unless
+switched off (each by its ``patch()`` argument or variable, which the Ray hooks pass on). verl's phases start
+with a forward after ``FSDPEngine.to`` loads the model, with no ``.grad`` (``set_to_none`` on leaving train
+mode), and read the optimizer state only in ``optimizer.step()``: so the units come back behind the forward
+and the state behind forward and backward; LoRA's weight sync, which calls ``model.to("cpu")`` right after the
+load, stays exact ([Note: FSDP2's shard buffer after a move] in ``torchferry._core._state.fsdp``). Through
+verl 0.9.1's own FSDP2 actor (``benchmarks/verl_actor.sh``, Qwen2.5-1.5B, one H200) ``FSDPEngine.to`` held each
+step 0.487 s with these defaults against 0.951 s with the two off and 1.389 s with verl's own helpers, every run
+bit-identical to verl's
+(``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp2-full-compute-rich_h200x1_2026-12-02.json``). FSDP1 models'
+reload stays whole. SkyRL's integration keeps torchferry's own defaults.
 """
 
 from __future__ import annotations
@@ -63,22 +33,20 @@ from types import ModuleType
 
 from torchferry import Ferry
 
-from .._base import (REGISTRY, HelperSet, PatchState, Patcher, Settings, check_bool, fsdp1_offloads_params, helpers_of,
-                     seed_replacements)
+from .._base import (REGISTRY, HelperSet, PatchState, Settings, check_bool, fsdp1_offloads_params, helpers_of,
+                     seed_replacements, unpatch_integration)
 from ._dock import docks
 from ._dock_patch import DOCK_SETS, patch_dock, unpatch_dock, verl_targets
 from ._engines import ENGINE_SETS, importable_sets
 
-__all__ = ["is_patched", "patch", "unpatch"]
+__all__ = ["FSDP_UTILS", "is_patched", "patch", "unpatch"]
 
-_FSDP_UTILS = "verl.utils.fsdp_utils"
-VERL_DEFAULTS = {"optimizer_at_step": True, "layerwise_reload": True}
-"""What ``patch()`` turns on where neither its argument nor the environment says ([Note: verl's defaults])."""
+FSDP_UTILS = "verl.utils.fsdp_utils"
+VERL_DEFAULTS = {"optimizer_at_step": True, "layerwise_reload": True}  # see [Note: verl's defaults]
 
 
 def fsdp1_through_torchferry() -> bool:
-    """Whether FSDP1 models go through torchferry ([Note: FSDP1 models through torchferry]): ``patch(fsdp1=...)``,
-    else ``TORCHFERRY_VERL_FSDP1`` (on, the default, or off).
+    """Whether FSDP1 models go through torchferry ([Note: FSDP1 models through torchferry]).
 
     Raises:
         ValueError: unpatched, ``TORCHFERRY_VERL_FSDP1`` is neither on nor off.
@@ -95,7 +63,6 @@ def _replacements(fsdp_utils: ModuleType, original: Mapping[str, Callable]) -> d
             return original["offload_fsdp_model_to_cpu"](model, empty_cache)  # verl's own code
         return seed["offload_fsdp2_model_to_cpu"](model, empty_cache)
 
-    # A model torchferry never moved is loaded by verl's own code (seed_replacements).
     def load_fsdp_model_to_gpu(model):
         if REGISTRY.ferry(model) is None:
             return original["load_fsdp_model_to_gpu"](model)
@@ -106,14 +73,12 @@ def _replacements(fsdp_utils: ModuleType, original: Mapping[str, Callable]) -> d
 
 
 HELPER_SET = HelperSet(
-    integration="verl", framework="verl", module=_FSDP_UTILS, package="verl", replacements=_replacements,
+    integration="verl", framework="verl", module=FSDP_UTILS, package="verl", replacements=_replacements,
     helpers={"offload_fsdp_model_to_cpu": ("model", "empty_cache"), "load_fsdp_model_to_gpu": ("model",),
              "offload_fsdp2_model_to_cpu": ("model", "empty_cache"), "load_fsdp2_model_to_gpu": ("model",),
              "offload_fsdp_optimizer": ("optimizer",), "load_fsdp_optimizer": ("optimizer", "device_id")},
-    # Modules that import the helpers by name; patched when importable.
     call_sites=("verl.workers.engine.fsdp.transformer_impl", "verl.workers.fsdp_workers"), requires=("fsdp_version",),
 )
-"""What this integration replaces in verl."""
 
 
 def is_patched() -> bool:
@@ -124,58 +89,37 @@ def is_patched() -> bool:
 def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
           fsdp1: bool | None = None, optimizer_at_step: bool | None = None,
           layerwise_reload: bool | None = None, dock: int | float | str | None = None) -> list[str]:
-    """Routes verl's FSDP2 model and optimizer offload helpers through torchferry.
+    """Routes verl's FSDP model and optimizer offload helpers through torchferry. Idempotent.
 
-    Idempotent.
+    A switch left ``None`` is an earlier ``patch()``'s choice, else its environment variable, else on ([Note:
+    verl's defaults]); verl's own ([Note: each integration's settings] in ``integrations._base.settings``).
 
     Args:
-        import_engines: also import verl's FSDP engine modules now, so the names
-            they bound by ``from verl.utils.fsdp_utils import ...`` are replaced
-            too. Without it, only modules already imported are patched; modules
-            imported later bind the replaced helpers anyway (the Ray worker hook
-            patches right after ``verl.utils.fsdp_utils`` is imported).
-        skip_unchanged: whether models' ferries skip unchanged storages, so that
-            an offload after a forward-only phase copies nothing ([Note: the
-            helpers skip unchanged storages] in ``integrations._base.helpers``);
-            ``None`` (default): an earlier ``patch()``'s choice, else
-            ``TORCHFERRY_SKIP_UNCHANGED``, on unless off. verl's own (it does
-            not reach SkyRL's helpers: [Note: each integration's settings] in
-            ``integrations._base.settings``), forgotten by ``unpatch()``.
-        fsdp1: whether FSDP1 models go through torchferry too ([Note: FSDP1 models
-            through torchferry]); ``None`` (default): an earlier ``patch()``'s
-            choice, else ``TORCHFERRY_VERL_FSDP1``, on unless off.
-        optimizer_at_step: whether ``load_fsdp_optimizer`` leaves the optimizer state's copies
-            to ``optimizer.step()``, behind update_actor's forward and backward ([Note: optimizer
-            state waited for at step()] in ``integrations._base.helpers``); ``None`` (default): an
-            earlier ``patch()``'s choice, else ``TORCHFERRY_OPTIMIZER_AT_STEP``, on unless off
-            ([Note: verl's defaults]). verl's own, forgotten by ``unpatch()``.
-        layerwise_reload: whether ``load_fsdp2_model_to_gpu`` reloads the FSDP2 units in forward
-            order, each forward waiting only for its own ([Note: the helpers' layer-wise reload] in
-            ``integrations._base.helpers``); ``None`` (default): an earlier ``patch()``'s choice, else
-            ``TORCHFERRY_LAYERWISE_RELOAD``, on unless off ([Note: verl's defaults]). verl's
-            own, forgotten by ``unpatch()``.
-        dock: a GPU budget for verl's trainer under a :class:`~torchferry.Dock` ([Note: verl under a
-            Dock] in ``integrations.verl._dock``): bytes (at least 1 MiB; ``40e9`` too) or a float in
-            (0, 1] (a fraction of the device's memory); ``0``: no dock (one made by an earlier
-            ``patch()`` is switched off); ``None`` (default): ``TORCHFERRY_VERL_DOCK`` (the same, as
-            text; unset or ``0``: no dock), else an earlier ``patch()``'s dock. The actor's and
-            critic's parameters and optimizer state then stay resident while they fit and move when
-            they must. The budget must hold the rollout's memory (vLLM's ``gpu_memory_utilization``
-            of the device) and what a phase needs besides it.
+        import_engines: also import verl's FSDP engine modules now, so the names they bound by ``from
+            verl.utils.fsdp_utils import ...`` are replaced too.
+        skip_unchanged: models' ferries skip unchanged storages (``TORCHFERRY_SKIP_UNCHANGED``; [Note: the
+            helpers skip unchanged storages] in ``integrations._base.helpers``).
+        fsdp1: FSDP1 models go through torchferry too (``TORCHFERRY_VERL_FSDP1``; [Note: FSDP1 models through
+            torchferry]).
+        optimizer_at_step: ``load_fsdp_optimizer`` leaves the state's copies to ``optimizer.step()``
+            (``TORCHFERRY_OPTIMIZER_AT_STEP``; [Note: optimizer state waited for at step()]).
+        layerwise_reload: ``load_fsdp2_model_to_gpu`` reloads the FSDP2 units in forward order
+            (``TORCHFERRY_LAYERWISE_RELOAD``; [Note: the helpers' layer-wise reload]).
+        dock: a GPU budget for verl's trainer under a :class:`~torchferry.Dock` ([Note: verl under a Dock] in
+            ``integrations.verl._dock``): bytes (at least 1 MiB; ``40e9`` too) or a float in (0, 1] (a fraction
+            of the device's memory), which must hold the rollout's memory too; ``0``: no dock (an earlier one
+            switched off); ``None``: ``TORCHFERRY_VERL_DOCK`` (the same, as text), else an earlier ``patch()``'s.
 
     Returns:
         The ``module.attribute`` names replaced.
 
     Raises:
-        TypeError: ``skip_unchanged``, ``fsdp1``, ``optimizer_at_step`` or ``layerwise_reload`` is neither
-            ``None`` nor a bool.
-        ValueError: ``dock`` or ``TORCHFERRY_VERL_DOCK`` is not a budget (``_base.settings.parse_budget``).
-        ValueError: ``TORCHFERRY_SKIP_UNCHANGED``, ``TORCHFERRY_VERL_FSDP1`` or
-            ``TORCHFERRY_OPTIMIZER_AT_STEP`` or ``TORCHFERRY_LAYERWISE_RELOAD`` is neither on nor off.
-        RuntimeError: verl is not importable, or one of its helpers is missing
-            or has other parameters than this integration was written for
-            (nothing is replaced then); with a dock, verl is not 0.9.x or the engine context,
-            the worker or the engine it replaces changed.
+        TypeError: a switch is neither ``None`` nor a bool.
+        ValueError: ``dock`` or ``TORCHFERRY_VERL_DOCK`` is not a budget (``_base.settings.parse_budget``), or
+            a switch's environment variable is neither on nor off.
+        RuntimeError: verl is not importable, or one of its helpers is missing or has other parameters than
+            this integration was written for (nothing is replaced then); with a dock, verl is not 0.9.x or
+            the engine context, the worker or the engine it replaces changed.
     """
     state = REGISTRY.patched.get("verl")
     args = {"skip_unchanged": skip_unchanged, "optimizer_at_step": optimizer_at_step,
@@ -186,19 +130,15 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
         verl_targets()  # checked before anything is replaced
     engines = importable_sets()  # checked before anything is replaced
     state = state or PatchState(name="verl", settings=settings)
-    names = state.patch(HELPER_SET, import_call_sites=import_engines)
-    for engine in engines:  # see [Note: the VeOmni and Automodel helpers] in ._engines
-        names += state.patch(engine, import_call_sites=import_engines)
+    for helper_set in (HELPER_SET, *engines):  # see [Note: the VeOmni and Automodel helpers] in ._engines
+        state.patch(helper_set, import_call_sites=import_engines)
     state.settings = settings
     REGISTRY.patched["verl"] = state
     if settings.dock is not None:
         patch_dock(state, settings.dock)
     elif dock is not None:  # patch(dock=0): no dock from now on, in the Ray workers too
         unpatch_dock(state)
-    if state.router is not None:
-        names += ["verl.workers.engine.base.BaseEngineCtx.__enter__", "verl.workers.engine.base.BaseEngineCtx.__exit__",
-                  "verl.workers.engine_workers.ActorRolloutRefWorker.init_model"]
-    return names
+    return [name for patcher in state.patchers.values() for name in patcher.names()]
 
 
 def _dock_sets() -> dict[Ferry, str]:
@@ -213,15 +153,11 @@ def _dock_sets() -> dict[Ferry, str]:
 
 
 def unpatch(*, keep_offloaded: bool = False) -> None:
+    """What the patched helpers and the dock hold offloaded back on the device (not with ``keep_offloaded``),
+    then verl's own helpers again ([Note: unpatch() brings the state back] in ``integrations._base.registry``)."""
     check_bool(keep_offloaded, "unpatch(keep_offloaded=...)")
     dock_sets = {} if keep_offloaded else _dock_sets()
-    if not keep_offloaded:
-        REGISTRY.bring_back("verl", dock_sets)  # raises before anything is unpatched
-    state = REGISTRY.patched.pop("verl", None)
-    if state is not None:
-        unpatch_dock(state)
-    patchers = state.patchers.values() if state else [Patcher(hs) for hs in (HELPER_SET, *ENGINE_SETS, *DOCK_SETS)]
-    for patcher in patchers:
-        patcher.unpatch()
-    if not keep_offloaded:
-        REGISTRY.drop("verl", keep=dock_sets)
+    state = unpatch_integration("verl", (HELPER_SET, *ENGINE_SETS, *DOCK_SETS), keep_offloaded=keep_offloaded,
+                                dock_sets=dock_sets)
+    if state is not None and state.router is not None:  # a phase still open now exits through verl's own code
+        state.router.close_phases()

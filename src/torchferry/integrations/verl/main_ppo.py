@@ -1,44 +1,26 @@
-"""verl's PPO trainer with torchferry switched on in every Ray worker: one command.
+"""verl's PPO trainer with torchferry on in the driver and every Ray worker (``docs/verl-quickstart.md``)::
 
     python -m torchferry.integrations.verl.main_ppo <the arguments of python -m verl.trainer.main_ppo>
 
-Takes exactly the Hydra overrides of ``verl.trainer.main_ppo`` and runs it,
-with two things added first:
-
-1. :func:`~torchferry.integrations.verl.patch` in this (driver) process, which
-   also checks, before Ray starts, that the installed verl has the helpers this
-   integration was written for (an error names what changed);
-2. the ``runtime_env`` of verl's ``ray.init`` gets the
-   ``worker_process_setup_hook`` :func:`~torchferry.integrations.verl.ray_worker_setup`
-   and ``TORCHFERRY_VERL=1``, so the TaskRunner and every FSDP worker verl
-   starts (each its own process) routes verl's offload helpers through
-   torchferry. A hook of your own in ``ray_kwargs.ray_init.runtime_env`` still
-   runs, after torchferry's.
-
-torchferry must be importable by the Ray workers (installed in their Python
-environment, as verl is). With a Ray cluster already running, the hook still
-applies: it is part of the job's ``runtime_env``.
+torchferry must be importable by the Ray workers (installed in their Python environment, as verl is).
 """
 
 from __future__ import annotations
 
 import sys
 
-from ._patch import patch
-from ._ray import ray_init_with_hook
+from . import patch, ray_init_with_hook
 
 __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Runs ``verl.trainer.main_ppo.main`` with torchferry on in the driver and every Ray worker.
-
-    Args:
-        argv: verl's Hydra arguments (default: ``sys.argv[1:]``).
+    """Runs ``verl.trainer.main_ppo.main`` on ``argv`` (default: ``sys.argv[1:]``) after :func:`patch`, its
+    ``ray.init`` given the Ray hook (a hook of your own in ``ray_kwargs.ray_init.runtime_env`` runs after it).
 
     Raises:
-        RuntimeError: verl is not importable, or its offload helpers are not
-            the ones this integration was written for.
+        RuntimeError: verl is not importable, or its offload helpers are not the ones this integration was
+            written for.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     patch()

@@ -55,7 +55,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..._core._api.handle import TransferHandle
 from ..._core._ferry.ferry import Ferry
 from ..._core._state.targets import inner_optimizers
 from ..._core._transfer.switch import whole_copies
@@ -101,37 +100,44 @@ class SeedHelpers:
     def _docked(self, ferry: Ferry | None) -> bool:
         return ferry is not None and self.router is not None and self.router.holds(ferry)
 
-    @torch.no_grad()
-    def offload_model(self, model: nn.Module, empty_cache: bool = True) -> None:
-        if self._docked(self.registry.ferry(model)):
+    def _offload(self, obj: nn.Module | torch.optim.Optimizer, empty_cache: bool) -> None:
+        if self._docked(self.registry.ferry(obj)):
             return  # the dock evicts it when the room is needed
-        ferry = self.make(model)
+        ferry = self.make(obj)
         with whole_copies():  # the caller's stream waits: [Note: whole copies where the caller waits]
             handle = ferry.offload()
-        _finish_offload(ferry, handle, empty_cache)
+        if handle.event is not None:  # see [Note: the verl helpers order the caller's stream]
+            handle.wait_stream(torch.cuda.current_stream(ferry.device))
+        if empty_cache:
+            handle.wait()  # the handle offload() returned (also for a no-op offload: the last one)
+            if ferry.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _load(self, ferry: Ferry, prefetch: str) -> None:
+        """A docked set made resident, else ``ferry`` reloaded, beside the caller's compute with switch ``prefetch``
+        on ([Note: the helpers' layer-wise reload], [Note: optimizer state waited for at step()])."""
+        if self._docked(ferry):
+            self.router.load(ferry)
+        elif self.switch(prefetch):
+            ferry.reload(prefetch=True)  # with switch points
+        else:
+            with whole_copies():  # the caller's stream waits: [Note: whole copies where the caller waits]
+                ferry.reload()
+
+    @torch.no_grad()
+    def offload_model(self, model: nn.Module, empty_cache: bool = True) -> None:
+        self._offload(model, empty_cache)
 
     @torch.no_grad()
     def load_model(self, model: nn.Module) -> None:
         ferry = self.registry.ferry(model)
-        if ferry is None:
-            return
-        if self._docked(ferry):
-            self.router.load(ferry)
-            return
-        if self.switch("layerwise_reload"):  # see [Note: the helpers' layer-wise reload]
-            ferry.reload(prefetch=True)  # beside the forward: with switch points
-            return
-        with whole_copies():  # the caller's stream waits: [Note: whole copies where the caller waits]
-            ferry.reload()
+        if ferry is not None:
+            self._load(ferry, "layerwise_reload")
 
     @torch.no_grad()
     def offload_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        if not has_state(optimizer) or self._docked(self.registry.ferry(optimizer)):
-            return
-        ferry = self.make(optimizer)
-        with whole_copies():  # the caller's stream waits: [Note: whole copies where the caller waits]
-            handle = ferry.offload()
-        _finish_offload(ferry, handle, empty_cache=False)
+        if has_state(optimizer):
+            self._offload(optimizer, empty_cache=False)
 
     @torch.no_grad()
     def load_optimizer(self, optimizer: torch.optim.Optimizer, device_id: int | str | torch.device) -> None:
@@ -144,24 +150,7 @@ class SeedHelpers:
         if device != ferry.device:
             raise ValueError(f"torchferry: load_fsdp_optimizer(device_id={device_id!r}) but the state "
                              f"was offloaded from {ferry.device}; it reloads where it came from")
-        if self._docked(ferry):
-            self.router.load(ferry)
-            return
-        if self.switch("optimizer_at_step"):  # see [Note: optimizer state waited for at step()]
-            ferry.reload(prefetch=True)  # beside the caller's compute: with switch points
-            return
-        with whole_copies():  # the caller's stream waits: [Note: whole copies where the caller waits]
-            ferry.reload()
-
-
-def _finish_offload(ferry: Ferry, handle: TransferHandle, empty_cache: bool) -> None:
-    # See [Note: the verl helpers order the caller's stream].
-    if handle.event is not None:
-        handle.wait_stream(torch.cuda.current_stream(ferry.device))
-    if empty_cache:
-        handle.wait()  # the handle offload() returned (also for a no-op offload: the last one)
-        if ferry.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self._load(ferry, "optimizer_at_step")
 
 
 @dataclass(eq=False, kw_only=True)

@@ -2,15 +2,12 @@
 ``areal.engine.fsdp_engine.FSDPEngine`` (so on every subclass that does not define its own: ``FSDPPPOActor``,
 ``FSDPPPOCritic``, ``FSDPLMEngine`` ...). Written against AReaL 1.0.4.
 
-AReaL's own ``offload()`` needs torch_memory_saver (``TMS_INIT_ENABLE=1`` and its ``LD_PRELOAD`` hook, which
-AReaL's launchers set with ``enable_offload=True``): it logs the device memory, runs
-``current_platform.clear_memory()``, ``torch_memory_saver.pause()``, synchronizes, waits at a barrier of the
-engine's gloo group (``cpu_group``), logs again and sets ``is_offload``; ``onload()`` resumes, synchronizes,
-waits, logs. The replacements keep that sequence and those flags, so AReaL's callers
-(``_offload_aware_context()``, ``_ensure_ready()``) keep their meaning, and move the state with one
-:class:`~torchferry.Ferry` per engine over ``engine.model`` and ``engine.optimizer`` (the model alone for an
-engine without one), on ``engine.device``; a second ``offload()`` moves nothing (a second TMS pause ends the
-process). While offloaded the state is CPU tensors viewing the ferry's pool, each the same Python object.
+AReaL's own methods pause and resume torch_memory_saver (``TMS_INIT_ENABLE=1`` and its ``LD_PRELOAD`` hook,
+which AReaL's launchers set with ``enable_offload=True``) between the same logs, ``clear_memory()``,
+synchronizations and barrier (of the engine's gloo ``cpu_group``) that the replacements keep, with
+``is_offload``, so AReaL's callers (``_offload_aware_context()``, ``_ensure_ready()``) keep their meaning. The
+replacements move the state with one :class:`~torchferry.Ferry` per engine over ``engine.model`` and
+``engine.optimizer`` (the model alone for an engine without one), on ``engine.device``.
 
 [Note: what torch_memory_saver released that a ferry does not]
 With ``TMS_INIT_ENABLE=1`` from process start every ``cudaMalloc`` of the process goes through

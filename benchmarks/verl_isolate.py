@@ -29,6 +29,12 @@ _MASK = (1 << 64) - 1
 _CHUNK = 1 << 28  # bytes compared per device chunk
 
 
+# A waiting process polls the turn file, every 1 ms at first, backing off to every 20 ms: a turn is
+# taken at most 20 ms late (outside any step's timing), and the processes waiting (all but one strategy's
+# ranks) do not wake 500 times a second each, for the whole run, on the CPUs of the one whose turn it is.
+_POLL_FIRST_S, _POLL_MAX_S = 0.001, 0.02
+
+
 class Turns:
     """One process's side of the turn-taking (``--turns DIR``): ticket ``t`` runs once the folder's
     ``turn`` file reads ``t``; :meth:`done` moves it on. Builds take tickets ``0..n-1``; round ``r``'s
@@ -64,12 +70,14 @@ class Turns:
         if self.folder is None:
             return
         t0 = time.monotonic()
+        pause = _POLL_FIRST_S
         while (self._read("turn") or "0").strip() != str(ticket):
             if (self.folder / "failed").exists():
                 raise SystemExit(f"error: another strategy's process failed (see {self.folder / 'failed'})")
             if time.monotonic() - t0 > self.timeout_s:
                 raise SystemExit(f"error: no turn {ticket} after {self.timeout_s:.0f} s of waiting")
-            time.sleep(0.002)
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX_S)
 
     def done(self, ticket: int) -> None:
         if self.folder is not None and self.rank == 0:

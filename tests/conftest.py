@@ -1,5 +1,21 @@
-import pytest
-import torch
+import os
+
+# Under pytest-xdist, one share of the cores for each worker's ATen intra-op pool (unless the
+# environment sets OMP_NUM_THREADS): `-n auto` runs one worker per core, and each worker's default
+# pool of one thread per core oversubscribed them; a pool spinning on a descheduled thread made a
+# BatchNorm1d(8) forward take 30 ms instead of 0.02 (2 cores, two workers). Set before torch starts
+# its pool; the subprocesses and spawned ranks the tests start inherit it.
+_THREADS = None
+if "PYTEST_XDIST_WORKER" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    _THREADS = max(1, len(os.sched_getaffinity(0)) // _workers)
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if _THREADS is not None:
+    torch.set_num_threads(_THREADS)  # in case a plugin imported torch before this file
 
 
 def pytest_collection_modifyitems(config, items):

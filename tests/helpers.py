@@ -80,10 +80,15 @@ def snapshot(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) 
 
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Same names, dtypes, shapes and values (NaN equal to NaN). ``torch.equal`` first: where it holds,
+    ``assert_close(atol=0, rtol=0)`` holds too, at a tenth of its cost (it was a sixth of a fault
+    sweep's time); otherwise ``assert_close`` decides (NaNs) and says what differs."""
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].dtype == b[k].dtype, k
-        torch.testing.assert_close(a[k].cpu(), b[k].cpu(), atol=0, rtol=0, equal_nan=True, msg=k)
+        x, y = a[k].cpu(), b[k].cpu()
+        if not torch.equal(x, y):
+            torch.testing.assert_close(x, y, atol=0, rtol=0, equal_nan=True, msg=k)
 
 
 def identities(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[int]:

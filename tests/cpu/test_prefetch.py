@@ -518,6 +518,17 @@ def _kept_groups_body(rank, world):
             ferry.reload(prefetch=True)
             assert torch.equal(m(x), want)
         assert len(made) == 1, made
+        # The forward's unit hooks walk no module tree (FSDP2's shard buffers looked up per parameter)
+        from torchferry._core._state import tree
+        walks, walk = [], tree._walk
+        tree._walk = lambda root: walks.append(root) or walk(root)
+        try:
+            ferry.offload()
+            ferry.reload(prefetch=True)
+            walks.clear()
+            assert torch.equal(m(x), want) and walks == []
+        finally:
+            tree._walk = walk
         plan = ferry._set.cache.plan
         assert content(g.prefetch_groups(plan)) == content(real(plan))
         assert len(made) == 1
@@ -537,5 +548,6 @@ def _kept_groups_body(rank, world):
 @needs_dist
 def test_groups_are_kept_with_the_plan_while_the_trees_stay():
     """[Note: groups kept with the plan]: a layer-wise reload makes its groups once per plan and module trees,
-    makes them again (equal to group_plan's) when a tree changes, and holds no module strongly."""
+    makes them again (equal to group_plan's) when a tree changes, and holds no module strongly; its forward
+    walks no module tree."""
     run_spawned(_kept_groups_body, world=2)

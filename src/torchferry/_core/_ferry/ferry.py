@@ -180,7 +180,8 @@ class Ferry:
         return self._last if self._last is not None else TransferHandle(direction, 0, None)  # type: ignore[arg-type]
 
     def _arm_watch(self, plan) -> None:  # see [Note: state dropped while resident] in watch.py
-        self._watch.arm(plan.modules, [r.tensor for r in plan.tensors])
+        if plan.has_grads:  # else no hook to install: spares a walk of every parameter per reload
+            self._watch.arm(plan.modules, [r.tensor for r in plan.tensors])
 
     def _issued(self, handle: TransferHandle) -> TransferHandle:
         self._last = handle

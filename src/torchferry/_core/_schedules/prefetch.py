@@ -61,7 +61,7 @@ from torch import nn
 
 from .._transfer.batches import copy_group_in, copy_now
 from .._transfer.copies import transfer_range, undo_allocations
-from .._state.fsdp import comm_streams, forward_prefetch_units, local_of, repoint_sharded_data, versions
+from .._state.fsdp import comm_streams, forward_prefetch_units, local_of, repoint_sharded_data, sharded_params, versions
 from .._api.hooks import PREFETCHING as _during, Uncopyable
 from .._api.handle import TransferHandle
 from .._host.layout import HostViews
@@ -177,6 +177,7 @@ class PrefetchRun:
         self._allocated: list[int] = []  # storage indices re-allocated so far
         self._hooks: list = []
         self._comm: list[torch.cuda.Stream] = []
+        self._sharded: dict[int, object] | None = None  # sharded_params(), made in begin()
         self.start: torch.cuda.Event | None = None
         self.done: torch.cuda.Event | None = None
         self._latest: torch.cuda.Event | None = None  # the event this run recorded last on the H2D stream
@@ -202,6 +203,7 @@ class PrefetchRun:
         """
         cuda = self.streams.is_cuda
         try:
+            self._sharded = sharded_params(self.plan.modules)  # inside the call: its walk is memoised
             if cuda:
                 self._comm = comm_streams(self.plan.modules)
                 _SETTLING.install()  # finish() adds to it, maybe from inside a step
@@ -462,8 +464,10 @@ class PrefetchRun:
         given = self._given_other_bytes(group)
         self.parking.to_device(group.tensors)
         self.resident.add(gi)
-        repoint_sharded_data([group.unit] if group.unit is not None else self.plan.modules,  # see [Note: FSDP2's
-                             self.parking.host_locals(group.tensors))  # shard buffer after a move]
+        if self._sharded is None:
+            self._sharded = sharded_params(self.plan.modules)
+        repoint_sharded_data(self.plan.modules, self.parking.host_locals(group.tensors),  # see [Note: FSDP2's
+                             self._sharded)  # shard buffer after a move]
         if self._unchanged is not None:
             ts = self.groups[gi].tensors
             self._unchanged.resident(self.plan, self.views, self.parking.host_versions(ts), ts)

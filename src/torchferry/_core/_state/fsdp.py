@@ -247,28 +247,6 @@ def repoint_sharded_data(modules: list[nn.Module], host_side: dict[int, torch.Te
             fp.reset_sharded_param()
         n += 1
     return n
-    for m in modules:
-        for unit in fsdp_modules(m):
-            state = unit._get_fsdp_state()  # pyright: ignore[reportCallIssue]  # FSDP2 private _get_fsdp_state
-            for group in param_groups(state):
-                for fp in getattr(group, "fsdp_params", ()) or ():
-                    host = host_side.get(id(fp.sharded_param))
-                    data = getattr(fp, "_sharded_param_data", None)
-                    if host is None or data is None or not _same_storage(data, host):
-                        continue
-                    local = fp.sharded_param._local_tensor
-                    if _same_storage(data, local) or local.is_meta:
-                        continue
-                    numel = fp.padded_sharded_param_size.numel()
-                    storage = local.untyped_storage()
-                    if local.storage_offset() == 0 and local.is_contiguous() and \
-                            storage.nbytes() >= numel * local.element_size():
-                        fp._sharded_param_data = torch.empty(0, dtype=local.dtype, device=local.device).set_(
-                            storage, 0, (numel,), (1,))
-                    else:
-                        fp.reset_sharded_param()
-                    n += 1
-    return n
 
 
 def _fsdp_params(modules: list[nn.Module]):

@@ -97,6 +97,9 @@ def shared_storages(plan: Plan, modules: list[nn.Module] | None = None) -> froze
     for si, objs in enumerate(known):
         if storages[si].nbytes() == 0 or storage_key(storages[si]) in skip:
             continue
+        refs = storage_refs(storages[si])
+        if refs <= len(objs):  # every holder known (each object one impl over it): no base to look for
+            continue
         for t in list(objs.values()):
             if not t._is_view():
                 continue
@@ -111,6 +114,6 @@ def shared_storages(plan: Plan, modules: list[nn.Module] | None = None) -> froze
                 shared.add(si)  # the user's base (b of b[10:20]): a holder the ferry does not know
             break  # a base only C++ holds, not FSDP2's: its owner's other holders are not countable
         else:
-            if storage_refs(storages[si]) > len(objs):
+            if refs > len(objs):
                 shared.add(si)
     return frozenset(shared)

@@ -117,7 +117,7 @@ class SeedHelpers:
         """A docked set made resident, else ``ferry`` reloaded, beside the caller's compute with switch ``prefetch``
         on ([Note: the helpers' layer-wise reload], [Note: optimizer state waited for at step()])."""
         if self._docked(ferry):
-            self.router.load(ferry)
+            self.router.load(ferry, f"{self.integration}'s load")
         elif self.switch(prefetch):
             ferry.reload(prefetch=True)  # with switch points
         else:

@@ -137,12 +137,8 @@ class WorkerHook:
         ``env_vars``, not the driver's environment), its ``patch(...)`` arguments over them."""
         n = self.names
         env = dict(runtime_env or {})
-        env_vars = dict(env.get("env_vars") or {})
-        theirs_vars = set(env_vars)
-        for k, v in {**forwarded_env(), **patch_choices(n.integration)}.items():
-            if k not in theirs_vars:
-                env_vars[k] = v
-        env_vars[n.env_flag] = "1"
+        ours = {**forwarded_env(), **patch_choices(n.integration)}  # where the job's own env_vars do not set them
+        env_vars = {**ours, **(env.get("env_vars") or {}), n.env_flag: "1"}
         theirs = env.get("worker_process_setup_hook")
         if theirs is None or isinstance(theirs, str):
             if theirs not in (None, n.hook_path):

@@ -5,9 +5,7 @@
 AReaL's own methods pause and resume torch_memory_saver (``TMS_INIT_ENABLE=1`` and its ``LD_PRELOAD`` hook,
 which AReaL's launchers set with ``enable_offload=True``) between the same logs, ``clear_memory()``,
 synchronizations and barrier (of the engine's gloo ``cpu_group``) that the replacements keep, with
-``is_offload``, so AReaL's callers (``_offload_aware_context()``, ``_ensure_ready()``) keep their meaning. The
-replacements move the state with one :class:`~torchferry.Ferry` per engine over ``engine.model`` and
-``engine.optimizer`` (the model alone for an engine without one), on ``engine.device``.
+``is_offload``, so AReaL's callers (``_offload_aware_context()``, ``_ensure_ready()``) keep their meaning.
 
 [Note: what torch_memory_saver released that a ferry does not]
 With ``TMS_INIT_ENABLE=1`` from process start every ``cudaMalloc`` of the process goes through

@@ -1,6 +1,5 @@
-"""torchferry for SkyRL 0.4.0: its FSDP2 offload helpers, replaced in one line or one command.
-
-In a process of your own::
+"""torchferry for SkyRL 0.4.0: its FSDP2 offload helpers, replaced in one line or one command; in a process of
+your own::
 
     import torchferry.integrations.skyrl as tf_skyrl
     tf_skyrl.patch()      # SkyRL's offload_fsdp2_model_to_cpu & co. now go through torchferry

@@ -1,9 +1,5 @@
-"""``patch()``: SkyRL's FSDP2 offload helpers, replaced by torchferry's in one line.
-
-Replaced in ``skyrl.backends.skyrl_train.distributed.fsdp_utils`` and wherever SkyRL modules imported them by
-name (``FSDPStrategy.offload_to_cpu`` / ``backload_to_gpu`` in ``...distributed.fsdp_strategy`` call them as
-module globals): the four helpers of :data:`HELPER_SET`. Written against SkyRL 0.4.0, whose helpers are
-verl's (PR #7347) under the same names and signatures.
+"""``patch()``: SkyRL 0.4.0's FSDP2 offload helpers (verl PR #7347's, the same names and signatures), replaced
+in its ``fsdp_utils`` and wherever SkyRL modules bound them (``...distributed.fsdp_strategy``).
 
 [Note: what stays with SkyRL's own helpers]
 * A model whose FSDP2 units keep their sharded parameters on the host themselves (``fully_shard(...,
@@ -27,8 +23,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from .._base import (REGISTRY, HelperSet, PatchState, Settings, fsdp_modules, param_groups, seed_replacements,
-                     unpatch_integration)
+from .._base import (REGISTRY, HelperSet, PatchState, Settings, check_bool, fsdp_modules, param_groups,
+                     seed_replacements, unpatch_integration)
 
 __all__ = ["FSDP_UTILS", "HELPER_SET", "is_patched", "patch", "unpatch"]
 
@@ -104,9 +100,7 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
             3.12), or one of its helpers is missing or has other parameters than this integration was written
             for (nothing is replaced then).
     """
-    if not isinstance(import_call_sites, bool):
-        raise TypeError(f"torchferry.integrations.skyrl: patch(import_call_sites=...) must be True or False, "
-                        f"got {type(import_call_sites).__name__} {import_call_sites!r}")
+    check_bool(import_call_sites, "patch(import_call_sites=...)")
     state = REGISTRY.patched.get("skyrl")
     args = {"skip_unchanged": skip_unchanged, "optimizer_at_step": optimizer_at_step,
             "layerwise_reload": layerwise_reload}

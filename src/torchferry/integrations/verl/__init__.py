@@ -1,17 +1,14 @@
 """torchferry for verl: its FSDP offload helpers, replaced in one line or one command
-(``docs/verl-quickstart.md``).
-
-In a process of your own::
+(``docs/verl-quickstart.md``); in a process of your own::
 
     import torchferry.integrations.verl as tf_verl
     tf_verl.patch()      # verl's offload_fsdp_model_to_cpu & co. now go through torchferry
     tf_verl.unpatch()    # what they hold offloaded back on the device; verl's own helpers again
     tf_verl.patch(dock=0.6)  # the trainer under a Dock of 0.6 of the GPU: state stays while it fits
 
-verl's FSDP workers are Ray actors, so the Ray hook :func:`ray_worker_setup` patches every worker that imports
-``verl.utils.fsdp_utils``: run :mod:`.main_ppo`, or give verl's own entry point the Hydra override
-``+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=torchferry.integrations.verl.ray_worker_setup``.
-The drop-in helpers are :mod:`.helpers`'s (``torchferry.compat.verl``: their older path).
+verl's FSDP workers are Ray actors: :mod:`.main_ppo`, or the Ray hook :func:`ray_worker_setup` given to verl's
+own entry point, patches each worker that imports ``verl.utils.fsdp_utils``. The drop-in helpers are
+:mod:`.helpers`'s (``torchferry.compat.verl``: their older path).
 """
 
 from .._base import HookNames, WorkerHook

@@ -5,27 +5,13 @@ framework-neutral part: the step learnt, the engines' sets, the workspaces measu
 [Note: verl under a Dock]
 With a budget (``patch(dock=...)`` or ``TORCHFERRY_VERL_DOCK``; bytes, or a fraction of the device's memory),
 verl's train/eval contexts (``BaseEngineCtx``, whose ``__enter__`` / ``__exit__`` call ``FSDPEngine.to``) ask
-one dock per process instead of moving (``docs/dock.md`` walks through it):
-
-* each FSDP engine but a ``forward_only`` one has a state set for what verl offloads of it, from its first
-  phase: ``engine<N>.params`` with ``param_offload``, ``engine<N>.optimizer`` (once it has state) with
-  ``optimizer_offload``; what verl keeps on the device is reserved ([Note: verl's offload flags under a Dock]);
-* entering a phase acquires its sets and a claimant ``engine<N>.workspace.<mode>`` for what the phase allocates
-  besides them; leaving releases them, and they stay resident until the room is needed ([Note: choosing
-  victims]);
-* the workspace is measured: its first phase of each mode counts the rest of the budget, later ones the largest
-  peak above the phase's start (``torch.cuda.max_memory_allocated``, reset at each entry) less what the sets
-  grew by, plus 10%;
-* the rollout's weights and KV cache are claimants woken at ``rollout.resume(tags)`` (:func:`dock_rollout`,
-  applied after ``ActorRolloutRefWorker.init_model``), so the dock evicts, with ``empty_cache()``, before the
-  engine maps its memory; the driver putting the rollout to sleep, which the worker cannot see, is inferred at
-  the next phase entry;
-* after one full step the order of phases is the dock's schedule (:meth:`~torchferry.Dock.plan`): victims by
-  next use, and each phase starts bringing in the next (``prefetch_next``);
-* verl's other calls of the helpers (the weight sync, LoRA's staging, checkpoints) leave a docked set where the
-  dock has it (a load makes it resident; [Note: state loaded behind the dock's back] in
-  ``torchferry._core._dock.measure``);
-* a context's exit leaves the dock its entry took, also when ``patch(dock=...)`` chose another in between.
+one dock per process instead of moving. Each FSDP engine but a ``forward_only`` one has a set for what verl
+offloads of it (``engine<N>.params``, ``engine<N>.optimizer``: [Note: verl's offload flags under a Dock]) and a
+workspace claimant per mode; the rollout's weights and KV cache are claimants woken at ``rollout.resume(tags)``
+(:func:`dock_rollout`); verl's other calls of the helpers leave a docked set where the dock has it (a load makes
+it resident; [Note: state loaded behind the dock's back] in ``torchferry._core._dock.measure``); a context's
+exit leaves the dock its entry took, also when ``patch(dock=...)`` chose another in between. Each rule (the
+workspace's measure, the rollout put to sleep by the driver, the schedule after one step): ``docs/dock.md``.
 
 Not reached: the reference model under ``CPUOffloadPolicy``, engines with ``disable_auto_offload``. Wrong
 budgets and unknown verl versions fail at ``patch()``; a phase that does not fit raises before verl's code runs.
@@ -170,10 +156,6 @@ class VerlDock(PhaseDock):
         moved = opt is not None and has_state(opt) and offloads(engine)[1]
         super().leave(engine, mode, optimizer=self._set(opt, helpers) if moved else None,
                       kept=kept_on_device(engine))
-
-    def load(self, ferry: Ferry, who: str = "verl's load") -> None:
-        """A helper's load of a docked set outside a phase: resident when it returns (stays, lazily)."""
-        super().load(ferry, who)
 
     def rollout_wakes(self, tags: list[str], nbytes: dict[str, int]) -> None:
         """``rollout.resume(tags)``: room made for each tag's claimant."""

@@ -19,11 +19,9 @@ with a forward after ``FSDPEngine.to`` loads the model, with no ``.grad`` (``set
 mode), and read the optimizer state only in ``optimizer.step()``: so the units come back behind the forward
 and the state behind forward and backward; LoRA's weight sync, which calls ``model.to("cpu")`` right after the
 load, stays exact ([Note: FSDP2's shard buffer after a move] in ``torchferry._core._state.fsdp``). Through
-verl 0.9.1's own FSDP2 actor (``benchmarks/verl_actor.sh``, Qwen2.5-1.5B, one H200) ``FSDPEngine.to`` held each
-step 0.487 s with these defaults against 0.951 s with the two off and 1.389 s with verl's own helpers, every run
-bit-identical to verl's
-(``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp2-full-compute-rich_h200x1_2026-12-02.json``). FSDP1 models'
-reload stays whole. SkyRL's integration keeps torchferry's own defaults.
+verl 0.9.1's own FSDP2 actor ``FSDPEngine.to`` held each step 0.487 s with these defaults against 0.951 s with
+the two off and 1.389 s with verl's own helpers, every run bit-identical (one H200: ``docs/verl-quickstart.md``).
+FSDP1 models' reload stays whole. SkyRL's integration keeps torchferry's own defaults.
 """
 
 from __future__ import annotations

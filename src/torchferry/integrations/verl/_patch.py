@@ -96,7 +96,7 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
         import_engines: also import verl's FSDP engine modules now, so the names they bound by ``from
             verl.utils.fsdp_utils import ...`` are replaced too.
         skip_unchanged: models' ferries skip unchanged storages (``TORCHFERRY_SKIP_UNCHANGED``; [Note: the
-            helpers skip unchanged storages] in ``integrations._base.helpers``).
+            helpers skip unchanged storages] in ``docs/integrations.md``).
         fsdp1: FSDP1 models go through torchferry too (``TORCHFERRY_VERL_FSDP1``; [Note: FSDP1 models through
             torchferry]).
         optimizer_at_step: ``load_fsdp_optimizer`` leaves the state's copies to ``optimizer.step()``

@@ -237,7 +237,7 @@ def patch(*, skip_unchanged: bool | None = None) -> list[str]:
 def unpatch() -> None:
     """Brings back the state of every engine offloaded through torchferry (synchronously, as the patched
     ``onload()`` without its barrier and logs; its ``is_offload`` False: [Note: unpatch() brings the state
-    back] in ``integrations._base.registry``), then puts AReaL's own ``offload`` / ``onload`` back on
+    back] in ``docs/integrations.md``), then puts AReaL's own ``offload`` / ``onload`` back on
     ``FSDPEngine`` and closes the ferries. Idempotent.
 
     Raises:

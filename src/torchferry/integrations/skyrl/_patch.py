@@ -87,7 +87,7 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
         import_call_sites: also import ``fsdp_strategy`` now (when its own imports, flash_attn among them, are
             there), so the names it bound by ``from ...fsdp_utils import ...`` are replaced too.
         skip_unchanged, optimizer_at_step, layerwise_reload: as :func:`torchferry.integrations.verl.patch`'s,
-            SkyRL's own ([Note: each integration's settings] in ``integrations._base.settings``); by default
+            SkyRL's own ([Note: each integration's settings] in ``docs/integrations.md``); by default
             only ``skip_unchanged`` is on.
 
     Returns:
@@ -120,7 +120,7 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
 
 def unpatch() -> None:
     """Brings back what SkyRL's patched helpers hold offloaded ([Note: unpatch() brings the state back] in
-    ``integrations._base.registry``), then SkyRL's own helpers again. Idempotent.
+    ``docs/integrations.md``), then SkyRL's own helpers again. Idempotent.
 
     Raises:
         RuntimeError: a reload failed (the device out of memory: the message names it and what stays

@@ -90,7 +90,7 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
     """Routes verl's FSDP model and optimizer offload helpers through torchferry. Idempotent.
 
     A switch left ``None`` is an earlier ``patch()``'s choice, else its environment variable, else on ([Note:
-    verl's defaults]); verl's own ([Note: each integration's settings] in ``integrations._base.settings``).
+    verl's defaults]); verl's own ([Note: each integration's settings] in ``docs/integrations.md``).
 
     Args:
         import_engines: also import verl's FSDP engine modules now, so the names they bound by ``from
@@ -152,7 +152,7 @@ def _dock_sets() -> dict[Ferry, str]:
 
 def unpatch(*, keep_offloaded: bool = False) -> None:
     """What the patched helpers and the dock hold offloaded back on the device (not with ``keep_offloaded``),
-    then verl's own helpers again ([Note: unpatch() brings the state back] in ``integrations._base.registry``)."""
+    then verl's own helpers again ([Note: unpatch() brings the state back] in ``docs/integrations.md``)."""
     check_bool(keep_offloaded, "unpatch(keep_offloaded=...)")
     dock_sets = {} if keep_offloaded else _dock_sets()
     state = unpatch_integration("verl", (HELPER_SET, *ENGINE_SETS, *DOCK_SETS), keep_offloaded=keep_offloaded,

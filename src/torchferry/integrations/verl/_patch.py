@@ -1,27 +1,9 @@
 """``patch()``: verl's FSDP offload helpers (:data:`HELPER_SET`, wherever verl modules bound them) and the VeOmni
-and Automodel engines' ([Note: the VeOmni and Automodel helpers] in ``._engines``) replaced by torchferry's.
+and Automodel engines' ([Note: the VeOmni and Automodel helpers] in ``docs/integrations.md``) replaced by torchferry's.
 Written against verl 0.9.1 (the helpers of verl PR #7347).
 
-[Note: FSDP1 models through torchferry]
-verl's default actor strategy is FSDP1, whose own helper moves each flat parameter into pageable memory
-(``handle.flat_param_to("cpu", non_blocking=True)``). A ferry moves an FSDP1 model as any module: its flat
-parameters (with ``use_orig_params=True`` the original parameters viewing them too), ``.grad``s and buffers,
-storage by storage, into its pinned pool; ``_local_shard`` and those views share the flat parameter's storage,
-which a reload gives back. On by default (verl's default strategy would otherwise get nothing); a model under
-``CPUOffload(offload_params=True)``, or every FSDP1 model with ``patch(fsdp1=False)`` /
-``TORCHFERRY_VERL_FSDP1=0``, stays with verl's code. Tested on the CPU (gloo, both ``use_orig_params``) and on a
-GPU against the same training without offload (``tests/gpu/test_fsdp1_verl_cuda.py``).
+See [Note: FSDP1 models through torchferry] and [Note: verl's defaults] in ``docs/integrations.md``.
 
-[Note: verl's defaults]
-Under verl's ``patch()`` ``skip_unchanged``, ``layerwise_reload`` and ``optimizer_at_step`` are on unless
-switched off (each by its ``patch()`` argument or variable, which the Ray hooks pass on). verl's phases start
-with a forward after ``FSDPEngine.to`` loads the model, with no ``.grad`` (``set_to_none`` on leaving train
-mode), and read the optimizer state only in ``optimizer.step()``: so the units come back behind the forward
-and the state behind forward and backward; LoRA's weight sync, which calls ``model.to("cpu")`` right after the
-load, stays exact ([Note: FSDP2's shard buffer after a move] in ``torchferry._core._state.fsdp``). Through
-verl 0.9.1's own FSDP2 actor ``FSDPEngine.to`` held each step 0.487 s with these defaults against 0.951 s with
-the two off and 1.389 s with verl's own helpers, every run bit-identical (one H200: ``docs/verl-quickstart.md``).
-FSDP1 models' reload stays whole. SkyRL's integration keeps torchferry's own defaults.
 """
 
 from __future__ import annotations
@@ -128,7 +110,7 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
         verl_targets()  # checked before anything is replaced
     engines = importable_sets()  # checked before anything is replaced
     state = state or PatchState(name="verl", settings=settings)
-    for helper_set in (HELPER_SET, *engines):  # see [Note: the VeOmni and Automodel helpers] in ._engines
+    for helper_set in (HELPER_SET, *engines):  # see [Note: the VeOmni and Automodel helpers] in docs/integrations.md
         state.patch(helper_set, import_call_sites=import_engines)
     state.settings = settings
     REGISTRY.patched["verl"] = state

@@ -86,7 +86,7 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
         layerwise_reload: ``load_fsdp2_model_to_gpu`` reloads the FSDP2 units in forward order
             (``TORCHFERRY_LAYERWISE_RELOAD``; [Note: the helpers' layer-wise reload]).
         dock: a GPU budget for verl's trainer under a :class:`~torchferry.Dock` ([Note: verl under a Dock] in
-            ``integrations.verl._dock``): bytes (at least 1 MiB; ``40e9`` too) or a float in (0, 1] (a fraction
+            ``docs/integrations.md``): bytes (at least 1 MiB; ``40e9`` too) or a float in (0, 1] (a fraction
             of the device's memory), which must hold the rollout's memory too; ``0``: no dock (an earlier one
             switched off); ``None``: ``TORCHFERRY_VERL_DOCK`` (the same, as text), else an earlier ``patch()``'s.
 

@@ -1,17 +1,7 @@
 """``patch()``: SkyRL 0.4.0's FSDP2 offload helpers (verl PR #7347's, the same names and signatures), replaced
 in its ``fsdp_utils`` and wherever SkyRL modules bound them (``...distributed.fsdp_strategy``).
 
-[Note: what stays with SkyRL's own helpers]
-* A model whose FSDP2 units keep their sharded parameters on the host themselves (``fully_shard(...,
-  offload_policy=CPUOffloadPolicy())``, SkyRL's ``fsdp_config.cpu_offload=true``) goes to SkyRL's own
-  ``offload_fsdp2_model_to_cpu``. SkyRL calls it for such a model from ``fsdp2_load_full_state_dict`` (a
-  global of ``fsdp_utils``, so replaced too); torchferry's would take the model's tensors into its pool and
-  leave it offloaded, so SkyRL's first forward would fail.
-* ``load_fsdp2_model_to_gpu`` / ``load_fsdp_optimizer`` of an object torchferry never offloaded go to SkyRL's
-  own (its ``.to(device)``), as before patching.
-* Before an offload, meta buffers left by SkyRL's meta-device init become empty CPU buffers of their shape and
-  dtype, as SkyRL's helper does (torchferry refuses meta tensors). CPU buffers of a GPU model stay on the CPU
-  (torchferry leaves CPU tensors alone); SkyRL's ``model.to(device)`` reload would have moved them to the GPU.
+See [Note: what stays with SkyRL's own helpers] in ``docs/integrations.md``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """verl's VeOmni and Automodel engine helpers through ``torchferry.integrations.verl.patch()``
-([Note: the VeOmni and Automodel helpers] in ``torchferry.integrations.verl._engines``), against
+([Note: the VeOmni and Automodel helpers] in ``docs/integrations.md``), against
 verl 0.9.1's own ``verl/workers/engine/{veomni,automodel}/utils.py`` on the CPU.
 
 Neither engine's framework (``veomni``, ``nemo_automodel``) is installed here, and each engine's

@@ -1,5 +1,5 @@
 """FSDP1 models through verl's patched helpers ([Note: FSDP1 models through torchferry] in
-``torchferry.integrations.verl._patch``), against the real verl 0.9.1 on the CPU: FSDP1
+``docs/integrations.md``), against the real verl 0.9.1 on the CPU: FSDP1
 (``FullyShardedDataParallel``) over gloo on 2 ranks, ``use_orig_params`` both ways. On by
 default; with ``patch(fsdp1=False)``, and for a model that offloads its own flat parameters,
 verl's own code."""

@@ -266,7 +266,7 @@ def test_the_promise_checkers_pass_the_dict_copy_and_index_copy():
     assert not _breaches("copies are queued only by _transfer", CORE + "_schedules.planted", src)
 
 
-# The integrations' rules ([Note: each integration's settings] in ``integrations/_base/settings.py``): a
+# The integrations' rules ([Note: each integration's settings] in ``docs/integrations.md``): a
 # framework folder (``verl/``, ``skyrl/``, ``areal/``) builds on ``torchferry``'s public names and
 # ``integrations._base`` only; no module of ``integrations`` keeps mutable state at module level (the one
 # registry, ``_base/registry.REGISTRY``, aside); the environment is read in ``_base/settings`` only.

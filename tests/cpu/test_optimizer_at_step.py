@@ -1,4 +1,4 @@
-"""[Note: optimizer state waited for at step()] in ``torchferry.integrations._base.helpers``: with
+"""[Note: optimizer state waited for at step()] in ``docs/integrations.md``: with
 ``optimizer_at_step`` on, ``load_fsdp_optimizer`` leaves the state's copies to ``optimizer.step()``
 (the state stays host tensors until then), the steps are bit-identical to a run that never
 offloaded; off by default; the setting from ``patch()`` of the verl and SkyRL integrations, else

@@ -1,5 +1,5 @@
 """FSDP1 models through verl's patched helpers on a GPU ([Note: FSDP1 models through torchferry] in
-``torchferry.integrations.verl._patch``): bit-exact against the same training without offload,
+``docs/integrations.md``): bit-exact against the same training without offload,
 pinned, identities kept; skipped where verl does not import (the GPU image has no verl: bring its
 wheels as ``benchmarks/verl_actor.sh`` says)."""
 

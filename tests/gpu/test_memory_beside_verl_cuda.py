@@ -96,7 +96,7 @@ def _verls_fsdp1_helpers(model, optimizer, device):
 def _torchferrys_helpers(model, optimizer, device):
     from torchferry.integrations._base import REGISTRY, SeedHelpers, Settings
 
-    # verl's patch() defaults: [Note: verl's defaults] in integrations.verl._patch
+    # verl's patch() defaults: [Note: verl's defaults] in docs/integrations.md
     h = SeedHelpers(REGISTRY, None, Settings(layerwise_reload=True, optimizer_at_step=True, skip_unchanged=True))
     return (lambda: h.offload_model(model), lambda: h.load_model(model),
             lambda: h.offload_optimizer(optimizer), lambda: h.load_optimizer(optimizer, device))

@@ -1,4 +1,4 @@
-"""GPU tier of [Note: optimizer state waited for at step()] (``torchferry.integrations._base.helpers``):
+"""GPU tier of [Note: optimizer state waited for at step()] (``docs/integrations.md``):
 the verl/SkyRL helpers with ``optimizer_at_step`` on, on CUDA: the state stays in flight through
 the forward and backward, comes back at ``optimizer.step()``, and three offload/reload steps are
 bit-identical to the same steps never offloaded."""

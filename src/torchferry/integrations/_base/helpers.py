@@ -5,45 +5,7 @@ the same four helpers, "the seed" below. :class:`SeedHelpers` is their drop-in f
 functions are those a user imports (no integration, the environment's settings). What they do better than
 the seed's: ``docs/verl-quickstart.md`` ("What changes").
 
-[Note: the verl helpers order the caller's stream]
-The seed's copies run on the caller's stream, so the framework may read the host copies after a
-synchronisation of that stream; torchferry's D2H stream is not ordered by it (on one H200 the last state
-tensor read right after verl's ``offload_fsdp_optimizer`` differed in 3 of 3 trials). So each offload helper
-makes the caller's current stream wait for the offload's D2H event (``handle.wait_stream``; no host sync): work
-queued on that stream afterwards starts once the D2H is done, as with the seed. ``state_dict()`` waits by itself
-([Note: state_dict() waits for the offload] in ``torchferry._core._ferry.guards``).
-
-[Note: optimizer state waited for at step()]
-The seed's ``load_fsdp_optimizer`` makes the caller's stream wait for all of the state before update_actor's
-first forward (12.3 GB of AdamW state at Qwen2.5-1.5B: 0.228 s on one H200, ``load_optimizer`` in
-``benchmarks/results/frameworks_qwen2.5-1.5b_h200x1_2026-12-01_dc0385b.json``), though only ``optimizer.step()``
-reads it. With ``optimizer_at_step`` on it reloads through ``ferry.reload(prefetch=True)``: the copies run behind
-the forward and backward ([Note: switch points]) and a step pre-hook (``state_dict()`` too) completes them
-([Note: prefetch reload] in ``torchferry._core._schedules.prefetch``). The caller must read no optimizer state
-between the load and the step (verl's and SkyRL's do not). verl 0.9.1's own actor stays bit-identical to its
-unpatched run (``tests/cpu/test_integration_verl_actor.py``; on one H200,
-``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp2-full-compute-rich_h200x1_2026-12-02.json``).
-
-[Note: the helpers' layer-wise reload]
-With ``layerwise_reload`` on, ``load_fsdp2_model_to_gpu`` reloads through ``ferry.reload(prefetch=True)``: the
-FSDP2 units come back in forward order, each unit's forward waiting only for its own copies ([Note: prefetch
-reload]); a reload before FSDP2's lazy init, or of a state holding gradients, is whole. Until its unit's
-forward a parameter views the pinned pool; ``state_dict()``, an offload and ``optimizer.step()`` complete the
-reload first, and a ``module.to(...)`` is made good at it ([Note: FSDP2's shard buffer after a move] in
-``torchferry._core._state.fsdp``). An ``optimizer.load_state_dict()`` right after the load puts the state on the
-host: load the model's state first or call ``ferry_for(model).reload()``. verl's own actor, LoRA and its weight
-sync included, stays bit-identical (the tests and figures above). Both switches are on under verl's ``patch()``
-([Note: verl's defaults] in ``integrations.verl._patch``), off elsewhere.
-
-[Note: the helpers skip unchanged storages]
-A model's ferry is made with ``skip_unchanged=True`` ([Note: unchanged storages] in
-``torchferry._core._schedules.unchanged``): the frameworks offload after forward-only phases too, and after the
-first cycle such an offload copies nothing; a trained model's copies everything, for one hash of its storages
-after each reload. On one H200 (SkyRL's helpers, Qwen2.5-1.5B) a forward-only model's offload took 0.021 s
-against 0.121 s, a trained model's 0.127 s against 0.119 s
-(``benchmarks/results/frameworks_qwen2.5-1.5b_h200x1_2026-12-01_424a4de.json`` against
-``..._9365f08-models-plain.json``). Optimizers' ferries are plain. ``patch(skip_unchanged=False)`` or
-``TORCHFERRY_SKIP_UNCHANGED=0`` makes plain ferries for the models offloaded after it.
+The notes cited below are in ``docs/integrations.md`` ("The seed helpers").
 """
 
 from __future__ import annotations

@@ -6,13 +6,7 @@ originals; a :class:`Patcher` does the rest, the same way for every framework: a
 on the class (so on every subclass that does not define its own), a module's functions wherever a module of
 the package holds the original object (the module itself and every module that bound it by name).
 
-[Note: replacements remember their originals]
-Each replacement carries ``__torchferry_original__`` (the framework's object it replaced) and
-``__torchferry_integration__`` (which integration made it). ``unpatch()`` restores from the first
-what ``patch()`` did not record itself: a module imported after ``patch()`` binds the replacement,
-not the original, and without the tag would keep torchferry's helper after ``unpatch()`` (the
-late-import report in ``tests/cpu/test_integration_verl.py``). The second keeps one integration's
-``unpatch()`` from restoring another's names.
+See [Note: replacements remember their originals] in ``docs/integrations.md``.
 """
 
 from __future__ import annotations

@@ -39,11 +39,7 @@ class HookNames:
     next_hook_env: str  # names a hook of the user's own (module.function), run after torchferry's
 
 
-# [Note: a failed patch fails every import]
-# The patch runs inside the helper module's import, right after its code. When it raises (a bad
-# TORCHFERRY_VERL_DOCK in the worker's environment), Python drops the half-made module, so a second ``import``
-# runs it again; with the finder already removed, that import succeeded unpatched and the job ran without
-# torchferry, silently. So the finder goes back on ``sys.meta_path`` when the patch raises.
+# See [Note: a failed patch fails every import] in docs/integrations.md.
 class _PatchAfterExec(importlib.abc.Loader):
     """Wraps the loader of the helper module: runs it, then the patch."""
 

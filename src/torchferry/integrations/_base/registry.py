@@ -1,17 +1,6 @@
 """The one registry of the integrations: every ferry their helpers made, and each integration's patch state.
 
-[Note: unpatch() brings the state back]
-Between ``patch()`` and ``unpatch()`` the framework's offload helpers (and verl's dock evicting a set) move
-state into a ferry's pool, guarded, which the framework's own load helpers cannot bring back (verl's and
-SkyRL's ``.to(device)`` leave the ferry offloaded and its guards in place; AReaL's ``onload()`` resumes a
-torch_memory_saver that paused nothing). So every ``unpatch()`` first brings back (:meth:`Registry.bring_back`)
-each ferry its replacements made that is :func:`away`, synchronously, all or nothing: a reload that fails (the
-device out of memory) offloads again the ferries this call brought back, restores nothing and raises
-``RuntimeError`` naming the cause and what stays offloaded; the integration stays patched. Only then are the
-originals restored and the ferries closed, but those a verl dock holds, which it keeps for a later
-``patch(dock=...)`` of its budget. verl's ``unpatch(keep_offloaded=True)`` does neither (the turns of
-``benchmarks/verl_actor.py``). ``tests/cpu/test_integration_verl.py`` (and SkyRL's, AReaL's, the dock's) check
-both paths.
+See [Note: unpatch() brings the state back] in ``docs/integrations.md``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """An integration's settings, read once by its ``patch()``: the only module of ``integrations`` that reads
 ``TORCHFERRY_*`` variables.
 
-[Note: each integration's settings]
-verl's and SkyRL's replacements call the same helpers, but each integration's ``patch()`` arguments and
-defaults are its own (verl's turns ``layerwise_reload`` and ``optimizer_at_step`` on, SkyRL's leaves them off):
-with both patched in one process neither may change what the other's helpers do, nor may one's ``unpatch()``
-forget the other's choices. So each ``patch()`` builds one frozen :class:`Settings` (:meth:`Settings.read`),
-which its patch state holds, its replacements receive as a value and its Ray hook forwards (``chosen``). A
-helper called directly belongs to no integration: it reads each switch from the environment when it needs it
-(:func:`read_switch`). ``tests/cpu/test_optimizer_at_step.py`` patches both in one process.
+See [Note: each integration's settings] in ``docs/integrations.md``.
 """
 
 from __future__ import annotations

@@ -7,35 +7,8 @@ which AReaL's launchers set with ``enable_offload=True``) between the same logs,
 synchronizations and barrier (of the engine's gloo ``cpu_group``) that the replacements keep, with
 ``is_offload``, so AReaL's callers (``_offload_aware_context()``, ``_ensure_ready()``) keep their meaning.
 
-[Note: what torch_memory_saver released that a ferry does not]
-With ``TMS_INIT_ENABLE=1`` from process start every ``cudaMalloc`` of the process goes through
-torch_memory_saver, and ``pause()`` unmaps all of them, each first copied to a host backup. So it released,
-besides the model and optimizer state, everything else the caching allocator had reserved after AReaL's
-``empty_cache()``: live tensors that are not model state (cached activations, FSDP2's communication buffers,
-other engines' tensors), the free blocks of segments partly in use, cuBLAS workspaces, and other ``cudaMalloc``
-memory (NCCL's, Triton's). A ferry releases exactly the storages of the engine's parameters, buffers, ``.grad``s
-and optimizer state, and ``clear_memory()`` returns the segments that leaves entirely free: the rest stays on
-the device. In exchange torch_memory_saver kept every virtual address (CUDA graphs and raw pointers stayed
-valid; a ferry's reload gives new addresses) and paid a host copy of every reserved byte into backups
-allocated with ``cudaMallocHost`` at each pause; a ferry's pool is the state's exact size, pinned once.
-
-[Note: AReaL's clear_memory() beside the copies]
-AReaL's CUDA ``clear_memory()`` is ``torch.cuda.synchronize()``, ``gc.collect()``, ``torch.cuda.empty_cache()``;
-with the logs and barrier it took 0.37-0.43 s per offload of a 1.5B engine against 0.45 s of copies (one H200,
-``overhead_s_all`` in ``benchmarks/results/frameworks_qwen2.5-1.5b_h200x1_2026-12-01_424a4de.json``), most of it
-the collection. Under ``whole_copies()`` ([Note: whole copies where the caller waits] in
-``torchferry._core._transfer.switch``) a ferry's ``offload()`` returns once its D2H copies are queued, so on a
-CUDA device the replacement synchronizes, queues the copies, collects while they run (the ferry holds their
-sources), waits for them, synchronizes and empties the cache: the same three steps, the collection under the
-DMA. Another platform's or an overridden ``clear_memory`` is called after the copies, as AReaL does. At dc0385b
-(``benchmarks/results/frameworks_qwen2.5-1.5b_h200x1_2026-12-01_dc0385b.json``) the actor's offload took
-0.619 s, 0.448 s of it copies, against 0.858 s at 424a4de.
-
-[Note: which engines skip unchanged storages]
-An engine without an optimizer (reference, teacher) never writes its weights, so its ferry has
-``skip_unchanged=True``: after the first cycle an offload copies nothing and only releases (``docs/ferry.md``).
-So does a LoRA engine (``config.use_lora``), whose frozen base is most of the bytes. A full-parameter engine
-with an optimizer copies everything without hashing. ``patch(skip_unchanged=...)`` forces one choice.
+See [Note: what torch_memory_saver released that a ferry does not], [Note: AReaL's clear_memory() beside the
+copies] and [Note: which engines skip unchanged storages] in ``docs/integrations.md``.
 """
 
 from __future__ import annotations
@@ -102,13 +75,7 @@ def _ferry_of(engine: object) -> Ferry:
     return ferry
 
 
-# [Note: a model or optimizer replaced while offloaded]
-# AReaL's ``engine.offload(); engine.optimizer = AdamW(...); engine.onload()`` left the model on the host: the
-# onload found no ferry serving the new optimizer, moved nothing and set ``is_offload`` False; a retried
-# ``offload()`` made a ferry for the new pair and was refused, the model being "already offloaded by another
-# Ferry". So the entry holds its model and optimizer strongly while offloaded, and ``onload()`` / ``offload()``
-# of an engine whose model or optimizer was replaced first bring back what the old ferry holds and close it:
-# the next ``offload()`` makes a ferry for the new pair.
+# See [Note: a model or optimizer replaced while offloaded] in docs/integrations.md.
 def _settle(engine: object) -> None:
     """Brings back and closes the ferry of an engine whose model or optimizer was replaced since it was made;
     a no-op otherwise."""
@@ -237,7 +204,7 @@ def patch(*, skip_unchanged: bool | None = None) -> list[str]:
 def unpatch() -> None:
     """Brings back the state of every engine offloaded through torchferry (synchronously, as the patched
     ``onload()`` without its barrier and logs; its ``is_offload`` False: [Note: unpatch() brings the state
-    back] in ``integrations._base.registry``), then puts AReaL's own ``offload`` / ``onload`` back on
+    back] in ``docs/integrations.md``), then puts AReaL's own ``offload`` / ``onload`` back on
     ``FSDPEngine`` and closes the ferries. Idempotent.
 
     Raises:

@@ -1,17 +1,7 @@
 """``patch()``: SkyRL 0.4.0's FSDP2 offload helpers (verl PR #7347's, the same names and signatures), replaced
 in its ``fsdp_utils`` and wherever SkyRL modules bound them (``...distributed.fsdp_strategy``).
 
-[Note: what stays with SkyRL's own helpers]
-* A model whose FSDP2 units keep their sharded parameters on the host themselves (``fully_shard(...,
-  offload_policy=CPUOffloadPolicy())``, SkyRL's ``fsdp_config.cpu_offload=true``) goes to SkyRL's own
-  ``offload_fsdp2_model_to_cpu``. SkyRL calls it for such a model from ``fsdp2_load_full_state_dict`` (a
-  global of ``fsdp_utils``, so replaced too); torchferry's would take the model's tensors into its pool and
-  leave it offloaded, so SkyRL's first forward would fail.
-* ``load_fsdp2_model_to_gpu`` / ``load_fsdp_optimizer`` of an object torchferry never offloaded go to SkyRL's
-  own (its ``.to(device)``), as before patching.
-* Before an offload, meta buffers left by SkyRL's meta-device init become empty CPU buffers of their shape and
-  dtype, as SkyRL's helper does (torchferry refuses meta tensors). CPU buffers of a GPU model stay on the CPU
-  (torchferry leaves CPU tensors alone); SkyRL's ``model.to(device)`` reload would have moved them to the GPU.
+See [Note: what stays with SkyRL's own helpers] in ``docs/integrations.md``.
 """
 
 from __future__ import annotations
@@ -87,7 +77,7 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
         import_call_sites: also import ``fsdp_strategy`` now (when its own imports, flash_attn among them, are
             there), so the names it bound by ``from ...fsdp_utils import ...`` are replaced too.
         skip_unchanged, optimizer_at_step, layerwise_reload: as :func:`torchferry.integrations.verl.patch`'s,
-            SkyRL's own ([Note: each integration's settings] in ``integrations._base.settings``); by default
+            SkyRL's own ([Note: each integration's settings] in ``docs/integrations.md``); by default
             only ``skip_unchanged`` is on.
 
     Returns:
@@ -120,7 +110,7 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
 
 def unpatch() -> None:
     """Brings back what SkyRL's patched helpers hold offloaded ([Note: unpatch() brings the state back] in
-    ``integrations._base.registry``), then SkyRL's own helpers again. Idempotent.
+    ``docs/integrations.md``), then SkyRL's own helpers again. Idempotent.
 
     Raises:
         RuntimeError: a reload failed (the device out of memory: the message names it and what stays

@@ -2,29 +2,7 @@
 phase dock ([Note: a trainer under a phase dock] in ``torchferry._core._dock.phase_dock``), which holds the
 framework-neutral part: the step learnt, the engines' sets, the workspaces measured, the rollout's claimants.
 
-[Note: verl under a Dock]
-With a budget (``patch(dock=...)`` or ``TORCHFERRY_VERL_DOCK``; bytes, or a fraction of the device's memory),
-verl's train/eval contexts (``BaseEngineCtx``, whose ``__enter__`` / ``__exit__`` call ``FSDPEngine.to``) ask
-one dock per process instead of moving. Each FSDP engine but a ``forward_only`` one has a set for what verl
-offloads of it (``engine<N>.params``, ``engine<N>.optimizer``: [Note: verl's offload flags under a Dock]) and a
-workspace claimant per mode; the rollout's weights and KV cache are claimants woken at ``rollout.resume(tags)``
-(:func:`dock_rollout`); verl's other calls of the helpers leave a docked set where the dock has it (a load makes
-it resident; [Note: state loaded behind the dock's back] in ``torchferry._core._dock.measure``); a context's
-exit leaves the dock its entry took, also when ``patch(dock=...)`` chose another in between. Each rule (the
-workspace's measure, the rollout put to sleep by the driver, the schedule after one step): ``docs/dock.md``.
-
-Not reached: the reference model under ``CPUOffloadPolicy``, engines with ``disable_auto_offload``. Wrong
-budgets and unknown verl versions fail at ``patch()``; a phase that does not fit raises before verl's code runs.
-
-[Note: verl's offload flags under a Dock]
-verl's ``BaseEngineCtx`` moves an engine's parameters only with ``param_offload`` and its optimizer state only
-with ``optimizer_offload``; what it does not move stays on the device for the whole run. So only what verl
-offloads is a set the dock may evict, and what verl keeps is reserved (``Dock.reserve``) as
-``engine<N>.resident``: counted at every decision, never evicted, measured again at each phase entry and exit
-and rollout wake. Before, with ``optimizer_offload=False`` the optimizer was evicted after its first step and
-the second update raised "AdamW.step() while its state is offloaded"; with ``param_offload=False`` the
-resident parameters went uncounted (8.41 MB held against a 6.37 MB budget). An engine whose resident state
-alone exceeds the budget is refused at its first phase, naming the flags.
+See [Note: verl under a Dock] and [Note: verl's offload flags under a Dock] in ``docs/integrations.md``.
 """
 
 from __future__ import annotations

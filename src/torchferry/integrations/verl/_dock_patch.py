@@ -1,5 +1,5 @@
 """``patch(dock=...)``'s side in verl: verl's classes checked, the engine context and the worker's ``init_model``
-replaced ([Note: verl under a Dock] in ``._dock``)."""
+replaced ([Note: verl under a Dock] in ``docs/integrations.md``)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """verl's VeOmni and Automodel engines' offload helpers, replaced where those engines import.
 
-[Note: the VeOmni and Automodel helpers]
-verl 0.9.1's VeOmni and Automodel engines move their FSDP2 models with helpers of their own, bound by name in
-each engine's ``transformer_impl``: ``offload_<engine>_model_to_cpu`` sets every FSDP2 param group IDLE,
-``model.reshard()``, then a blocking ``model.cpu()`` into pageable memory; the optimizer helpers copy each state
-tensor (VeOmni's across a ``MultiOptimizer``'s ``optimizers_dict`` too). The replacements keep the prelude and
-move the state through the same ferries and settings as the FSDP helpers; a model or optimizer no ferry
-offloaded is loaded by verl's own helper. Where an engine's framework (``veomni``, ``nemo_automodel``) is not
-installed, its package does not import and ``patch()`` skips it.
+See [Note: the VeOmni and Automodel helpers] in ``docs/integrations.md``.
 """
 
 from __future__ import annotations

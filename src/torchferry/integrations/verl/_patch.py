@@ -1,27 +1,9 @@
 """``patch()``: verl's FSDP offload helpers (:data:`HELPER_SET`, wherever verl modules bound them) and the VeOmni
-and Automodel engines' ([Note: the VeOmni and Automodel helpers] in ``._engines``) replaced by torchferry's.
+and Automodel engines' ([Note: the VeOmni and Automodel helpers] in ``docs/integrations.md``) replaced by torchferry's.
 Written against verl 0.9.1 (the helpers of verl PR #7347).
 
-[Note: FSDP1 models through torchferry]
-verl's default actor strategy is FSDP1, whose own helper moves each flat parameter into pageable memory
-(``handle.flat_param_to("cpu", non_blocking=True)``). A ferry moves an FSDP1 model as any module: its flat
-parameters (with ``use_orig_params=True`` the original parameters viewing them too), ``.grad``s and buffers,
-storage by storage, into its pinned pool; ``_local_shard`` and those views share the flat parameter's storage,
-which a reload gives back. On by default (verl's default strategy would otherwise get nothing); a model under
-``CPUOffload(offload_params=True)``, or every FSDP1 model with ``patch(fsdp1=False)`` /
-``TORCHFERRY_VERL_FSDP1=0``, stays with verl's code. Tested on the CPU (gloo, both ``use_orig_params``) and on a
-GPU against the same training without offload (``tests/gpu/test_fsdp1_verl_cuda.py``).
+See [Note: FSDP1 models through torchferry] and [Note: verl's defaults] in ``docs/integrations.md``.
 
-[Note: verl's defaults]
-Under verl's ``patch()`` ``skip_unchanged``, ``layerwise_reload`` and ``optimizer_at_step`` are on unless
-switched off (each by its ``patch()`` argument or variable, which the Ray hooks pass on). verl's phases start
-with a forward after ``FSDPEngine.to`` loads the model, with no ``.grad`` (``set_to_none`` on leaving train
-mode), and read the optimizer state only in ``optimizer.step()``: so the units come back behind the forward
-and the state behind forward and backward; LoRA's weight sync, which calls ``model.to("cpu")`` right after the
-load, stays exact ([Note: FSDP2's shard buffer after a move] in ``torchferry._core._state.fsdp``). Through
-verl 0.9.1's own FSDP2 actor ``FSDPEngine.to`` held each step 0.487 s with these defaults against 0.951 s with
-the two off and 1.389 s with verl's own helpers, every run bit-identical (one H200: ``docs/verl-quickstart.md``).
-FSDP1 models' reload stays whole. SkyRL's integration keeps torchferry's own defaults.
 """
 
 from __future__ import annotations
@@ -90,13 +72,13 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
     """Routes verl's FSDP model and optimizer offload helpers through torchferry. Idempotent.
 
     A switch left ``None`` is an earlier ``patch()``'s choice, else its environment variable, else on ([Note:
-    verl's defaults]); verl's own ([Note: each integration's settings] in ``integrations._base.settings``).
+    verl's defaults]); verl's own ([Note: each integration's settings] in ``docs/integrations.md``).
 
     Args:
         import_engines: also import verl's FSDP engine modules now, so the names they bound by ``from
             verl.utils.fsdp_utils import ...`` are replaced too.
         skip_unchanged: models' ferries skip unchanged storages (``TORCHFERRY_SKIP_UNCHANGED``; [Note: the
-            helpers skip unchanged storages] in ``integrations._base.helpers``).
+            helpers skip unchanged storages] in ``docs/integrations.md``).
         fsdp1: FSDP1 models go through torchferry too (``TORCHFERRY_VERL_FSDP1``; [Note: FSDP1 models through
             torchferry]).
         optimizer_at_step: ``load_fsdp_optimizer`` leaves the state's copies to ``optimizer.step()``
@@ -104,7 +86,7 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
         layerwise_reload: ``load_fsdp2_model_to_gpu`` reloads the FSDP2 units in forward order
             (``TORCHFERRY_LAYERWISE_RELOAD``; [Note: the helpers' layer-wise reload]).
         dock: a GPU budget for verl's trainer under a :class:`~torchferry.Dock` ([Note: verl under a Dock] in
-            ``integrations.verl._dock``): bytes (at least 1 MiB; ``40e9`` too) or a float in (0, 1] (a fraction
+            ``docs/integrations.md``): bytes (at least 1 MiB; ``40e9`` too) or a float in (0, 1] (a fraction
             of the device's memory), which must hold the rollout's memory too; ``0``: no dock (an earlier one
             switched off); ``None``: ``TORCHFERRY_VERL_DOCK`` (the same, as text), else an earlier ``patch()``'s.
 
@@ -128,7 +110,7 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
         verl_targets()  # checked before anything is replaced
     engines = importable_sets()  # checked before anything is replaced
     state = state or PatchState(name="verl", settings=settings)
-    for helper_set in (HELPER_SET, *engines):  # see [Note: the VeOmni and Automodel helpers] in ._engines
+    for helper_set in (HELPER_SET, *engines):  # see [Note: the VeOmni and Automodel helpers] in docs/integrations.md
         state.patch(helper_set, import_call_sites=import_engines)
     state.settings = settings
     REGISTRY.patched["verl"] = state
@@ -152,7 +134,7 @@ def _dock_sets() -> dict[Ferry, str]:
 
 def unpatch(*, keep_offloaded: bool = False) -> None:
     """What the patched helpers and the dock hold offloaded back on the device (not with ``keep_offloaded``),
-    then verl's own helpers again ([Note: unpatch() brings the state back] in ``integrations._base.registry``)."""
+    then verl's own helpers again ([Note: unpatch() brings the state back] in ``docs/integrations.md``)."""
     check_bool(keep_offloaded, "unpatch(keep_offloaded=...)")
     dock_sets = {} if keep_offloaded else _dock_sets()
     state = unpatch_integration("verl", (HELPER_SET, *ENGINE_SETS, *DOCK_SETS), keep_offloaded=keep_offloaded,

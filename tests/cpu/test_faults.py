@@ -250,15 +250,47 @@ def test_sigint_during_a_transfer_is_raised_after_it_completes(monkeypatch):
             sent.append(True)
             signal.raise_signal(signal.SIGINT)  # delivered between two exchanges
 
-    with monkeypatch.context() as mp:
-        mp.setattr(repoint, "_exchange", exchange)
-        with pytest.raises(KeyboardInterrupt):
+    # Python's own handler for the test, whatever the test process inherited (an ignored SIGINT is
+    # left alone by the ferry, as the caller chose): a CI worker once had it ignored here
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with monkeypatch.context() as mp:
+            mp.setattr(repoint, "_exchange", exchange)
+            with pytest.raises(KeyboardInterrupt):
+                ferry.offload()
+        assert ferry.residency.on_host  # the offload completed, then Ctrl-C was raised
+        assert all(in_host_pool(p.data_ptr()) for p in m.parameters())
+        ferry.reload()
+        assert torch.equal(m.weight, before)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_an_ignored_sigint_stays_ignored_through_a_transfer(monkeypatch):
+    """A caller that ignores SIGINT (``SIG_IGN``) keeps ignoring it: a Ctrl-C during an offload is not
+    turned into a ``KeyboardInterrupt`` and the handler is ``SIG_IGN`` after the call."""
+    import signal
+
+    import torchferry._core._state.parking as repoint
+
+    m = nn.Linear(16, 16)
+    ferry = Ferry(m, device="cpu")
+    real = repoint._exchange
+
+    def exchange(a, b, dtensor):
+        real(a, b, dtensor)
+        signal.raise_signal(signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with monkeypatch.context() as mp:
+            mp.setattr(repoint, "_exchange", exchange)
             ferry.offload()
-    assert ferry.residency.on_host  # the offload completed, then Ctrl-C was raised
-    assert all(in_host_pool(p.data_ptr()) for p in m.parameters())
+        assert ferry.residency.on_host and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
     ferry.reload()
-    assert torch.equal(m.weight, before)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def _prefetch_body(rank, world):

@@ -158,3 +158,37 @@ def test_torch_save_of_an_offloaded_model_is_refused_clearly_and_its_state_dict_
     ferry.reload()
     _same(m, want)
     torch.save(m, io.BytesIO())  # resident: plain PyTorch
+
+
+def test_a_model_collected_while_offloaded_has_a_way_out():
+    """[Note: a target collected while offloaded]: the model dropped while offloaded, its optimizer alive:
+    ``reload()`` names ``close()``, ``close()`` leaves the state on the host (no loop of refusals), and the
+    optimizer then steps on the host tensors, bit-exact to the same step never offloaded."""
+    import gc
+
+    def build():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+        opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+        m(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        m(torch.randn(4, 8)).sum().backward()
+        return m, opt
+
+    ref_m, ref_opt = build()
+    ref_opt.step()
+    m, opt = build()
+    ferry = Ferry(m, opt)
+    ferry.offload().wait()
+    del m
+    gc.collect()
+    with pytest.raises(RuntimeError, match=r"step\(\) while its state is offloaded"):
+        opt.step()
+    with pytest.raises(RuntimeError, match=r"targets\[0\] \(a Sequential module\).*garbage collected while its "
+                                           r"state was offloaded.*call close\(\)"):
+        ferry.reload()
+    ferry.close()
+    opt.step()  # the guards went with close(): the state is on the host
+    params = [p for g in opt.param_groups for p in g["params"]]
+    assert all(torch.equal(p, q) for p, q in zip(params, ref_m.parameters(), strict=True))
+    ferry.close()  # idempotent

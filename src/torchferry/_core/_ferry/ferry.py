@@ -393,6 +393,7 @@ class Ferry:
         off = self._offloaded
         if off is None:
             return self._handle_or_noop("h2d")
+        self._targets.refuse_reload_if_dead()
         groups = prefetch_groups(off.plan) if prefetch else None
         if groups is not None:
             if self._set.replaced(off):
@@ -463,9 +464,15 @@ class Ferry:
         """Returns the pool and drops everything held: no device memory, host memory or hooks remain.
 
         Raises:
-            RuntimeError: the state is offloaded (closing would lose it): ``reload()`` first.
+            RuntimeError: the state is offloaded (closing would lose it): ``reload()`` first; unless a target
+                was collected meanwhile: the state then stays on the host ([Note: a target collected while
+                offloaded] in guards.py).
         """
         if self._closed:
+            return
+        if self.residency.on_host and self._targets.dead() is not None:
+            dropped(self._guards, warn=False)
+            self._closed = True
             return
         self._drop_pool("close()")
         if self._pin_ahead is not None:

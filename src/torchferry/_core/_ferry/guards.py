@@ -120,7 +120,7 @@ class OffloadGuards:
         )
 
 
-def dropped(guards: OffloadGuards) -> None:
+def dropped(guards: OffloadGuards, warn: bool = True) -> None:
     """Called when a ``Ferry`` is garbage-collected (a ``weakref.finalize``).
 
     [Note: a ferry dropped while offloaded]
@@ -131,12 +131,22 @@ def dropped(guards: OffloadGuards) -> None:
     would); the module then runs on the host, or ``model.to(device)`` brings it back by ordinary
     copies. Not at the interpreter's exit (the finalizer's ``atexit`` is off): a ferry still alive
     then goes with the process, and a warning about it would only be noise after a program's output.
+
+    [Note: a target collected while offloaded]
+    A module (or optimizer) target collected while its state is offloaded leaves the state no
+    ``reload()`` can bring back (the ferry finds its tensors through its targets). Its optimizer, still
+    alive, refused ``step()`` naming ``reload()``, ``reload()`` refused naming the collected target, and
+    ``close()`` refused naming ``reload()``: a loop. Now ``reload()`` names
+    ``close()``, and ``close()`` of such a ferry leaves the state as a dropped ferry does (above, no
+    warning: the caller asked), so the optimizer steps on the host tensors
+    (``tests/cpu/test_misuse.py::test_a_model_collected_while_offloaded_has_a_way_out``).
     """
     if not guards.installed:
         return
     if guards.pending is not None:
         guards.pending.wait()
     guards.remove()
-    logging.getLogger("torchferry").warning(
-        "torchferry: a Ferry was dropped while its state was offloaded; the state stays on the host as CPU "
-        "tensors (model.to(device) brings it back)")
+    if warn:
+        logging.getLogger("torchferry").warning(
+            "torchferry: a Ferry was dropped while its state was offloaded; the state stays on the host as CPU "
+            "tensors (model.to(device) brings it back)")

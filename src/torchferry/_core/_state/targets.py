@@ -251,6 +251,24 @@ class Targets:
         self._kinds = [f"{type(t).__name__} {'module' if isinstance(t, nn.Module) else 'optimizer'}"
                        for t in targets]  # for the message once one is gone
 
+    def dead(self) -> str | None:
+        """``"targets[i] (a <type> module|optimizer)"`` of the first module or optimizer target that was
+        garbage collected, else ``None``."""
+        for i, t in enumerate(self._refs):
+            if isinstance(t, weakref.ref) and t() is None:
+                return f"targets[{i}] (a {self._kinds[i]})"
+        return None
+
+    def refuse_reload_if_dead(self) -> None:
+        """Raises ``RuntimeError`` naming a target collected while the state was offloaded, and the way out
+        (``close()``: [Note: a target collected while offloaded] in ``_ferry/guards.py``)."""
+        gone = self.dead()
+        if gone is not None:
+            raise RuntimeError(
+                f"torchferry: {gone} of this ferry was garbage collected while its state was offloaded, so "
+                "reload() cannot bring the state back; call close(): what was offloaded stays on the host as CPU "
+                "tensors (an optimizer's step() works on them), and .to(device) moves them back by ordinary copies")
+
     def live(self) -> list[object]:
         """The targets.
 

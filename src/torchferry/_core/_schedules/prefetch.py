@@ -177,7 +177,7 @@ class PrefetchRun:
         self._allocated: list[int] = []  # storage indices re-allocated so far
         self._hooks: list = []
         self._comm: list[torch.cuda.Stream] = []
-        self._sharded: dict[int, object] | None = None  # sharded_params(), made in begin()
+        self._sharded: dict[int, object] = {}  # sharded_params(), made in begin() before any hook
         self.start: torch.cuda.Event | None = None
         self.done: torch.cuda.Event | None = None
         self._latest: torch.cuda.Event | None = None  # the event this run recorded last on the H2D stream
@@ -464,8 +464,6 @@ class PrefetchRun:
         given = self._given_other_bytes(group)
         self.parking.to_device(group.tensors)
         self.resident.add(gi)
-        if self._sharded is None:
-            self._sharded = sharded_params(self.plan.modules)
         repoint_sharded_data(self.plan.modules, self.parking.host_locals(group.tensors),  # see [Note: FSDP2's
                              self._sharded)  # shard buffer after a move]
         if self._unchanged is not None:

@@ -276,19 +276,13 @@ class Targets:
             RuntimeError: a module or optimizer target was garbage collected
                 (the ferry holds them weakly), named by position and type.
         """
-        out = []
-        for i, t in enumerate(self._refs):
-            if isinstance(t, weakref.ref):
-                obj = t()
-                if obj is None:
-                    raise RuntimeError(
-                        f"torchferry: targets[{i}] (a {self._kinds[i]}) of this ferry was garbage collected: "
-                        "a ferry holds its modules and optimizers by weak reference, so keep a reference "
-                        "to it (model = ...; Ferry(model)) while the ferry is used"
-                    )
-                out.append(obj)
-            else:
-                out.append(t)
+        out = [t() if isinstance(t, weakref.ref) else t for t in self._refs]
+        if any(t is None for t in out):
+            raise RuntimeError(
+                f"torchferry: {self.dead()} of this ferry was garbage collected: a ferry holds its modules and "
+                "optimizers by weak reference, so keep a reference to it (model = ...; Ferry(model)) while the "
+                "ferry is used"
+            )
         return out
 
     def resharded(self) -> list[object]:

@@ -203,8 +203,11 @@ class StepProbe:
     whole cache and synchronises), the garbage collector's collections and seconds, the process's CPU
     seconds, page faults and context switches (an involuntary one: another thread took the core), the
     caching allocator's cudaMalloc and cudaFree calls, the CPUs the process may run on, the
-    machine's CPU ticks by kind (``steal``: the hypervisor ran something else), and the SM clock at the
-    step's end (NVML; ``None`` where it does not answer)."""
+    machine's CPU ticks by kind (``steal``: the hypervisor ran something else), the SM and memory clocks
+    and the GPU's temperature at the step's end, and, over the step, the seconds NVML counted the GPU's
+    clocks held down by its power or thermal limit and the energy it drew (NVML's cumulative counters;
+    ``None`` where it does not answer). A clock read at the step's end cannot see a cap that came and
+    went inside the step; the counters do."""
 
     def __init__(self, device) -> None:
         self.device = device
@@ -263,7 +266,26 @@ class StepProbe:
         except (OSError, IndexError, ValueError):
             return None
 
+    def _gpu_counters(self) -> dict[str, float | None]:
+        """NVML's cumulative counters now: seconds capped by power and by temperature, joules drawn."""
+        out: dict[str, float | None] = {"power_capped_s": None, "thermal_capped_s": None, "energy_j": None}
+        if self._nvml is None:
+            return out
+        nv, h = self._nvml
+        for key, policy in (("power_capped_s", "NVML_PERF_POLICY_POWER"),
+                            ("thermal_capped_s", "NVML_PERF_POLICY_THERMAL")):
+            try:
+                out[key] = nv.nvmlDeviceGetViolationStatus(h, getattr(nv, policy)).violationTime / 1e9
+            except Exception:  # not supported by this GPU, driver or binding
+                out[key] = None
+        try:
+            out["energy_j"] = nv.nvmlDeviceGetTotalEnergyConsumption(h) / 1e3  # mJ since the driver loaded
+        except Exception:
+            out["energy_j"] = None
+        return out
+
     def begin(self) -> None:
+        self._gpu0 = self._gpu_counters()
         self._ref = (self.host_reference_s(), self.main_cpu())
         self._at = (self._allocator(), self._gc_s, self._gc_n, time.process_time(),
                     resource.getrusage(resource.RUSAGE_SELF), _cpu_jiffies())
@@ -279,7 +301,11 @@ class StepProbe:
                "cpu_s": time.process_time() - c0, "minor_faults": u1.ru_minflt - u0.ru_minflt,
                "major_faults": u1.ru_majflt - u0.ru_majflt, "involuntary_switches": u1.ru_nivcsw - u0.ru_nivcsw,
                "machine_ticks": {k: j1[k] - j0[k] for k in j1 if k in j0},
-               "sm_clock_mhz": None, "clocks_throttle_reasons": None}
+               "sm_clock_mhz": None, "clocks_throttle_reasons": None, "mem_clock_mhz": None, "gpu_temp_c": None}
+        g1 = self._gpu_counters()
+        for key, v0 in self._gpu0.items():  # over the step: None where either reading is missing
+            v1 = g1[key]
+            out[f"gpu_{key}"] = None if v0 is None or v1 is None else v1 - v0
         if self._nvml is not None:
             nv, h = self._nvml
             try:
@@ -287,4 +313,10 @@ class StepProbe:
                 out["clocks_throttle_reasons"] = int(nv.nvmlDeviceGetCurrentClocksEventReasons(h))
             except Exception:  # an older NVML binding or driver: the clock alone
                 out["clocks_throttle_reasons"] = None
+            for key, read in (("mem_clock_mhz", lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM)),
+                              ("gpu_temp_c", lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))):
+                try:
+                    out[key] = int(read())
+                except Exception:
+                    out[key] = None
         return out

@@ -312,7 +312,9 @@ def report(runs: dict, command: str | None = None) -> dict:
                               "allocator finds free beside this strategy alone; device_free_at_rollout_wake_bytes: "
                               "torch.cuda.mem_get_info()'s free bytes then (other processes' bytes included); "
                               "probe_per_step: the allocator's retries, the garbage collector's seconds, the "
-                              "process's CPU seconds and the SM clock per step; budget_bytes: the dock's budget "
+                              "process's CPU seconds, the SM clock per step and NVML's seconds of the step with the "
+                              "GPU's clocks capped by power or temperature (gpu_power_capped_s, gpu_thermal_capped_s)"
+                              " and its joules (gpu_energy_j); budget_bytes: the dock's budget "
                               "(TORCHFERRY_VERL_DOCK); dock_steps: per step, the dock's moves (issued at at_s after "
                               "the step's start) and bytes")
     out["bars"] = bars(out)

@@ -259,3 +259,49 @@ def test_each_strategys_process_gets_its_own_cpus():
     last = [sorted(os.sched_getaffinity(0))[-1]]
     assert mine == now == thread == last
     assert unpinned == last  # more processes than CPUs: the affinity left as it was (here: the one CPU)
+
+
+class _FakeNVML:
+    """NVML's counters as a test sets them: the probe reads their change over a step."""
+    NVML_PERF_POLICY_POWER, NVML_PERF_POLICY_THERMAL, NVML_CLOCK_SM, NVML_CLOCK_MEM, NVML_TEMPERATURE_GPU = 0, 1, 0, 2, 0
+
+    def __init__(self):
+        self.capped_ns = {0: 5_000_000_000, 1: 0}
+        self.energy_mj = 1_000_000
+
+    def nvmlDeviceGetViolationStatus(self, h, policy):
+        return type("V", (), {"violationTime": self.capped_ns[policy]})()
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h):
+        return self.energy_mj
+
+    def nvmlDeviceGetClockInfo(self, h, clock):
+        return 1980 if clock == self.NVML_CLOCK_SM else 2619
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h):
+        return 0
+
+    def nvmlDeviceGetTemperature(self, h, sensor):
+        return 61
+
+
+def test_the_step_probe_reads_the_gpus_capped_seconds_and_energy_over_the_step():
+    """A cap that comes and goes inside a step is invisible to a clock read at its end: the probe gives NVML's
+    cumulative power- and thermal-capped seconds and joules as their change over the step, and None where NVML
+    does not answer."""
+    import torch
+
+    probe = verl_isolate.StepProbe(torch.device("cpu"))
+    nv = _FakeNVML()
+    probe._nvml = (nv, None)
+    probe.begin()
+    nv.capped_ns[0] += 250_000_000  # 0.25 s held down by the power limit during the step
+    nv.energy_mj += 1_500_000  # 1,500 J
+    out = probe.end()
+    assert out["gpu_power_capped_s"] == pytest.approx(0.25) and out["gpu_thermal_capped_s"] == 0
+    assert out["gpu_energy_j"] == pytest.approx(1500.0)
+    assert (out["sm_clock_mhz"], out["mem_clock_mhz"], out["gpu_temp_c"]) == (1980, 2619, 61)
+    probe._nvml = None  # no NVML: no readings, no error
+    probe.begin()
+    out = probe.end()
+    assert out["gpu_power_capped_s"] is None and out["gpu_energy_j"] is None and out["gpu_temp_c"] is None

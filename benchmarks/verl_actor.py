@@ -127,6 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--segments-at-wake", nargs=2, default=None, metavar=("DIR", "ROUND"),
                    help="diagnosis: record allocation stacks and write the allocator's segments at ROUND's "
                         "rollout wake to DIR/segments_<label>_rank<r>.json")
+    p.add_argument("--blocking-sync", action="store_true",
+                   help="diagnosis: a thread waiting on the GPU sleeps instead of spinning, so phase_cpu_s counts the\n"
+                        "host's work only (CU_CTX_SCHED_BLOCKING_SYNC; slower synchronisations)")
     p.add_argument("--profile-calls", action="store_true",
                    help="diagnosis: each offload/reload call after the first round under cProfile (slower); the "
                         "top functions per phase and direction in runs.json (strategies[label][\"call_profile\"])")

@@ -39,6 +39,8 @@
 #                                         wake each strategy's allocator segments to OUT/segments_<label>_rank<r>.json
 #   VERL_ACTOR_PROFILE=1                  diagnosis: the offload/reload calls after the first round under cProfile
 #                                         (slower): the top functions per phase in runs.json (call_profile)
+#   VERL_ACTOR_BLOCKING_SYNC=1            diagnosis: a thread waiting on the GPU sleeps instead of spinning, so each
+#                                         phase's CPU seconds (phase_cpu_s in runs.json) are the host's work only
 #   VERL_ACTOR_LOGPROBS=chunked|verl      log-probs in verl's engine: chunked (default: one log_softmax per
 #                                         2048 rows) or verl's own fallback without flash-attn (one per token:
 #                                         host-bound, a step's time spread by seconds; see _logprobs_chunked)
@@ -112,6 +114,7 @@ if [ -n "${VERL_ACTOR_MAX_ROUND_S:-}" ]; then EXTRA+=(--max-round-seconds "$VERL
 if [ -n "${VERL_ACTOR_LOGPROBS:-}" ]; then EXTRA+=(--logprobs "$VERL_ACTOR_LOGPROBS"); fi
 if [ -n "${VERL_ACTOR_SETTLE_S:-}" ]; then EXTRA+=(--settle-seconds "$VERL_ACTOR_SETTLE_S"); fi
 if [ "${VERL_ACTOR_PROFILE:-0}" = 1 ]; then EXTRA+=(--profile-calls); fi
+if [ "${VERL_ACTOR_BLOCKING_SYNC:-0}" = 1 ]; then EXTRA+=(--blocking-sync); fi
 if [ -n "${VERL_ACTOR_SEGMENTS:-}" ]; then EXTRA+=(--segments-at-wake "$OUT" "$VERL_ACTOR_SEGMENTS"); fi
 RUN=(benchmarks/verl_actor.py run --strategies "${STRATEGIES[@]}" --model-dir "$MODEL" --steps "$STEPS" "${EXTRA[@]}")
 if [ "${VERL_ACTOR_ISOLATE:-1}" = 1 ]; then
@@ -139,7 +142,8 @@ fi
 CMD="bash benchmarks/verl_actor.sh OUT $NPROC $PRESET $STEPS"
 for k in VERL_ACTOR_SHAPE VERL_ACTOR_STRATEGY VERL_ACTOR_LORA_RANK VERL_ACTOR_MICRO VERL_ACTOR_ROLLOUT VERL_ACTOR_WEIGHT_SYNC \
          VERL_ACTOR_RESIDENT VERL_ACTOR_VARIANTS VERL_ACTOR_CUBLAS_WORKSPACE VERL_ACTOR_MAX_ROUND_S VERL_ACTOR_LOGPROBS \
-         VERL_ACTOR_DOCK VERL_ACTOR_ISOLATE VERL_ACTOR_SETTLE_S VERL_ACTOR_PIN_CPUS VERL_ACTOR_PROFILE; do
+         VERL_ACTOR_DOCK VERL_ACTOR_ISOLATE VERL_ACTOR_SETTLE_S VERL_ACTOR_PIN_CPUS VERL_ACTOR_PROFILE \
+         VERL_ACTOR_BLOCKING_SYNC; do
   if [ -n "${!k:-}" ]; then CMD="$k='${!k}' $CMD"; fi
 done
 "$PY" benchmarks/verl_actor.py report "${parts[@]}" --out-dir "$OUT" --command "$CMD" 2>&1 | tee -a "$LOG"

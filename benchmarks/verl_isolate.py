@@ -22,7 +22,7 @@ import resource
 import time
 from pathlib import Path
 
-__all__ = ["Turns", "fingerprint", "StepProbe", "context_bytes", "pin_cpus"]
+__all__ = ["Turns", "fingerprint", "StepProbe", "context_bytes", "pin_cpus", "blocking_sync"]
 
 _C = 0x2545F4914F6CDD1D  # odd multiplier of the word index (< 2**63: an int64)
 _MASK = (1 << 64) - 1
@@ -196,6 +196,23 @@ def repin(cpus: list[int]) -> bool:
         except OSError:  # the thread ended meanwhile
             continue
     return moved
+
+
+def blocking_sync(device_index: int) -> str:
+    """Diagnosis: a host thread that waits on the GPU sleeps instead of spinning (the primary context's
+    ``CU_CTX_SCHED_BLOCKING_SYNC``, set through the driver before CUDA starts), so that a process's CPU
+    seconds count its host work only: by default CUDA spins inside a synchronisation, and a step that waits
+    on the GPU burns as much CPU time as one that works on the host. Returns what it did, for the record."""
+    import ctypes
+
+    try:
+        cu = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        return f"not set: {e}"
+    dev = ctypes.c_int()
+    set_flags = getattr(cu, "cuDevicePrimaryCtxSetFlags_v2", None) or cu.cuDevicePrimaryCtxSetFlags
+    rcs = (cu.cuInit(0), cu.cuDeviceGet(ctypes.byref(dev), device_index), set_flags(dev, 0x04))
+    return "set" if rcs == (0, 0, 0) else f"not set: CUresult {rcs}"
 
 
 class StepProbe:

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from verl_isolate import StepProbe, Turns, context_bytes, pin_cpus, repin
+from verl_isolate import StepProbe, Turns, blocking_sync, context_bytes, pin_cpus, repin
 
 from verl_step.common import ATTENTION, ROOT
 from verl_step.config import _batch, _build_actor, _shape, _verl_config
@@ -29,6 +29,7 @@ def cmd_run(args) -> None:
         cpus = pin_cpus(args.cpu_slot[0], args.cpu_slot[1], int(os.environ.get("LOCAL_RANK", 0)),
                         int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         os.environ.setdefault("OMP_NUM_THREADS", str(len(cpus)))
+    blocking = blocking_sync(int(os.environ.get("LOCAL_RANK", 0))) if args.blocking_sync else None
     stubbed = _use_ray_stub_if_needed()
     import asyncio
     import contextlib
@@ -178,7 +179,8 @@ def cmd_run(args) -> None:
     lora = bool(args.lora_rank)
     for r in records.values():
         r.update(losses=[], grad_norms=[], log_prob_sha256=[], log_prob_sum=[], ref_log_prob_sha256=[],
-                 step_s=[], phase_s=[], gpu_allocated_at_start=[], peak_gpu_allocated=[], weight_sync_bytes=0,
+                 step_s=[], phase_s=[], phase_cpu_s=[], gpu_allocated_at_start=[], peak_gpu_allocated=[],
+                 weight_sync_bytes=0,
                  weight_sync_bytes_per_step=[], peak_own_gpu_bytes=[], dock_steps=[], order=[],
                  phase_peak_gpu_bytes=[], at_rollout_wake=[], probe=[], context_bytes=ctx, stall_s=[],
                  left_behind_bytes=[])
@@ -255,7 +257,7 @@ def cmd_run(args) -> None:
         stalls = PhaseStalls()
         probe.begin()
         t_step = time.perf_counter()
-        marks = {}
+        marks, cpu_marks, cpu0 = {}, {}, time.process_time()
         if args.rollout_gb or args.rollout_matmuls:  # the KV cache wakes, the generation, the driver's sleep
             current["phase"] = "rollout"
             stalls.start("rollout")
@@ -263,6 +265,7 @@ def cmd_run(args) -> None:
             rollout.generate()
             rollout.sleep()
         marks["rollout"] = time.perf_counter()
+        cpu_marks["rollout"] = time.process_time()
         peak("rollout")
         batch, advantages = _batch(step, rank, shape, vocab, args.seed)
         # compute_log_prob (the trainer's _compute_old_log_prob -> ActorRolloutRefWorker.compute_log_prob)
@@ -276,6 +279,7 @@ def cmd_run(args) -> None:
         rec["log_prob_sha256"].append(_sha(old_log_probs))
         rec["log_prob_sum"].append(float(old_log_probs.double().sum()))
         marks["log_prob"] = time.perf_counter()
+        cpu_marks["log_prob"] = time.process_time()
         peak("log_prob")
         if lora:  # ref_in_actor: the reference is the actor with its adapters off (_compute_ref_log_prob)
             current["phase"] = "ref"
@@ -286,6 +290,7 @@ def cmd_run(args) -> None:
             out = actor.infer_batch(td)
             rec["ref_log_prob_sha256"].append(_sha(no_padding_2_padding(tu.get(out, "log_probs"), td).float()))
             marks["ref"] = time.perf_counter()
+            cpu_marks["ref"] = time.process_time()
             peak("ref")
         # update_actor (the trainer's _update_actor -> ActorRolloutRefWorker.update_actor)
         current["phase"] = "update"
@@ -302,6 +307,7 @@ def cmd_run(args) -> None:
         rec["losses"].append([float(x) for x in metrics["loss"]])
         rec["grad_norms"].append([float(x) for x in metrics.get("grad_norm", [])])
         marks["update"] = time.perf_counter()
+        cpu_marks["update"] = time.process_time()
         peak("update")
         if args.weight_sync:  # ActorRolloutRefWorker.update_weights, after update_actor
             current["phase"] = "weight_sync"
@@ -318,6 +324,7 @@ def cmd_run(args) -> None:
             vd.dock.wait()
             sync()
         marks["weight_sync"] = time.perf_counter()
+        cpu_marks["weight_sync"] = time.process_time()
         rec["step_s"].append(time.perf_counter() - t_step)
         stalls.stop()
         rec["stall_s"].append({k: v.seconds() for k, v in stalls.done.items()} if cuda else {})
@@ -337,6 +344,10 @@ def cmd_run(args) -> None:
         for k, t in marks.items():
             spans[k], prev = t - prev, t
         rec["phase_s"].append(spans)
+        prev, cpu_spans = cpu0, {}
+        for k, t in cpu_marks.items():
+            cpu_spans[k], prev = t - prev, t
+        rec["phase_cpu_s"].append(cpu_spans)
         if cuda:  # the step's peak: the largest of its phases'
             rec["peak_gpu_allocated"].append(max(peaks.values()) + others)
             rec["peak_own_gpu_bytes"].append(max(peaks.values()))  # this strategy's own peak in its step
@@ -408,7 +419,7 @@ def cmd_run(args) -> None:
             "state_bytes": {"params": _part_bytes(engine, "model"), "optimizer": _part_bytes(engine, "optimizer")},
             "torchferry_pool_bytes": {"pinned": sum(f.pinned_bytes for f in ferries),
                                       "host": sum(f.host_bytes for f in ferries)},
-            "ferries": [repr(f) for f in ferries], "cpus": cpus,
+            "ferries": [repr(f) for f in ferries], "cpus": cpus, "blocking_sync": blocking,
             **({"call_profile": timer.profile_of(s.label)} if args.profile_calls else {}),
             # The state after the steps (offloaded by verl's update_actor exit), fingerprinted exactly; compared
             # with verl's by against_verl once every strategy's records are together (merge_runs).

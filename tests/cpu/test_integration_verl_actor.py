@@ -60,6 +60,10 @@ def test_every_strategy_is_bit_identical_to_verls_own_run(result):
         st = r["strategies"][label]
         assert st["phase_peak_gpu_bytes"] == {} and st["free_at_rollout_wake_bytes"] is None
         assert len(st["probe_per_step"]) == 3 and all(p["alloc_retries"] == 0 for p in st["probe_per_step"])
+    for label, st in runs["per_rank"][0]["strategies"].items():  # each phase's CPU seconds beside its wall seconds
+        assert st["blocking_sync"] is None and len(st["phase_cpu_s"]) == len(st["phase_s"]) == 3
+        for wall, cpu in zip(st["phase_s"], st["phase_cpu_s"], strict=True):
+            assert list(cpu) == list(wall) and all(0 <= c for c in cpu.values()), (label, wall, cpu)
     assert set(r["bars"]) == {"resident_step_spread", "torchferry", "plain"}
     assert r["bit_identical"] is True and r["bit_identical_to_verl"] == {"resident": True, "torchferry": True,
                                                                         "plain": True}
@@ -283,6 +287,12 @@ class _FakeNVML:
 
     def nvmlDeviceGetTemperature(self, h, sensor):
         return 61
+
+
+def test_blocking_sync_says_why_it_did_not_apply_without_a_gpu_driver():
+    if os.path.exists("/proc/driver/nvidia"):
+        pytest.skip("an NVIDIA driver is loaded here")
+    assert verl_isolate.blocking_sync(0).startswith("not set: ")
 
 
 def test_the_step_probe_reads_the_gpus_capped_seconds_and_energy_over_the_step():

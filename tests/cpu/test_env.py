@@ -8,6 +8,8 @@ only the first import of verl's helpers."""
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 
 import pytest
@@ -281,3 +283,50 @@ def test_the_verl_dock_budget_is_a_byte_count_or_a_fraction(monkeypatch):
         monkeypatch.setenv(DOCK_ENV, raw)
         with pytest.raises(ValueError, match="TORCHFERRY_VERL_DOCK: .* is not a dock budget"):
             budget_spec(None)
+
+
+@pytest.mark.parametrize("raw", [" {tmp} ", "{tmp}"])
+def test_the_ledger_folder_takes_spaces_around_it(monkeypatch, tmp_path, raw):
+    from torchferry._core._api.env import ledger_dir
+
+    monkeypatch.setenv("TORCHFERRY_LEDGER_DIR", raw.format(tmp=tmp_path))
+    assert ledger_dir() == str(tmp_path)
+    t = torch.arange(10.0)
+    ferry = Ferry(t)
+    ferry.offload()
+    ferry.reload()
+    assert torch.equal(t, torch.arange(10.0))
+    assert (tmp_path / f"torchferry-host-{os.getuid()}.json").exists()
+
+
+@pytest.mark.parametrize("raw", ["relative/folder", "{tmp}/not-made-yet", "{tmp}/a-file"])
+def test_a_ledger_folder_the_ranks_cannot_share_is_refused_at_ferry(monkeypatch, tmp_path, raw):
+    """A ledger file that cannot be opened makes each process check its own pools alone, silently: a
+    typo in ``TORCHFERRY_LEDGER_DIR`` let the ranks of a node over-commit its memory together."""
+    (tmp_path / "a-file").write_text("")
+    value = raw.format(tmp=tmp_path)
+    monkeypatch.setenv("TORCHFERRY_LEDGER_DIR", value)
+    t = torch.arange(10.0)
+    with pytest.raises(ValueError, match=rf"^torchferry: TORCHFERRY_LEDGER_DIR must be an absolute path to a "
+                                         rf"folder .* got {re.escape(repr(value))}$"):
+        Ferry(t)
+    assert torch.equal(t, torch.arange(10.0))
+
+
+@pytest.mark.parametrize("raw, want", [(" mod.fn ", "mod.fn"), ("a.b.fn", "a.b.fn"), ("", None), ("  ", None)])
+def test_the_users_next_ray_hook_takes_spaces_around_it(monkeypatch, raw, want):
+    from torchferry.integrations._base.settings import hook_env
+
+    monkeypatch.setenv("TORCHFERRY_VERL_NEXT_HOOK", raw)
+    assert hook_env("TORCHFERRY_VERL", "TORCHFERRY_VERL_NEXT_HOOK") == (True, want)
+
+
+@pytest.mark.parametrize("raw", ["fn", ".fn", "mod.", "mod.not a name"])
+def test_a_next_ray_hook_that_is_not_module_function_is_refused_naming_the_variable(monkeypatch, raw):
+    """Before: ``importlib.import_module('')`` failed with "Empty module name", naming nothing."""
+    from torchferry.integrations._base.settings import hook_env
+
+    monkeypatch.setenv("TORCHFERRY_VERL_NEXT_HOOK", raw)
+    with pytest.raises(ValueError, match=rf"^torchferry: TORCHFERRY_VERL_NEXT_HOOK must name a function as "
+                                         rf"module.function, got {re.escape(repr(raw))}$"):
+        hook_env("TORCHFERRY_VERL", "TORCHFERRY_VERL_NEXT_HOOK")

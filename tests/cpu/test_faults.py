@@ -542,3 +542,63 @@ def test_swap_schedule_frees_all_or_nothing_and_keeps_its_records_true(monkeypat
     assert [s.nbytes() for s in plan.storages] == [0, 0, 4096, 4096]
     sched.release_rest()
     assert [s.nbytes() for s in plan.storages] == [0, 0, 0, 0]
+
+
+# ------------------------------------------------------------------ a swap's and a dock's moves, traced
+def _three_sets() -> tuple[torchferry.Dock, dict[str, tuple[torch.Tensor, torch.Tensor, Ferry]]]:
+    """Three 4 KiB sets under a dock with room for two; "a" and "b" resident, "c" evicted."""
+    sets = {}
+    for i, name in enumerate("abc"):
+        t = torch.randn(1024, generator=torch.Generator().manual_seed(i))
+        sets[name] = (t, t.clone(), Ferry(t, device="cpu"))
+    dock = torchferry.Dock(2 * 4096 + 64, device="cpu")
+    for name, (_, _, ferry) in sets.items():
+        dock.add(name, ferry)
+    with dock.use("a", "b"):
+        pass
+    return dock, sets
+
+
+def _dock_use(dock: torchferry.Dock, *names: str) -> None:
+    with dock.use(*names):
+        pass
+
+
+DOCK_MOVES = {  # each evicts "a" or "b" and loads "c" (a swap on the dock's path)
+    "swap": lambda d, s: torchferry.swap(s["a"][2], s["c"][2]),
+    "dock use": lambda d, s: _dock_use(d, "c"),
+    "dock use of a resident and an evicted set": lambda d, s: _dock_use(d, "a", "c"),
+    "dock acquire": lambda d, s: d.acquire("c"),
+}
+
+
+@pytest.mark.parametrize("name", list(DOCK_MOVES))
+def test_swap_and_dock_moves_never_hold_more_than_they_make_room_for_under_a_fault_at_every_call(name):
+    """A fault at each torchferry call of a swap or a dock's move (first and last of each call site):
+    the sets are where the dock says, bit-exact, the dock within its budget, and the same use works
+    after. Before: a fault after the incoming set's reload had completed (in its bookkeeping) made
+    swap() reload the outgoing set too, so all three sets were on the device against a budget of two."""
+    op = DOCK_MOVES[name]
+    dock, sets = _three_sets()
+    counter = _Injector(None)
+    assert _run(functools.partial(op, dock, sets), counter) is None
+    points = counter.points()
+    assert len(points) > 50, f"{name}: only {len(points)} call sites traced"
+    for n in points:
+        dock, sets = _three_sets()
+        inj = _Injector(n, FAULTS[n % len(FAULTS)])
+        err = _run(functools.partial(op, dock, sets), inj)
+        what = f"{name}: fault {n}/{counter.calls} at {inj.where}"
+        assert err is None or isinstance(err, (inj.exc, RuntimeError)), f"{what}: {type(err).__name__}: {err}"
+        for held in list(dock.in_use):  # an acquire that completed before raising
+            dock.release(held)
+        resident = [k for k, (_, _, ferry) in sets.items() if not ferry.residency.on_host]
+        assert len(resident) <= 2, f"{what}: {resident} all on the device"
+        for k, (t, want, _) in sets.items():
+            assert dock.is_resident(k) == (k in resident), f"{what}: the dock on {k!r}"
+            torch.testing.assert_close(t, want, atol=0, rtol=0, msg=what)
+        assert dock.resident_bytes <= dock.budget_bytes, what
+        for names in (("c",), ("a", "c"), ("b",)):
+            _dock_use(dock, *names)
+        for k, (t, want, _) in sets.items():
+            torch.testing.assert_close(t, want, atol=0, rtol=0, msg=what + ", after")

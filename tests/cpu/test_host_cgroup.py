@@ -249,3 +249,38 @@ def test_the_reserve_applies_to_the_cgroups_limit(tmp_path, monkeypatch):
         NodeLedger().request(70 * MB + 1, budget=None, what="a host pool")
     monkeypatch.setenv("TORCHFERRY_HOST_RESERVE_BYTES", "0")
     NodeLedger().request(90 * MB, budget=None, what="a host pool")
+
+
+@pytest.mark.parametrize("garbled", ["memory.max", "memory.current", "memory.stat", "self/cgroup", "meminfo"])
+def test_a_file_of_bytes_that_are_not_text_counts_as_malformed_and_offload_works(tmp_path, monkeypatch, garbled):
+    """A byte that is not UTF-8 in any file read for the budget raised ``UnicodeDecodeError`` out of
+    every offload; such a file is malformed like any other: no limit at that level, the rest applies."""
+    node = FakeNode(tmp_path, monkeypatch, mem_available=3 * GiB, mem_total=4 * GiB)
+    node.own("0::/job\n")
+    node.files("job", memory_max=str(2 * GiB), memory_current=str(GiB), memory_stat=f"inactive_file {1 << 20}")
+    files = {"self/cgroup": node.proc / "self" / "cgroup", "meminfo": node.proc / "meminfo"}
+    path = files.get(garbled, node.cgroup / "job" / garbled)
+    path.write_bytes(path.read_bytes().replace(b"\n", b"\xff\xfe\n", 1))
+    got = cgroup_memory()
+    if garbled in ("memory.max", "memory.current", "self/cgroup"):
+        assert got is None
+    else:
+        assert got is not None and got.limit == 2 * GiB and got.usage == GiB
+        assert got.reclaimable == (0 if garbled == "memory.stat" else 1 << 20)
+    want = {"MemTotal": 4 * GiB, "MemFree": 1024, "MemAvailable": 3 * GiB}
+    if garbled == "meminfo":  # its first line garbled: left out
+        del want["MemTotal"]
+    assert meminfo() == want
+    t = torch.arange(1 << 10, dtype=torch.float32)
+    ferry = Ferry(t)
+    ferry.offload()
+    ferry.reload()
+    assert torch.equal(t, torch.arange(1 << 10, dtype=torch.float32))
+
+
+def test_a_meminfo_value_in_another_unit_or_form_is_left_out(tmp_path, monkeypatch):
+    """``MemAvailable: 5 MB`` read as 5 bytes refused every pool; only ``kB`` (or no unit) is the kernel's."""
+    node = FakeNode(tmp_path, monkeypatch)
+    (node.proc / "meminfo").write_text("MemTotal: 8 kB\nMemAvailable: 5 MB\nMemFree: -3 kB\nHugePages_Total: 4\n"
+                                       "Cached: \uff15 kB\n")
+    assert meminfo() == {"MemTotal": 8192, "HugePages_Total": 4}

@@ -215,3 +215,22 @@ def test_ids_names_the_bad_target_by_its_position():
 
     with pytest.raises(TypeError, match=r"targets\[1\] is list"):
         Targets([torch.randn(2), [torch.randn(1)]]).ids()
+
+
+def test_a_file_mapped_tensor_is_refused_naming_its_cause_and_the_way_out(tmp_path):
+    """``torch.from_file`` storages report ``is_shared()``: the refusal named only ``share_memory_()``,
+    which the user never called."""
+    path = tmp_path / "w.bin"
+    torch.arange(8, dtype=torch.float32).numpy().tofile(path)
+    m = nn.Linear(8, 1)
+    m.bias = nn.Parameter(torch.from_file(str(path), size=1, dtype=torch.float32))
+    with pytest.raises(NotImplementedError, match=r"^torchferry: Linear\.bias is in shared memory \(share_memory_\(\), "
+                                                  r"a file mapped by torch\.from_file.*\(t\.data = t\.data\.clone\(\)\); "
+                                                  r"nothing was moved$"):
+        Ferry(m)
+    assert m.bias.item() == 0.0
+    m.bias.data = m.bias.data.clone()
+    ferry = Ferry(m)
+    ferry.offload()
+    ferry.reload()
+    assert m.bias.item() == 0.0

@@ -10,7 +10,7 @@ but ``"0"`` as on (``TORCHFERRY_VERL=false`` installed the Ray hook's patch), an
 surrounding spaces ignored, the empty string or no variable means its default, and anything else
 is a ``ValueError`` naming the variable and the value. Numbers (:func:`env_int`), byte counts
 (:func:`env_bytes`, [Note: one parser for byte counts]) and names (:func:`env_choice`) are refused
-the same way. Lowest layer: imports
+the same way, and so is a ledger folder (:func:`ledger_dir`) the node's ranks could not share. Lowest layer: imports
 nothing of torchferry.
 """
 
@@ -174,8 +174,21 @@ def host_reserve_bytes() -> int | None:
 
 
 def ledger_dir() -> str | None:
-    """``TORCHFERRY_LEDGER_DIR`` as written, or ``None`` if unset or empty."""
-    return os.environ.get(LEDGER_DIR_ENV) or None
+    """``TORCHFERRY_LEDGER_DIR`` (spaces around it ignored), or ``None`` if unset or empty.
+
+    Raises:
+        ValueError: not an absolute path to a folder this process can write: the node's ranks would not
+            share one ledger (a ledger that cannot be opened checks each process alone, silently), so a
+            typo (``" /dev/shm"``, a relative path read from each rank's own working folder, a folder
+            not made yet) would let them over-commit the node's memory together.
+    """
+    path = _raw(LEDGER_DIR_ENV)
+    if not path:
+        return None
+    if not (os.path.isabs(path) and os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)):
+        raise ValueError(f"torchferry: {LEDGER_DIR_ENV} must be an absolute path to a folder this process can "
+                         f"write (every rank of the node shares the ledger there), got {os.environ.get(LEDGER_DIR_ENV)!r}")
+    return path
 
 
 def issue_refill_bytes(window: int) -> int:

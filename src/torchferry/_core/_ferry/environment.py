@@ -9,7 +9,7 @@ from .._schedules.issuer import refill_bytes_from_env
 from .._schedules.unchanged import verify_skips
 from .._transfer.driver import enabled as driver_copies_enabled
 from .._transfer.switch import switch_bytes_from_env
-from .._api.env import reload_arena
+from .._api.env import ledger_dir, reload_arena
 
 __all__ = ["check_environment"]
 
@@ -32,6 +32,7 @@ def check_environment(host_budget_bytes: int | None) -> int | None:
     hash_choice()
     verify_skips()
     reload_arena()
+    ledger_dir()
     reserve_from_env()
     budget = budget_from_env()
     return budget if host_budget_bytes is None else host_budget_bytes

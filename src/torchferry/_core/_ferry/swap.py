@@ -43,7 +43,8 @@ def swap(out: Ferry, into: Ferry, *, gpu_budget_bytes: int | None = None) -> tup
             budget is not an int >= 0 or cannot hold what is allocated besides
             ``out`` plus ``into``'s state.
         RuntimeError: a ferry is closed, or being moved by another thread (nothing moved), or
-            ``into``'s reload failed (``out`` is then reloaded too, so neither moved).
+            ``into``'s reload failed (``out`` is then reloaded too, so neither moved; a reload that
+            completed before raising leaves both moved).
     """
     for name, ferry in (("out", out), ("into", into)):
         if not isinstance(ferry, Ferry):
@@ -82,7 +83,10 @@ def _swap(out: Ferry, into: Ferry, gpu_budget_bytes: int | None) -> tuple[Transf
         try:
             schedule.release_rest()
         finally:
-            out.reload()  # all or nothing: bring the outgoing state back before raising
+            if into.residency.on_host:  # all or nothing: bring the outgoing state back before raising
+                out.reload()
+            # else the reload completed before raising (an error in its bookkeeping after the move):
+            # the swap completed; reloading `out` too would hold both sets on the device at once
         raise
     schedule.release_rest()
     return h_out, h_in

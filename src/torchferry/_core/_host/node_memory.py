@@ -70,30 +70,39 @@ class CgroupMemory(NamedTuple):
     ``total_inactive_file``; at most ``usage``; 0 where unreadable): not counted as used (see the Note)."""
 
 
-def meminfo(proc_root: str | None = None) -> dict[str, int]:
-    """``<proc_root>/meminfo`` (default :data:`PROC_ROOT`) in bytes (``{}`` where it cannot be read, e.g. not Linux)."""
-    out: dict[str, int] = {}
+def _read(path: str) -> str | None:
+    """The text of ``path``, ``None`` where it cannot be read. Bytes that are not UTF-8 are kept as
+    surrogates (``os.fsdecode``'s way: a path still names its folder), so a garbled count is malformed,
+    never a ``UnicodeDecodeError`` out of every offload."""
     try:
-        with open(os.path.join(proc_root or PROC_ROOT, "meminfo")) as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                parts = rest.split()
-                if parts and parts[0].isdigit():
-                    out[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
+            return f.read()
     except OSError:
-        pass
+        return None
+
+
+def _count(text: str) -> int | None:
+    """``text`` as a count of ASCII digits, ``None`` for anything else."""
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
+def meminfo(proc_root: str | None = None) -> dict[str, int]:
+    """``<proc_root>/meminfo`` (default :data:`PROC_ROOT`) in bytes (``{}`` where it cannot be read, e.g. not Linux);
+    a line whose value is not a count of ASCII digits, in ``kB`` or without a unit, is left out."""
+    out: dict[str, int] = {}
+    for line in (_read(os.path.join(proc_root or PROC_ROOT, "meminfo")) or "").splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        n = _count(parts[0]) if parts and parts[1:] in ([], ["kB"]) else None
+        if n is not None:
+            out[key] = n * (1024 if parts[1:] == ["kB"] else 1)
     return out
 
 
 def _own_cgroups(proc_root: str) -> dict[int, str]:
     """``{version: path}`` of this process's memory cgroups from ``self/cgroup`` (``{}``: unreadable)."""
-    try:
-        with open(os.path.join(proc_root, "self", "cgroup")) as f:
-            text = f.read()
-    except OSError:
-        return {}
     out: dict[int, str] = {}
-    for line in text.splitlines():
+    for line in (_read(os.path.join(proc_root, "self", "cgroup")) or "").splitlines():
         hierarchy, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
         if "memory" in controllers.split(","):
@@ -119,29 +128,17 @@ def _levels(mount: str, path: str) -> Iterator[str]:
 
 def _read_bytes(path: str, version: int) -> int | None:
     """A byte count from a cgroup file; ``None`` for no limit, an unreadable or a malformed file."""
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    if not (text.isascii() and text.isdigit()):  # "max" (v2: no limit), or not a count
-        return None
-    n = int(text)
-    return None if version == 1 and n >= V1_NO_LIMIT else n
+    n = _count((_read(path) or "").strip())  # None: "max" (v2: no limit), or not a count
+    return None if n is None or version == 1 and n >= V1_NO_LIMIT else n
 
 
 def _inactive_file(folder: str, version: int) -> int:
     """The reclaimable page cache of the cgroup in ``folder`` from its ``memory.stat``, bytes (0 where unreadable)."""
     key = _INACTIVE_FILE[version]
-    try:
-        with open(os.path.join(folder, "memory.stat")) as f:
-            for line in f:
-                name, _, value = line.partition(" ")
-                if name == key:
-                    value = value.strip()
-                    return int(value) if value.isascii() and value.isdigit() else 0
-    except OSError:
-        pass
+    for line in (_read(os.path.join(folder, "memory.stat")) or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
+            return _count(value.strip()) or 0
     return 0
 
 

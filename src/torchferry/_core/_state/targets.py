@@ -207,8 +207,10 @@ def check_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
         )
     if local.device.type == "cpu" and local.is_shared():
         raise NotImplementedError(
-            f"torchferry: {name} is in shared memory (share_memory_()); releasing it would break "
-            "the other processes' view of it"
+            f"torchferry: {name} is in shared memory (share_memory_(), a file mapped by torch.from_file(...), "
+            "or a tensor received from another process through torch.multiprocessing); releasing it would break "
+            "the other processes' (or the file's) view of it. Give it memory of its own first "
+            "(t.data = t.data.clone()); nothing was moved"
         )
     _check_backed(name, local)
     return local

@@ -165,6 +165,12 @@ def hook_env(flag: str, next_env: str) -> tuple[bool, str | None]:
     torchferry's (``module.function`` in ``next_env``), if any.
 
     Raises:
-        ValueError: the switch is neither on nor off.
+        ValueError: the switch is neither on nor off, or the hook is not ``module.function`` (spaces
+            around it ignored).
     """
-    return env_flag(flag, True), os.environ.get(next_env) or None
+    on, nxt = env_flag(flag, True), os.environ.get(next_env, "").strip()
+    module, _, name = nxt.rpartition(".")
+    if nxt and not (module and name.isidentifier()):
+        raise ValueError(f"torchferry: {next_env} must name a function as module.function, "
+                         f"got {os.environ.get(next_env)!r}")
+    return on, nxt or None

@@ -7,6 +7,7 @@ runs it and draws its own table and summary. Nothing heavy is imported before a 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
@@ -31,6 +32,11 @@ def _dispatch(command: Callable[..., int], **options: object) -> None:
     """Runs a scenario's command; its refusals become one line of stderr (exit 2), its status the exit code."""
     from .bench._common.output import CommandError
 
+    for name, value in options.items():  # sizes (GB, GiB) > 0, seconds >= 0, every number finite
+        if isinstance(value, float):
+            size = name.endswith(("_gb", "_gib"))
+            if not math.isfinite(value) or value < 0 or (size and value == 0):
+                _fail(f"--{name.replace('_', '-')} must be a finite number {'>' if size else '>='} 0, got {value}")
     try:
         code = command(**options)
     except CommandError as e:

@@ -136,6 +136,21 @@ def test_unwritable_output_is_refused_before_any_work(args, message):
     assert _one_line_error(r).startswith(message)
 
 
+@pytest.mark.parametrize("args, message", [
+    (["bench-grpo", "--kv-gb", "inf"], "error: --kv-gb must be a finite number > 0, got inf"),
+    (["bench-grpo", "--kv-gb", "1e400"], "error: --kv-gb must be a finite number > 0, got inf"),
+    (["bench-grpo", "--budget-gb", "nan"], "error: --budget-gb must be a finite number > 0, got nan"),
+    (["bench-grpo", "--budget-gb", "-1"], "error: --budget-gb must be a finite number > 0, got -1.0"),
+    (["bench-grpo", "--kv-gb", "0"], "error: --kv-gb must be a finite number > 0, got 0.0"),
+    (["bench", "--rollout-s", "-0.5"], "error: --rollout-s must be a finite number >= 0, got -0.5"),
+    (["bench-pin", "--pin-gib", "inf"], "error: --pin-gib must be a finite number > 0, got inf"),
+])
+def test_a_number_out_of_range_is_refused_naming_the_option(args, message):
+    r = _invoke(*args)
+    assert r.exit_code == 2, r.output
+    assert _one_line_error(r) == message
+
+
 def test_folder_and_file_in_the_way(tmp_path):
     r = _invoke("bench", "--json", str(tmp_path))
     assert r.exit_code == 2

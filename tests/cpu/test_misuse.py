@@ -192,3 +192,29 @@ def test_a_model_collected_while_offloaded_has_a_way_out():
     params = [p for g in opt.param_groups for p in g["params"]]
     assert all(torch.equal(p, q) for p, q in zip(params, ref_m.parameters(), strict=True))
     ferry.close()  # idempotent
+
+
+def test_a_ferry_or_dock_copied_or_pickled_is_refused_in_one_line_and_keeps_working():
+    """A Ferry or Dock holds streams, a host pool, locks and weak references: copy.copy, copy.deepcopy, pickle and
+    torch.save of one are refused naming it (Python's own errors named a weakref or a lock), and it still works."""
+    import pickle
+
+    from torchferry import Dock
+
+    m = torch.nn.Linear(4, 4)
+    want = m.weight.detach().clone()
+    f = Ferry(m)
+    dock = Dock(budget_bytes=1 << 20, device="cpu")
+    for obj, name in ((f, "Ferry"), (dock, "Dock")):
+        for fn in (copy.copy, copy.deepcopy, pickle.dumps, lambda x: torch.save(x, io.BytesIO())):
+            with pytest.raises(TypeError) as e:
+                fn(obj)
+            assert str(e.value).startswith(f"torchferry: a {name} cannot be copied or pickled") and "\n" not in str(e.value)
+    f.offload()
+    with pytest.raises(TypeError, match="a Ferry cannot be copied"):
+        copy.deepcopy(f)
+    f.reload()
+    assert torch.equal(m.weight, want)
+    dock.add("m", f)
+    with dock.use("m"):
+        assert torch.equal(m.weight, want)

@@ -144,3 +144,39 @@ def test_the_watch_keeps_neither_the_ferry_nor_its_hooks_alive():
     ferry.reload()
     ferry.close()
     assert not model._forward_pre_hooks and not opt._optimizer_step_pre_hooks
+
+
+def test_zero_grad_before_backward_copies_everything_and_says_why(caplog):
+    """The loop order zero_grad(set_to_none=True) / backward / step / offload drops the last step's grads while
+    resident: the plan is forgotten ([Note: state dropped while resident]) and the next offload copies every
+    storage, the frozen base included; a DEBUG line names the cause (docs/ferry.md, "Skipping what did not
+    change")."""
+    import logging
+
+    torch.manual_seed(0)
+    base, head = nn.Linear(16, 16).requires_grad_(False), nn.Linear(16, 4)
+    opt = torch.optim.AdamW(head.parameters())
+    ferry = Ferry(base, head, opt, skip_unchanged=True)
+    total = sum(t.nbytes for t in (base.weight, base.bias))
+    copied = []
+    with caplog.at_level(logging.DEBUG, logger="torchferry"):
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            head(base(torch.randn(4, 16))).sum().backward()
+            opt.step()
+            ferry.offload().wait()
+            copied.append(ferry.stats.offload_bytes_copied == ferry.stats.last_offload_bytes)
+            ferry.reload()
+    assert copied == [True, True, True]  # nothing skipped, the base included
+    assert sum("a .grad of its plan was dropped while resident" in r.getMessage() for r in caplog.records) == 2
+    # Grads dropped after the step instead: the base is skipped from the second offload on (the first plans
+    # again without the grads)
+    skipped = []
+    for _ in range(3):
+        head(base(torch.randn(4, 16))).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ferry.offload().wait()
+        skipped.append(ferry.stats.last_offload_bytes - ferry.stats.offload_bytes_copied)
+        ferry.reload()
+    assert skipped[0] == 0 and skipped[1] >= total and skipped[2] >= total

@@ -187,7 +187,8 @@ def ledger_dir() -> str | None:
         return None
     if not (os.path.isabs(path) and os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)):
         raise ValueError(f"torchferry: {LEDGER_DIR_ENV} must be an absolute path to a folder this process can "
-                         f"write (every rank of the node shares the ledger there), got {os.environ.get(LEDGER_DIR_ENV)!r}")
+                         "write (every rank of the node shares the ledger there), "
+                         f"got {os.environ.get(LEDGER_DIR_ENV)!r}")
     return path
 
 

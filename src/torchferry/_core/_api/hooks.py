@@ -9,7 +9,9 @@ copy refused every forward for good, naming a ferry that could never reload it.
 A copy made then would also read the ferry's host pool while its D2H copies may still be in flight.
 So each such hook is a :class:`Uncopyable`: copying or pickling it raises a ``RuntimeError`` saying
 to reload first or to copy the ``state_dict()`` (which waits for the copies); the original is left
-as it was (a deep copy and a pickle only read it).
+as it was (a deep copy and a pickle only read it). An optimizer object itself is not refused so:
+PyTorch's ``Optimizer.__getstate__`` keeps only ``defaults``, ``state`` and ``param_groups``, so its
+hook dicts (and these hooks) are never copied (``docs/reliability.md``, "Not guaranteed").
 """
 
 from __future__ import annotations

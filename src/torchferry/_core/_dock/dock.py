@@ -12,6 +12,7 @@ import torch
 
 from .._api.args import check_callable, check_device, shown
 from .._ferry.ferry import Ferry
+from .._ferry.misuse import NotCopyable
 from .engine import DockEngine
 from .measure import counted_bytes, is_closed
 from .records import DockStats, Move, _fmt
@@ -20,7 +21,7 @@ from .schedule import Schedule
 __all__ = ["Dock"]
 
 
-class Dock:
+class Dock(NotCopyable):
     """State sets and claimants of GPU memory under one GPU budget (see the module docstring).
 
     A ferry belongs to one dock at a time ([Note: one dock per ferry]).

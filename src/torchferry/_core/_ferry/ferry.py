@@ -22,7 +22,7 @@ from .._state.targets import Targets
 from .._transfer.copies import transfer_range
 from .environment import check_environment
 from .guards import OffloadGuards, dropped
-from .misuse import OneMover, moves_state
+from .misuse import NotCopyable, OneMover, moves_state
 from .moves import Offloaded
 from .pin_ahead import PinAhead
 from .rollback import Rollback
@@ -34,7 +34,7 @@ __all__ = ["Ferry"]
 logger = logging.getLogger("torchferry")
 
 
-class Ferry:
+class Ferry(NotCopyable):
     """Moves a set of training state between its GPU and a pinned host pool.
 
     Args:

@@ -41,9 +41,20 @@ from .._state.tree import tree_memo
 from .gc import gc_paused
 from .interrupts import interrupts_deferred
 
-__all__ = ["OneMover", "moves_state"]
+__all__ = ["NotCopyable", "OneMover", "moves_state"]
 
 _F = TypeVar("_F", bound=Callable)
+
+
+class NotCopyable:
+    """``copy.copy``, ``copy.deepcopy``, ``pickle`` and ``torch.save`` of the object refused in one line: a
+    ferry holds device streams, a host pool, locks and weak references to its targets, none of which a copy
+    could share or rebuild (Python's own errors named a weakref or a lock)."""
+
+    def __reduce_ex__(self, protocol: object) -> object:
+        raise TypeError(f"torchferry: a {type(self).__name__} cannot be copied or pickled (it holds device streams, "
+                        "a host pool and weak references to its targets); copy or save the modules and optimizers "
+                        f"(their state_dict()) and make a new {type(self).__name__} over the copy")
 
 
 class OneMover:

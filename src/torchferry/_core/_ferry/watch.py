@@ -28,6 +28,7 @@ baseline of [Note: unchanged storages] for nothing), were tried and removed.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +39,8 @@ from torch.utils.hooks import RemovableHandle
 
 
 __all__ = ["ResidentWatch", "forget_plan_of", "grads_still_held"]
+
+logger = logging.getLogger("torchferry")
 
 
 def _inert(*args: object, **kwargs: object) -> None:
@@ -134,6 +137,8 @@ def forget_plan_of(ferry: Any) -> None:
     layer by layer (its hooks hold the plan)."""
     if ferry is None or ferry._closed or ferry._offloaded is not None or ferry._prefetch is not None:
         return
+    logger.debug("torchferry: %r: a .grad of its plan was dropped while resident: the plan is forgotten and the "
+                 "next offload copies every storage (skip_unchanged skips nothing there)", ferry)
     ferry._set.drop_arena()
     ferry._set.disarm_early()
     ferry._set.forget()

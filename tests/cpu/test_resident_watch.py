@@ -6,6 +6,7 @@ import gc
 import io
 import weakref
 
+import pytest
 import torch
 from torch import nn
 
@@ -146,37 +147,70 @@ def test_the_watch_keeps_neither_the_ferry_nor_its_hooks_alive():
     assert not model._forward_pre_hooks and not opt._optimizer_step_pre_hooks
 
 
-def test_zero_grad_before_backward_copies_everything_and_says_why(caplog):
-    """The loop order zero_grad(set_to_none=True) / backward / step / offload drops the last step's grads while
-    resident: the plan is forgotten ([Note: state dropped while resident]) and the next offload copies every
-    storage, the frozen base included; a DEBUG line names the cause (docs/ferry.md, "Skipping what did not
-    change")."""
-    import logging
-
-    torch.manual_seed(0)
+def _zero_grad_first(seed=0):
+    """A frozen base and a trained head, their optimizer, one ferry skipping unchanged storages."""
+    torch.manual_seed(seed)
     base, head = nn.Linear(16, 16).requires_grad_(False), nn.Linear(16, 4)
     opt = torch.optim.AdamW(head.parameters())
-    ferry = Ferry(base, head, opt, skip_unchanged=True)
-    total = sum(t.nbytes for t in (base.weight, base.bias))
-    copied = []
-    with caplog.at_level(logging.DEBUG, logger="torchferry"):
-        for _ in range(3):
-            opt.zero_grad(set_to_none=True)
-            head(base(torch.randn(4, 16))).sum().backward()
-            opt.step()
-            ferry.offload().wait()
-            copied.append(ferry.stats.offload_bytes_copied == ferry.stats.last_offload_bytes)
-            ferry.reload()
-    assert copied == [True, True, True]  # nothing skipped, the base included
-    assert sum("a .grad of its plan was dropped while resident" in r.getMessage() for r in caplog.records) == 2
-    # Grads dropped after the step instead: the base is skipped from the second offload on (the first plans
-    # again without the grads)
+    return base, head, opt, Ferry(base, head, opt, skip_unchanged=True)
+
+
+def _step(base, head, opt):
+    """The loop order that drops the last step's gradients while resident: zero_grad first."""
+    opt.zero_grad(set_to_none=True)
+    head(base(torch.randn(4, 16))).sum().backward()
+    opt.step()
+
+
+def test_zero_grad_before_backward_keeps_the_skip_of_the_frozen_base(caplog, monkeypatch):
+    """[Note: a baseline carried across a re-plan]: with zero_grad(set_to_none=True) before the backward the
+    watch forgets the plan at each forward, and the baseline goes with the slots to the next plan: from the
+    second offload on the frozen base is not copied, every skip checked against its slot
+    (TORCHFERRY_VERIFY_SKIPS), and a DEBUG line says what happened."""
+    import logging
+
+    monkeypatch.setenv("TORCHFERRY_VERIFY_SKIPS", "1")
+    base, head, opt, ferry = _zero_grad_first()
+    frozen = base.weight.nbytes + base.bias.nbytes
     skipped = []
-    for _ in range(3):
-        head(base(torch.randn(4, 16))).sum().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        ferry.offload().wait()
-        skipped.append(ferry.stats.last_offload_bytes - ferry.stats.offload_bytes_copied)
-        ferry.reload()
-    assert skipped[0] == 0 and skipped[1] >= total and skipped[2] >= total
+    with caplog.at_level(logging.DEBUG, logger="torchferry"):
+        for _ in range(4):
+            _step(base, head, opt)
+            want = [t.detach().clone() for t in (base.weight, base.bias, head.weight, head.bias)]
+            ferry.offload().wait()
+            skipped.append(ferry.stats.last_offload_bytes - ferry.stats.offload_bytes_copied)
+            ferry.reload()
+            got = [base.weight, base.bias, head.weight, head.bias]
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert skipped == [0, frozen, frozen, frozen]
+    assert sum("a .grad of its plan was dropped while resident" in r.getMessage() for r in caplog.records) == 3
+
+
+@pytest.mark.parametrize("write", ["data", "kept_host_view", "release_host", "pool_grows"])
+def test_a_carried_baseline_never_skips_bytes_that_changed(write, monkeypatch):
+    """What a carried baseline must still see: a write to the frozen base that bumps no version counter
+    (through .data), a write to the pool through a host tensor kept from an earlier offload, and a pool
+    given back (release_host) in between: each copies what changed, and the round trip is exact."""
+    monkeypatch.setenv("TORCHFERRY_VERIFY_SKIPS", "1")
+    base, head, opt, ferry = _zero_grad_first(1)
+    _step(base, head, opt)
+    ferry.offload().wait()
+    kept = base.state_dict()["weight"]  # a host view of the pool, kept past the reload
+    ferry.reload()
+    _step(base, head, opt)  # the watch forgets the plan here: the baseline is carried
+    if write == "data":
+        base.weight.data.add_(1.0)  # no version counter moves
+    elif write == "kept_host_view":
+        kept.add_(1.0)  # writes the slot of the base's weight in the pool
+    elif write == "release_host":
+        ferry.release_host()  # resident: the pool goes back to the OS, the next offload makes a new one
+    else:  # a new parameter: the next plan needs a larger pool, a new block, and the carry is dropped
+        head.register_parameter("extra", nn.Parameter(torch.randn(4096)))
+        base.weight.data.add_(1.0)
+    want = base.weight.detach().clone()
+    ferry.offload().wait()
+    skipped = ferry.stats.last_offload_bytes - ferry.stats.offload_bytes_copied
+    # The weight is copied; the bias, unchanged, is skipped through the carried baseline (not with a new pool)
+    assert skipped == (base.bias.nbytes if write in ("data", "kept_host_view") else 0)
+    ferry.reload()
+    assert torch.equal(base.weight, want)

@@ -115,8 +115,9 @@ class StateSet:
             self.device_fixed = True
         cache = PlanCache(fp, plan, [storage_bytes(s, plan.device) for s in plan.storages])
         parking = Parking([r.tensor for r in plan.tensors], [r.name for r in plan.tensors])
+        self._carry_unchanged()  # before the old plan's host views go
         self.host.forget()  # made for the old plan
-        self._forget_unchanged()
+        self._forget_unchanged(keep_carried=True)
         self.cache, self.parking = cache, parking  # together: see [Note: all or nothing]
         return plan
 
@@ -137,6 +138,7 @@ class StateSet:
         """
         before = self.pool.nbytes
         plan = self.plan()
+        self._pool_for(plan)
         fut = self.host.reserve(plan, background=background)
         return plan.state_bytes, fut, self.pool.nbytes != before
 
@@ -144,11 +146,25 @@ class StateSet:
         """The cached plan's 1D uint8 device views (they follow ``resize_``), else ``None``."""
         return self.cache.device_views if self.cache is not None and self.cache.plan is plan else None
 
-    def forget(self) -> None:
-        """Drops the plan (and the device storages it holds), the parked objects and the host views."""
+    def forget(self, carry: bool = False) -> None:
+        """Drops the plan (and the device storages it holds), the parked objects and the host views;
+        with ``carry``, the baseline of [Note: unchanged storages] stays for the next plan's offload
+        ([Note: a baseline carried across a re-plan])."""
+        if carry:
+            self._carry_unchanged()
         self.cache = self.parking = None
         self.host.forget()
-        self._forget_unchanged()
+        self._forget_unchanged(keep_carried=carry)
+
+    def _carry_unchanged(self) -> None:
+        if self.unchanged is not None and self.parking is not None:
+            self.unchanged.carry(self.parking.host_twins())
+
+    def _pool_for(self, plan: Plan) -> None:
+        """Before the pool may take a new block for ``plan``: a carried baseline's twins view the old one
+        and would keep it mapped beside the new (and its slots are gone anyway)."""
+        if self.unchanged is not None and not self.host.fits(plan):
+            self.unchanged.drop_carried()
 
     def forget_host(self) -> None:
         """Drops every view of the pool (host views and host twins) so that it can be unmapped."""
@@ -158,9 +174,9 @@ class StateSet:
             self.parking.forget_host()
 
     # ------------------------------------------------------ unchanged storages
-    def _forget_unchanged(self) -> None:
+    def _forget_unchanged(self, keep_carried: bool = False) -> None:
         if self.unchanged is not None:
-            self.unchanged.drop_rules()
+            self.unchanged.drop_rules(keep_carried)
 
     def forget_baseline(self) -> None:
         """Drops the baseline of [Note: unchanged storages] (a layer-wise reload starts a new one)."""
@@ -217,6 +233,7 @@ class StateSet:
             plan = self.plan()
         cache = self._cache_of(plan)
         kept = shared_storages(plan)  # before anything moves
+        self._pool_for(plan)
         views = self.host.views(plan, cache=True)  # may raise (pool allocation): nothing moved yet
         early_copied = early.take(plan, views) if early is not None else set()  # during the forward
         unchanged = self._unchanged_now(plan, views, early)
@@ -409,6 +426,7 @@ class StateSet:
             plan, views = run.plan, run.views
         else:
             plan = self.plan()
+            self._pool_for(plan)
             views = self.host.views(plan, cache=True)
         self.early = EarlyOffload.arm_for(plan, views, self.device_views(plan), self.streams, self.unchanged, run)
 

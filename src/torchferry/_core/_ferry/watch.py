@@ -137,8 +137,8 @@ def forget_plan_of(ferry: Any) -> None:
     layer by layer (its hooks hold the plan)."""
     if ferry is None or ferry._closed or ferry._offloaded is not None or ferry._prefetch is not None:
         return
-    logger.debug("torchferry: %r: a .grad of its plan was dropped while resident: the plan is forgotten and the "
-                 "next offload copies every storage (skip_unchanged skips nothing there)", ferry)
+    logger.debug("torchferry: %r: a .grad of its plan was dropped while resident: the plan is forgotten (the "
+                 "baseline of skip_unchanged is carried to the next plan)", ferry)
     ferry._set.drop_arena()
     ferry._set.disarm_early()
-    ferry._set.forget()
+    ferry._set.forget(carry=True)  # see [Note: a baseline carried across a re-plan] in _schedules/unchanged.py

@@ -180,6 +180,10 @@ class HostLayout:
             self.cached = None  # its views would keep the old block mapped
         return self.pool.reserve(total, pin_bytes=pin_bytes, background=background, quiet=quiet)
 
+    def fits(self, plan: Plan) -> bool:
+        """Whether the pool holds the plan's layout now (its views need no new block)."""
+        return self.layout(plan).total <= self.pool.nbytes
+
     def views(self, plan: Plan, *, cache: bool) -> HostViews:
         """Pool views for ``plan`` (reserving the pool); kept for reuse when ``cache``.
 

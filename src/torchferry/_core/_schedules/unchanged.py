@@ -98,6 +98,25 @@ reads them; ``ReleaseSchedule.hold``). The incoming ferry of a swap with
 ``gpu_budget_bytes`` takes no baseline (its hash temporaries would be
 allocated beyond the budget, while the outgoing state is still held): its
 next offload copies everything.
+
+[Note: a baseline carried across a re-plan]
+A baseline belongs to one plan and its host views, and a re-plan made a new
+plan: the loop order ``zero_grad(set_to_none=True)`` / forward / backward /
+``step()`` / ``offload()`` drops the last step's gradients while resident, the
+ferry forgets its plan to free them ([Note: state dropped while resident] in
+``_ferry/watch.py``), and every offload after it copied every storage, a
+frozen base included (AReaL's ``train_batch`` zeroes its gradients first). The
+skip rests on one fact: the slot still holds the bytes hashed at the baseline,
+and the device's bytes hash alike now. Neither needs the old plan: a slot is
+its pool block (``HostPool.block_id``, a new number for each block), address
+and size. So a re-plan keeps, per hashed storage, its slot, its hash row and
+the host twins that view the slot with their versions at the baseline
+(:meth:`UnchangedStorages.carry`); the next offload hashes each eligible
+storage of its new plan whose slot is one of those, whose twins' versions
+did not move and no tensor of which requires grad (a conservative rule: those
+train), and skips it where the hashes are equal. Whatever storage now sits in
+that slot, equal hashes mean its bytes are already there. A new baseline, an
+offload (it consumes what was carried) or a forgotten baseline drops it.
 """
 
 from __future__ import annotations
@@ -148,6 +167,15 @@ class _Rules(NamedTuple):
     packed_at: dict[int, tuple[int, int]]  # storage -> (chunk index, position in the chunk)
 
 
+class _Carried(NamedTuple):
+    """A baseline kept across a re-plan ([Note: a baseline carried across a re-plan])."""
+
+    kind: str  # the hash that took it
+    hashes: torch.Tensor  # [old storages, 2] int64 on the device
+    slots: dict[tuple[int, int, int], tuple[int, list[tuple[torch.Tensor | None, object]]]]
+    # (pool block, slot address, bytes) -> (its row in hashes, [(a host twin viewing it, its version then)])
+
+
 def _rules(plan: Plan, views: HostViews) -> _Rules:
     members: list[list[int]] = [[] for _ in plan.storages]
     eligible = [n > 0 for n in plan.nbytes]
@@ -178,8 +206,11 @@ class UnchangedStorages:
         weakref.finalize(self, _STEPS.discard, self._step_key)
         self.forget()
 
-    def forget(self) -> None:
-        """Drops the baseline (a re-plan, a reconcile, the host views dropped, an offload)."""
+    def forget(self, keep_carried: bool = False) -> None:
+        """Drops the baseline (a re-plan, a reconcile, the host views dropped, an offload), and what a
+        re-plan carried unless ``keep_carried``."""
+        if not keep_carried:
+            self._carried: _Carried | None = None
         self._plan: Plan | None = None
         self._views: HostViews | None = None
         self._kind: str | None = None  # the hash that took the baseline: compared with itself only
@@ -190,10 +221,33 @@ class UnchangedStorages:
         self._baseline.clear()
         _STEPS.discard(self._step_key)
 
-    def drop_rules(self) -> None:
+    def drop_rules(self, keep_carried: bool = False) -> None:
         """Also drops the per-plan tables (they hold the plan and the host views)."""
-        self.forget()
+        self.forget(keep_carried)
         self._rules = None
+
+    def drop_carried(self) -> None:
+        """Drops what a re-plan carried (the pool is about to take a new block)."""
+        self._carried = None
+
+    def carry(self, twins: list[torch.Tensor | None]) -> None:
+        """Keeps the baseline for the offload after a re-plan ([Note: a baseline carried across a
+        re-plan]); call it before the plan's host views and twins go. ``twins``: per ``plan.tensors``
+        entry, the host twin holding its host impl now (``None``: none)."""
+        plan, views, hashes, kind = self._plan, self._views, self._hashes, self._kind
+        if plan is None or views is None or hashes is None or kind is None or not self._baseline:
+            return
+        if not views.intact():
+            return
+        rules = self._rules_for(plan, views)
+        slots = {}
+        for si in sorted(self._baseline):
+            watch = [(twins[ti], self._host_versions.get(ti)) for ti in rules.members[si]]
+            if any(v is None for _, v in watch):  # a tensor whose twin's version was not recorded
+                continue
+            slots[(views.block, views.slots[si].data_ptr(), plan.nbytes[si])] = (si, watch)
+        if slots:
+            self._carried = _Carried(kind, hashes, slots)
 
     def holds(self, si: int) -> bool:
         """Whether storage ``si`` holds a baseline hash now (an offload during forward leaves it to
@@ -302,7 +356,10 @@ class UnchangedStorages:
         hashed, base, kind = set(self._baseline), self._hashes, self._kind
         recorded, host_recorded, stepped = self._versions, self._host_versions, self._step_seen
         valid = plan is self._plan and views is self._views and views.intact()
+        carried = self._carried
         self.forget()
+        if not valid and carried is not None and views.intact():
+            return self._take_carried(carried, plan, views, sources, set(rewritten))
         if not valid or not hashed:
             return set()
         rules = self._rules_for(plan, views)
@@ -312,20 +369,55 @@ class UnchangedStorages:
         cand = [si for si in sorted(hashed) if si not in rewritten and si not in trained
                 and all(recorded.get(ti) == now[ti] and host_recorded.get(ti) == host_versions[ti]
                         for ti in rules.members[si])]
-        if not cand:
+        return _hashed_alike(kind, base, cand, cand, plan, views, sources, rules)  # pyright: ignore[reportArgumentType]  # _kind, _hashes and the base are set by _begin() before any hash
+
+
+    def _take_carried(self, carried: _Carried, plan: Plan, views: HostViews, sources: list[torch.Tensor],
+                      rewritten: set[int]) -> set[int]:
+        """:meth:`take` for a plan made after the baseline: the storages whose slot a re-plan carried
+        ([Note: a baseline carried across a re-plan])."""
+        if carried.kind != hash_kind(plan.device):
             return set()
-        try:
-            cur = torch.empty_like(base)  # pyright: ignore[reportArgumentType]  # _kind, _hashes and the base are set by _begin() before any hash
-            hash_storages(kind, cur, cand, sources, views.chunks, rules.packed_at)  # pyright: ignore[reportArgumentType]  # _kind, _hashes and the base are set by _begin() before any hash
-            idx = int64_on(cand, base.device)
-            equal = (cur.index_select(0, idx) == base.index_select(0, idx)).all(1).tolist()
-        except Exception:  # memory short at an offload, or a hash that failed: copy instead
-            logger.warning("torchferry: could not hash the state at offload; it is copied in full", exc_info=True)
-            return set()
-        same = {si for si, e in zip(cand, equal, strict=False) if e}
-        if verify_skips():
-            _verify(plan, views, sources, same, rules)
-        return same
+        rules = self._rules_for(plan, views)
+        cand, rows = [], []
+        for si in range(len(plan.storages)):
+            if not rules.eligible[si] or si in rewritten:
+                continue
+            if any(plan.tensors[ti].tensor.requires_grad for ti in rules.members[si]):
+                continue
+            hit = carried.slots.get((views.block, views.slots[si].data_ptr(), plan.nbytes[si]))
+            if hit is None:
+                continue
+            twins = [t for t, _ in hit[1]]
+            now = versions([_NO_TWIN if t is None else t for t in twins])
+            if any((-1 if t is None else n) != v for t, n, (_, v) in zip(twins, now, hit[1], strict=True)):
+                continue  # a host tensor viewing the slot was written: its bytes may differ
+            cand.append(si)
+            rows.append(hit[0])
+        return _hashed_alike(carried.kind, carried.hashes, rows, cand, plan, views, sources, rules)
+
+
+def _hashed_alike(kind: str, baseline: torch.Tensor, rows: list[int], cand: list[int], plan: Plan, views: HostViews,
+                  sources: list[torch.Tensor], rules: _Rules) -> set[int]:
+    """The storages ``cand`` whose bytes hash now as ``baseline[rows]`` (same order) did: their slots hold
+    them. On any error (memory short at an offload, a hash that failed) none: they are copied."""
+    if not cand:
+        return set()
+    try:
+        cur = torch.empty(len(plan.storages), 2, dtype=torch.int64, device=plan.device)
+        hash_storages(kind, cur, cand, sources, views.chunks, rules.packed_at)
+        equal = (cur.index_select(0, int64_on(cand, cur.device))
+                 == baseline.index_select(0, int64_on(rows, baseline.device))).all(1).tolist()
+    except Exception:
+        logger.warning("torchferry: could not hash the state at offload; it is copied in full", exc_info=True)
+        return set()
+    same = {si for si, e in zip(cand, equal, strict=False) if e}
+    if verify_skips():
+        _verify(plan, views, sources, same, rules)
+    return same
+
+
+_NO_TWIN = torch.empty(0)  # stands in for a missing twin in a versions() call
 
 
 def _verify(plan: Plan, views: HostViews, sources: list[torch.Tensor], same: set[int], rules: _Rules) -> None:

@@ -224,6 +224,10 @@ class Parking:
         """While ``tensors[i]`` is on the host: the twin holding its device impl."""
         return self._twins[i] if self.on_host[i] else None
 
+    def host_twins(self) -> list[torch.Tensor | None]:
+        """Per tensor, the twin holding its host impl while it is resident (``None``: none, or on the host)."""
+        return [t if not h else None for t, h in zip(self._twins, self.on_host, strict=False)]
+
     def host_versions(self, indices: list[int] | range | None = None) -> list[object]:
         """Per tensor (``indices``, default all), the version counter of its host twin while
         resident (the impl that viewed the pool: a host tensor kept from the last offload shares

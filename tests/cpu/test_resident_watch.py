@@ -214,3 +214,77 @@ def test_a_carried_baseline_never_skips_bytes_that_changed(write, monkeypatch):
     assert skipped == (base.bias.nbytes if write in ("data", "kept_host_view") else 0)
     ferry.reload()
     assert torch.equal(base.weight, want)
+
+
+def test_a_tensor_kept_under_an_older_plan_never_lets_a_skip_keep_its_write(monkeypatch):
+    """[Note: host tensors of earlier plans]: a host tensor kept from an offload two plans back (the zero_grad-first
+    loop makes a plan per step) and written after the reload writes the weight's slot; the next offload copies
+    the weight, and the round trip gives the device's bytes back."""
+    base, head, opt, ferry = _zero_grad_first(2)
+    _step(base, head, opt)
+    ferry.offload().wait()
+    kept = base.state_dict()["weight"]  # a host view of the pool under this plan
+    ferry.reload()
+    _step(base, head, opt)
+    ferry.offload().wait()  # a new plan (the grads were dropped and made again)
+    ferry.reload()
+    _step(base, head, opt)  # and another: the baseline is carried
+    kept.add_(1.0)
+    want = base.weight.detach().clone()
+    ferry.offload().wait()
+    assert ferry.stats.last_offload_bytes - ferry.stats.offload_bytes_copied == base.bias.nbytes  # the bias only
+    ferry.reload()
+    assert torch.equal(base.weight, want)
+    del kept  # nothing views the old twin now: it is let go at the next offload
+    _step(base, head, opt)
+    ferry.offload().wait()
+    assert ferry._set.unchanged._retired == []  # the watch list does not grow with the plans
+    ferry.reload()
+
+
+def _early_after_zero_grad_body(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.helpers import cpu_mesh
+
+    class Frozen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1 = nn.Parameter(torch.randn(64, 128), requires_grad=False)
+            self.w2 = nn.Parameter(torch.randn(64, 128), requires_grad=False)
+
+        def forward(self, x):
+            return x @ self.w1.t() + x @ self.w2.t()
+
+    mesh = cpu_mesh(world)
+    torch.manual_seed(0)
+    head, base = nn.Linear(128, 64, bias=False), Frozen()
+    model = nn.Sequential(base, nn.Linear(64, 128, bias=False), head)
+    model[1].requires_grad_(False)
+    for m in (base, model[1], head):
+        fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    ferry = Ferry(head, base, model[1], opt, skip_unchanged=True)
+    opt.zero_grad(set_to_none=True)
+    model(torch.randn(4, 128)).sum().backward()
+    opt.step()
+    ferry.offload().wait()
+    ferry.reload()  # a baseline, with head's grad in the plan
+    opt.zero_grad(set_to_none=True)
+    ferry.offload_during_forward()  # a plan without the grad: its early copies write other slots
+    model(torch.randn(4, 128)).sum().backward()
+    opt.step()
+    tensors = [base.w1, base.w2, model[1].weight, head.weight]
+    want = [t.detach().clone() for t in tensors]
+    ferry.offload().wait()
+    ferry.reload()
+    assert all(torch.equal(a, b) for a, b in zip(tensors, want, strict=True))
+
+
+def test_an_offload_during_forward_after_a_re_plan_drops_the_carried_baseline():
+    """Early copies land in the slots of the plan they were armed on; a baseline carried from an older plan would
+    trust those slots, so arming them drops it: every tensor comes back as it was."""
+    from tests.spawn import run_spawned
+
+    run_spawned(_early_after_zero_grad_body, world=1)

@@ -116,6 +116,7 @@ class StateSet:
         cache = PlanCache(fp, plan, [storage_bytes(s, plan.device) for s in plan.storages])
         parking = Parking([r.tensor for r in plan.tensors], [r.name for r in plan.tensors])
         self._carry_unchanged()  # before the old plan's host views go
+        self._retire_twins()
         self.host.forget()  # made for the old plan
         self._forget_unchanged(keep_carried=True)
         self.cache, self.parking = cache, parking  # together: see [Note: all or nothing]
@@ -152,6 +153,7 @@ class StateSet:
         ([Note: a baseline carried across a re-plan])."""
         if carry:
             self._carry_unchanged()
+        self._retire_twins()
         self.cache = self.parking = None
         self.host.forget()
         self._forget_unchanged(keep_carried=carry)
@@ -160,16 +162,25 @@ class StateSet:
         if self.unchanged is not None and self.parking is not None:
             self.unchanged.carry(self.parking.host_twins())
 
+    def _retire_twins(self) -> None:
+        """The parked objects are about to go: their host twins (and what a caller kept of them) still view
+        the pool, and stay watched ([Note: host tensors of earlier plans] in ``_schedules/unchanged.py``)."""
+        if self.unchanged is not None and self.parking is not None and self.pool.ready():
+            self.unchanged.retire(self.parking.host_twins(), self.pool.block_id)
+
     def _pool_for(self, plan: Plan) -> None:
         """Before the pool may take a new block for ``plan``: a carried baseline's twins view the old one
         and would keep it mapped beside the new (and its slots are gone anyway)."""
         if self.unchanged is not None and not self.host.fits(plan):
             self.unchanged.drop_carried()
+            self.unchanged.drop_retired()
 
     def forget_host(self) -> None:
         """Drops every view of the pool (host views and host twins) so that it can be unmapped."""
         self.host.forget()
         self._forget_unchanged()
+        if self.unchanged is not None:
+            self.unchanged.drop_retired()
         if self.parking is not None:
             self.parking.forget_host()
 
@@ -428,6 +439,8 @@ class StateSet:
             plan = self.plan()
             self._pool_for(plan)
             views = self.host.views(plan, cache=True)
+        if self.unchanged is not None:  # its copies write slots a carried baseline would trust
+            self.unchanged.drop_carried()
         self.early = EarlyOffload.arm_for(plan, views, self.device_views(plan), self.streams, self.unchanged, run)
 
     def prefetch_run(self, off: Offloaded, groups: list[Group], policy: Prefetch,

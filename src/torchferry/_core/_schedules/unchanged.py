@@ -116,7 +116,22 @@ storage of its new plan whose slot is one of those, whose twins' versions
 did not move and no tensor of which requires grad (a conservative rule: those
 train), and skips it where the hashes are equal. Whatever storage now sits in
 that slot, equal hashes mean its bytes are already there. A new baseline, an
-offload (it consumes what was carried) or a forgotten baseline drops it.
+offload (it consumes what was carried), an armed ``offload_during_forward()``
+(its copies write slots) or a forgotten baseline drops it.
+
+[Note: host tensors of earlier plans]
+A host tensor kept from an offload (``state_dict()`` while offloaded) views
+its slot through the host impl its plan's twin parks; a write to it bumps that
+twin's version counter, which the baseline checks. A re-plan drops the twins
+and the next baseline watches the new plan's only, so a tensor kept under an
+older plan could write a slot unseen and its bytes were skipped
+(``kept.add_(1)`` two offloads later came back in the weight). So the twins of
+every plan a ferry drops are kept, with their slot's pool block and byte range
+(:meth:`UnchangedStorages.retire`), while that block stays; their versions are
+read at each new baseline, and an offload copies any storage whose slot
+overlaps one whose twin was written since. A retired twin nothing else views
+any more (no caller kept a tensor of it) is let go at the next offload. The
+pool taking a new block or being given back (``release_host()``) drops them.
 """
 
 from __future__ import annotations
@@ -124,17 +139,15 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Iterable
-from typing import NamedTuple
 
 import torch
 
 from .._api.env import VERIFY_ENV, verify_skips as _verify_skips
-from .._state.fsdp import versions
+from .._state.fsdp import local_of, storage_refs, versions
 from .hash import hash_kind, hash_storages, stage_rows
-from .hash_rows import int64_on
 from .._host.layout import HostViews
-from .._transfer.batches import copy_now
 from .._state.plan import Plan
+from .skip_check import NO_TWIN, Carried, Retired, Rules, hashed_alike, rules_of
 from .step_hooks import GlobalStepHook
 
 __all__ = ["VERIFY_ENV", "UnchangedStorages", "verify_skips"]
@@ -157,36 +170,6 @@ def verify_skips() -> bool:
 _STEPS = GlobalStepHook()
 
 
-class _Rules(NamedTuple):
-    """Per plan and host views: which storages may be skipped, who views them, where packed ones sit."""
-
-    plan: Plan
-    views: HostViews
-    members: list[list[int]]  # per storage: indices into plan.tensors
-    eligible: list[bool]  # some bytes, no .grad, no optimizer state
-    packed_at: dict[int, tuple[int, int]]  # storage -> (chunk index, position in the chunk)
-
-
-class _Carried(NamedTuple):
-    """A baseline kept across a re-plan ([Note: a baseline carried across a re-plan])."""
-
-    kind: str  # the hash that took it
-    hashes: torch.Tensor  # [old storages, 2] int64 on the device
-    slots: dict[tuple[int, int, int], tuple[int, list[tuple[torch.Tensor | None, object]]]]
-    # (pool block, slot address, bytes) -> (its row in hashes, [(a host twin viewing it, its version then)])
-
-
-def _rules(plan: Plan, views: HostViews) -> _Rules:
-    members: list[list[int]] = [[] for _ in plan.storages]
-    eligible = [n > 0 for n in plan.nbytes]
-    for ti, r in enumerate(plan.tensors):
-        members[r.storage_index].append(ti)
-        if r.name.endswith(".grad") or (r.name.startswith("optimizer") and ".state[" in r.name):
-            eligible[r.storage_index] = False
-    packed_at = {si: (k, j) for k, ch in enumerate(views.chunks) for j, si in enumerate(ch.storages)}
-    return _Rules(plan, views, members, eligible, packed_at)
-
-
 class UnchangedStorages:
     """One ferry's ``skip_unchanged`` (see [Note: unchanged storages]): hashes taken where the
     device bytes equal the pool's, and version counters, used by the next offload.
@@ -198,19 +181,20 @@ class UnchangedStorages:
     """
 
     def __init__(self) -> None:
-        self._rules: _Rules | None = None
+        self._rules: Rules | None = None
         self._baseline: set[int] = set()  # storage indices holding a baseline hash now
         ref = weakref.ref(self)
         self._step_key = id(self)
         self._on_step = lambda: (me := ref()) is not None and me._stepped()
         weakref.finalize(self, _STEPS.discard, self._step_key)
+        self._retired: list[Retired] = []
         self.forget()
 
     def forget(self, keep_carried: bool = False) -> None:
         """Drops the baseline (a re-plan, a reconcile, the host views dropped, an offload), and what a
         re-plan carried unless ``keep_carried``."""
         if not keep_carried:
-            self._carried: _Carried | None = None
+            self._carried: Carried | None = None
         self._plan: Plan | None = None
         self._views: HostViews | None = None
         self._kind: str | None = None  # the hash that took the baseline: compared with itself only
@@ -225,6 +209,40 @@ class UnchangedStorages:
         """Also drops the per-plan tables (they hold the plan and the host views)."""
         self.forget(keep_carried)
         self._rules = None
+
+    def retire(self, twins: list[torch.Tensor | None], block: int) -> None:
+        """Keeps the host twins of a plan the ferry drops, with their slots' ranges in pool block ``block``
+        ([Note: host tensors of earlier plans])."""
+        for t in twins:
+            if t is None:
+                continue
+            st = local_of(t).untyped_storage()
+            if st.nbytes():
+                self._retired.append(Retired(t, block, st.data_ptr(), st.data_ptr() + st.nbytes(),
+                                              versions([t])[0]))
+
+    def drop_retired(self) -> None:
+        """Lets the retired twins go (the pool's block is given back or replaced)."""
+        self._retired = []
+
+    def _written_retired(self, block: int) -> list[tuple[int, int]]:
+        """The slot ranges of ``block`` a retired twin wrote since it was last read; lets go of the twins
+        nothing else views."""
+        keep, written = [], []
+        now = versions([r.twin for r in self._retired]) if self._retired else []
+        for r, v in zip(self._retired, now, strict=True):
+            if r.block == block and v != r.seen:
+                written.append((r.lo, r.hi))
+            if storage_refs(local_of(r.twin).untyped_storage()) > 1:  # a tensor besides the twin views it
+                keep.append(r)
+        self._retired = keep
+        return written
+
+    def _refresh_retired(self) -> None:
+        """A new baseline: what retired twins wrote before it is in the device's bytes now."""
+        if self._retired:
+            now = versions([r.twin for r in self._retired])
+            self._retired = [r._replace(seen=v) for r, v in zip(self._retired, now, strict=True)]
 
     def drop_carried(self) -> None:
         """Drops what a re-plan carried (the pool is about to take a new block)."""
@@ -247,7 +265,7 @@ class UnchangedStorages:
                 continue
             slots[(views.block, views.slots[si].data_ptr(), plan.nbytes[si])] = (si, watch)
         if slots:
-            self._carried = _Carried(kind, hashes, slots)
+            self._carried = Carried(kind, hashes, slots)
 
     def holds(self, si: int) -> bool:
         """Whether storage ``si`` holds a baseline hash now (an offload during forward leaves it to
@@ -272,14 +290,15 @@ class UnchangedStorages:
     def _stepped(self) -> None:
         self._step_seen = True
 
-    def _rules_for(self, plan: Plan, views: HostViews) -> _Rules:
+    def _rules_for(self, plan: Plan, views: HostViews) -> Rules:
         if self._rules is None or self._rules.plan is not plan or self._rules.views is not views:
-            self._rules = _rules(plan, views)
+            self._rules = rules_of(plan, views)
         return self._rules
 
     def _begin(self, plan: Plan, views: HostViews, fresh: bool) -> None:
         if fresh or plan is not self._plan or views is not self._views:
             self.forget()
+            self._refresh_retired()
             self._plan, self._views = plan, views
             self._kind = hash_kind(plan.device)
             self._hashes = torch.empty(len(plan.storages), 2, dtype=torch.int64, device=plan.device)
@@ -369,10 +388,11 @@ class UnchangedStorages:
         cand = [si for si in sorted(hashed) if si not in rewritten and si not in trained
                 and all(recorded.get(ti) == now[ti] and host_recorded.get(ti) == host_versions[ti]
                         for ti in rules.members[si])]
-        return _hashed_alike(kind, base, cand, cand, plan, views, sources, rules)  # pyright: ignore[reportArgumentType]  # _kind, _hashes and the base are set by _begin() before any hash
+        return hashed_alike(kind, base, cand, cand, plan, views, sources, rules,  # pyright: ignore[reportArgumentType]  # _kind, _hashes and the base are set by _begin() before any hash
+                            self._written_retired(views.block), hash_storages)
 
 
-    def _take_carried(self, carried: _Carried, plan: Plan, views: HostViews, sources: list[torch.Tensor],
+    def _take_carried(self, carried: Carried, plan: Plan, views: HostViews, sources: list[torch.Tensor],
                       rewritten: set[int]) -> set[int]:
         """:meth:`take` for a plan made after the baseline: the storages whose slot a re-plan carried
         ([Note: a baseline carried across a re-plan])."""
@@ -389,45 +409,10 @@ class UnchangedStorages:
             if hit is None:
                 continue
             twins = [t for t, _ in hit[1]]
-            now = versions([_NO_TWIN if t is None else t for t in twins])
+            now = versions([NO_TWIN if t is None else t for t in twins])
             if any((-1 if t is None else n) != v for t, n, (_, v) in zip(twins, now, hit[1], strict=True)):
                 continue  # a host tensor viewing the slot was written: its bytes may differ
             cand.append(si)
             rows.append(hit[0])
-        return _hashed_alike(carried.kind, carried.hashes, rows, cand, plan, views, sources, rules)
-
-
-def _hashed_alike(kind: str, baseline: torch.Tensor, rows: list[int], cand: list[int], plan: Plan, views: HostViews,
-                  sources: list[torch.Tensor], rules: _Rules) -> set[int]:
-    """The storages ``cand`` whose bytes hash now as ``baseline[rows]`` (same order) did: their slots hold
-    them. On any error (memory short at an offload, a hash that failed) none: they are copied."""
-    if not cand:
-        return set()
-    try:
-        cur = torch.empty(len(plan.storages), 2, dtype=torch.int64, device=plan.device)
-        hash_storages(kind, cur, cand, sources, views.chunks, rules.packed_at)
-        equal = (cur.index_select(0, int64_on(cand, cur.device))
-                 == baseline.index_select(0, int64_on(rows, baseline.device))).all(1).tolist()
-    except Exception:
-        logger.warning("torchferry: could not hash the state at offload; it is copied in full", exc_info=True)
-        return set()
-    same = {si for si, e in zip(cand, equal, strict=False) if e}
-    if verify_skips():
-        _verify(plan, views, sources, same, rules)
-    return same
-
-
-_NO_TWIN = torch.empty(0)  # stands in for a missing twin in a versions() call
-
-
-def _verify(plan: Plan, views: HostViews, sources: list[torch.Tensor], same: set[int], rules: _Rules) -> None:
-    """Compares every storage judged unchanged with its pool slot (``TORCHFERRY_VERIFY_SKIPS=1``)."""
-    for si in sorted(same):
-        scratch = torch.empty(plan.nbytes[si], dtype=torch.uint8)
-        copy_now(scratch, sources[si])
-        if not torch.equal(scratch, views.slots[si]):
-            names = ", ".join(plan.tensors[ti].name for ti in rules.members[si])
-            raise RuntimeError(
-                f"torchferry: {VERIFY_ENV}: the storage of {names} was judged unchanged since the "
-                "reload but differs from its host copy; a write was missed (please report it)"
-            )
+        return hashed_alike(carried.kind, carried.hashes, rows, cand, plan, views, sources, rules,
+                            self._written_retired(views.block), hash_storages)

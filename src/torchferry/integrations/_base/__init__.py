@@ -14,6 +14,7 @@ from .helpers import (
     helpers_of,
     load_fsdp2_model_to_gpu,
     load_fsdp_optimizer,
+    model_load,
     offload_fsdp2_model_to_cpu,
     offload_fsdp_optimizer,
     patch_choices,
@@ -41,7 +42,7 @@ __all__ = [
     "DOCK_ENV", "FORWARDED_SETTINGS", "FSDP1_ENV", "LAYERWISE_ENV", "OPTIMIZER_AT_STEP_ENV", "REGISTRY", "SKIP_ENV",
     "HelperSet", "HookNames", "PatchState", "Patcher", "PhaseDock", "SeedHelpers", "Settings", "WorkerHook", "away",
     "check_bool", "dock_budget", "ferry_for", "fsdp1_offloads_params", "fsdp_modules", "has_state", "helpers_of",
-    "load_fsdp2_model_to_gpu", "load_fsdp_optimizer", "local_of", "offload_fsdp2_model_to_cpu",
+    "load_fsdp2_model_to_gpu", "load_fsdp_optimizer", "local_of", "model_load", "offload_fsdp2_model_to_cpu",
     "offload_fsdp_optimizer", "param_groups", "parse_budget", "patch_choices", "read_switch", "routed",
     "seed_replacements", "settings_of", "unpatch_integration", "whole_copies",
 ]

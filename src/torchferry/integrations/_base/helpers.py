@@ -25,8 +25,8 @@ from .registry import REGISTRY, Registry
 from .settings import SWITCHES, Settings, read_switch
 
 __all__ = ["PatchState", "SeedHelpers", "ferry_for", "has_state", "helpers_of", "load_fsdp2_model_to_gpu",
-           "load_fsdp_optimizer", "offload_fsdp2_model_to_cpu", "offload_fsdp_optimizer", "patch_choices",
-           "seed_replacements", "settings_of", "unpatch_integration"]
+           "load_fsdp_optimizer", "model_load", "offload_fsdp2_model_to_cpu", "offload_fsdp_optimizer",
+           "patch_choices", "seed_replacements", "settings_of", "unpatch_integration"]
 
 
 def has_state(optimizer: torch.optim.Optimizer) -> bool:
@@ -224,14 +224,21 @@ def load_fsdp_optimizer(optimizer: torch.optim.Optimizer, device_id: int | str |
     _DIRECT.load_optimizer(optimizer, device_id)
 
 
-def seed_replacements(integration: str, original: Mapping[str, Callable]) -> dict[str, Callable]:
-    """The four seed helpers' replacements for ``integration`` (each ``__wrapped__``: the public helper), each
-    running :func:`helpers_of` at its call; a load of an object torchferry never moved goes to ``original``."""
+def model_load(integration: str, framework_load: Callable) -> Callable:
+    """A model load of ``integration``'s replacements: :func:`helpers_of`'s at its call, or for a model
+    torchferry never moved the framework's own (``framework_load``)."""
 
     def load_model(model):
         if REGISTRY.ferry(model) is None:
-            return original["load_fsdp2_model_to_gpu"](model)
+            return framework_load(model)
         return helpers_of(integration).load_model(model)
+
+    return load_model
+
+
+def seed_replacements(integration: str, original: Mapping[str, Callable]) -> dict[str, Callable]:
+    """The four seed helpers' replacements for ``integration`` (each ``__wrapped__``: the public helper), each
+    running :func:`helpers_of` at its call; a load of an object torchferry never moved goes to ``original``."""
 
     def load_optimizer(optimizer, device_id):
         if REGISTRY.ferry(optimizer) is None:
@@ -244,6 +251,7 @@ def seed_replacements(integration: str, original: Mapping[str, Callable]) -> dic
     def offload_optimizer(optimizer):
         helpers_of(integration).offload_optimizer(optimizer)
 
+    load_model = model_load(integration, original["load_fsdp2_model_to_gpu"])
     return {
         "offload_fsdp2_model_to_cpu": routed(offload_fsdp2_model_to_cpu, offload_model),
         "load_fsdp2_model_to_gpu": routed(load_fsdp2_model_to_gpu, load_model),

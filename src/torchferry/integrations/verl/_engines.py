@@ -9,7 +9,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from types import ModuleType
 
-from .._base import REGISTRY, HelperSet, Patcher, helpers_of, param_groups
+from .._base import REGISTRY, HelperSet, Patcher, helpers_of, model_load, param_groups
 
 __all__ = ["ENGINE_SETS", "importable_sets"]
 
@@ -39,11 +39,6 @@ def _replacements(engine: str) -> Callable[[ModuleType, Mapping[str, Callable]],
             _idle_and_resharded(model)
             helpers_of("verl").offload_model(model, empty_cache)
 
-        def load_model(model):
-            if REGISTRY.ferry(model) is None:  # not offloaded by a ferry: verl's own code
-                return original[f"load_{engine}_model_to_gpu"](model)
-            helpers_of("verl").load_model(model)
-
         def offload_optimizer(optimizer):
             for opt in _optimizers(optimizer):
                 helpers_of("verl").offload_optimizer(opt)
@@ -55,6 +50,7 @@ def _replacements(engine: str) -> Callable[[ModuleType, Mapping[str, Callable]],
             for opt in opts:
                 helpers_of("verl").load_optimizer(opt, device_id)
 
+        load_model = model_load("verl", original[f"load_{engine}_model_to_gpu"])
         return {f"offload_{engine}_model_to_cpu": offload_model, f"load_{engine}_model_to_gpu": load_model,
                 f"offload_{engine}_optimizer": offload_optimizer, f"load_{engine}_optimizer": load_optimizer}
     return build

@@ -14,7 +14,7 @@ from types import ModuleType
 from torchferry import Ferry
 
 from .._base import (REGISTRY, HelperSet, PatchState, Settings, check_bool, fsdp1_offloads_params, helpers_of,
-                     seed_replacements, unpatch_integration)
+                     model_load, seed_replacements, unpatch_integration)
 from ._dock import docks
 from ._dock_patch import DOCK_SETS, patch_dock, unpatch_dock, verl_targets
 from ._engines import ENGINE_SETS, importable_sets
@@ -43,13 +43,8 @@ def _replacements(fsdp_utils: ModuleType, original: Mapping[str, Callable]) -> d
             return original["offload_fsdp_model_to_cpu"](model, empty_cache)  # verl's own code
         return seed["offload_fsdp2_model_to_cpu"](model, empty_cache)
 
-    def load_fsdp_model_to_gpu(model):
-        if REGISTRY.ferry(model) is None:
-            return original["load_fsdp_model_to_gpu"](model)
-        return seed["load_fsdp2_model_to_gpu"](model)
-
     return {**seed, "offload_fsdp_model_to_cpu": offload_fsdp_model_to_cpu,
-            "load_fsdp_model_to_gpu": load_fsdp_model_to_gpu}
+            "load_fsdp_model_to_gpu": model_load("verl", original["load_fsdp_model_to_gpu"])}
 
 
 HELPER_SET = HelperSet(

@@ -1,11 +1,7 @@
-"""The seed's FSDP offload helpers, backed by torchferry: one object shared by every integration.
-
-verl's ``verl.utils.fsdp_utils`` (verl PR #7347) and SkyRL's ``...skyrl_train.distributed.fsdp_utils`` define
-the same four helpers, "the seed" below. :class:`SeedHelpers` is their drop-in for one caller; the module-level
-functions are those a user imports (no integration, the environment's settings). What they do better than
-the seed's: ``docs/verl-quickstart.md`` ("What changes").
-
-The notes cited below are in ``docs/integrations.md`` ("The seed helpers").
+"""The four FSDP offload helpers verl (``verl.utils.fsdp_utils``, verl PR #7347) and SkyRL share, "the seed",
+backed by torchferry: :class:`SeedHelpers` for one caller, the module-level functions for a user's own calls
+(the environment's settings). What changes: ``docs/verl-quickstart.md``; the notes cited below are in
+``docs/integrations.md`` ("The seed helpers").
 """
 
 from __future__ import annotations
@@ -51,8 +47,7 @@ class SeedHelpers:
     def make(self, obj: nn.Module | torch.optim.Optimizer) -> Ferry:
         """``obj``'s ferry, made if it has none; recorded as moved by :attr:`integration`."""
         ferry = self.registry.ferry(obj)
-        if ferry is None:
-            # See [Note: the helpers skip unchanged storages].
+        if ferry is None:  # see [Note: the helpers skip unchanged storages]
             model = isinstance(obj, nn.Module)
             ferry = Ferry(obj, skip_unchanged=self.switch("skip_unchanged")) if model else Ferry(obj)
             self.registry.put(obj, ferry, self.integration)

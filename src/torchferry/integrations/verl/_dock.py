@@ -1,6 +1,5 @@
-"""verl's trainer under a :class:`~torchferry.Dock`: ``patch(dock=budget)``, a thin adapter over the core's
-phase dock ([Note: a trainer under a phase dock] in ``torchferry._core._dock.phase_dock``), which holds the
-framework-neutral part: the step learnt, the engines' sets, the workspaces measured, the rollout's claimants.
+"""verl's trainer under a :class:`~torchferry.Dock` (``patch(dock=budget)``): a thin adapter over the core's phase
+dock ([Note: a trainer under a phase dock] in ``torchferry._core._dock.phase_dock``).
 
 See [Note: verl under a Dock] and [Note: verl's offload flags under a Dock] in ``docs/integrations.md``.
 """

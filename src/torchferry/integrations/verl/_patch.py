@@ -1,9 +1,8 @@
-"""``patch()``: verl's FSDP offload helpers (:data:`HELPER_SET`, wherever verl modules bound them) and the VeOmni
-and Automodel engines' ([Note: the VeOmni and Automodel helpers] in ``docs/integrations.md``) replaced by torchferry's.
-Written against verl 0.9.1 (the helpers of verl PR #7347).
+"""``patch()``: verl 0.9.1's FSDP offload helpers (verl PR #7347's; :data:`HELPER_SET`, wherever verl modules
+bound them) and its VeOmni and Automodel engines' replaced by torchferry's.
 
-See [Note: FSDP1 models through torchferry] and [Note: verl's defaults] in ``docs/integrations.md``.
-
+See [Note: FSDP1 models through torchferry], [Note: verl's defaults] and [Note: the VeOmni and Automodel helpers]
+in ``docs/integrations.md``.
 """
 
 from __future__ import annotations
@@ -105,7 +104,7 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
         verl_targets()  # checked before anything is replaced
     engines = importable_sets()  # checked before anything is replaced
     state = state or PatchState(name="verl", settings=settings)
-    for helper_set in (HELPER_SET, *engines):  # see [Note: the VeOmni and Automodel helpers] in docs/integrations.md
+    for helper_set in (HELPER_SET, *engines):
         state.patch(helper_set, import_call_sites=import_engines)
     state.settings = settings
     REGISTRY.patched["verl"] = state

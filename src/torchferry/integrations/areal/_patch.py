@@ -1,11 +1,9 @@
 """``patch()``: AReaL's ``FSDPEngine.offload`` / ``onload`` through torchferry ferries, replaced on
 ``areal.engine.fsdp_engine.FSDPEngine`` (so on every subclass that does not define its own: ``FSDPPPOActor``,
-``FSDPPPOCritic``, ``FSDPLMEngine`` ...). Written against AReaL 1.0.4.
-
-AReaL's own methods pause and resume torch_memory_saver (``TMS_INIT_ENABLE=1`` and its ``LD_PRELOAD`` hook,
-which AReaL's launchers set with ``enable_offload=True``) between the same logs, ``clear_memory()``,
-synchronizations and barrier (of the engine's gloo ``cpu_group``) that the replacements keep, with
-``is_offload``, so AReaL's callers (``_offload_aware_context()``, ``_ensure_ready()``) keep their meaning.
+``FSDPPPOCritic``, ``FSDPLMEngine`` ...). Written against AReaL 1.0.4. In place of torch_memory_saver's pause and
+resume (AReaL's launchers' ``enable_offload=True``) they keep AReaL's logs, ``clear_memory()``, synchronizations,
+barrier (of the engine's gloo ``cpu_group``) and ``is_offload``, so its callers (``_offload_aware_context()``,
+``_ensure_ready()``) keep their meaning.
 
 See [Note: what torch_memory_saver released that a ferry does not], [Note: AReaL's clear_memory() beside the
 copies] and [Note: which engines skip unchanged storages] in ``docs/integrations.md``.
@@ -75,10 +73,9 @@ def _ferry_of(engine: object) -> Ferry:
     return ferry
 
 
-# See [Note: a model or optimizer replaced while offloaded] in docs/integrations.md.
 def _settle(engine: object) -> None:
-    """Brings back and closes the ferry of an engine whose model or optimizer was replaced since it was made;
-    a no-op otherwise."""
+    """Brings back and closes the ferry of an engine whose model or optimizer was replaced since it was made
+    ([Note: a model or optimizer replaced while offloaded] in ``docs/integrations.md``); a no-op otherwise."""
     entry = REGISTRY.entry(engine)
     if entry is None or entry.serves(getattr(engine, "model", None), getattr(engine, "optimizer", None)):
         return
@@ -159,7 +156,6 @@ def _replacements(module: ModuleType, original: Mapping[str, Callable]) -> dict[
         self.is_offload = False
 
     for name, fn in (("offload", offload), ("onload", onload)):
-        fn.__module__ = __name__
         fn.__qualname__ = f"FSDPEngine.{name}"
     return {"offload": offload, "onload": onload}
 

@@ -81,19 +81,17 @@ def _ctx_replacements(module: Any, original: Any) -> dict[str, Callable]:
     def __enter__(c):
         if not dockable(c):
             return enter(c)
-        vd, state = docked(), REGISTRY.patched["verl"]
-        assert vd is not None
-        vd.enter(c.engine, c.mode, model=c.engine.is_param_offload_enabled,
-                 optimizer=c.mode == "train" and c.engine.is_optimizer_offload_enabled, helpers=state.helpers)
-        c._torchferry_dock = vd  # its exit leaves this dock, also if patch(dock=...) changed it since
+        state = REGISTRY.patched["verl"]  # its router: the dock, as docked() says
+        state.router.enter(c.engine, c.mode, model=c.engine.is_param_offload_enabled,
+                           optimizer=c.mode == "train" and c.engine.is_optimizer_offload_enabled, helpers=state.helpers)
+        c._torchferry_dock = state.router  # its exit leaves this dock, also if patch(dock=...) changed it since
         c.engine.mode = c.mode  # after the dock took the phase: a refused phase leaves it as it was
 
     def __exit__(c, exc_type, exc_val, exc_tb):
         entered = c.__dict__.pop("_torchferry_dock", None)
         if entered is None and not dockable(c):
             return exit_(c, exc_type, exc_val, exc_tb)
-        vd = entered if entered is not None else docked()
-        assert vd is not None
+        vd = entered if entered is not None else docked()  # not None: dockable(c)
         try:
             vd.leave(c.engine, c.mode, helpers=REGISTRY.patched["verl"].helpers)
         finally:

@@ -9,21 +9,9 @@ import importlib
 from collections.abc import Callable, Mapping
 from types import ModuleType
 
-from .._base import REGISTRY, HelperSet, Patcher, helpers_of, model_load, param_groups
+from .._base import REGISTRY, HelperSet, Patcher, helpers_of, idle_and_resharded, model_load
 
 __all__ = ["ENGINE_SETS", "importable_sets"]
-
-
-def _idle_and_resharded(model) -> None:
-    """What verl's engine helpers do before moving an FSDP2 model: every param group IDLE, resharded."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
-
-    for module in model.modules():
-        for group in param_groups(_get_module_fsdp_state(module)):  # none for a module outside FSDP2
-            group._training_state = TrainingState.IDLE
-    if callable(getattr(model, "reshard", None)):
-        model.reshard()
 
 
 def _optimizers(optimizer) -> list:
@@ -36,7 +24,7 @@ def _optimizers(optimizer) -> list:
 def _replacements(engine: str) -> Callable[[ModuleType, Mapping[str, Callable]], dict[str, Callable]]:
     def build(module: ModuleType, original: Mapping[str, Callable]) -> dict[str, Callable]:
         def offload_model(model, empty_cache: bool = True):
-            _idle_and_resharded(model)
+            idle_and_resharded(model)
             helpers_of("verl").offload_model(model, empty_cache)
 
         def offload_optimizer(optimizer):

@@ -20,8 +20,7 @@ __all__ = ["REGISTRY", "Held", "Registry", "away"]
 
 
 class Held(NamedTuple):
-    """One ferry an integration's replacements made, and what it is for messages (``"model Mixed (1200
-    bytes)"``, ``"verl dock set engine0.params (...)"``)."""
+    """One ferry an integration's replacements made, and what it is for messages (``"model Mixed (1200 bytes)"``)."""
 
     what: str
     ferry: Ferry

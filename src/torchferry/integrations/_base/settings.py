@@ -51,9 +51,7 @@ def read_switch(name: str, default: bool | None = None) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class Settings:
-    """What one integration's replacements do, fixed by its ``patch()`` ([Note: each integration's settings]).
-    The switches' Notes: [Note: the helpers skip unchanged storages], [Note: optimizer state waited for at
-    step()], [Note: the helpers' layer-wise reload], [Note: FSDP1 models through torchferry]."""
+    """What one integration's replacements do, fixed by its ``patch()`` ([Note: each integration's settings])."""
 
     skip_unchanged: bool = True
     optimizer_at_step: bool = False

@@ -125,9 +125,8 @@ DOCK_SETS = (  # what patch(dock=...) replaces in verl, besides the helpers
 
 
 def patch_dock(state: PatchState, budget: int | float) -> None:
-    """verl's engine context under the dock of ``budget`` (``patch()`` checked :func:`verl_targets`): the one kept
-    for that budget, else a new one (``unpatch()`` keeps each dock made, its sets where it left them; a set held
-    by the dock of another budget moves to the one in use at its next phase, ``VerlDock.forget``)."""
+    """verl's engine context under the dock kept for ``budget``, else a new one (``patch()`` checked
+    :func:`verl_targets`; ``unpatch()`` keeps each dock made, its sets where it left them: ``VerlDock._set``)."""
     for hs in DOCK_SETS:
         state.patch(hs)
     key = ("verl", type(budget).__name__, budget)  # 1 (a byte) and 1.0 (the device) are two budgets

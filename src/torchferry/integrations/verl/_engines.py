@@ -1,7 +1,5 @@
-"""verl's VeOmni and Automodel engines' offload helpers, replaced where those engines import.
-
-See [Note: the VeOmni and Automodel helpers] in ``docs/integrations.md``.
-"""
+"""verl's VeOmni and Automodel engines' offload helpers, replaced where those engines import ([Note: the VeOmni
+and Automodel helpers] in ``docs/integrations.md``)."""
 
 from __future__ import annotations
 

@@ -132,9 +132,7 @@ class VerlDock(PhaseDock):
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         self.wake({_TAGS[t]: nbytes[t] for t in tags}, device, "the rollout's")
 
-    def rollout_asleep(self) -> None:
-        """The rollout's claimants asleep: their bytes no longer count."""
-        self.asleep()
+    rollout_asleep = PhaseDock.asleep  # rollout.release(): the rollout's claimants asleep
 
 
 def _device_of(engine: Any) -> torch.device:

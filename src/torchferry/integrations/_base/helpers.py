@@ -131,22 +131,24 @@ class PatchState:
         return self.patchers.setdefault(key, Patcher(helper_set)).patch(import_call_sites=import_call_sites)
 
 
-def unpatch_integration(name: str, helper_sets: Iterable[HelperSet], *, keep_offloaded: bool = False,
-                        dock_sets: Mapping[Ferry, str] | None = None) -> PatchState | None:
-    """An integration's ``unpatch()``: what its replacements hold offloaded brought back (not with
-    ``keep_offloaded``: [Note: unpatch() brings the state back]), its names restored (unpatched: ``helper_sets``'
-    in modules imported after ``patch()``), its ferries closed but ``dock_sets``'; the state it ended returned.
+def unpatch_integration(name: str, helper_sets: Iterable[HelperSet], *,
+                        keep_offloaded: bool = False) -> PatchState | None:
+    """An integration's ``unpatch()``: what its replacements and the docks it kept hold offloaded brought back
+    (not with ``keep_offloaded``: [Note: unpatch() brings the state back]), its names restored (unpatched:
+    ``helper_sets``' in modules imported after ``patch()``), its ferries closed but the docks' sets (the docks
+    keep them); the state it ended returned.
 
     Raises:
         RuntimeError: a reload failed; nothing is unpatched then.
     """
+    dock_sets = {} if keep_offloaded else REGISTRY.kept_sets(name)
     if not keep_offloaded:
         REGISTRY.bring_back(name, dock_sets)
     state = REGISTRY.patched.pop(name, None)
     for patcher in state.patchers.values() if state else map(Patcher, helper_sets):
         patcher.unpatch()
     if not keep_offloaded:
-        REGISTRY.drop(name, keep=dock_sets or {})
+        REGISTRY.drop(name, keep=dock_sets)
     return state
 
 

@@ -88,6 +88,16 @@ class Registry:
     def forget(self, key: object) -> None:
         self._entries.pop(key, None)
 
+    def kept_sets(self, who: str) -> dict[Ferry, str]:
+        """The state sets of every dock ``who`` kept (the one in use too): ferry -> its name for messages
+        (``"verl dock set engine0.params"``); their moves in flight waited for."""
+        out: dict[Ferry, str] = {}
+        for router in [r for key, r in list(self.kept.items()) if key[0] == who]:
+            if router.dock is not None:
+                router.dock.wait()
+            out.update({ferry: f"{router.label} set {name}" for name, ferry in router.sets.items()})
+        return out
+
     def _held_by(self, who: str, names: Mapping[Ferry, str]) -> list[Held]:
         out = []
         for key, entry in self.of(who):

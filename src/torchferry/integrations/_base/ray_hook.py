@@ -102,8 +102,7 @@ class WorkerHook:
             return
         if self.names.module in sys.modules:
             self._patch()
-            return
-        if not any(isinstance(f, _PatchOnImport) and f.module == self.names.module for f in sys.meta_path):
+        elif not any(isinstance(f, _PatchOnImport) and f.module == self.names.module for f in sys.meta_path):
             _PatchOnImport(self.names.module, self._patch).install()
 
     def ray_worker_setup(self) -> None:

@@ -23,9 +23,6 @@ from .._base import REGISTRY, HelperSet, PatchState, Settings, away, unpatch_int
 
 __all__ = ["ferry_for", "is_patched", "patch", "unpatch"]
 
-_PREFIX = "torchferry.integrations.areal"
-
-
 def is_patched() -> bool:
     """True between :func:`patch` and :func:`unpatch`."""
     return "areal" in REGISTRY.patched
@@ -46,9 +43,7 @@ def _skip_unchanged(engine: object, optimizer: object | None) -> bool:
     forced = state.settings.choice("skip_unchanged") if state is not None else None
     if forced is not None:
         return forced
-    if optimizer is None:
-        return True
-    return bool(getattr(getattr(engine, "config", None), "use_lora", False))
+    return optimizer is None or bool(getattr(getattr(engine, "config", None), "use_lora", False))
 
 
 def _ferry_of(engine: object) -> Ferry:
@@ -56,10 +51,8 @@ def _ferry_of(engine: object) -> Ferry:
     replaced since: a new ``initialize()``; the old one goes with its entry)."""
     model = getattr(engine, "model", None)
     if model is None:
-        raise RuntimeError(
-            f"{_PREFIX}: offload() of an FSDPEngine without a model (before initialize() or after "
-            "destroy()); nothing was moved"
-        )
+        raise RuntimeError(HELPER_SET.error("offload() of an FSDPEngine without a model (before initialize() or "
+                                            "after destroy()); nothing was moved"))
     optimizer = getattr(engine, "optimizer", None)
     ferry = ferry_for(engine)
     if ferry is not None:
@@ -189,7 +182,7 @@ def patch(*, skip_unchanged: bool | None = None) -> list[str]:
     if state is not None:
         return next(iter(state.patchers.values())).names()
     if skip_unchanged is not None and not isinstance(skip_unchanged, bool):
-        raise TypeError(f"{_PREFIX}: patch(skip_unchanged=...) takes None or a bool, not {skip_unchanged!r}")
+        raise TypeError(HELPER_SET.error(f"patch(skip_unchanged=...) takes None or a bool, not {skip_unchanged!r}"))
     state = PatchState(name="areal", settings=Settings.read({} if skip_unchanged is None else
                                                             {"skip_unchanged": skip_unchanged}))
     names = state.patch(HELPER_SET)

@@ -133,10 +133,9 @@ class PatchState:
 
 def unpatch_integration(name: str, helper_sets: Iterable[HelperSet], *,
                         keep_offloaded: bool = False) -> PatchState | None:
-    """An integration's ``unpatch()``: what its replacements and the docks it kept hold offloaded brought back
-    (not with ``keep_offloaded``: [Note: unpatch() brings the state back]), its names restored (unpatched:
-    ``helper_sets``' in modules imported after ``patch()``), its ferries closed but the docks' sets (the docks
-    keep them); the state it ended returned.
+    """An integration's ``unpatch()``: what its replacements and its kept docks hold offloaded brought back (not
+    with ``keep_offloaded``: [Note: unpatch() brings the state back]), its names restored (unpatched: ``helper_sets``'
+    in modules imported after ``patch()``), its ferries closed but the docks' sets; the state it ended returned.
 
     Raises:
         RuntimeError: a reload failed; nothing is unpatched then.

@@ -139,8 +139,8 @@ class Registry:
         return done
 
     def drop(self, who: str, keep: Collection[Ferry] = ()) -> None:
-        """``who``'s ferries closed (their pools returned) and forgotten, but those in ``keep`` (a verl
-        dock's sets, which the dock keeps: a later ``unpatch()`` brings them back).
+        """``who``'s ferries closed (their pools returned) and forgotten, but those in ``keep`` (:meth:`kept_sets`:
+        the docks keep them, a later ``unpatch()`` brings them back).
 
         Raises:
             RuntimeError: one of them is offloaded (:meth:`bring_back` first).

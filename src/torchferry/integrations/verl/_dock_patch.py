@@ -15,16 +15,6 @@ from ._dock import VerlDock, dock_rollout, docked
 __all__ = ["patch_dock", "unpatch_dock", "verl_targets"]
 
 
-def _signature_check(obj: Callable, params: tuple[str, ...], what: str) -> None:
-    try:
-        names = tuple(inspect.signature(obj).parameters)
-    except (TypeError, ValueError) as e:
-        raise RuntimeError(f"torchferry: verl dock: cannot read the signature of {what}: {e}") from e
-    if names[:len(params)] != params:
-        raise RuntimeError(f"torchferry: verl dock: {what} takes {names}, not {params} as in verl 0.9.1; "
-                           "this verl is not supported by patch(dock=...) (nothing was replaced)")
-
-
 def verl_targets() -> type:
     """verl's ``FSDPEngine``, once what the dock mode replaces or reads in verl is checked.
 
@@ -48,9 +38,16 @@ def verl_targets() -> type:
     if ctx is None or worker is None or engine is None:
         raise RuntimeError("torchferry: verl dock: BaseEngineCtx, ActorRolloutRefWorker or FSDPEngine is missing "
                            f"in verl {version}; nothing was replaced")
-    _signature_check(ctx.__init__, ("self", "engine", "mode"), "BaseEngineCtx.__init__")
-    _signature_check(ctx.__exit__, ("self", "exc_type", "exc_val", "exc_tb"), "BaseEngineCtx.__exit__")
-    _signature_check(worker.init_model, ("self",), "ActorRolloutRefWorker.init_model")
+    for fn, params, what in ((ctx.__init__, ("self", "engine", "mode"), "BaseEngineCtx.__init__"),
+                             (ctx.__exit__, ("self", "exc_type", "exc_val", "exc_tb"), "BaseEngineCtx.__exit__"),
+                             (worker.init_model, ("self",), "ActorRolloutRefWorker.init_model")):
+        try:
+            names = tuple(inspect.signature(fn).parameters)
+        except (TypeError, ValueError) as e:
+            raise RuntimeError(f"torchferry: verl dock: cannot read the signature of {what}: {e}") from e
+        if names[:len(params)] != params:
+            raise RuntimeError(f"torchferry: verl dock: {what} takes {names}, not {params} as in verl 0.9.1; "
+                               "this verl is not supported by patch(dock=...) (nothing was replaced)")
     return engine
 
 

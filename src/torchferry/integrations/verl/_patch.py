@@ -7,6 +7,7 @@ in ``docs/integrations.md``.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable, Mapping
 from types import ModuleType
@@ -60,27 +61,25 @@ def _optimizers(optimizer) -> list:
     return [optimizer]
 
 
-def _engine_replacements(engine: str) -> Callable[[ModuleType, Mapping[str, Callable]], dict[str, Callable]]:
-    def build(module: ModuleType, original: Mapping[str, Callable]) -> dict[str, Callable]:
-        def offload_model(model, empty_cache: bool = True):
-            idle_and_resharded(model)
-            helpers_of("verl").offload_model(model, empty_cache)
+def _engine_replacements(engine: str, module: ModuleType, original: Mapping[str, Callable]) -> dict[str, Callable]:
+    def offload_model(model, empty_cache: bool = True):
+        idle_and_resharded(model)
+        helpers_of("verl").offload_model(model, empty_cache)
 
-        def offload_optimizer(optimizer):
-            for opt in _optimizers(optimizer):
-                helpers_of("verl").offload_optimizer(opt)
+    def offload_optimizer(optimizer):
+        for opt in _optimizers(optimizer):
+            helpers_of("verl").offload_optimizer(opt)
 
-        def load_optimizer(optimizer, device_id):
-            opts = _optimizers(optimizer)
-            if any(o.state and REGISTRY.ferry(o) is None for o in opts):  # verl's own code moved them
-                return original[f"load_{engine}_optimizer"](optimizer, device_id)
-            for opt in opts:
-                helpers_of("verl").load_optimizer(opt, device_id)
+    def load_optimizer(optimizer, device_id):
+        opts = _optimizers(optimizer)
+        if any(o.state and REGISTRY.ferry(o) is None for o in opts):  # verl's own code moved them
+            return original[f"load_{engine}_optimizer"](optimizer, device_id)
+        for opt in opts:
+            helpers_of("verl").load_optimizer(opt, device_id)
 
-        load_model = model_load("verl", original[f"load_{engine}_model_to_gpu"])
-        return {f"offload_{engine}_model_to_cpu": offload_model, f"load_{engine}_model_to_gpu": load_model,
-                f"offload_{engine}_optimizer": offload_optimizer, f"load_{engine}_optimizer": load_optimizer}
-    return build
+    load_model = model_load("verl", original[f"load_{engine}_model_to_gpu"])
+    return {f"offload_{engine}_model_to_cpu": offload_model, f"load_{engine}_model_to_gpu": load_model,
+            f"offload_{engine}_optimizer": offload_optimizer, f"load_{engine}_optimizer": load_optimizer}
 
 
 def _engine_set(engine: str) -> HelperSet:
@@ -89,7 +88,7 @@ def _engine_set(engine: str) -> HelperSet:
         integration="verl", framework=f"verl's {engine} engine", module=f"{package}.utils", package=package,
         helpers={f"offload_{engine}_model_to_cpu": ("model", "empty_cache"), f"load_{engine}_model_to_gpu": ("model",),
                  f"offload_{engine}_optimizer": ("optimizer",), f"load_{engine}_optimizer": ("optimizer", "device_id")},
-        replacements=_engine_replacements(engine), call_sites=(f"{package}.transformer_impl",),
+        replacements=functools.partial(_engine_replacements, engine), call_sites=(f"{package}.transformer_impl",),
     )
 
 

@@ -24,8 +24,10 @@ __all__ = [
     "forward_prefetch_units",
     "fsdp1_flat_storages",
     "fsdp1_offloads_params",
+    "fsdp2_offloads_params",
     "fsdp_held",
     "fsdp_modules",
+    "idle_and_resharded",
     "is_dtensor",
     "lazy_init_done",
     "local_of",
@@ -280,6 +282,30 @@ def fsdp1_offloads_params(module: nn.Module) -> bool:
 
     return any(getattr(getattr(m, "cpu_offload", None), "offload_params", False)
                for m in FullyShardedDataParallel.fsdp_modules(module))
+
+
+def fsdp2_offloads_params(module: nn.Module) -> bool:
+    """Whether an FSDP2 unit under ``module`` has a ``CPUOffloadPolicy`` (FSDP2 keeps its shards on the host)."""
+    units = fsdp_modules(module)
+    if not units:
+        return False
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    groups = [g for unit in units for g in param_groups(unit._get_fsdp_state())]  # pyright: ignore[reportCallIssue]
+    return any(isinstance(getattr(g, "offload_policy", None), CPUOffloadPolicy) for g in groups)
+
+
+def idle_and_resharded(model: nn.Module) -> None:
+    """Every FSDP2 param group under ``model`` set IDLE, then ``model.reshard()`` (what verl's VeOmni and
+    Automodel helpers do before moving a model)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+
+    for module in model.modules():
+        for group in param_groups(_get_module_fsdp_state(module)):  # none for a module outside FSDP2
+            group._training_state = TrainingState.IDLE
+    if callable(getattr(model, "reshard", None)):
+        model.reshard()  # pyright: ignore[reportCallIssue]  # FSDP2's reshard on an FSDPModule
 
 
 @functools.cache

@@ -1,11 +1,7 @@
-"""The seed's FSDP offload helpers, backed by torchferry: one object shared by every integration.
-
-verl's ``verl.utils.fsdp_utils`` (verl PR #7347) and SkyRL's ``...skyrl_train.distributed.fsdp_utils`` define
-the same four helpers, "the seed" below. :class:`SeedHelpers` is their drop-in for one caller; the module-level
-functions are those a user imports (no integration, the environment's settings). What they do better than
-the seed's: ``docs/verl-quickstart.md`` ("What changes").
-
-The notes cited below are in ``docs/integrations.md`` ("The seed helpers").
+"""The four FSDP offload helpers verl (``verl.utils.fsdp_utils``, verl PR #7347) and SkyRL share, "the seed",
+backed by torchferry: :class:`SeedHelpers` for one caller, the module-level functions for a user's own calls
+(the environment's settings). What changes: ``docs/verl-quickstart.md``; the notes cited below are in
+``docs/integrations.md`` ("The seed helpers").
 """
 
 from __future__ import annotations
@@ -25,8 +21,8 @@ from .registry import REGISTRY, Registry
 from .settings import SWITCHES, Settings, read_switch
 
 __all__ = ["PatchState", "SeedHelpers", "ferry_for", "has_state", "helpers_of", "load_fsdp2_model_to_gpu",
-           "load_fsdp_optimizer", "offload_fsdp2_model_to_cpu", "offload_fsdp_optimizer", "patch_choices",
-           "seed_replacements", "settings_of", "unpatch_integration"]
+           "load_fsdp_optimizer", "model_load", "offload_fsdp2_model_to_cpu", "offload_fsdp_optimizer",
+           "patch_choices", "seed_replacements", "settings_of", "unpatch_integration"]
 
 
 def has_state(optimizer: torch.optim.Optimizer) -> bool:
@@ -51,8 +47,7 @@ class SeedHelpers:
     def make(self, obj: nn.Module | torch.optim.Optimizer) -> Ferry:
         """``obj``'s ferry, made if it has none; recorded as moved by :attr:`integration`."""
         ferry = self.registry.ferry(obj)
-        if ferry is None:
-            # See [Note: the helpers skip unchanged storages].
+        if ferry is None:  # see [Note: the helpers skip unchanged storages]
             model = isinstance(obj, nn.Module)
             ferry = Ferry(obj, skip_unchanged=self.switch("skip_unchanged")) if model else Ferry(obj)
             self.registry.put(obj, ferry, self.integration)
@@ -136,22 +131,23 @@ class PatchState:
         return self.patchers.setdefault(key, Patcher(helper_set)).patch(import_call_sites=import_call_sites)
 
 
-def unpatch_integration(name: str, helper_sets: Iterable[HelperSet], *, keep_offloaded: bool = False,
-                        dock_sets: Mapping[Ferry, str] | None = None) -> PatchState | None:
-    """An integration's ``unpatch()``: what its replacements hold offloaded brought back (not with
-    ``keep_offloaded``: [Note: unpatch() brings the state back]), its names restored (unpatched: ``helper_sets``'
-    in modules imported after ``patch()``), its ferries closed but ``dock_sets``'; the state it ended returned.
+def unpatch_integration(name: str, helper_sets: Iterable[HelperSet], *,
+                        keep_offloaded: bool = False) -> PatchState | None:
+    """An integration's ``unpatch()``: what its replacements and its kept docks hold offloaded brought back (not
+    with ``keep_offloaded``: [Note: unpatch() brings the state back]), its names restored (unpatched: ``helper_sets``'
+    in modules imported after ``patch()``), its ferries closed but the docks' sets; the state it ended returned.
 
     Raises:
         RuntimeError: a reload failed; nothing is unpatched then.
     """
+    dock_sets = {} if keep_offloaded else REGISTRY.kept_sets(name)
     if not keep_offloaded:
         REGISTRY.bring_back(name, dock_sets)
     state = REGISTRY.patched.pop(name, None)
     for patcher in state.patchers.values() if state else map(Patcher, helper_sets):
         patcher.unpatch()
     if not keep_offloaded:
-        REGISTRY.drop(name, keep=dock_sets or {})
+        REGISTRY.drop(name, keep=dock_sets)
     return state
 
 
@@ -224,14 +220,21 @@ def load_fsdp_optimizer(optimizer: torch.optim.Optimizer, device_id: int | str |
     _DIRECT.load_optimizer(optimizer, device_id)
 
 
-def seed_replacements(integration: str, original: Mapping[str, Callable]) -> dict[str, Callable]:
-    """The four seed helpers' replacements for ``integration`` (each ``__wrapped__``: the public helper), each
-    running :func:`helpers_of` at its call; a load of an object torchferry never moved goes to ``original``."""
+def model_load(integration: str, framework_load: Callable) -> Callable:
+    """A model load of ``integration``'s replacements: :func:`helpers_of`'s at its call, or for a model
+    torchferry never moved the framework's own (``framework_load``)."""
 
     def load_model(model):
         if REGISTRY.ferry(model) is None:
-            return original["load_fsdp2_model_to_gpu"](model)
+            return framework_load(model)
         return helpers_of(integration).load_model(model)
+
+    return load_model
+
+
+def seed_replacements(integration: str, original: Mapping[str, Callable]) -> dict[str, Callable]:
+    """The four seed helpers' replacements for ``integration`` (each ``__wrapped__``: the public helper), each
+    running :func:`helpers_of` at its call; a load of an object torchferry never moved goes to ``original``."""
 
     def load_optimizer(optimizer, device_id):
         if REGISTRY.ferry(optimizer) is None:
@@ -244,6 +247,7 @@ def seed_replacements(integration: str, original: Mapping[str, Callable]) -> dic
     def offload_optimizer(optimizer):
         helpers_of(integration).offload_optimizer(optimizer)
 
+    load_model = model_load(integration, original["load_fsdp2_model_to_gpu"])
     return {
         "offload_fsdp2_model_to_cpu": routed(offload_fsdp2_model_to_cpu, offload_model),
         "load_fsdp2_model_to_gpu": routed(load_fsdp2_model_to_gpu, load_model),

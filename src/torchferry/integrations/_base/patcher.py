@@ -1,10 +1,5 @@
-"""Replacing a framework's functions or a class's methods by name, checked first and undone exactly.
-
-An integration declares, in a :class:`HelperSet`, its framework's module (and class, for methods), the names
-with the parameters the replacements were written for, and a function that builds the replacements from the
-originals; a :class:`Patcher` does the rest, the same way for every framework: a class's methods are replaced
-on the class (so on every subclass that does not define its own), a module's functions wherever a module of
-the package holds the original object (the module itself and every module that bound it by name).
+"""Replacing a framework's functions or a class's methods by name, checked first and undone exactly: an
+integration says what in a :class:`HelperSet`, a :class:`Patcher` does it the same way for every framework.
 
 See [Note: replacements remember their originals] in ``docs/integrations.md``.
 """
@@ -56,14 +51,9 @@ class HelperSet:
 
 
 def routed(public: Callable, call: Callable) -> Callable:
-    """A replacement that runs ``call`` under the name and docstring of torchferry's ``public`` helper
-    (``__wrapped__``: ``public``)."""
-
-    @functools.wraps(public)
-    def replacement(*args, **kwargs):
-        return call(*args, **kwargs)
-
-    return replacement
+    """``call`` (a replacement's own function, made for it) under the name and docstring of torchferry's
+    ``public`` helper (``__wrapped__``: ``public``)."""
+    return functools.wraps(public)(call)
 
 
 class Patcher:
@@ -112,8 +102,9 @@ class Patcher:
         return module, owner
 
     def patch(self, *, import_call_sites: bool = True) -> list[str]:
-        """Replaces the names, on the class or in the module and every package module that bound them (those of
-        ``HelperSet.call_sites`` imported first, with ``import_call_sites``), and returns them. Idempotent.
+        """Replaces the names, on the class (so on every subclass that does not define its own) or wherever a
+        module of the package holds the original (those of ``HelperSet.call_sites`` imported first, with
+        ``import_call_sites``), and returns them. Idempotent.
 
         Raises:
             RuntimeError: as :meth:`check`; nothing is replaced then.

@@ -1,10 +1,7 @@
-"""A Ray ``worker_process_setup_hook`` that patches a framework's helpers in every worker.
-
-``patch()`` in the driver does not reach training workers that are Ray actors (each its own process). Ray
-runs a job's ``worker_process_setup_hook`` in every worker process it starts for that job, before any task or
-actor method, and actors inherit the job's ``runtime_env`` (``env_vars`` an actor sets are merged). A
-:class:`WorkerHook` is that hook for one integration: it patches as soon as the worker imports the
-framework's helper module (at once if it already has), so processes that never import it pay nothing.
+"""A Ray ``worker_process_setup_hook`` that patches a framework's helpers in every worker: ``patch()`` in the
+driver does not reach training workers that are Ray actors (each its own process). Ray runs a job's hook in
+every worker process it starts for that job, before any task or actor method, and actors inherit the job's
+``runtime_env`` (``env_vars`` an actor sets are merged).
 """
 
 from __future__ import annotations
@@ -39,9 +36,9 @@ class HookNames:
     next_hook_env: str  # names a hook of the user's own (module.function), run after torchferry's
 
 
-# See [Note: a failed patch fails every import] in docs/integrations.md.
 class _PatchAfterExec(importlib.abc.Loader):
-    """Wraps the loader of the helper module: runs it, then the patch."""
+    """Wraps the loader of the helper module: runs it, then the patch ([Note: a failed patch fails every
+    import] in ``docs/integrations.md``)."""
 
     def __init__(self, inner: importlib.abc.Loader, finder: _PatchOnImport) -> None:
         self._inner, self._finder = inner, finder
@@ -105,8 +102,7 @@ class WorkerHook:
             return
         if self.names.module in sys.modules:
             self._patch()
-            return
-        if not any(isinstance(f, _PatchOnImport) and f.module == self.names.module for f in sys.meta_path):
+        elif not any(isinstance(f, _PatchOnImport) and f.module == self.names.module for f in sys.meta_path):
             _PatchOnImport(self.names.module, self._patch).install()
 
     def ray_worker_setup(self) -> None:
@@ -141,16 +137,13 @@ class WorkerHook:
                 env_vars[n.next_hook_env] = theirs
             env["worker_process_setup_hook"] = n.hook_path
         else:
-            env["worker_process_setup_hook"] = self._chain(theirs)
+            def torchferry_then_user_hook() -> None:
+                self.ray_worker_setup()
+                theirs()
+
+            env["worker_process_setup_hook"] = torchferry_then_user_hook
         env["env_vars"] = env_vars
         return env
-
-    def _chain(self, theirs: Callable[[], None]) -> Callable[[], None]:
-        def torchferry_then_user_hook() -> None:
-            self.ray_worker_setup()
-            theirs()
-
-        return torchferry_then_user_hook
 
     @contextlib.contextmanager
     def ray_init_with_hook(self) -> Iterator[None]:

@@ -20,8 +20,7 @@ __all__ = ["REGISTRY", "Held", "Registry", "away"]
 
 
 class Held(NamedTuple):
-    """One ferry an integration's replacements made, and what it is for messages (``"model Mixed (1200
-    bytes)"``, ``"verl dock set engine0.params (...)"``)."""
+    """One ferry an integration's replacements made, and what it is for messages (``"model Mixed (1200 bytes)"``)."""
 
     what: str
     ferry: Ferry
@@ -89,6 +88,16 @@ class Registry:
     def forget(self, key: object) -> None:
         self._entries.pop(key, None)
 
+    def kept_sets(self, who: str) -> dict[Ferry, str]:
+        """The state sets of every dock ``who`` kept (the one in use too): ferry -> its name for messages
+        (``"verl dock set engine0.params"``); their moves in flight waited for."""
+        out: dict[Ferry, str] = {}
+        for router in [r for key, r in list(self.kept.items()) if key[0] == who]:
+            if router.dock is not None:
+                router.dock.wait()
+            out.update({ferry: f"{router.label} set {name}" for name, ferry in router.sets.items()})
+        return out
+
     def _held_by(self, who: str, names: Mapping[Ferry, str]) -> list[Held]:
         out = []
         for key, entry in self.of(who):
@@ -130,8 +139,8 @@ class Registry:
         return done
 
     def drop(self, who: str, keep: Collection[Ferry] = ()) -> None:
-        """``who``'s ferries closed (their pools returned) and forgotten, but those in ``keep`` (a verl
-        dock's sets, which the dock keeps: a later ``unpatch()`` brings them back).
+        """``who``'s ferries closed (their pools returned) and forgotten, but those in ``keep`` (:meth:`kept_sets`:
+        the docks keep them, a later ``unpatch()`` brings them back).
 
         Raises:
             RuntimeError: one of them is offloaded (:meth:`bring_back` first).

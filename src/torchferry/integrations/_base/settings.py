@@ -51,9 +51,7 @@ def read_switch(name: str, default: bool | None = None) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class Settings:
-    """What one integration's replacements do, fixed by its ``patch()`` ([Note: each integration's settings]).
-    The switches' Notes: [Note: the helpers skip unchanged storages], [Note: optimizer state waited for at
-    step()], [Note: the helpers' layer-wise reload], [Note: FSDP1 models through torchferry]."""
+    """What one integration's replacements do, fixed by its ``patch()`` ([Note: each integration's settings])."""
 
     skip_unchanged: bool = True
     optimizer_at_step: bool = False
@@ -73,10 +71,9 @@ class Settings:
     def read(cls, args: Mapping[str, bool | None], *, defaults: Mapping[str, bool] | None = None,
              earlier: Settings | None = None, with_dock: bool = False, dock: object = None) -> Settings:
         """The settings of one ``patch()``: each switch of ``args`` (name -> the argument, ``None``: not given)
-        from its argument, else the argument of ``earlier`` (a ``patch()`` still in force), else the environment
-        over ``defaults`` (the integration's: [Note: verl's defaults]), else torchferry's; switches ``args`` does
-        not name keep torchferry's defaults. ``with_dock``: verl's budget too, ``dock`` else
-        ``TORCHFERRY_VERL_DOCK`` (:func:`dock_budget`). Checks everything before anything is replaced.
+        from its argument, else the argument of ``earlier`` (a ``patch()`` still in force), else the environment,
+        else ``defaults`` (the integration's: [Note: verl's defaults]), else torchferry's; a switch ``args`` does
+        not name keeps torchferry's default. ``with_dock``: verl's budget too (:func:`dock_budget` of ``dock``).
 
         Raises:
             TypeError: an argument is neither ``None`` nor a bool.
@@ -96,7 +93,6 @@ class Settings:
         return cls(**values, dock=budget, chosen=tuple(sorted(chosen.items())))
 
 
-# ------------------------------------------------------------------------------------ verl's dock budget
 _FRACTION = re.compile(r"[0-9]*\.[0-9]+|[0-9]+\.")  # a str read as a fraction: ASCII digits and a point
 MIN_BUDGET_BYTES = 1 << 20  # below this a byte count is a slip (TORCHFERRY_VERL_DOCK=1 read as "on"), not a budget
 
@@ -154,7 +150,6 @@ def dock_budget(choice: object) -> int | float | None:
     return parse_budget(os.environ.get(DOCK_ENV), DOCK_ENV)
 
 
-# ------------------------------------------------------------------------------------ the Ray hooks' reads
 def forwarded_env() -> dict[str, str]:
     """The driver's :data:`FORWARDED_SETTINGS` that are set, for a Ray job's ``env_vars``."""
     return {k: os.environ[k] for k in FORWARDED_SETTINGS if k in os.environ}

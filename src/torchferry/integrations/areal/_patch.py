@@ -1,11 +1,9 @@
 """``patch()``: AReaL's ``FSDPEngine.offload`` / ``onload`` through torchferry ferries, replaced on
 ``areal.engine.fsdp_engine.FSDPEngine`` (so on every subclass that does not define its own: ``FSDPPPOActor``,
-``FSDPPPOCritic``, ``FSDPLMEngine`` ...). Written against AReaL 1.0.4.
-
-AReaL's own methods pause and resume torch_memory_saver (``TMS_INIT_ENABLE=1`` and its ``LD_PRELOAD`` hook,
-which AReaL's launchers set with ``enable_offload=True``) between the same logs, ``clear_memory()``,
-synchronizations and barrier (of the engine's gloo ``cpu_group``) that the replacements keep, with
-``is_offload``, so AReaL's callers (``_offload_aware_context()``, ``_ensure_ready()``) keep their meaning.
+``FSDPPPOCritic``, ``FSDPLMEngine`` ...). Written against AReaL 1.0.4. In place of torch_memory_saver's pause and
+resume (AReaL's launchers' ``enable_offload=True``) they keep AReaL's logs, ``clear_memory()``, synchronizations,
+barrier (of the engine's gloo ``cpu_group``) and ``is_offload``, so its callers (``_offload_aware_context()``,
+``_ensure_ready()``) keep their meaning.
 
 See [Note: what torch_memory_saver released that a ferry does not], [Note: AReaL's clear_memory() beside the
 copies] and [Note: which engines skip unchanged storages] in ``docs/integrations.md``.
@@ -24,9 +22,6 @@ from torchferry import Ferry
 from .._base import REGISTRY, HelperSet, PatchState, Settings, away, unpatch_integration, whole_copies
 
 __all__ = ["ferry_for", "is_patched", "patch", "unpatch"]
-
-_PREFIX = "torchferry.integrations.areal"
-
 
 def is_patched() -> bool:
     """True between :func:`patch` and :func:`unpatch`."""
@@ -48,9 +43,7 @@ def _skip_unchanged(engine: object, optimizer: object | None) -> bool:
     forced = state.settings.choice("skip_unchanged") if state is not None else None
     if forced is not None:
         return forced
-    if optimizer is None:
-        return True
-    return bool(getattr(getattr(engine, "config", None), "use_lora", False))
+    return optimizer is None or bool(getattr(getattr(engine, "config", None), "use_lora", False))
 
 
 def _ferry_of(engine: object) -> Ferry:
@@ -58,10 +51,8 @@ def _ferry_of(engine: object) -> Ferry:
     replaced since: a new ``initialize()``; the old one goes with its entry)."""
     model = getattr(engine, "model", None)
     if model is None:
-        raise RuntimeError(
-            f"{_PREFIX}: offload() of an FSDPEngine without a model (before initialize() or after "
-            "destroy()); nothing was moved"
-        )
+        raise RuntimeError(HELPER_SET.error("offload() of an FSDPEngine without a model (before initialize() or "
+                                            "after destroy()); nothing was moved"))
     optimizer = getattr(engine, "optimizer", None)
     ferry = ferry_for(engine)
     if ferry is not None:
@@ -75,10 +66,9 @@ def _ferry_of(engine: object) -> Ferry:
     return ferry
 
 
-# See [Note: a model or optimizer replaced while offloaded] in docs/integrations.md.
 def _settle(engine: object) -> None:
-    """Brings back and closes the ferry of an engine whose model or optimizer was replaced since it was made;
-    a no-op otherwise."""
+    """Brings back and closes the ferry of an engine whose model or optimizer was replaced since it was made
+    ([Note: a model or optimizer replaced while offloaded] in ``docs/integrations.md``); a no-op otherwise."""
     entry = REGISTRY.entry(engine)
     if entry is None or entry.serves(getattr(engine, "model", None), getattr(engine, "optimizer", None)):
         return
@@ -159,7 +149,6 @@ def _replacements(module: ModuleType, original: Mapping[str, Callable]) -> dict[
         self.is_offload = False
 
     for name, fn in (("offload", offload), ("onload", onload)):
-        fn.__module__ = __name__
         fn.__qualname__ = f"FSDPEngine.{name}"
     return {"offload": offload, "onload": onload}
 
@@ -193,7 +182,7 @@ def patch(*, skip_unchanged: bool | None = None) -> list[str]:
     if state is not None:
         return next(iter(state.patchers.values())).names()
     if skip_unchanged is not None and not isinstance(skip_unchanged, bool):
-        raise TypeError(f"{_PREFIX}: patch(skip_unchanged=...) takes None or a bool, not {skip_unchanged!r}")
+        raise TypeError(HELPER_SET.error(f"patch(skip_unchanged=...) takes None or a bool, not {skip_unchanged!r}"))
     state = PatchState(name="areal", settings=Settings.read({} if skip_unchanged is None else
                                                             {"skip_unchanged": skip_unchanged}))
     names = state.patch(HELPER_SET)

@@ -13,23 +13,12 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from .._base import (REGISTRY, HelperSet, PatchState, Settings, check_bool, fsdp_modules, param_groups,
-                     seed_replacements, unpatch_integration)
+from .._base import (REGISTRY, HelperSet, PatchState, Settings, check_bool, fsdp2_offloads_params,
+                     offload_fsdp2_model_to_cpu, routed, seed_replacements, unpatch_integration)
 
 __all__ = ["FSDP_UTILS", "HELPER_SET", "is_patched", "patch", "unpatch"]
 
 FSDP_UTILS = "skyrl.backends.skyrl_train.distributed.fsdp_utils"
-
-
-def _fsdp_keeps_params_on_host(model: nn.Module) -> bool:
-    """Whether an FSDP2 unit under ``model`` has a ``CPUOffloadPolicy`` (FSDP2 keeps its shards on the host)."""
-    units = fsdp_modules(model)
-    if not units:
-        return False
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    groups = [g for unit in units for g in param_groups(unit._get_fsdp_state())]  # pyright: ignore[reportCallIssue]
-    return any(isinstance(getattr(g, "offload_policy", None), CPUOffloadPolicy) for g in groups)
 
 
 def _materialise_meta_buffers(model: nn.Module) -> None:
@@ -42,16 +31,15 @@ def _materialise_meta_buffers(model: nn.Module) -> None:
 
 def _replacements(fsdp_utils: ModuleType, original: Mapping[str, Callable]) -> dict[str, Callable]:
     out = seed_replacements("skyrl", original)
-    offload = out["offload_fsdp2_model_to_cpu"].__wrapped__
+    seed_offload = out["offload_fsdp2_model_to_cpu"]
 
-    def offload_fsdp2_model_to_cpu(model, empty_cache: bool = True):  # [Note: what stays with SkyRL's own helpers]
-        if _fsdp_keeps_params_on_host(model):
+    def offload(model, empty_cache: bool = True):  # [Note: what stays with SkyRL's own helpers]
+        if fsdp2_offloads_params(model):
             return original["offload_fsdp2_model_to_cpu"](model, empty_cache)
         _materialise_meta_buffers(model)
-        return out["offload_fsdp2_model_to_cpu"](model, empty_cache)
+        return seed_offload(model, empty_cache)
 
-    offload_fsdp2_model_to_cpu.__wrapped__ = offload  # type: ignore[attr-defined]
-    return {**out, "offload_fsdp2_model_to_cpu": offload_fsdp2_model_to_cpu}
+    return {**out, "offload_fsdp2_model_to_cpu": routed(offload_fsdp2_model_to_cpu, offload)}
 
 
 HELPER_SET = HelperSet(

@@ -1,6 +1,5 @@
-"""verl's trainer under a :class:`~torchferry.Dock`: ``patch(dock=budget)``, a thin adapter over the core's
-phase dock ([Note: a trainer under a phase dock] in ``torchferry._core._dock.phase_dock``), which holds the
-framework-neutral part: the step learnt, the engines' sets, the workspaces measured, the rollout's claimants.
+"""verl's trainer under a :class:`~torchferry.Dock` (``patch(dock=budget)``): a thin adapter over the core's phase
+dock ([Note: a trainer under a phase dock] in ``torchferry._core._dock.phase_dock``).
 
 See [Note: verl under a Dock] and [Note: verl's offload flags under a Dock] in ``docs/integrations.md``.
 """
@@ -77,28 +76,20 @@ def dock_rollout(rollout: Any, weights_bytes: int, kv_cache_bytes: int) -> Any:
     return rollout
 
 
-def offloads(engine: Any) -> tuple[bool, bool]:
-    """verl's ``(param_offload, optimizer_offload)`` of ``engine`` now (both on for an object without them)."""
-    return (bool(getattr(engine, "is_param_offload_enabled", True)),
-            bool(getattr(engine, "is_optimizer_offload_enabled", True)))
-
-
-def kept_on_device(engine: Any) -> list[object]:
-    """What verl keeps on the device of ``engine``: its module without ``param_offload``, its optimizer
-    without ``optimizer_offload`` ([Note: verl's offload flags under a Dock])."""
-    params, optimizer = offloads(engine)
-    out: list[object] = [] if params else [engine.module]
-    if not optimizer and engine.optimizer is not None:
-        out.append(engine.optimizer)
-    return out
-
-
-def why_kept(engine: Any) -> str:
-    """The flags that keep ``engine``'s state on the device, for messages."""
-    params, optimizer = offloads(engine)
-    parts = ([] if params else ["param_offload=False: its parameters"]) + \
-        ([] if optimizer else ["optimizer_offload=False: its optimizer state"])
-    return "; ".join(parts) or "nothing"
+def kept_on_device(engine: Any) -> tuple[list[object], str]:
+    """What verl keeps on the device of ``engine`` and the flags why, for messages: its module without
+    ``param_offload``, its optimizer without ``optimizer_offload`` ([Note: verl's offload flags under a Dock];
+    an object without the flags offloads both)."""
+    kept: list[object] = []
+    why = []
+    if not getattr(engine, "is_param_offload_enabled", True):
+        kept.append(engine.module)
+        why.append("param_offload=False: its parameters")
+    if not getattr(engine, "is_optimizer_offload_enabled", True):
+        why.append("optimizer_offload=False: its optimizer state")
+        if engine.optimizer is not None:
+            kept.append(engine.optimizer)
+    return kept, "; ".join(why) or "nothing"
 
 
 class VerlDock(PhaseDock):
@@ -121,7 +112,8 @@ class VerlDock(PhaseDock):
               helpers: SeedHelpers | None = None) -> None:
         """A train/eval context's entry ([Note: verl's offload flags under a Dock])."""
         opt = engine.optimizer
-        super().enter(engine, mode, device=_device_of(engine), kept=kept_on_device(engine), kept_why=why_kept(engine),
+        kept, why = kept_on_device(engine)
+        super().enter(engine, mode, device=_device_of(engine), kept=kept, kept_why=why,
                       params=self._set(engine.module, helpers) if model else None,
                       optimizer=self._set(opt, helpers) if optimizer and opt is not None and has_state(opt) else None,
                       first_step=opt if mode == "train" and opt is not None and not has_state(opt) else None)
@@ -131,18 +123,16 @@ class VerlDock(PhaseDock):
         opt = engine.optimizer
         if engine not in self.engines or mode not in self.engines[engine].open:
             return
-        moved = opt is not None and has_state(opt) and offloads(engine)[1]
+        moved = opt is not None and has_state(opt) and getattr(engine, "is_optimizer_offload_enabled", True)
         super().leave(engine, mode, optimizer=self._set(opt, helpers) if moved else None,
-                      kept=kept_on_device(engine))
+                      kept=kept_on_device(engine)[0])
 
     def rollout_wakes(self, tags: list[str], nbytes: dict[str, int]) -> None:
         """``rollout.resume(tags)``: room made for each tag's claimant."""
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         self.wake({_TAGS[t]: nbytes[t] for t in tags}, device, "the rollout's")
 
-    def rollout_asleep(self) -> None:
-        """The rollout's claimants asleep: their bytes no longer count."""
-        self.asleep()
+    rollout_asleep = PhaseDock.asleep  # rollout.release(): the rollout's claimants asleep
 
 
 def _device_of(engine: Any) -> torch.device:

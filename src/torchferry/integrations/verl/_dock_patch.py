@@ -15,16 +15,6 @@ from ._dock import VerlDock, dock_rollout, docked
 __all__ = ["patch_dock", "unpatch_dock", "verl_targets"]
 
 
-def _signature_check(obj: Callable, params: tuple[str, ...], what: str) -> None:
-    try:
-        names = tuple(inspect.signature(obj).parameters)
-    except (TypeError, ValueError) as e:
-        raise RuntimeError(f"torchferry: verl dock: cannot read the signature of {what}: {e}") from e
-    if names[:len(params)] != params:
-        raise RuntimeError(f"torchferry: verl dock: {what} takes {names}, not {params} as in verl 0.9.1; "
-                           "this verl is not supported by patch(dock=...) (nothing was replaced)")
-
-
 def verl_targets() -> type:
     """verl's ``FSDPEngine``, once what the dock mode replaces or reads in verl is checked.
 
@@ -48,9 +38,16 @@ def verl_targets() -> type:
     if ctx is None or worker is None or engine is None:
         raise RuntimeError("torchferry: verl dock: BaseEngineCtx, ActorRolloutRefWorker or FSDPEngine is missing "
                            f"in verl {version}; nothing was replaced")
-    _signature_check(ctx.__init__, ("self", "engine", "mode"), "BaseEngineCtx.__init__")
-    _signature_check(ctx.__exit__, ("self", "exc_type", "exc_val", "exc_tb"), "BaseEngineCtx.__exit__")
-    _signature_check(worker.init_model, ("self",), "ActorRolloutRefWorker.init_model")
+    for fn, params, what in ((ctx.__init__, ("self", "engine", "mode"), "BaseEngineCtx.__init__"),
+                             (ctx.__exit__, ("self", "exc_type", "exc_val", "exc_tb"), "BaseEngineCtx.__exit__"),
+                             (worker.init_model, ("self",), "ActorRolloutRefWorker.init_model")):
+        try:
+            names = tuple(inspect.signature(fn).parameters)
+        except (TypeError, ValueError) as e:
+            raise RuntimeError(f"torchferry: verl dock: cannot read the signature of {what}: {e}") from e
+        if names[:len(params)] != params:
+            raise RuntimeError(f"torchferry: verl dock: {what} takes {names}, not {params} as in verl 0.9.1; "
+                               "this verl is not supported by patch(dock=...) (nothing was replaced)")
     return engine
 
 
@@ -81,19 +78,17 @@ def _ctx_replacements(module: Any, original: Any) -> dict[str, Callable]:
     def __enter__(c):
         if not dockable(c):
             return enter(c)
-        vd, state = docked(), REGISTRY.patched["verl"]
-        assert vd is not None
-        vd.enter(c.engine, c.mode, model=c.engine.is_param_offload_enabled,
-                 optimizer=c.mode == "train" and c.engine.is_optimizer_offload_enabled, helpers=state.helpers)
-        c._torchferry_dock = vd  # its exit leaves this dock, also if patch(dock=...) changed it since
+        state = REGISTRY.patched["verl"]  # its router: the dock, as docked() says
+        state.router.enter(c.engine, c.mode, model=c.engine.is_param_offload_enabled,
+                           optimizer=c.mode == "train" and c.engine.is_optimizer_offload_enabled, helpers=state.helpers)
+        c._torchferry_dock = state.router  # its exit leaves this dock, also if patch(dock=...) changed it since
         c.engine.mode = c.mode  # after the dock took the phase: a refused phase leaves it as it was
 
     def __exit__(c, exc_type, exc_val, exc_tb):
         entered = c.__dict__.pop("_torchferry_dock", None)
         if entered is None and not dockable(c):
             return exit_(c, exc_type, exc_val, exc_tb)
-        vd = entered if entered is not None else docked()
-        assert vd is not None
+        vd = entered if entered is not None else docked()  # not None: dockable(c)
         try:
             vd.leave(c.engine, c.mode, helpers=REGISTRY.patched["verl"].helpers)
         finally:
@@ -127,9 +122,8 @@ DOCK_SETS = (  # what patch(dock=...) replaces in verl, besides the helpers
 
 
 def patch_dock(state: PatchState, budget: int | float) -> None:
-    """verl's engine context under the dock of ``budget`` (``patch()`` checked :func:`verl_targets`): the one kept
-    for that budget, else a new one (``unpatch()`` keeps each dock made, its sets where it left them; a set held
-    by the dock of another budget moves to the one in use at its next phase, ``VerlDock.forget``)."""
+    """verl's engine context under the dock kept for ``budget``, else a new one (``patch()`` checked
+    :func:`verl_targets`; ``unpatch()`` keeps each dock made, its sets where it left them: ``VerlDock._set``)."""
     for hs in DOCK_SETS:
         state.patch(hs)
     key = ("verl", type(budget).__name__, budget)  # 1 (a byte) and 1.0 (the device) are two budgets

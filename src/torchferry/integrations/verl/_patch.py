@@ -1,23 +1,20 @@
-"""``patch()``: verl's FSDP offload helpers (:data:`HELPER_SET`, wherever verl modules bound them) and the VeOmni
-and Automodel engines' ([Note: the VeOmni and Automodel helpers] in ``docs/integrations.md``) replaced by torchferry's.
-Written against verl 0.9.1 (the helpers of verl PR #7347).
+"""``patch()``: verl 0.9.1's FSDP offload helpers (verl PR #7347's; :data:`HELPER_SET`, wherever verl modules
+bound them) and its VeOmni and Automodel engines' replaced by torchferry's.
 
-See [Note: FSDP1 models through torchferry] and [Note: verl's defaults] in ``docs/integrations.md``.
-
+See [Note: FSDP1 models through torchferry], [Note: verl's defaults] and [Note: the VeOmni and Automodel helpers]
+in ``docs/integrations.md``.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Callable, Mapping
 from types import ModuleType
 
-from torchferry import Ferry
-
-from .._base import (REGISTRY, HelperSet, PatchState, Settings, check_bool, fsdp1_offloads_params, helpers_of,
-                     seed_replacements, unpatch_integration)
-from ._dock import docks
+from .._base import (REGISTRY, HelperSet, PatchState, Patcher, Settings, check_bool, fsdp1_offloads_params, helpers_of,
+                     idle_and_resharded, model_load, seed_replacements, unpatch_integration)
 from ._dock_patch import DOCK_SETS, patch_dock, unpatch_dock, verl_targets
-from ._engines import ENGINE_SETS, importable_sets
 
 __all__ = ["FSDP_UTILS", "is_patched", "patch", "unpatch"]
 
@@ -43,13 +40,8 @@ def _replacements(fsdp_utils: ModuleType, original: Mapping[str, Callable]) -> d
             return original["offload_fsdp_model_to_cpu"](model, empty_cache)  # verl's own code
         return seed["offload_fsdp2_model_to_cpu"](model, empty_cache)
 
-    def load_fsdp_model_to_gpu(model):
-        if REGISTRY.ferry(model) is None:
-            return original["load_fsdp_model_to_gpu"](model)
-        return seed["load_fsdp2_model_to_gpu"](model)
-
     return {**seed, "offload_fsdp_model_to_cpu": offload_fsdp_model_to_cpu,
-            "load_fsdp_model_to_gpu": load_fsdp_model_to_gpu}
+            "load_fsdp_model_to_gpu": model_load("verl", original["load_fsdp_model_to_gpu"])}
 
 
 HELPER_SET = HelperSet(
@@ -59,6 +51,61 @@ HELPER_SET = HelperSet(
              "offload_fsdp_optimizer": ("optimizer",), "load_fsdp_optimizer": ("optimizer", "device_id")},
     call_sites=("verl.workers.engine.fsdp.transformer_impl", "verl.workers.fsdp_workers"), requires=("fsdp_version",),
 )
+
+
+# verl's VeOmni and Automodel engines' helpers, where they import: [Note: the VeOmni and Automodel helpers]
+def _optimizers(optimizer) -> list:
+    """VeOmni's ``MultiOptimizer`` holds one optimizer per parameter split; others are one."""
+    if getattr(optimizer, "_is_multi_optimizer", False):
+        return list(optimizer.optimizers_dict.values())
+    return [optimizer]
+
+
+def _engine_replacements(engine: str, module: ModuleType, original: Mapping[str, Callable]) -> dict[str, Callable]:
+    def offload_model(model, empty_cache: bool = True):
+        idle_and_resharded(model)
+        helpers_of("verl").offload_model(model, empty_cache)
+
+    def offload_optimizer(optimizer):
+        for opt in _optimizers(optimizer):
+            helpers_of("verl").offload_optimizer(opt)
+
+    def load_optimizer(optimizer, device_id):
+        opts = _optimizers(optimizer)
+        if any(o.state and REGISTRY.ferry(o) is None for o in opts):  # verl's own code moved them
+            return original[f"load_{engine}_optimizer"](optimizer, device_id)
+        for opt in opts:
+            helpers_of("verl").load_optimizer(opt, device_id)
+
+    load_model = model_load("verl", original[f"load_{engine}_model_to_gpu"])
+    return {f"offload_{engine}_model_to_cpu": offload_model, f"load_{engine}_model_to_gpu": load_model,
+            f"offload_{engine}_optimizer": offload_optimizer, f"load_{engine}_optimizer": load_optimizer}
+
+
+def _engine_set(engine: str) -> HelperSet:
+    package = f"verl.workers.engine.{engine}"
+    return HelperSet(
+        integration="verl", framework=f"verl's {engine} engine", module=f"{package}.utils", package=package,
+        helpers={f"offload_{engine}_model_to_cpu": ("model", "empty_cache"), f"load_{engine}_model_to_gpu": ("model",),
+                 f"offload_{engine}_optimizer": ("optimizer",), f"load_{engine}_optimizer": ("optimizer", "device_id")},
+        replacements=functools.partial(_engine_replacements, engine), call_sites=(f"{package}.transformer_impl",),
+    )
+
+
+ENGINE_SETS = tuple(_engine_set(engine) for engine in ("veomni", "automodel"))
+
+
+def importable_sets() -> list[HelperSet]:
+    """The engines whose helper module imports here, checked (``RuntimeError`` before anything is replaced)."""
+    out = []
+    for hs in ENGINE_SETS:
+        try:
+            importlib.import_module(hs.module)
+        except Exception:  # the engine's framework is not installed (verl's engines say so too): skip
+            continue
+        Patcher(hs).check()
+        out.append(hs)
+    return out
 
 
 def is_patched() -> bool:
@@ -110,7 +157,7 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
         verl_targets()  # checked before anything is replaced
     engines = importable_sets()  # checked before anything is replaced
     state = state or PatchState(name="verl", settings=settings)
-    for helper_set in (HELPER_SET, *engines):  # see [Note: the VeOmni and Automodel helpers] in docs/integrations.md
+    for helper_set in (HELPER_SET, *engines):
         state.patch(helper_set, import_call_sites=import_engines)
     state.settings = settings
     REGISTRY.patched["verl"] = state
@@ -121,23 +168,10 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
     return [name for patcher in state.patchers.values() for name in patcher.names()]
 
 
-def _dock_sets() -> dict[Ferry, str]:
-    """Every verl dock's state sets (the active dock's and those kept for their budgets): ferry -> its
-    name, e.g. ``"verl dock set engine0.params"``; their moves in flight waited for."""
-    out = {}
-    for vd in docks():
-        if vd.dock is not None:
-            vd.dock.wait()
-        out.update({ferry: f"verl dock set {name}" for name, ferry in vd.sets.items()})
-    return out
-
-
 def unpatch(*, keep_offloaded: bool = False) -> None:
     """What the patched helpers and the dock hold offloaded back on the device (not with ``keep_offloaded``),
     then verl's own helpers again ([Note: unpatch() brings the state back] in ``docs/integrations.md``)."""
     check_bool(keep_offloaded, "unpatch(keep_offloaded=...)")
-    dock_sets = {} if keep_offloaded else _dock_sets()
-    state = unpatch_integration("verl", (HELPER_SET, *ENGINE_SETS, *DOCK_SETS), keep_offloaded=keep_offloaded,
-                                dock_sets=dock_sets)
+    state = unpatch_integration("verl", (HELPER_SET, *ENGINE_SETS, *DOCK_SETS), keep_offloaded=keep_offloaded)
     if state is not None and state.router is not None:  # a phase still open now exits through verl's own code
         state.router.close_phases()

@@ -111,7 +111,8 @@ class WorkerHook:
 
         Raises:
             RuntimeError: as the integration's ``patch()``.
-            ValueError: the ``env_flag`` variable is neither on nor off.
+            ValueError: the ``env_flag`` variable is neither on nor off, or the user's next hook's variable
+                is not ``module.function``.
         """
         on, nxt = hook_env(self.names.env_flag, self.names.next_hook_env)
         if on:

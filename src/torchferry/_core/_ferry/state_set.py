@@ -115,8 +115,7 @@ class StateSet:
             self.device_fixed = True
         cache = PlanCache(fp, plan, [storage_bytes(s, plan.device) for s in plan.storages])
         parking = Parking([r.tensor for r in plan.tensors], [r.name for r in plan.tensors])
-        self._carry_unchanged()  # before the old plan's host views go
-        self._retire_twins()
+        self._let_parking_go(carry=True)  # before the old plan's host views go
         self.host.forget()  # made for the old plan
         self._forget_unchanged(keep_carried=True)
         self.cache, self.parking = cache, parking  # together: see [Note: all or nothing]
@@ -151,22 +150,21 @@ class StateSet:
         """Drops the plan (and the device storages it holds), the parked objects and the host views;
         with ``carry``, the baseline of [Note: unchanged storages] stays for the next plan's offload
         ([Note: a baseline carried across a re-plan])."""
-        if carry:
-            self._carry_unchanged()
-        self._retire_twins()
+        self._let_parking_go(carry)
         self.cache = self.parking = None
         self.host.forget()
         self._forget_unchanged(keep_carried=carry)
 
-    def _carry_unchanged(self) -> None:
-        if self.unchanged is not None and self.parking is not None:
-            self.unchanged.carry(self.parking.host_twins())
-
-    def _retire_twins(self) -> None:
-        """The parked objects are about to go: their host twins (and what a caller kept of them) still view
-        the pool, and stay watched ([Note: host tensors of earlier plans] in ``_schedules/unchanged.py``)."""
-        if self.unchanged is not None and self.parking is not None and self.pool.ready():
-            self.unchanged.retire(self.parking.host_twins(), self.pool.block_id)
+    def _let_parking_go(self, carry: bool) -> None:
+        """The plan and its parked objects are about to go: with ``carry`` its baseline stays for the next
+        plan ([Note: a baseline carried across a re-plan]); its host twins (and what a caller kept of them)
+        still view the pool and stay watched ([Note: host tensors of earlier plans], both in
+        ``_schedules/unchanged.py``)."""
+        if self.unchanged is None or self.cache is None or self.parking is None or not self.pool.ready():
+            return
+        if carry:
+            self.unchanged.carry()
+        self.unchanged.retire(self.cache.plan, self.parking.host_twins(), self.pool.block_id)
 
     def _pool_for(self, plan: Plan) -> None:
         """Before the pool may take a new block for ``plan``: a carried baseline's twins view the old one

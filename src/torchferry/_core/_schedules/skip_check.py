@@ -16,9 +16,7 @@ from .._state.plan import Plan
 from .._transfer.batches import copy_now
 from .hash_rows import int64_on
 
-__all__ = ["NO_TWIN", "Carried", "Retired", "Rules", "hashed_alike", "rules_of"]
-
-NO_TWIN = torch.empty(0)  # stands in for a missing twin in a versions() call
+__all__ = ["Carried", "Retired", "Rules", "hashed_alike", "rules_of"]
 
 logger = logging.getLogger("torchferry")
 
@@ -48,8 +46,7 @@ class Carried(NamedTuple):
 
     kind: str  # the hash that took it
     hashes: torch.Tensor  # [old storages, 2] int64 on the device
-    slots: dict[tuple[int, int, int], tuple[int, list[tuple[torch.Tensor | None, object]]]]
-    # (pool block, slot address, bytes) -> (its row in hashes, [(a host twin viewing it, its version then)])
+    slots: dict[tuple[int, int, int], int]  # (pool block, slot address, bytes) -> its row in hashes
 
 
 def rules_of(plan: Plan, views: HostViews) -> Rules:
@@ -88,8 +85,6 @@ def hashed_alike(kind: str, baseline: torch.Tensor, rows: list[int], cand: list[
     if verify_skips():
         _verify(plan, views, sources, same, rules)
     return same
-
-
 
 
 def _verify(plan: Plan, views: HostViews, sources: list[torch.Tensor], same: set[int], rules: Rules) -> None:

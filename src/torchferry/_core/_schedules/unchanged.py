@@ -109,12 +109,12 @@ frozen base included (AReaL's ``train_batch`` zeroes its gradients first). The
 skip rests on one fact: the slot still holds the bytes hashed at the baseline,
 and the device's bytes hash alike now. Neither needs the old plan: a slot is
 its pool block (``HostPool.block_id``, a new number for each block), address
-and size. So a re-plan keeps, per hashed storage, its slot, its hash row and
-the host twins that view the slot with their versions at the baseline
-(:meth:`UnchangedStorages.carry`); the next offload hashes each eligible
-storage of its new plan whose slot is one of those, whose twins' versions
-did not move and no tensor of which requires grad (a conservative rule: those
-train), and skips it where the hashes are equal. Whatever storage now sits in
+and size. So a re-plan keeps, per hashed storage, its slot and hash row
+(:meth:`UnchangedStorages.carry`), and the plan's host twins stay watched from
+their versions at the baseline ([Note: host tensors of earlier plans]); the
+next offload hashes each eligible storage of its new plan whose slot is one of
+those, over which no watched twin wrote and no tensor of which requires grad
+(a conservative rule: those train), and skips it where the hashes are equal. Whatever storage now sits in
 that slot, equal hashes mean its bytes are already there. A new baseline, an
 offload (it consumes what was carried), an armed ``offload_during_forward()``
 (its copies write slots) or a forgotten baseline drops it.
@@ -147,7 +147,7 @@ from .._state.fsdp import local_of, storage_refs, versions
 from .hash import hash_kind, hash_storages, stage_rows
 from .._host.layout import HostViews
 from .._state.plan import Plan
-from .skip_check import NO_TWIN, Carried, Retired, Rules, hashed_alike, rules_of
+from .skip_check import Carried, Retired, Rules, hashed_alike, rules_of
 from .step_hooks import GlobalStepHook
 
 __all__ = ["VERIFY_ENV", "UnchangedStorages", "verify_skips"]
@@ -210,16 +210,16 @@ class UnchangedStorages:
         self.forget(keep_carried)
         self._rules = None
 
-    def retire(self, twins: list[torch.Tensor | None], block: int) -> None:
-        """Keeps the host twins of a plan the ferry drops, with their slots' ranges in pool block ``block``
-        ([Note: host tensors of earlier plans])."""
-        for t in twins:
-            if t is None:
-                continue
+    def retire(self, plan: Plan, twins: list[torch.Tensor | None], block: int) -> None:
+        """Keeps the host twins of ``plan``, which the ferry drops, with their slots' ranges in pool block
+        ``block`` ([Note: host tensors of earlier plans]); the twins of the baseline's plan are read as
+        they were at the baseline, so a write since then is seen."""
+        held = [(ti, t) for ti, t in enumerate(twins) if t is not None and local_of(t).untyped_storage().nbytes()]
+        now = versions([t for _, t in held]) if held else []
+        at_baseline = self._host_versions if plan is self._plan else {}
+        for (ti, t), v in zip(held, now, strict=True):
             st = local_of(t).untyped_storage()
-            if st.nbytes():
-                self._retired.append(Retired(t, block, st.data_ptr(), st.data_ptr() + st.nbytes(),
-                                              versions([t])[0]))
+            self._retired.append(Retired(t, block, st.data_ptr(), st.data_ptr() + st.nbytes(), at_baseline.get(ti, v)))
 
     def drop_retired(self) -> None:
         """Lets the retired twins go (the pool's block is given back or replaced)."""
@@ -248,22 +248,18 @@ class UnchangedStorages:
         """Drops what a re-plan carried (the pool is about to take a new block)."""
         self._carried = None
 
-    def carry(self, twins: list[torch.Tensor | None]) -> None:
+    def carry(self) -> None:
         """Keeps the baseline for the offload after a re-plan ([Note: a baseline carried across a
-        re-plan]); call it before the plan's host views and twins go. ``twins``: per ``plan.tensors``
-        entry, the host twin holding its host impl now (``None``: none)."""
+        re-plan]): per hashed storage, its slot and hash row. Call it before the plan's host views go,
+        and :meth:`retire` its twins with it (they watch the slots)."""
         plan, views, hashes, kind = self._plan, self._views, self._hashes, self._kind
         if plan is None or views is None or hashes is None or kind is None or not self._baseline:
             return
         if not views.intact():
             return
         rules = self._rules_for(plan, views)
-        slots = {}
-        for si in sorted(self._baseline):
-            watch = [(twins[ti], self._host_versions.get(ti)) for ti in rules.members[si]]
-            if any(v is None for _, v in watch):  # a tensor whose twin's version was not recorded
-                continue
-            slots[(views.block, views.slots[si].data_ptr(), plan.nbytes[si])] = (si, watch)
+        slots = {(views.block, views.slots[si].data_ptr(), plan.nbytes[si]): si for si in sorted(self._baseline)
+                 if all(ti in self._host_versions for ti in rules.members[si])}  # twins' versions recorded
         if slots:
             self._carried = Carried(kind, hashes, slots)
 
@@ -405,14 +401,9 @@ class UnchangedStorages:
                 continue
             if any(plan.tensors[ti].tensor.requires_grad for ti in rules.members[si]):
                 continue
-            hit = carried.slots.get((views.block, views.slots[si].data_ptr(), plan.nbytes[si]))
-            if hit is None:
-                continue
-            twins = [t for t, _ in hit[1]]
-            now = versions([NO_TWIN if t is None else t for t in twins])
-            if any((-1 if t is None else n) != v for t, n, (_, v) in zip(twins, now, hit[1], strict=True)):
-                continue  # a host tensor viewing the slot was written: its bytes may differ
-            cand.append(si)
-            rows.append(hit[0])
+            row = carried.slots.get((views.block, views.slots[si].data_ptr(), plan.nbytes[si]))
+            if row is not None:  # a write through the slot's twins since the baseline: _written_retired
+                cand.append(si)
+                rows.append(row)
         return hashed_alike(carried.kind, carried.hashes, rows, cand, plan, views, sources, rules,
                             self._written_retired(views.block), hash_storages)

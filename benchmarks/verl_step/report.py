@@ -33,8 +33,9 @@ def merge_runs(parts: list[dict]) -> dict:
         for p in parts:
             r = p["per_rank"][rank]
             merged["strategies"].update(r["strategies"])
+            pinned = r["caching_host_allocator_pinned_bytes"]  # a merged run's records: already per label
             merged.setdefault("caching_host_allocator_pinned_bytes", {}).update(
-                {label: r["caching_host_allocator_pinned_bytes"] for label in r["strategies"]})
+                {label: pinned[label] if isinstance(pinned, dict) else pinned for label in r["strategies"]})
         if "verl" not in merged["strategies"]:
             raise ValueError("verl's records are missing: it is the reference of against_verl")
         ref = merged["strategies"]["verl"]["fingerprints"]
@@ -314,7 +315,9 @@ def report(runs: dict, command: str | None = None) -> dict:
                               "probe_per_step: the allocator's retries, the garbage collector's seconds, the "
                               "process's CPU seconds, the SM clock per step and NVML's seconds of the step with the "
                               "GPU's clocks capped by power or temperature (gpu_power_capped_s, gpu_thermal_capped_s)"
-                              " and its joules (gpu_energy_j); budget_bytes: the dock's budget "
+                              " and its joules (gpu_energy_j); phase_s_per_step / phase_cpu_s_per_step: per step, each phase's wall "
+                              "seconds and the process's CPU seconds in it (rank 0; CPU seconds near the wall "
+                              "seconds under --blocking-sync: the phase is the host's work); budget_bytes: the dock's budget "
                               "(TORCHFERRY_VERL_DOCK); dock_steps: per step, the dock's moves (issued at at_s after "
                               "the step's start) and bytes")
     out["bars"] = bars(out)
@@ -334,7 +337,8 @@ def _memory(r0: dict) -> dict:
             if wakes else None,
             "at_rollout_wake_per_round": r0.get("at_rollout_wake", []), "context_bytes": r0.get("context_bytes"),
             "left_behind_bytes_per_step": r0.get("left_behind_bytes", []),
-            "probe_per_step": r0.get("probe", [])}
+            "probe_per_step": r0.get("probe", []), "phase_s_per_step": r0.get("phase_s", []),
+            "phase_cpu_s_per_step": r0.get("phase_cpu_s", [])}
 
 
 def bars(out: dict) -> dict:

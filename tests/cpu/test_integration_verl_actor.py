@@ -156,6 +156,22 @@ def test_report_says_what_differs(result):
         verl_actor.parse_strategies(["verl", "plain:"])
 
 
+def test_a_merged_runs_json_reports_again(result):
+    """A kept ``runs.json`` (the processes' records merged) gives the same records when merged again, so
+    ``verl_actor.py report OUT/runs.json`` rebuilds the JSON; each phase's wall and CPU seconds per step are
+    in it."""
+    _, runs, out = result
+    again = verl_actor.merge_runs([copy.deepcopy(runs)])
+    assert again["per_rank"] == runs["per_rank"]
+    redone = verl_actor.report(again)
+    assert redone["runs"]["verl"]["pinned_host_bytes"] == out["runs"]["verl"]["pinned_host_bytes"]
+    for label, entry in redone["strategies"].items():
+        assert entry["phase_s_per_step"] == out["strategies"][label]["phase_s_per_step"]
+        steps = entry["phase_cpu_s_per_step"]
+        assert len(steps) == len(entry["phase_s_per_step"]) > 0 and set(steps[0]) == set(entry["phase_s_per_step"][0])
+        assert all(v >= 0 for step in steps for v in step.values())
+
+
 def test_lora_adds_the_reference_phase_and_stays_bit_identical_through_the_weight_sync(tmp_path):
     """With LoRA the reference log-probs come from the actor with its adapters off (verl's
     ref_in_actor), and verl's first weight sync (the base, ``base_sync_done=False``) calls

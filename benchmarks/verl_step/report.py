@@ -315,10 +315,10 @@ def report(runs: dict, command: str | None = None) -> dict:
                               "probe_per_step: the allocator's retries, the garbage collector's seconds, the "
                               "process's CPU seconds, the SM clock per step and NVML's seconds of the step with the "
                               "GPU's clocks capped by power or temperature (gpu_power_capped_s, gpu_thermal_capped_s)"
-                              " and its joules (gpu_energy_j); phase_s_per_step / phase_cpu_s_per_step: per step, each phase's wall "
-                              "seconds and the process's CPU seconds in it (rank 0; CPU seconds near the wall "
-                              "seconds under --blocking-sync: the phase is the host's work); budget_bytes: the dock's budget "
-                              "(TORCHFERRY_VERL_DOCK); dock_steps: per step, the dock's moves (issued at at_s after "
+                              " and its joules (gpu_energy_j); phase_s_per_step / phase_cpu_s_per_step: per step, "
+                              "each phase's wall seconds and the process's CPU seconds in it (rank 0; CPU seconds "
+                              "near the wall seconds under --blocking-sync: the phase is the host's work); "
+                              "budget_bytes: the dock's budget (TORCHFERRY_VERL_DOCK); dock_steps: per step, the dock's moves (issued at at_s after "
                               "the step's start) and bytes")
     out["bars"] = bars(out)
     return out

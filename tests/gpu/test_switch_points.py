@@ -93,14 +93,16 @@ def test_a_small_copy_on_any_stream_waits_under_half_a_millisecond(direction, sw
 
 def test_switch_points_keep_the_line_rate(switched):
     """D2H in pieces within 2% of whole copies, H2D pieces (a reload from a side stream) within 5%,
-    and a reload from the default stream not cut at all (the same rate either way)."""
+    and a reload from the default stream not cut at all (the same rate either way). The best of eight of
+    each: on one H100 a side-stream reload's own seconds spread 11% over three rounds (0.173-0.192 s for
+    8 GiB, switch points off), more than the 5% it is held to, and the best of three failed one run in three."""
     ferry, ts = _ferry()
     sw_h2d, sw_d2h = _switch(ferry, "h2d"), _switch(ferry, "d2h")
     every = (sw_h2d.every, sw_d2h.every)
     side = torch.cuda.Stream()
     secs: dict[str, list[float]] = {k: [] for k in ("d2h_on", "d2h_off", "side_on", "side_off", "main_on", "main_off")}
     try:
-        for rnd in range(6):
+        for rnd in range(16):  # on and off alternating: a drift of the link's rate reaches both alike
             on = rnd % 2 == 0
             sw_h2d.every, sw_d2h.every = every if on else (0, 0)
             tag = "on" if on else "off"

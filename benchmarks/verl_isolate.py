@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import os
 import resource
+import threading
 import time
 from pathlib import Path
 
@@ -163,19 +164,91 @@ def _cpu_jiffies() -> dict[str, int]:
     return {k: int(v) for k, v in zip(names, fields, strict=False)}
 
 
+def thread_ticks() -> dict[int, tuple[str, int, int]]:
+    """Each thread of this process: its name, its CPU time (user + system, in clock ticks) and its
+    involuntary context switches (``/proc/self/task``); a thread that ends while read is left out."""
+    out: dict[int, tuple[str, int, int]] = {}
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                head, _, rest = f.read().rpartition(")")
+            with open(f"/proc/self/task/{tid}/status") as f:
+                nivcsw = next((int(line.split()[1]) for line in f if line.startswith("nonvoluntary_ctxt")), 0)
+        except (OSError, ValueError):
+            continue
+        fields = rest.split()
+        out[tid] = (head.partition("(")[2], int(fields[11]) + int(fields[12]), nivcsw)
+    return out
+
+
+def threads_over(before: dict, after: dict, main_tid: int) -> dict[str, dict[str, float]]:
+    """CPU seconds and involuntary switches per thread name between two :func:`thread_ticks` readings (the
+    calling process's main thread as ``main``; threads of one name summed; those under 0.01 s left out, and
+    those that ended before the second reading)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, dict[str, float]] = {}
+    for tid, (name, ticks, nivcsw) in after.items():
+        _, t0, n0 = before.get(tid, (name, 0, 0))
+        row = out.setdefault("main" if tid == main_tid else name, {"cpu_s": 0.0, "involuntary_switches": 0})
+        row["cpu_s"] += (ticks - t0) / tick
+        row["involuntary_switches"] += nivcsw - n0
+    return {k: {"cpu_s": round(v["cpu_s"], 3), "involuntary_switches": v["involuntary_switches"]}
+            for k, v in sorted(out.items(), key=lambda kv: -kv[1]["cpu_s"]) if v["cpu_s"] >= 0.01 or k == "main"}
+
+
+def cpu_cores(cpus: list[int], sysfs: str = "/sys/devices/system/cpu") -> list[list[int]]:
+    """``cpus`` grouped by physical core (the kernel's ``thread_siblings_list``; a CPU whose siblings cannot be
+    read is a core of its own), each core's CPUs ascending, the cores in order of their first CPU."""
+    cores: dict[tuple[int, ...], list[int]] = {}
+    allowed = set(cpus)
+    for c in sorted(cpus):
+        try:
+            with open(f"{sysfs}/cpu{c}/topology/thread_siblings_list") as f:
+                key = tuple(sorted(_cpu_list(f.read()) & allowed)) or (c,)
+        except (OSError, ValueError):
+            key = (c,)
+        cores.setdefault(key, []).append(c)
+    return [sorted(v) for v in sorted(cores.values())]
+
+
+def _cpu_list(text: str) -> set[int]:
+    """The CPUs of a kernel CPU list such as ``0-3,8,10-11``."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def pin_cpus(slot: int, slots: int, local_rank: int = 0, local_world: int = 1) -> list[int]:
-    """Pin this process (and the threads it starts later) to its own share of the CPUs it may run on:
-    ``slots`` equal contiguous shares, ``slot``'s split again among the node's ranks. Returns the CPUs the
-    process runs on: all of them, unpinned, where there are fewer CPUs than processes x ranks."""
+    """Pin this process (and the threads it starts later) to its own share of the CPUs it may run on: the
+    physical cores (:func:`cpu_cores`) in ``slots`` equal contiguous shares, ``slot``'s split again among
+    the node's ranks, so that no two processes share a core through its hyperthreads where the kernel
+    shows them (a virtual machine's CPUs may share a host's core without showing it: ``host_reference_s``
+    in ``probe_per_step`` then varies from step to step). Where there are fewer cores than processes x
+    ranks, the same on CPUs; where fewer CPUs too, all of them, unpinned. Returns the CPUs the process
+    runs on."""
     cpus = sorted(os.sched_getaffinity(0))
-    per = len(cpus) // slots
-    share = cpus[slot * per:(slot + 1) * per]
-    per_rank = len(share) // local_world
-    mine = share[local_rank * per_rank:(local_rank + 1) * per_rank]
+    mine = cpu_share(cpus, cpu_cores(cpus), slot, slots, local_rank, local_world)
     if not mine:
         return cpus
     repin(mine)
     return mine
+
+
+def cpu_share(cpus: list[int], cores: list[list[int]], slot: int, slots: int, local_rank: int = 0,
+              local_world: int = 1) -> list[int]:
+    """:func:`pin_cpus`'s share: whole cores where there are enough, else single CPUs; empty where there
+    are fewer CPUs than processes x ranks."""
+    units = cores if len(cores) >= slots * local_world else [[c] for c in cpus]
+    per = len(units) // slots
+    share = units[slot * per:(slot + 1) * per]
+    per_rank = len(share) // local_world
+    return sorted(c for core in share[local_rank * per_rank:(local_rank + 1) * per_rank] for c in core)
 
 
 def repin(cpus: list[int]) -> bool:
@@ -223,12 +296,15 @@ class StepProbe:
     machine's CPU ticks by kind (``steal``: the hypervisor ran something else), the SM and memory clocks
     and the GPU's temperature at the step's end, and, over the step, the seconds NVML counted the GPU's
     clocks held down by its power or thermal limit and the energy it drew (NVML's cumulative counters;
-    ``None`` where it does not answer). A clock read at the step's end cannot see a cap that came and
-    went inside the step; the counters do."""
+    ``None`` where it does not answer), and each thread's CPU seconds and involuntary switches by name
+    (``threads``; ``main``: the thread that runs the step), which say whether the step's own thread was
+    kept off its CPU. A clock read at the step's end cannot see a cap that came and went inside the step;
+    the counters do."""
 
     def __init__(self, device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
+        self._main_tid = threading.get_native_id()
         self._gc_s = 0.0
         self._gc_n = 0
         self._gc_t0: float | None = None
@@ -302,6 +378,7 @@ class StepProbe:
         return out
 
     def begin(self) -> None:
+        self._threads0 = thread_ticks()
         self._gpu0 = self._gpu_counters()
         self._ref = (self.host_reference_s(), self.main_cpu())
         self._at = (self._allocator(), self._gc_s, self._gc_n, time.process_time(),
@@ -318,6 +395,7 @@ class StepProbe:
                "cpu_s": time.process_time() - c0, "minor_faults": u1.ru_minflt - u0.ru_minflt,
                "major_faults": u1.ru_majflt - u0.ru_majflt, "involuntary_switches": u1.ru_nivcsw - u0.ru_nivcsw,
                "machine_ticks": {k: j1[k] - j0[k] for k in j1 if k in j0},
+               "threads": threads_over(self._threads0, thread_ticks(), self._main_tid),
                "sm_clock_mhz": None, "clocks_throttle_reasons": None, "mem_clock_mhz": None, "gpu_temp_c": None}
         g1 = self._gpu_counters()
         for key, v0 in self._gpu0.items():  # over the step: None where either reading is missing

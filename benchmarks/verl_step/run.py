@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from verl_isolate import StepProbe, Turns, blocking_sync, context_bytes, pin_cpus, repin
+from verl_isolate import StepProbe, Turns, blocking_sync, context_bytes, cpu_cores, pin_cpus, repin
 
 from verl_step.common import ATTENTION, ROOT
 from verl_step.config import _batch, _build_actor, _shape, _verl_config
@@ -420,6 +420,7 @@ def cmd_run(args) -> None:
             "torchferry_pool_bytes": {"pinned": sum(f.pinned_bytes for f in ferries),
                                       "host": sum(f.host_bytes for f in ferries)},
             "ferries": [repr(f) for f in ferries], "cpus": cpus, "blocking_sync": blocking,
+            "cpu_cores": cpu_cores(cpus) if cpus is not None else None,  # the share's CPUs by physical core
             **({"call_profile": timer.profile_of(s.label)} if args.profile_calls else {}),
             # The state after the steps (offloaded by verl's update_actor exit), fingerprinted exactly; compared
             # with verl's by against_verl once every strategy's records are together (merge_runs).

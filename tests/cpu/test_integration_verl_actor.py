@@ -331,3 +331,56 @@ def test_the_step_probe_reads_the_gpus_capped_seconds_and_energy_over_the_step()
     probe.begin()
     out = probe.end()
     assert out["gpu_power_capped_s"] is None and out["gpu_energy_j"] is None and out["gpu_temp_c"] is None
+
+
+def test_each_process_gets_whole_cores_where_the_kernel_shows_the_hyperthreads(tmp_path):
+    """CPUs grouped by the kernel's thread siblings (8 CPUs, 4 cores, siblings 0+4, 1+5, ...): two processes
+    get two whole cores each, so none shares a core with the other; four ranks of one process a core each;
+    more processes than cores: single CPUs; more than CPUs: nothing (the caller leaves the affinity)."""
+    for c in range(8):
+        d = tmp_path / f"cpu{c}" / "topology"
+        d.mkdir(parents=True)
+        (d / "thread_siblings_list").write_text(f"{c % 4},{c % 4 + 4}\n")
+    cpus = list(range(8))
+    cores = verl_isolate.cpu_cores(cpus, str(tmp_path))
+    assert cores == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [verl_isolate.cpu_share(cpus, cores, i, 2) for i in range(2)] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert [verl_isolate.cpu_share(cpus, cores, 0, 1, r, 4) for r in range(4)] == cores
+    assert [verl_isolate.cpu_share(cpus, cores, i, 8) for i in range(8)] == [[c] for c in cpus]
+    assert verl_isolate.cpu_share(cpus, cores, 0, 9) == []
+    # siblings outside the allowed CPUs are not counted; an unreadable CPU is a core of its own
+    assert verl_isolate.cpu_cores([0, 1, 2, 9], str(tmp_path)) == [[0], [1], [2], [9]]
+    assert verl_isolate._cpu_list("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11}
+
+
+def test_the_step_probe_gives_each_threads_cpu_seconds_by_name():
+    """A thread that burns CPU during the step shows under its name with its seconds, the step's own thread
+    as ``main``: what kept the step's thread off its CPU, where the step is the host's work."""
+    import threading
+    import time
+
+    import torch
+
+    probe = verl_isolate.StepProbe(torch.device("cpu"))
+    probe._nvml = None
+
+    spun, done = threading.Event(), threading.Event()
+
+    def spin():
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.3:
+            pass
+        spun.set()
+        done.wait()  # alive at the step's end: a thread that ended within the step is not read
+
+    probe.begin()
+    t = threading.Thread(target=spin)
+    t.start()
+    spun.wait()
+    out = probe.end()["threads"]
+    done.set()
+    t.join()
+    assert "main" in out
+    others = {k: v for k, v in out.items() if k != "main"}
+    assert sum(v["cpu_s"] for v in others.values()) >= 0.25, out
+    assert all(set(v) == {"cpu_s", "involuntary_switches"} for v in out.values())

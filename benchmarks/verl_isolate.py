@@ -298,13 +298,15 @@ class StepProbe:
     clocks held down by its power or thermal limit and the energy it drew (NVML's cumulative counters;
     ``None`` where it does not answer), and each thread's CPU seconds and involuntary switches by name
     (``threads``; ``main``: the thread that runs the step), which say whether the step's own thread was
-    kept off its CPU. A clock read at the step's end cannot see a cap that came and went inside the step;
+    kept off its CPU, and the process's CPU seconds between its last step and this one
+    (``cpu_s_since_last_step``: while the other processes step, this one should sleep). A clock read at the step's end cannot see a cap that came and went inside the step;
     the counters do."""
 
     def __init__(self, device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self._main_tid = threading.get_native_id()
+        self._last_end: float | None = None
         self._gc_s = 0.0
         self._gc_n = 0
         self._gc_t0: float | None = None
@@ -378,6 +380,7 @@ class StepProbe:
         return out
 
     def begin(self) -> None:
+        self._waiting = (time.process_time() - self._last_end) if self._last_end is not None else None
         self._threads0 = thread_ticks()
         self._gpu0 = self._gpu_counters()
         self._ref = (self.host_reference_s(), self.main_cpu())
@@ -396,6 +399,7 @@ class StepProbe:
                "major_faults": u1.ru_majflt - u0.ru_majflt, "involuntary_switches": u1.ru_nivcsw - u0.ru_nivcsw,
                "machine_ticks": {k: j1[k] - j0[k] for k in j1 if k in j0},
                "threads": threads_over(self._threads0, thread_ticks(), self._main_tid),
+               "cpu_s_since_last_step": self._waiting,
                "sm_clock_mhz": None, "clocks_throttle_reasons": None, "mem_clock_mhz": None, "gpu_temp_c": None}
         g1 = self._gpu_counters()
         for key, v0 in self._gpu0.items():  # over the step: None where either reading is missing
@@ -414,4 +418,5 @@ class StepProbe:
                     out[key] = int(read())
                 except Exception:
                     out[key] = None
+        self._last_end = time.process_time()
         return out

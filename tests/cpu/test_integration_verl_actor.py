@@ -377,9 +377,16 @@ def test_the_step_probe_gives_each_threads_cpu_seconds_by_name():
     t = threading.Thread(target=spin)
     t.start()
     spun.wait()
-    out = probe.end()["threads"]
+    step = probe.end()
+    out = step["threads"]
     done.set()
     t.join()
+    assert step["cpu_s_since_last_step"] is None  # the first step: nothing before it
+    t0 = time.process_time()
+    while time.process_time() - t0 < 0.2:  # CPU burnt between two steps
+        pass
+    probe.begin()
+    assert probe.end()["cpu_s_since_last_step"] >= 0.2
     assert "main" in out
     others = {k: v for k, v in out.items() if k != "main"}
     assert sum(v["cpu_s"] for v in others.values()) >= 0.25, out

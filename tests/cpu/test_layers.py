@@ -304,7 +304,8 @@ def _framework_breaches(mod: str, source: str, modules: set[str], package: bool 
 
 def _module_state(mod: str, source: str) -> list[str]:
     """Module-level mutable objects: ``global`` rebinding, a module-level call of a mutable container (or a
-    holder of state), a lower-case module-level dict / list / set display."""
+    holder of state), a module-level dict / list / set display (a table is a ``MappingProxyType``, a tuple or a
+    ``frozenset``; ``__all__`` aside)."""
     tree = ast.parse(source)
     out = [f"{mod}:{n.lineno}: global {', '.join(n.names)}" for n in ast.walk(tree) if isinstance(n, ast.Global)]
     for node in tree.body:
@@ -315,7 +316,7 @@ def _module_state(mod: str, source: str) -> list[str]:
         value = node.value
         called = _attr_chain(value.func).split(".")[-1] if isinstance(value, ast.Call) else ""
         display = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp))
-        if called in MUTABLE_CALLS or (display and any(not n.isupper() and not n.startswith("__") for n in names)):
+        if called in MUTABLE_CALLS or (display and any(not n.startswith("__") for n in names)):
             out.append(f"{mod}:{node.lineno}: {', '.join(names)} = {called or type(value).__name__}")
     return out
 
@@ -365,7 +366,10 @@ def test_the_framework_import_checker_sees_a_planted_breach(planted):
     "_originals: dict = {}\n",
     "_patcher = Patcher(HELPER_SET)\n",
     "def f():\n    global _x\n    _x = 1\n",
+    "HELPERS = {'a': ('model',)}\n",
+    "NAMES: list[str] = ['a']\n",
 ])
 def test_the_module_state_checker_sees_a_planted_breach(planted):
     assert _module_state(INTEGRATIONS + "verl.planted", planted), planted
-    assert not _module_state(INTEGRATIONS + "verl.planted", "HELPERS = {'a': ('model',)}\nN = 3\n")
+    fine = "HELPERS = MappingProxyType({'a': ('model',)})\nN = 3\nT = ('a',)\nF = frozenset({'a'})\n__all__ = ['N']\n"
+    assert not _module_state(INTEGRATIONS + "verl.planted", fine)

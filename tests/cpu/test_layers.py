@@ -8,6 +8,7 @@ Every ``import`` counts, also one inside a function (a lazy import is still a de
 from __future__ import annotations
 
 import ast
+import functools
 import os
 
 import pytest
@@ -40,6 +41,14 @@ def _layer(mod: str) -> int:
     raise AssertionError(f"{mod} belongs to no layer: add it to LAYERS")
 
 
+def _from_target(node: ast.ImportFrom, pkg: str) -> str:
+    """The module ``from ... import`` reads in package ``pkg`` (a relative import resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imports(mod: str, path: str, modules: dict[str, str]) -> set[str]:
     """The torchferry modules ``mod`` imports (a ``from pkg import name`` of a submodule counts as it)."""
     tree = ast.parse(open(path).read(), path)
@@ -49,13 +58,8 @@ def _imports(mod: str, path: str, modules: dict[str, str]) -> set[str]:
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("torchferry")}
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = pkg.split(".")
-                base = base[: len(base) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            elif node.module and node.module.startswith("torchferry"):
-                target = node.module
-            else:
+            target = _from_target(node, pkg)
+            if not target.startswith("torchferry"):
                 continue
             subs = {f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in modules}
             out |= subs if subs and len(subs) == len(node.names) else {target} | subs
@@ -266,6 +270,145 @@ def test_the_promise_checkers_pass_the_dict_copy_and_index_copy():
     assert not _breaches("copies are queued only by _transfer", CORE + "_schedules.planted", src)
 
 
+
+# No callback into a higher layer: a module hands a lower layer data (a schedule, the batches to copy), never
+# its own code to call back. A call of a function or class imported from a lower layer, or of a method only a
+# lower layer defines, is refused an argument that is a lambda, a ``functools.partial``, a function of the
+# calling module or one of its methods (``self._hook``), and any argument for a parameter the callee annotates
+# ``Callable`` (a callback handed on). ``Uncopyable`` adapts a hook that torch calls, not ``_api``;
+# ``add_done_callback`` is a ``concurrent.futures.Future``'s here.
+HOOK_ADAPTERS = {"Uncopyable", "add_done_callback"}
+
+
+def _imported(mod: str, tree: ast.AST, modules: set[str], package: bool) -> dict[str, str]:
+    """Local name -> the torchferry module it comes from (``from .x import f``: ``f`` -> ``x``'s module)."""
+    pkg = mod if package else mod.rpartition(".")[0]
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            target = _from_target(node, pkg)
+            for a in node.names:
+                out[a.asname or a.name] = f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target
+    return {name: m for name, m in out.items() if m in modules}
+
+
+def _methods(tree: ast.AST) -> set[str]:
+    """The names of the methods the classes of a module define (properties aside)."""
+    return {f.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for f in c.body
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and not any(_attr_chain(d).endswith("property") for d in f.decorator_list)}
+
+
+@functools.cache
+def _callable_params(mod: str, name: str) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each parameter that ``mod``'s function ``name`` (a class: its ``__init__``, without
+    ``self``) annotates ``Callable``; position -1: keyword only."""
+    tree = ast.parse(open(_modules()[mod], encoding="utf-8").read())
+    node = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name), None)
+    skip = 0
+    if isinstance(node, ast.ClassDef):
+        node, skip = next((f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None), 1
+    if node is None:
+        return ()
+    hands = lambda a: a.annotation is not None and "Callable" in ast.unparse(a.annotation)  # noqa: E731
+    return (tuple((i, a.arg) for i, a in enumerate([*node.args.posonlyargs, *node.args.args][skip:]) if hands(a))
+            + tuple((-1, a.arg) for a in node.args.kwonlyargs if hands(a)))
+
+
+@functools.cache
+def _methods_by_layer() -> dict[str, set[int]]:
+    """Method name -> the layers whose modules define one so named."""
+    out: dict[str, set[int]] = {}
+    for mod, path in _modules().items():
+        for name in _methods(ast.parse(open(path, encoding="utf-8").read())):
+            out.setdefault(name, set()).add(_layer(mod))
+    return out
+
+
+def _callbacks(mod: str, source: str, package: bool = False) -> list[str]:
+    """The callbacks module ``mod`` hands a lower layer: ``line: callee(callback)``."""
+    tree, modules, layer = ast.parse(source), set(_modules()), _layer(mod)
+    imported = _imported(mod, tree, modules, package)
+    bound = ({n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+             | {a.arg for a in ast.walk(tree) if isinstance(a, ast.arg)})
+    in_class = {id(f) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for f in c.body}
+    functions = {f.name for f in ast.walk(tree)
+                 if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and id(f) not in in_class} - bound
+    methods = _methods(tree)
+
+    def lower(func: ast.AST) -> str | None:
+        if isinstance(func, ast.Name) and func.id in imported:
+            return func.id if _layer(imported[func.id]) < layer else None
+        if isinstance(func, ast.Attribute):
+            if _attr_chain(func.value) in imported:
+                return func.attr if _layer(imported[_attr_chain(func.value)]) < layer else None
+            layers = _methods_by_layer().get(func.attr, set())
+            return func.attr if layers and max(layers) < layer else None
+        return None
+
+    def handed_on(call: ast.Call) -> list[ast.AST]:
+        """The arguments ``call`` gives the parameters its callee (imported by name) annotates ``Callable``."""
+        func = call.func
+        where = (imported.get(func.id) if isinstance(func, ast.Name) else
+                 imported.get(_attr_chain(func.value)) if isinstance(func, ast.Attribute) else None)
+        if where is None:
+            return []
+        params = _callable_params(where, func.id if isinstance(func, ast.Name) else func.attr)  # type: ignore[union-attr]
+        return ([a for i, a in enumerate(call.args) if any(i == pos for pos, _ in params)]
+                + [k.value for k in call.keywords if any(k.arg == p for _, p in params)])
+
+    def code(arg: ast.AST) -> bool:
+        return (isinstance(arg, ast.Lambda) or (isinstance(arg, ast.Name) and arg.id in functions)
+                or (isinstance(arg, ast.Attribute) and _attr_chain(arg.value) in ("self", "cls")
+                    and arg.attr in methods)
+                or (isinstance(arg, ast.Call) and _attr_chain(arg.func).split(".")[-1] == "partial"))
+
+    return [f"{mod}:{n.lineno}: {callee}({ast.unparse(arg)})" for n in ast.walk(tree) if isinstance(n, ast.Call)
+            if (callee := lower(n.func)) is not None and callee not in HOOK_ADAPTERS
+            for arg in [*n.args, *(k.value for k in n.keywords)] if code(arg) or arg in handed_on(n)]
+
+
+def test_no_module_of_the_core_hands_a_lower_layer_a_callback():
+    """Layer 4's promise, for every layer: ``issue_h2d`` gets its gates as data ([Note: torchferry streams])."""
+    modules = _modules()
+    found = [b for mod, path in sorted(modules.items()) if mod.startswith(CORE)
+             for b in _callbacks(mod, open(path, encoding="utf-8").read(), path.endswith("__init__.py"))]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("planted", [
+    "from .._transfer.copies import issue_h2d\ndef f(plan):\n    issue_h2d(plan, lambda: None)\n",
+    "from .._transfer import copies\ndef g():\n    pass\ndef f(plan):\n    copies.issue_h2d(plan, on_done=g)\n",
+    "from .._transfer.copies import issue_h2d\nclass R:\n    def f(self, plan):\n        issue_h2d(plan, self.step)\n"
+    "    def step(self):\n        pass\n",
+    "import functools\nfrom .._transfer.gates import upload_rows\ndef f(s, r, a):\n"
+    "    upload_rows(s, r, functools.partial(a, 1))\n",
+])
+def test_the_callback_checker_sees_a_planted_breach(planted):
+    """A ``_schedules`` module handing ``_transfer`` a lambda, a function, a method or a partial is reported; the
+    same module handing it data, or a callback to its own layer, is not."""
+    assert _callbacks(CORE + "_schedules.planted", planted), planted
+    fine = ("from .._transfer.copies import issue_h2d\nfrom .step_hooks import GlobalStepHook\nclass R:\n"
+            "    def f(self, plan, gates):\n        issue_h2d(plan, gates)\n"
+            "        GlobalStepHook().add(1, self.f)\n")
+    assert not _callbacks(CORE + "_schedules.planted", fine)
+
+
+def test_the_callback_checker_sees_a_callback_handed_on():
+    """A parameter handed on to one ``_transfer`` annotates ``Callable`` (``upload_rows``'s ``address``) is a
+    callback whatever the argument is; the function's other arguments are data."""
+    planted = "from .._transfer.gates import upload_rows\ndef f(storages, rows, address):\n" \
+              "    upload_rows(storages, rows, address)\n    upload_rows(storages, rows=rows, address=address)\n"
+    assert _callbacks(CORE + "_schedules.planted", planted) == [
+        f"{CORE}_schedules.planted:3: upload_rows(address)", f"{CORE}_schedules.planted:4: upload_rows(address)"]
+
+
+def test_the_callback_checker_sees_a_method_only_a_lower_layer_defines():
+    """``stage_rows`` is a method of ``_schedules`` only: ``_ferry`` handing it ``self._hash`` is reported."""
+    planted = "class S:\n    def f(self, plan):\n        self.unchanged.stage_rows(plan, self._hash)\n" \
+              "    def _hash(self):\n        pass\n"
+    assert _callbacks(CORE + "_ferry.planted", planted) == [f"{CORE}_ferry.planted:3: stage_rows(self._hash)"]
+
 # The integrations' rules ([Note: each integration's settings] in ``docs/integrations.md``): a
 # framework folder (``verl/``, ``skyrl/``, ``areal/``) builds on ``torchferry``'s public names and
 # ``integrations._base`` only; no module of ``integrations`` keeps mutable state at module level (the one
@@ -286,11 +429,7 @@ def _framework_breaches(mod: str, source: str, modules: set[str], package: bool 
     out = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _from_target(node, pkg)
             names = [f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target for a in node.names]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -304,7 +443,8 @@ def _framework_breaches(mod: str, source: str, modules: set[str], package: bool 
 
 def _module_state(mod: str, source: str) -> list[str]:
     """Module-level mutable objects: ``global`` rebinding, a module-level call of a mutable container (or a
-    holder of state), a lower-case module-level dict / list / set display."""
+    holder of state), a module-level dict / list / set display (a table is a ``MappingProxyType``, a tuple or a
+    ``frozenset``; ``__all__`` aside)."""
     tree = ast.parse(source)
     out = [f"{mod}:{n.lineno}: global {', '.join(n.names)}" for n in ast.walk(tree) if isinstance(n, ast.Global)]
     for node in tree.body:
@@ -315,7 +455,7 @@ def _module_state(mod: str, source: str) -> list[str]:
         value = node.value
         called = _attr_chain(value.func).split(".")[-1] if isinstance(value, ast.Call) else ""
         display = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp))
-        if called in MUTABLE_CALLS or (display and any(not n.isupper() and not n.startswith("__") for n in names)):
+        if called in MUTABLE_CALLS or (display and any(not n.startswith("__") for n in names)):
             out.append(f"{mod}:{node.lineno}: {', '.join(names)} = {called or type(value).__name__}")
     return out
 
@@ -334,6 +474,17 @@ def test_a_framework_folder_imports_only_torchferrys_public_names_and_base():
 def test_no_integration_module_keeps_mutable_state_at_module_level():
     found = [b for m, src in _integration_sources().items() if m != INTEGRATIONS + "_base.registry"
              for b in _module_state(m, src)]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("rule", ["copies are queued only by _transfer",
+                                  "streams and events are made only in _transfer/streams",
+                                  "torch's internals are read only in _state/fsdp"])
+def test_the_integrations_and_compat_keep_the_cores_run_time_promises(rule):
+    """``integrations`` and ``compat`` copy, make streams and read FSDP2's internals through the core
+    (``_base`` hands them ``local_of``, ``idle_and_resharded``, ...), as the core's own layers above do."""
+    found = [b for mod, path in sorted(_modules().items()) if mod.startswith((INTEGRATIONS, "torchferry.compat"))
+             for b in _breaches(rule, mod, open(path, encoding="utf-8").read())]
     assert not found, "\n".join(found)
 
 
@@ -365,7 +516,10 @@ def test_the_framework_import_checker_sees_a_planted_breach(planted):
     "_originals: dict = {}\n",
     "_patcher = Patcher(HELPER_SET)\n",
     "def f():\n    global _x\n    _x = 1\n",
+    "HELPERS = {'a': ('model',)}\n",
+    "NAMES: list[str] = ['a']\n",
 ])
 def test_the_module_state_checker_sees_a_planted_breach(planted):
     assert _module_state(INTEGRATIONS + "verl.planted", planted), planted
-    assert not _module_state(INTEGRATIONS + "verl.planted", "HELPERS = {'a': ('model',)}\nN = 3\n")
+    fine = "HELPERS = MappingProxyType({'a': ('model',)})\nN = 3\nT = ('a',)\nF = frozenset({'a'})\n__all__ = ['N']\n"
+    assert not _module_state(INTEGRATIONS + "verl.planted", fine)

@@ -59,3 +59,17 @@ def test_swap_refuses_a_negative_budget():
     fc.offload()
     with pytest.raises(ValueError):
         torchferry.swap(fa, fc, gpu_budget_bytes=-1)
+
+
+def test_swap_fits_answers_before_a_swap_what_it_would_refuse():
+    """The dock's question (``_dock/mover.py``): no budget, or the CPU's, always fits; a negative one never does
+    on a GPU, where ``swap()`` refuses it (``tests/gpu/test_dock_cuda.py`` runs the dock's swaps)."""
+    from torchferry._core._ferry.swap import swap_fits
+
+    _, _, fa, fc = _pair()
+    fc.offload()
+    assert swap_fits(fa, fc, None) and swap_fits(fa, fc, 0) and swap_fits(fa, fc, 1 << 30)
+    if torch.cuda.is_available():
+        g, h = Ferry(nn.Linear(8, 8).cuda()), Ferry(nn.Linear(8, 8).cuda())
+        h.offload().wait()
+        assert not swap_fits(g, h, -1) and not swap_fits(g, h, 0) and swap_fits(g, h, 1 << 40)

@@ -20,7 +20,7 @@ from .._api.handle import TransferHandle
 from .interrupts import interrupts_deferred
 from .._schedules.release import ReleaseSchedule
 
-__all__ = ["swap"]
+__all__ = ["swap", "swap_fits"]
 
 
 @interrupts_deferred
@@ -58,19 +58,33 @@ def swap(out: Ferry, into: Ferry, *, gpu_budget_bytes: int | None = None) -> tup
         return _swap(out, into, gpu_budget_bytes)  # see [Note: one thread moves a ferry]
 
 
+def _staying(out: Ferry) -> int:
+    """Device bytes allocated now besides ``out``'s state (on the CPU: 0)."""
+    if out.device.type != "cuda":
+        return 0
+    return torch.cuda.memory_allocated(out.device) - (out.state_bytes if not out.residency.on_host else 0)
+
+
+def swap_fits(out: Ferry, into: Ferry, gpu_budget_bytes: int | None) -> bool:
+    """Whether :func:`swap` would take ``gpu_budget_bytes``: ``None``, or on the CPU, or an int >= 0 that holds
+    what is allocated besides ``out`` plus ``into``'s state (the dock asks before a swap, instead of catching
+    the ``ValueError``)."""
+    if gpu_budget_bytes is None or out.device.type != "cuda":
+        return True
+    return gpu_budget_bytes >= 0 and _staying(out) + into.state_bytes <= gpu_budget_bytes
+
+
 def _swap(out: Ferry, into: Ferry, gpu_budget_bytes: int | None) -> tuple[TransferHandle, TransferHandle]:
     out._check_open()
     into._check_open()
     cuda = out.device.type == "cuda"
     base = torch.cuda.memory_allocated(out.device) if cuda else 0
-    out_bytes = out.state_bytes if not out.residency.on_host else 0
-    if gpu_budget_bytes is not None and cuda:
-        need = base - out_bytes + into.state_bytes
-        if need > gpu_budget_bytes:
-            raise ValueError(
-                f"torchferry: swap: gpu_budget_bytes={gpu_budget_bytes} but the incoming state "
-                f"({into.state_bytes} bytes) plus what stays allocated ({base - out_bytes} bytes) needs {need}"
-            )
+    if not swap_fits(out, into, gpu_budget_bytes):
+        stays = _staying(out)
+        raise ValueError(
+            f"torchferry: swap: gpu_budget_bytes={gpu_budget_bytes} but the incoming state "
+            f"({into.state_bytes} bytes) plus what stays allocated ({stays} bytes) needs {stays + into.state_bytes}"
+        )
     schedule = ReleaseSchedule(gpu_budget_bytes if cuda else None, base)
     try:
         h_out = out._offload(schedule)

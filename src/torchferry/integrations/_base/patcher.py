@@ -13,7 +13,7 @@ import inspect
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import ModuleType
+from types import MappingProxyType, ModuleType
 
 __all__ = ["HelperSet", "Patcher", "routed"]
 
@@ -40,6 +40,9 @@ class HelperSet:
     requires: tuple[str, ...] = ()
     """Other attributes the replacements use, dotted from ``module`` (``"dist"``, ``"FSDPEngine._ensure_ready"``)."""
     catch: tuple[type[BaseException], ...] = (ImportError,)  # what importing module may raise: "not importable"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "helpers", MappingProxyType(dict(self.helpers)))  # a table, read only
 
     def error(self, what: str) -> str:
         return f"torchferry.integrations.{self.integration}: {what}"

@@ -12,6 +12,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from ..._core._api.args import check_optional_bool
 from ..._core._api.env import OFF, env_flag, parse_bytes
@@ -26,11 +27,11 @@ OPTIMIZER_AT_STEP_ENV = "TORCHFERRY_OPTIMIZER_AT_STEP"
 LAYERWISE_ENV = "TORCHFERRY_LAYERWISE_RELOAD"
 FSDP1_ENV = "TORCHFERRY_VERL_FSDP1"
 DOCK_ENV = "TORCHFERRY_VERL_DOCK"
-SWITCHES: Mapping[str, tuple[str, bool]] = {  # switch -> (its environment variable, torchferry's default)
+SWITCHES: Mapping[str, tuple[str, bool]] = MappingProxyType({  # switch -> (its variable, torchferry's default)
     "skip_unchanged": (SKIP_ENV, True), "optimizer_at_step": (OPTIMIZER_AT_STEP_ENV, False),
     "layerwise_reload": (LAYERWISE_ENV, False), "fsdp1": (FSDP1_ENV, True),
-}
-_WHAT = {"fsdp1": "patch(fsdp1=...)"}  # how an argument is named in a TypeError, where not by its name
+})
+_WHAT = MappingProxyType({"fsdp1": "patch(fsdp1=...)"})  # an argument as a TypeError names it, if not by name
 
 # The driver's settings a worker should see too: how torchferry moves state, the same on every node.
 # Not the node-local ones (host budgets, the ledger folder), tests' or the bench's.

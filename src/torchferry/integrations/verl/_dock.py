@@ -7,6 +7,7 @@ See [Note: verl under a Dock] and [Note: verl's offload flags under a Dock] in `
 from __future__ import annotations
 
 import inspect
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from .._base import REGISTRY, PhaseDock, SeedHelpers, has_state, helpers_of, loc
 
 __all__ = ["VerlDock", "dock_rollout", "docked", "docks"]
 
-_TAGS = {"weights": "rollout.weights", "kv_cache": "rollout.kv_cache"}
+_TAGS = MappingProxyType({"weights": "rollout.weights", "kv_cache": "rollout.kv_cache"})
 
 
 def dock_rollout(rollout: Any, weights_bytes: int, kv_cache_bytes: int) -> Any:

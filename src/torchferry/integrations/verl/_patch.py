@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable, Mapping
-from types import ModuleType
+from types import MappingProxyType, ModuleType
 
 from .._base import (REGISTRY, HelperSet, PatchState, Patcher, Settings, check_bool, fsdp1_offloads_params, helpers_of,
                      idle_and_resharded, model_load, seed_replacements, unpatch_integration)
@@ -19,7 +19,7 @@ from ._dock_patch import DOCK_SETS, patch_dock, unpatch_dock, verl_targets
 __all__ = ["FSDP_UTILS", "is_patched", "patch", "unpatch"]
 
 FSDP_UTILS = "verl.utils.fsdp_utils"
-VERL_DEFAULTS = {"optimizer_at_step": True, "layerwise_reload": True}  # see [Note: verl's defaults]
+VERL_DEFAULTS = MappingProxyType({"optimizer_at_step": True, "layerwise_reload": True})  # [Note: verl's defaults]
 
 
 def fsdp1_through_torchferry() -> bool:

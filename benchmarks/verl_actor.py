@@ -130,6 +130,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--blocking-sync", action="store_true",
                    help="diagnosis: a thread waiting on the GPU sleeps instead of spinning, so phase_cpu_s counts the\n"
                         "host's work only (CU_CTX_SCHED_BLOCKING_SYNC; slower synchronisations)")
+    p.add_argument("--gpu-busy", action="store_true",
+                   help="diagnosis: each step under PyTorch's profiler (CUDA activity only): the seconds the GPU was "
+                        "busy per phase in runs.json (strategies[label][\"gpu_busy\"]; verl_step/gpu_busy.py)")
     p.add_argument("--profile-calls", action="store_true",
                    help="diagnosis: each offload/reload call after the first round under cProfile (slower); the "
                         "top functions per phase and direction in runs.json (strategies[label][\"call_profile\"])")

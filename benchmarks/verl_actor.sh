@@ -41,6 +41,8 @@
 #                                         (slower): the top functions per phase in runs.json (call_profile)
 #   VERL_ACTOR_BLOCKING_SYNC=1            diagnosis: a thread waiting on the GPU sleeps instead of spinning, so each
 #                                         phase's CPU seconds (phase_cpu_s in runs.json) are the host's work only
+#   VERL_ACTOR_GPU_BUSY=1                 diagnosis: each step under PyTorch's profiler (CUDA activity): the GPU's
+#                                         busy seconds per phase (gpu_busy in runs.json, gpu_busy_per_step)
 #   VERL_ACTOR_LOGPROBS=chunked|verl      log-probs in verl's engine: chunked (default: one log_softmax per
 #                                         2048 rows) or verl's own fallback without flash-attn (one per token:
 #                                         host-bound, a step's time spread by seconds; see _logprobs_chunked)
@@ -115,6 +117,7 @@ if [ -n "${VERL_ACTOR_LOGPROBS:-}" ]; then EXTRA+=(--logprobs "$VERL_ACTOR_LOGPR
 if [ -n "${VERL_ACTOR_SETTLE_S:-}" ]; then EXTRA+=(--settle-seconds "$VERL_ACTOR_SETTLE_S"); fi
 if [ "${VERL_ACTOR_PROFILE:-0}" = 1 ]; then EXTRA+=(--profile-calls); fi
 if [ "${VERL_ACTOR_BLOCKING_SYNC:-0}" = 1 ]; then EXTRA+=(--blocking-sync); fi
+if [ "${VERL_ACTOR_GPU_BUSY:-0}" = 1 ]; then EXTRA+=(--gpu-busy); fi
 if [ -n "${VERL_ACTOR_SEGMENTS:-}" ]; then EXTRA+=(--segments-at-wake "$OUT" "$VERL_ACTOR_SEGMENTS"); fi
 RUN=(benchmarks/verl_actor.py run --strategies "${STRATEGIES[@]}" --model-dir "$MODEL" --steps "$STEPS" "${EXTRA[@]}")
 if [ "${VERL_ACTOR_ISOLATE:-1}" = 1 ]; then

@@ -318,6 +318,8 @@ def report(runs: dict, command: str | None = None) -> dict:
                               " and its joules (gpu_energy_j); phase_s_per_step / phase_cpu_s_per_step: per step, "
                               "each phase's wall seconds and the process's CPU seconds in it (rank 0; CPU seconds "
                               "near the wall seconds under --blocking-sync: the phase is the host's work); "
+                              "gpu_busy_per_step (--gpu-busy): per step, the GPU's busy seconds per phase and in the "
+                              "step, from the profiler's CUDA activity (verl_step/gpu_busy.py); "
                               "budget_bytes: the dock's budget (TORCHFERRY_VERL_DOCK); dock_steps: per step, the dock's moves (issued at at_s after "
                               "the step's start) and bytes")
     out["bars"] = bars(out)
@@ -338,7 +340,7 @@ def _memory(r0: dict) -> dict:
             "at_rollout_wake_per_round": r0.get("at_rollout_wake", []), "context_bytes": r0.get("context_bytes"),
             "left_behind_bytes_per_step": r0.get("left_behind_bytes", []),
             "probe_per_step": r0.get("probe", []), "phase_s_per_step": r0.get("phase_s", []),
-            "phase_cpu_s_per_step": r0.get("phase_cpu_s", [])}
+            "phase_cpu_s_per_step": r0.get("phase_cpu_s", []), "gpu_busy_per_step": r0.get("gpu_busy", [])}
 
 
 def bars(out: dict) -> dict:

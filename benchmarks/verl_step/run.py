@@ -20,6 +20,7 @@ from verl_step.logprobs import LOGPROB_ROWS, _logprobs_chunked
 from verl_step.records import _part_bytes, _sha, fingerprints
 from verl_step.rollout import RolloutStandIn, _gpu_bytes, _rewarm_cublas, _weight_sync, _write_segments
 from verl_step.strategies import BUDGETS, Strategy, _settings_env, dock_budget, parse_strategies
+from verl_step.gpu_busy import GpuBusy
 from verl_step.timing import CallTimer
 
 
@@ -176,6 +177,7 @@ def cmd_run(args) -> None:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = args.cublas_workspace
     vocab = actors[own[0].label][0].engine.module.config.vocab_size
     probe = StepProbe(gpu)
+    busy = GpuBusy(bool(args.gpu_busy) and cuda)
     lora = bool(args.lora_rank)
     for r in records.values():
         r.update(losses=[], grad_norms=[], log_prob_sha256=[], log_prob_sum=[], ref_log_prob_sha256=[],
@@ -183,7 +185,7 @@ def cmd_run(args) -> None:
                  weight_sync_bytes=0,
                  weight_sync_bytes_per_step=[], peak_own_gpu_bytes=[], dock_steps=[], order=[],
                  phase_peak_gpu_bytes=[], at_rollout_wake=[], probe=[], context_bytes=ctx, stall_s=[],
-                 left_behind_bytes=[])
+                 left_behind_bytes=[], gpu_busy=[])
 
     class PhaseStalls:
         """Per phase, the compute stream's waits for torchferry's copies outside FSDPEngine.to (a layer-wise
@@ -255,17 +257,23 @@ def cmd_run(args) -> None:
                 _write_segments(Path(args.segments_at_wake[0]) / f"segments_{s.label}_rank{rank}.json", gpu)
         repinned = repin(cpus) if cpus is not None else False  # the setup may have reset the affinity
         stalls = PhaseStalls()
+        busy.begin()  # the profiler's start outside the step's time
         probe.begin()
         t_step = time.perf_counter()
         marks, cpu_marks, cpu0 = {}, {}, time.process_time()
+
+        def mark(phase: str) -> None:  # a phase's end: wall and CPU seconds, and the GPU's busy ones (--gpu-busy)
+            marks[phase] = time.perf_counter()
+            cpu_marks[phase] = time.process_time()
+            busy.mark(phase)
+
         if args.rollout_gb or args.rollout_matmuls:  # the KV cache wakes, the generation, the driver's sleep
             current["phase"] = "rollout"
             stalls.start("rollout")
             asyncio.run(rollout.resume(["kv_cache"]))
             rollout.generate()
             rollout.sleep()
-        marks["rollout"] = time.perf_counter()
-        cpu_marks["rollout"] = time.process_time()
+        mark("rollout")
         peak("rollout")
         batch, advantages = _batch(step, rank, shape, vocab, args.seed)
         # compute_log_prob (the trainer's _compute_old_log_prob -> ActorRolloutRefWorker.compute_log_prob)
@@ -278,8 +286,7 @@ def cmd_run(args) -> None:
         old_log_probs = no_padding_2_padding(tu.get(out, "log_probs"), td).float()
         rec["log_prob_sha256"].append(_sha(old_log_probs))
         rec["log_prob_sum"].append(float(old_log_probs.double().sum()))
-        marks["log_prob"] = time.perf_counter()
-        cpu_marks["log_prob"] = time.process_time()
+        mark("log_prob")
         peak("log_prob")
         if lora:  # ref_in_actor: the reference is the actor with its adapters off (_compute_ref_log_prob)
             current["phase"] = "ref"
@@ -289,8 +296,7 @@ def cmd_run(args) -> None:
                                  temperature=1.0)
             out = actor.infer_batch(td)
             rec["ref_log_prob_sha256"].append(_sha(no_padding_2_padding(tu.get(out, "log_probs"), td).float()))
-            marks["ref"] = time.perf_counter()
-            cpu_marks["ref"] = time.process_time()
+            mark("ref")
             peak("ref")
         # update_actor (the trainer's _update_actor -> ActorRolloutRefWorker.update_actor)
         current["phase"] = "update"
@@ -306,8 +312,7 @@ def cmd_run(args) -> None:
         metrics = tu.get(out, "metrics")
         rec["losses"].append([float(x) for x in metrics["loss"]])
         rec["grad_norms"].append([float(x) for x in metrics.get("grad_norm", [])])
-        marks["update"] = time.perf_counter()
-        cpu_marks["update"] = time.process_time()
+        mark("update")
         peak("update")
         if args.weight_sync:  # ActorRolloutRefWorker.update_weights, after update_actor
             current["phase"] = "weight_sync"
@@ -323,9 +328,9 @@ def cmd_run(args) -> None:
         if vd is not None and vd.dock is not None:  # the step ends when the dock's copies are complete
             vd.dock.wait()
             sync()
-        marks["weight_sync"] = time.perf_counter()
-        cpu_marks["weight_sync"] = time.process_time()
+        mark("weight_sync")
         rec["step_s"].append(time.perf_counter() - t_step)
+        rec["gpu_busy"].append(busy.end())
         stalls.stop()
         rec["stall_s"].append({k: v.seconds() for k, v in stalls.done.items()} if cuda else {})
         rec["probe"].append({**probe.end(), "repinned": repinned})

@@ -391,3 +391,25 @@ def test_the_step_probe_gives_each_threads_cpu_seconds_by_name():
     others = {k: v for k, v in out.items() if k != "main"}
     assert sum(v["cpu_s"] for v in others.values()) >= 0.25, out
     assert all(set(v) == {"cpu_s", "involuntary_switches"} for v in out.values())
+
+
+def test_the_gpus_busy_seconds_are_the_union_of_its_intervals_within_each_phase():
+    """--gpu-busy: overlapping kernels count once, a gap counts nothing, an interval across a phase's end is
+    split between the two phases; the host's runtime calls inside the step say the clocks agree."""
+    from verl_step.gpu_busy import GpuBusy, busy_ns
+
+    assert busy_ns([(0, 10), (5, 15), (20, 30)], 0, 100) == 25
+    assert busy_ns([(20, 30), (0, 10), (5, 15)], 8, 25) == 12  # 8-15 and 20-25
+    assert busy_ns([], 0, 10) == 0 and busy_ns([(0, 10)], 10, 20) == 0
+    b = GpuBusy(enabled=False)
+    b.begin()
+    b.mark("rollout")
+    assert b.end() is None
+    b._t0, b._t_exit = 1_000_000_000, 1_900_000_000
+    b._marks = [("rollout", 1_300_000_000), ("update", 1_800_000_000)]
+    s = 1_000_000_000
+    got = b.split([(s + 100_000_000, s + 250_000_000), (s + 200_000_000, s + 400_000_000), (s + 700_000_000,
+                   s + 750_000_000)], [(s + 10_000_000, s + 20_000_000)])
+    assert got["busy_s"] == {"rollout": pytest.approx(0.2), "update": pytest.approx(0.15)}
+    assert got["step_busy_s"] == pytest.approx(0.35) and got["device_events"] == 3 and got["aligned"] is True
+    assert b.split([], [(5, 6)])["aligned"] is False  # a host call years before the step: the clocks differ

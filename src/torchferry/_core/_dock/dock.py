@@ -17,6 +17,7 @@ from .engine import DockEngine
 from .measure import counted_bytes, is_closed
 from .records import DockStats, Move, _fmt
 from .schedule import Schedule
+from .serial import serialized
 
 __all__ = ["Dock"]
 
@@ -25,7 +26,7 @@ class Dock(NotCopyable):
     """State sets and claimants of GPU memory under one GPU budget (see the module docstring).
 
     A ferry belongs to one dock at a time ([Note: one dock per ferry]).
-    Not thread-safe: drive a dock from one thread.
+    Its calls may come from several threads: they run one at a time ([Note: one thread drives a dock] in ``serial``).
     """
 
     def __init__(self, budget_bytes: int, *, device: torch.device | str | None = None) -> None:
@@ -479,3 +480,10 @@ class Dock(NotCopyable):
         return (f"Dock(budget_bytes={e.budget}, resident_bytes={self.resident_bytes}, sets={list(e.sets)}, "
                 f"claimants={list(e.claimants)}, in_use={sorted(self.in_use)})")
 
+
+for _call in ("add", "remove", "close", "add_claimant", "resize", "reserve", "plan", "acquire", "release",
+              "prefetch", "prefetch_next", "evict", "wait", "require", "nbytes", "is_resident", "__repr__"):
+    setattr(Dock, _call, serialized(f"Dock.{_call}()", getattr(Dock, _call)))  # [Note: one thread drives a dock]
+for _prop in ("resident_bytes", "in_use"):
+    _get = getattr(Dock, _prop).fget
+    setattr(Dock, _prop, property(serialized(f"Dock.{_prop}", _get), doc=_get.__doc__))

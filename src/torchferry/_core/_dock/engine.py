@@ -71,6 +71,7 @@ from .measure import appeared_bytes, ensure_plan, eviction_keeps, is_closed, kep
 from .mover import Mover
 from .records import _Claimant, _fmt, _Set
 from .schedule import Schedule, belady, held, lru
+from .serial import DockLock
 
 __all__ = ["DockEngine"]
 
@@ -106,6 +107,7 @@ class DockEngine:
         self.pos = -1  # index of the schedule's phase last used (-1: before the first)
         self.closed = False
         self._ident = id(owner)
+        self.lock = DockLock()  # held by each of the dock's calls: [Note: one thread drives a dock] in serial
         self._tick = 0
         self._pending: list[str] = []  # prefetches waiting for room, see [Note: prefetch]
         self._next_order = 0
@@ -172,9 +174,10 @@ class DockEngine:
 
     def after_load(self) -> None:
         """A target's ``load_state_dict`` returned: measured again, back within the budget."""
-        self.refresh()
-        self._restore()
-        self._poll()
+        with self.lock.held("load_state_dict()'s decision", self.label):
+            self.refresh()
+            self._restore()
+            self._poll()
 
     def check_open(self, names: Iterable[str]) -> None:
         """Refuses to move a set whose ferry was closed behind the dock's back, naming the set and the dock."""

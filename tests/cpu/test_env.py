@@ -330,3 +330,31 @@ def test_a_next_ray_hook_that_is_not_module_function_is_refused_naming_the_varia
     with pytest.raises(ValueError, match=rf"^torchferry: TORCHFERRY_VERL_NEXT_HOOK must name a function as "
                                          rf"module.function, got {re.escape(repr(raw))}$"):
         hook_env("TORCHFERRY_VERL", "TORCHFERRY_VERL_NEXT_HOOK")
+
+
+@pytest.mark.parametrize("integration, var, raw, refused", [
+    ("verl", "TORCHFERRY_SKIP_UNCHANGED", "maybe", True), ("verl", "TORCHFERRY_LAYERWISE_RELOAD", "2", True),
+    ("verl", "TORCHFERRY_VERL_DOCK", "10GB", True), ("skyrl", "TORCHFERRY_OPTIMIZER_AT_STEP", "yes please", True),
+    ("skyrl", "TORCHFERRY_VERL_DOCK", "10GB", False),  # verl's dock: not SkyRL's setting
+])
+def test_a_ray_workers_hook_refuses_a_bad_setting_before_patching(monkeypatch, integration, var, raw, refused):
+    """The hook reads the settings' variables as ``patch()`` would: before, it returned normally and the
+    framework's own import of its helpers failed instead, at that import and at every later one."""
+    import importlib
+    import sys
+
+    mod = importlib.import_module(f"torchferry.integrations.{integration}")
+    monkeypatch.setenv(mod.ENV_FLAG, "1")
+    monkeypatch.setenv(var, raw)
+    finders = list(sys.meta_path)
+    monkeypatch.setattr(sys, "meta_path", finders)  # whatever the hook installs goes with the test
+    if refused:
+        with pytest.raises(ValueError, match=rf"^torchferry: {var}\b.*{re.escape(repr(raw))}"):
+            mod.ray_worker_setup()
+        assert sys.meta_path == finders and not mod.is_patched()  # nothing patched, nothing waiting
+    else:
+        try:
+            mod.ray_worker_setup()
+        finally:
+            if mod.is_patched():  # the framework's helpers already imported here: patched at once
+                mod.unpatch()

@@ -83,11 +83,19 @@ def test_hook_does_nothing_when_switched_off(off):
 
 
 def test_a_bad_dock_budget_fails_every_import_of_verls_helpers():
-    """Reproduces: the first import raised, a second one succeeded with verl unpatched."""
+    """Reproduces: the first import raised, a second one succeeded with verl unpatched. The Ray hook refuses
+    the budget itself now, before anything is armed; armed without the hook's check
+    (``patch_when_imported()``), every import of verl's helpers fails alike."""
     code = (
         "import os; os.environ['TORCHFERRY_VERL_DOCK'] = 'lots'\n"
-        "from torchferry.integrations.verl import ray_worker_setup, is_patched\n"
-        "ray_worker_setup()\n"
+        "from torchferry.integrations.verl import ray_worker_setup, is_patched, patch_when_imported\n"
+        "try:\n"
+        "    ray_worker_setup()\n"
+        "except ValueError as e:\n"
+        "    assert \"TORCHFERRY_VERL_DOCK: 'lots' is not a dock budget\" in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('the hook took the budget')\n"
+        "patch_when_imported()\n"
         "for attempt in range(3):\n"
         "    try:\n"
         "        import verl.utils.fsdp_utils\n"

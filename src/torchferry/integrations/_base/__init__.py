@@ -33,6 +33,7 @@ from .settings import (
     OPTIMIZER_AT_STEP_ENV,
     SKIP_ENV,
     Settings,
+    check_environment,
     dock_budget,
     parse_budget,
     read_switch,
@@ -41,8 +42,8 @@ from .settings import (
 __all__ = [
     "DOCK_ENV", "FORWARDED_SETTINGS", "FSDP1_ENV", "LAYERWISE_ENV", "OPTIMIZER_AT_STEP_ENV", "REGISTRY", "SKIP_ENV",
     "HelperSet", "HookNames", "PatchState", "Patcher", "PhaseDock", "SeedHelpers", "Settings", "WorkerHook", "away",
-    "check_bool", "dock_budget", "ferry_for", "fsdp1_offloads_params", "fsdp2_offloads_params", "has_state",
-    "helpers_of", "idle_and_resharded", "load_fsdp2_model_to_gpu", "load_fsdp_optimizer", "local_of", "model_load",
-    "offload_fsdp2_model_to_cpu", "offload_fsdp_optimizer", "parse_budget", "patch_choices", "read_switch", "routed",
-    "seed_replacements", "settings_of", "unpatch_integration", "whole_copies",
+    "check_bool", "check_environment", "dock_budget", "ferry_for", "fsdp1_offloads_params", "fsdp2_offloads_params",
+    "has_state", "helpers_of", "idle_and_resharded", "load_fsdp2_model_to_gpu", "load_fsdp_optimizer", "local_of",
+    "model_load", "offload_fsdp2_model_to_cpu", "offload_fsdp_optimizer", "parse_budget", "patch_choices",
+    "read_switch", "routed", "seed_replacements", "settings_of", "unpatch_integration", "whole_copies",
 ]

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from .helpers import patch_choices
-from .settings import forwarded_env, hook_env
+from .settings import check_environment, forwarded_env, hook_env
 
 __all__ = ["HookNames", "WorkerHook"]
 
@@ -89,8 +89,10 @@ class WorkerHook:
     """The Ray worker hook of one integration: ``patch`` patches now, without importing call sites (modules
     imported later bind the replacements by their own ``from ... import``)."""
 
-    def __init__(self, names: HookNames, patch: Callable[[], object], is_patched: Callable[[], bool]) -> None:
+    def __init__(self, names: HookNames, patch: Callable[[], object], is_patched: Callable[[], bool],
+                 check: Callable[[], object] = check_environment) -> None:
         self.names, self._patch, self._is_patched = names, patch, is_patched
+        self._check = check  # the settings' variables read up front (a bad value refused at the hook)
 
     def patch_when_imported(self) -> None:
         """Patches now if the helper module is imported, else right after its import. Idempotent.
@@ -111,11 +113,13 @@ class WorkerHook:
 
         Raises:
             RuntimeError: as the integration's ``patch()``.
-            ValueError: the ``env_flag`` variable is neither on nor off, or the user's next hook's variable
-                is not ``module.function``.
+            ValueError: the ``env_flag`` variable is neither on nor off, the user's next hook's variable
+                is not ``module.function``, or a setting's variable is malformed (read here, before the
+                framework's import would fail on it in every later attempt).
         """
         on, nxt = hook_env(self.names.env_flag, self.names.next_hook_env)
         if on:
+            self._check()
             self.patch_when_imported()
             logger.debug("torchferry: %s's offload helpers are routed through torchferry in pid %d",
                          self.names.framework, os.getpid())

@@ -19,7 +19,7 @@ from ..._core._api.env import OFF, env_flag, parse_bytes
 
 __all__ = [
     "DOCK_ENV", "FORWARDED_SETTINGS", "FSDP1_ENV", "LAYERWISE_ENV", "OPTIMIZER_AT_STEP_ENV", "SKIP_ENV", "SWITCHES",
-    "Settings", "dock_budget", "forwarded_env", "hook_env", "parse_budget", "read_switch",
+    "Settings", "check_environment", "dock_budget", "forwarded_env", "hook_env", "parse_budget", "read_switch",
 ]
 
 SKIP_ENV = "TORCHFERRY_SKIP_UNCHANGED"
@@ -149,6 +149,19 @@ def dock_budget(choice: object) -> int | float | None:
     if choice is not None:
         return parse_budget(choice, "patch(dock=...)")
     return parse_budget(os.environ.get(DOCK_ENV), DOCK_ENV)
+
+
+def check_environment(*, with_dock: bool = False) -> None:
+    """Reads every switch's variable (and, ``with_dock``, ``TORCHFERRY_VERL_DOCK``) as ``patch()`` would, so a
+    Ray worker's hook refuses a bad value before anything is patched, instead of at the framework's import.
+
+    Raises:
+        ValueError: a variable is neither on nor off, or a malformed dock budget.
+    """
+    for name in SWITCHES:
+        read_switch(name)
+    if with_dock:
+        dock_budget(None)
 
 
 def forwarded_env() -> dict[str, str]:

@@ -377,9 +377,9 @@ def test_no_module_of_the_core_hands_a_lower_layer_a_callback():
 
 
 @pytest.mark.parametrize("planted", [
-    "from .._transfer.copies import issue_h2d\ndef f(plan):\n    issue_h2d(plan, lambda: None)\n",
-    "from .._transfer import copies\ndef g():\n    pass\ndef f(plan):\n    copies.issue_h2d(plan, on_done=g)\n",
-    "from .._transfer.copies import issue_h2d\nclass R:\n    def f(self, plan):\n        issue_h2d(plan, self.step)\n"
+    "from .._transfer.h2d import issue_h2d\ndef f(plan):\n    issue_h2d(plan, lambda: None)\n",
+    "from .._transfer import h2d\ndef g():\n    pass\ndef f(plan):\n    h2d.issue_h2d(plan, on_done=g)\n",
+    "from .._transfer.h2d import issue_h2d\nclass R:\n    def f(self, plan):\n        issue_h2d(plan, self.step)\n"
     "    def step(self):\n        pass\n",
     "import functools\nfrom .._transfer.gates import upload_rows\ndef f(s, r, a):\n"
     "    upload_rows(s, r, functools.partial(a, 1))\n",
@@ -388,7 +388,7 @@ def test_the_callback_checker_sees_a_planted_breach(planted):
     """A ``_schedules`` module handing ``_transfer`` a lambda, a function, a method or a partial is reported; the
     same module handing it data, or a callback to its own layer, is not."""
     assert _callbacks(CORE + "_schedules.planted", planted), planted
-    fine = ("from .._transfer.copies import issue_h2d\nfrom .step_hooks import GlobalStepHook\nclass R:\n"
+    fine = ("from .._transfer.h2d import issue_h2d\nfrom .step_hooks import GlobalStepHook\nclass R:\n"
             "    def f(self, plan, gates):\n        issue_h2d(plan, gates)\n"
             "        GlobalStepHook().add(1, self.f)\n")
     assert not _callbacks(CORE + "_schedules.planted", fine)

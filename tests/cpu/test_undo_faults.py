@@ -1,7 +1,7 @@
 """A move whose undo fails too stays consistent: the undo of a release that failed part-way either
 gives every storage its bytes back (DEVICE) or, where allocating again fails, completes the release
 instead (HOST, a reload brings every byte back): [Note: a release rolled forward] in
-``torchferry._core._transfer.copies``; and no signal tears an undo ([Note: an undo is not
+``torchferry._core._transfer.release``; and no signal tears an undo ([Note: an undo is not
 interrupted] in ``torchferry._core._transfer.signals``).
 
 Reproduces the report against 973bb61: the offload's second ``resize_(0)`` raising and the undo's
@@ -147,7 +147,8 @@ def test_swap_schedule_takes_everything_when_its_undo_fails():
     pending, and ``release_rest()`` frees exactly those."""
     from torchferry._core._schedules.release import ReleaseSchedule
     from torchferry._core._state.plan import build_plan, storage_bytes
-    from torchferry._core._transfer.copies import D2HIssued, ReleaseRolledForward
+    from torchferry._core._transfer.copies import D2HIssued
+    from torchferry._core._transfer.release import ReleaseRolledForward
     from torchferry._core._transfer.streams import streams_for
 
     ts = [torch.randn(1024, generator=torch.Generator().manual_seed(i)) for i in range(4)]  # 4 KiB each

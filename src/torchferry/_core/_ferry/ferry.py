@@ -1,29 +1,29 @@
-"""``Ferry``: the public face and the residency state machine; the layers below do the work
-(``_ferry/state_set``: [Note: storage moves keep every tensor object]; ``_ferry/reconcile``: [Note: state
-replaced while offloaded]; ``_ferry/pin_ahead``: [Note: pin ahead])."""
+"""``Ferry``: the public face, over the residency state machine (``_ferry/machine``) and the host
+pool's side (``_ferry/host_side``); the layers below do the work (``_ferry/state_set``: [Note: storage
+moves keep every tensor object]; ``_ferry/reconcile``: [Note: state replaced while offloaded];
+``_ferry/pin_ahead``: [Note: pin ahead])."""
 
 from __future__ import annotations
 
 import logging
 import time
 import weakref
-from concurrent.futures import Future
 
 import torch
 
 from .._api.args import check_bool, check_bytes, check_device
-from .._api.handle import TransferHandle, done_future
+from .._api.handle import TransferHandle
 from .._api.residency import Residency
 from .._api.stats import StatsRecorder, TransferStats
-from .._schedules.prefetch import Group, Prefetch, PrefetchRun, prefetch_groups
+from .._schedules.prefetch import Prefetch, prefetch_groups
 from .._schedules.release import ReleaseSchedule
 from .._state.plan import build_plan
 from .._state.targets import Targets
 from .._transfer.copies import transfer_range
 from .environment import check_environment
 from .guards import OffloadGuards, dropped
-from .misuse import NotCopyable, OneMover, moves_state
-from .moves import Offloaded
+from .host_side import HostSide
+from .misuse import OneMover, moves_state
 from .pin_ahead import PinAhead
 from .rollback import Rollback
 from .state_set import StateSet
@@ -34,7 +34,7 @@ __all__ = ["Ferry"]
 logger = logging.getLogger("torchferry")
 
 
-class Ferry(NotCopyable):
+class Ferry(HostSide):
     """Moves a set of training state between its GPU and a pinned host pool.
 
     Args:
@@ -95,34 +95,22 @@ class Ferry(NotCopyable):
                              skip_unchanged=skip_unchanged)
         ref = weakref.ref(self)
         self._guards = OffloadGuards(lambda: repr(ref()) if ref() is not None else "Ferry(dropped)")
-        weakref.finalize(self, dropped, self._guards).atexit = False  # [Note: a ferry dropped while offloaded]
-        self._offloaded: Offloaded | None = None
-        self._residency, self._last = Residency.DEVICE, None  # _last: the last TransferHandle
-        self._prefetch: PrefetchRun | None = None  # see [Note: prefetch reload]
+        # See [Note: a ferry dropped while offloaded].
+        weakref.finalize(self, dropped, self._guards).atexit = False
+        self._offloaded = None
+        self._residency = Residency.DEVICE
+        self._last = None
+        self._prefetch = None
         self._state_bytes = plan.state_bytes
         self._recorder = StatsRecorder()
-        self._released: tuple[object, torch.cuda.Event | None] = (None, None)  # (d2h handle, its release event)
+        self._released = (None, None)
         self._closed = False
-        self._mover = OneMover()  # see [Note: one thread moves a ferry]
+        self._mover = OneMover()
         self._pin_ahead = PinAhead.arm(self._set, plan) if pin_ahead else None
         self._watch = ResidentWatch(lambda: forget_plan_of(ref()))  # [Note: state dropped while resident]
         weakref.finalize(self, self._watch.disarm).atexit = False
 
     # ------------------------------------------------------------------ state
-    @property
-    def residency(self) -> Residency:
-        """Where the state is now (a plain read: nothing is moved or waited for); an in-flight
-        state reads as final once its copies are done (``TransferHandle.done()``)."""
-        r, last = self._residency, self._last
-        run = self._prefetch
-        if run is not None and run.finished:  # handed over at the next call that moves state
-            r, last = (Residency.H2D_IN_FLIGHT if self._streams.is_cuda else Residency.DEVICE), run.handle()
-        if r is Residency.D2H_IN_FLIGHT and last is not None and last.done():
-            return Residency.HOST
-        if r is Residency.H2D_IN_FLIGHT and last is not None and last.done():
-            return Residency.DEVICE
-        return r
-
     @property
     def last_handle(self) -> TransferHandle | None:
         """The handle of the last transfer issued (offload or reload), or ``None`` before the first;
@@ -142,97 +130,13 @@ class Ferry(NotCopyable):
         """Bytes of the unique storages in the last plan (what one transfer moves)."""
         return self._state_bytes
 
-    @property
-    def host_bytes(self) -> int:
-        """Bytes of host memory the pool holds (pinned when the device is a GPU)."""
-        return self._pool.nbytes
-
-    @property
-    def pinned(self) -> bool:
-        """Whether the whole host pool is page-locked (GPU ferries once allocated, unless
-        ``max_pinned_bytes`` kept part of it pageable)."""
-        return self._pool.pin and self._pool.nbytes > 0 and self._pool.pinned_bytes == self._pool.nbytes
-
-    @property
-    def pinned_bytes(self) -> int:
-        """Bytes of the host pool that are page-locked (registered with CUDA)."""
-        return self._pool.pinned_bytes if self._pool.pin else 0
-
     def __repr__(self) -> str:
         if self._closed:
             return f"Ferry(device={self.device}, closed)"
         return (f"Ferry(device={self.device}, residency={self._residency.name}, "
                 f"state_bytes={self._state_bytes}, host_bytes={self.host_bytes})")
 
-    @property
-    def device(self) -> torch.device:
-        """The device the state lives on when resident."""
-        return self._set.device
-
-    _streams = property(lambda self: self._set.streams)
-    _pool = property(lambda self: self._set.pool)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("torchferry: this ferry is closed; make a new Ferry")
-
-    def _handle_or_noop(self, direction: str) -> TransferHandle:
-        return self._last if self._last is not None else TransferHandle(direction, 0, None)  # type: ignore[arg-type]
-
-    def _arm_watch(self, plan) -> None:  # see [Note: state dropped while resident] in watch.py
-        if plan.has_grads:  # else no hook to install: spares a walk of every parameter per reload
-            self._watch.arm(plan.modules, [r.tensor for r in plan.tensors])
-
-    def _issued(self, handle: TransferHandle) -> TransferHandle:
-        self._last = handle
-        self._guards.pending = handle  # see [Note: state_dict() waits for the offload] in guards.py
-        self._recorder.issued(handle)
-        return handle
-
-    # ------------------------------------------------------------------- pool
-    @moves_state("reserve_host()")
-    def reserve_host(self, *, background: bool = False) -> float | Future:
-        """Plans the state now and allocates (and pins) the host pool for it.
-
-        Optional (``offload()`` does it on first use, and ``pin_ahead`` starts it in the background): keeps pinning
-        out of the first offload. ``background=True`` pins in a thread while training goes on; an ``offload()`` that
-        comes first waits for it. The node's host budget is checked first ([Note: host budget]).
-
-        Returns:
-            Host seconds spent allocating, touching and pinning (0.0 when the pool already fits,
-            unless pinned ahead and not yet reported); with ``background``, a ``Future`` of them.
-
-        Raises:
-            HostBudgetError: (a ``RuntimeError``) the node's budget or free memory cannot hold the
-                pool; nothing was allocated.
-            RuntimeError: host memory could not be allocated or pinned (with ``background``, raised
-                by the future and by the next offload).
-            TypeError: ``background`` is not a bool.
-        """
-        check_bool(background, "reserve_host(background=...)")
-        self._check_open()
-        self._complete_prefetch()
-        if self.residency.on_host:
-            return done_future(0.0) if background else 0.0
-        self._state_bytes, fut, grew = self._set.reserve(background)
-        ahead = self._pin_ahead.claim() if self._pin_ahead is not None else None  # the pool came from it
-        if background:
-            return fut or ahead or done_future(0.0)
-        return self._pool.pin_seconds if grew or (ahead is not None and self._pool.pinned_bytes) else 0.0
-
-    @moves_state("release_host()")
-    def release_host(self) -> None:
-        """Returns the host pool to the OS now, keeping the ferry usable.
-
-        For a ferry whose state stays resident for a while: its pinned memory goes back to the
-        node (and its budget); the next ``offload()`` pins again.
-
-        Raises:
-            RuntimeError: the state is offloaded (``reload()`` first), or the ferry is closed.
-        """
-        self._check_open()
-        self._drop_pool("release_host()")
-
+    # ------------------------------------------------------------------- plan
     @moves_state("forget_plan()")
     def forget_plan(self) -> None:
         """Drops what the ferry keeps on the device for its next offload while the state is
@@ -247,21 +151,11 @@ class Ferry(NotCopyable):
         self._check_open()
         self._complete_prefetch()
         if self.residency.on_host:
-            raise RuntimeError("torchferry: forget_plan() while the state is offloaded would lose it; reload() first")
+            raise RuntimeError("torchferry: forget_plan() while the state is offloaded would lose it; "
+                               "reload() first")
         self._set.drop_arena()
         self._set.disarm_early()
         self._set.forget()
-
-    def _drop_pool(self, what: str) -> None:
-        """Returns the pool to the OS; the state must be (or become) resident."""
-        self._complete_prefetch()
-        if self.residency.on_host:
-            raise RuntimeError(f"torchferry: {what} while the state is offloaded would lose it; call reload() first")
-        if self._last is not None:
-            self._last.wait()  # the pool may still be read by an H2D copy
-        self._set.disarm_early()
-        self._set.forget_host()  # its views would keep the block mapped
-        self._pool.release()
 
     # ---------------------------------------------------------------- offload
     def offload(self) -> TransferHandle:
@@ -303,12 +197,15 @@ class Ferry(NotCopyable):
                 return self._handle_or_noop("d2h")
             self._reconcile(off)
         issued_at = time.perf_counter()
-        rollback, move = Rollback(self), None
+        rollback = Rollback(self)
+        move = None
         with transfer_range("d2h", self._state_bytes):
             try:  # see [Note: one rollback]; a release rolled forward completes the move, raising
                 with rollback:
                     move = self._set.offload(schedule)
-                    rollback.undo, rollback.committed, plan = move.undo, lambda: move.done, move.issued.plan
+                    rollback.undo = move.undo
+                    rollback.committed = lambda: move.done
+                    plan = move.issued.plan
                     self._guards.install(plan.modules, plan.optimizers)
                     handle = self._issued(move.handle(issued_at))
                     self._offloaded = move.offloaded
@@ -317,17 +214,13 @@ class Ferry(NotCopyable):
                     move.finish()  # the last step: done, or undone and raising, or done and raising
             finally:
                 if move is not None and move.done:
-                    self._released, self._state_bytes = (self._last, move.released), move.issued.plan.state_bytes
+                    self._released = (self._last, move.released)
+                    self._state_bytes = move.issued.plan.state_bytes
         plan = move.issued.plan
         self._watch.disarm()
-        logger.debug("offload: %d bytes in %d storages from %s", plan.state_bytes, len(plan.storages), self.device)
+        logger.debug("offload: %d bytes in %d storages from %s",
+                     plan.state_bytes, len(plan.storages), self.device)
         return handle
-
-    def _own_offload_event(self) -> torch.cuda.Event | None:
-        """This ferry's last offload event (only this ferry's, see ``StateSet.issue_reload``); after
-        its release, the event recorded then ([Note: a reload takes the blocks its offload freed])."""
-        latest, (handle, released) = self._recorder.latest("d2h"), self._released
-        return released if latest is handle and released is not None else getattr(latest, "event", None)
 
     # ----------------------------------------------------- offload in pieces
     @moves_state("offload_during_forward()")
@@ -388,7 +281,9 @@ class Ferry(NotCopyable):
         self._check_open()
         run = self._prefetch
         if run is not None and not run.finished:
-            return self._last if prefetch and self._last is not None else self._complete_prefetch()  # type: ignore[return-value]
+            if prefetch and self._last is not None:
+                return self._last
+            return self._complete_prefetch()  # type: ignore[return-value]  # a run under way: its handle
         self._complete_prefetch()
         off = self._offloaded
         if off is None:
@@ -398,65 +293,9 @@ class Ferry(NotCopyable):
         if groups is not None:
             if self._set.replaced(off):
                 return self._reconcile(off)
-            return self._start_prefetch(off, groups, prefetch if isinstance(prefetch, Prefetch) else Prefetch())
+            policy = prefetch if isinstance(prefetch, Prefetch) else Prefetch()
+            return self._start_prefetch(off, groups, policy)
         return self._reload_all(off, schedule)
-
-    def _reload_all(self, off: Offloaded, schedule: ReleaseSchedule | None) -> TransferHandle:
-        issued_at = time.perf_counter()
-        rollback = Rollback(self, guards=off.plan)
-        with transfer_range("h2d", off.plan.state_bytes):
-            with rollback:  # see [Note: one rollback]
-                move = self._set.reload(off, schedule, self._own_offload_event())
-                if move is not None:
-                    rollback.undo = move.undo
-                    handle = self._issued(move.handle(issued_at))
-                    self._guards.remove()
-                    self._offloaded, self._set.arena = None, move.arena
-                    self._residency = Residency.H2D_IN_FLIGHT if self._streams.is_cuda else Residency.DEVICE
-            if move is None:  # replaced while offloaded: see [Note: state replaced while offloaded]
-                return self._reconcile(off)
-        self._arm_watch(off.plan)
-        logger.debug("reload: %d bytes in %d storages to %s", off.plan.state_bytes, len(off.plan.storages), self.device)
-        return handle
-
-    def _reconcile(self, off: Offloaded) -> TransferHandle:
-        """Brings back what the targets still hold after a replacement; the state is then resident.
-        All or nothing: ``reconcile`` undoes itself, and nothing after it can tear the state."""
-        with Rollback(self, guards=off.plan):  # see [Note: one rollback]
-            self._guards.remove()
-            nbytes = self._set.reconcile(off, self._own_offload_event())
-            self._offloaded, self._residency = None, Residency.DEVICE
-        handle = self._issued(TransferHandle("h2d", nbytes, None))
-        self._set.forget()  # re-planned at the next offload (a forget cut short is redone there)
-        return handle
-
-    # --------------------------------------------------------------- prefetch
-    def _start_prefetch(self, off: Offloaded, groups: list[Group], policy: Prefetch) -> TransferHandle:
-        rollback = Rollback(self, guards=off.plan)
-        with rollback:  # see [Note: one rollback]
-            run = self._set.prefetch_run(off, groups, policy, self._own_offload_event())
-            rollback.undo = run.abort
-            self._guards.remove()
-            self._prefetch = run
-            self._residency = Residency.PREFETCHING
-            run.begin()
-            self._last = handle = run.handle()
-        self._arm_watch(off.plan)
-        return handle
-
-    def _complete_prefetch(self) -> TransferHandle | None:
-        """Completes a layer-wise reload under way, or hands over one that finished."""
-        if self._prefetch is None:
-            return None
-        self._prefetch.finish()  # idempotent
-        return self._end_prefetch()
-
-    def _end_prefetch(self) -> TransferHandle:
-        run, self._prefetch = self._prefetch, None
-        assert run is not None
-        self._offloaded = None
-        self._residency = Residency.H2D_IN_FLIGHT if self._streams.is_cuda else Residency.DEVICE
-        return self._issued(run.handle())
 
     # ------------------------------------------------------------------ close
     @moves_state("close()")
@@ -495,5 +334,6 @@ class Ferry(NotCopyable):
         except Exception:
             if exc_type is None:
                 raise
-            logger.warning("torchferry: could not reload/close the ferry while leaving on an exception", exc_info=True)
+            logger.warning("torchferry: could not reload/close the ferry while leaving on an exception",
+                           exc_info=True)
 

@@ -45,7 +45,7 @@ Three mechanisms make every call all or nothing:
    of an offload) is all or nothing itself: if freeing one raises, the storages
    freed before it are allocated again and given their bytes back from their
    pool slots, which hold them then ([Note: a release undone from the pool] in
-   ``torchferry._core._transfer.copies``), and the call is undone as in 1.
+   ``torchferry._core._transfer.release``), and the call is undone as in 1.
    Where that undo fails too (no memory to allocate again), the release is
    completed instead and the call completes before it raises ([Note: a release
    rolled forward]): either way no storage is left at 0 bytes under DEVICE.

@@ -19,7 +19,9 @@ from .._schedules.unchanged import UnchangedStorages
 from .._state.parking import Parking
 from .._state.plan import Plan
 from .._transfer.arena import ReloadArena
-from .._transfer.copies import D2HIssued, H2DIssued, ReleaseRolledForward, release, undo_allocations
+from .._transfer.copies import D2HIssued, undo_allocations
+from .._transfer.h2d import H2DIssued
+from .._transfer.release import ReleaseRolledForward, release
 from .._transfer.streams import TransferStreams
 
 __all__ = ["OffloadIssued", "OffloadMove", "Offloaded", "ReloadMove"]

@@ -39,7 +39,8 @@ import logging
 
 import torch
 
-from .._transfer.copies import issue_h2d, undo_allocations
+from .._transfer.copies import undo_allocations
+from .._transfer.h2d import issue_h2d
 from .._transfer.signals import uninterruptible
 from .._state.fsdp import local_of, repoint_sharded_data, storage_key
 from .._state.host_blocks import in_host_pool

@@ -13,7 +13,7 @@ no signal interrupts ([Note: an undo is not interrupted] in
 ``torchferry._core._transfer.signals``), then lets the exception go on
 ([Note: all or nothing] in ``torchferry._core._ferry.interrupts``). A move that
 completed before raising (``committed()``: [Note: a release rolled forward] in
-``torchferry._core._transfer.copies``) is not undone: its decisions stand.
+``torchferry._core._transfer.release``) is not undone: its decisions stand.
 """
 
 from __future__ import annotations

@@ -43,7 +43,8 @@ from .._state.parking import Parking
 from .._state.plan import Plan, PlanCache, build_plan, fingerprint, refuse_unresizable, storage_bytes, to_allocate
 from .._state.targets import Targets
 from .._transfer.arena import ReloadArena
-from .._transfer.copies import H2DIssued, issue_d2h, issue_h2d
+from .._transfer.copies import issue_d2h
+from .._transfer.h2d import H2DIssued, issue_h2d
 from .._transfer.gates import AllocGate, TailMark
 from .._transfer.streams import TransferStreams, streams_for, wait_event
 from .moves import OffloadIssued, OffloadMove, Offloaded, ReloadMove

@@ -216,7 +216,7 @@ class PrefetchRun:
                     self._allocate_group(gi)
             else:
                 self._allocate_group(0)
-            if cuda:  # after the allocations: [Note: reload allocates on the caller's stream] in copies.py
+            if cuda:  # after the allocations: [Note: reload allocates on the caller's stream] in h2d.py
                 h2d = self.streams.h2d
                 h2d.wait_stream(self.streams.current())
                 if self._after is not None:
@@ -399,7 +399,7 @@ class PrefetchRun:
         if self.streams.is_cuda and self.issued > 0 and self.policy.lookahead_bytes is not None:
             # Issued from a forward hook, after the allocations: the blocks may have been freed by kernels
             # still queued, or written by one the allocation queued (see [Note: reload allocates on the
-            # caller's stream] in copies.py).
+            # caller's stream] in h2d.py).
             self.streams.h2d.wait_stream(self.streams.current())
 
     def _issue_group(self, gi: int, queue: DriverQueue | None = None) -> None:

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from .._transfer.copies import D2HIssued, ReleaseRolledForward, undo_release
+from .._transfer.copies import D2HIssued
+from .._transfer.release import ReleaseRolledForward, undo_release
 from .._transfer.gates import AllocGate, Pending, free_pending
 from .._state.plan import Plan
 from .._transfer.streams import TransferStreams, wait_event

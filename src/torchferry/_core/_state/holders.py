@@ -17,7 +17,7 @@ use count: one per tensor impl over it, one per Python storage object) and
 returns those with more than the holders it can account for. The offload
 copies them to the pool and re-points the known tensors as usual (all or
 nothing, unchanged), but does not release them (``release()`` in
-``_transfer/copies.py``, ``ReleaseSchedule.hold`` in
+``_transfer/release.py``, ``ReleaseSchedule.hold`` in
 ``_schedules/release.py``): the alias stays readable, with the bytes of the
 offload, and the device memory stays allocated (logged once per ferry, naming
 the tensors and bytes). The reload finds such a storage allocated at its size

@@ -65,7 +65,7 @@ back-to-back cycles of a 134 MB state after the rest of the GPU tier
 (``benchmarks/results/soak_gpu_h200x1_2026-12-01_dc0385b.json``). So
 ``seed(after=...)`` first waits on the host, when it has not completed, for
 the ferry's own last offload at an event recorded after the allocator's events
-for the freed blocks (``release()`` in ``copies.py``; the allocator looks at
+for the freed blocks (``release()`` in ``release.py``; the allocator looks at
 its events on the next allocation). The reload's H2D copies read the host slots
 that offload fills, so they could not start before it anyway; the host loses
 only its lead in queueing them. With the rule the same test, after the same
@@ -79,7 +79,7 @@ storages as its copies go).
 A layer-wise reload (``reload(prefetch=...)``, ``_schedules/prefetch.py``: verl's
 ``optimizer_at_step`` and ``layerwise_reload``) allocates its storages one by one from
 the caching allocator, with no arena, and its H2D stream waits for the caller's stream
-after them ([Note: reload allocates on the caller's stream] in ``copies.py``). With an
+after them ([Note: reload allocates on the caller's stream] in ``h2d.py``). With an
 arena seeded before that wait, verl 0.9.1's FSDP1 actor (Qwen2.5-1.5B, one H100, the
 optimizer state reloaded at ``optimizer.step()``) trained to NaN: 8 of 8 processes
 across four runs, after 1 to 9 steps bit-identical to verl's; a process with no arena

@@ -1,4 +1,4 @@
-"""What a schedule hands :func:`~torchferry._core._transfer.copies.issue_h2d` for the reload it drives, as
+"""What a schedule hands :func:`~torchferry._core._transfer.h2d.issue_h2d` for the reload it drives, as
 data, not as a callback into its layer:
 
 * :class:`AllocGate`: a swap's outgoing storages, freed as their D2H copies land, before the incoming

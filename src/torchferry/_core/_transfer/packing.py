@@ -25,7 +25,7 @@ staging buffer of its own where they take at most a quarter of the free
 device memory (not in a swap, whose budget counts no staging), gathered on a
 stream of their own (``gather``) where nothing waits for a copy, so the
 sources can be freed without an event each ([Note: small storages released
-without an event each] in ``_transfer/copies``); else two buffers alternate on
+without an event each] in ``_transfer/release``); else two buffers alternate on
 ``pack``. The gathers wait for the caller's stream only, not for the large
 storages' DMAs queued before them. Events order each buffer's reuse after
 the DMA or scatter that last read it; the copy stream waits for the

@@ -166,3 +166,37 @@ def test_environment_settings_are_parsed_in_one_place(monkeypatch):
     check_optional_bool(False, "x")
     with pytest.raises(TypeError, match="x must be True, False or None, got int 1"):
         check_optional_bool(1, "x")
+
+
+def test_a_closed_docks_calls_say_it_is_closed_not_that_the_names_are_unknown():
+    """Before: ``use("a")`` on a closed dock said "unknown names ['a']; registered: []"."""
+    from torchferry import Dock
+
+    d = Dock(10**6)
+    model = torch.nn.Linear(4, 4)
+    d.add("a", Ferry(model))
+    d.close()
+    for call in (lambda: d.use("a").__enter__(), lambda: d.evict("a"), lambda: d.prefetch("a")):
+        with pytest.raises(RuntimeError, match=r"^torchferry: Dock\.\w+: this dock is closed; make a new Dock$"):
+            call()
+
+
+def test_ferry_for_names_what_it_takes():
+    from torchferry.integrations.verl import ferry_for
+
+    with pytest.raises(TypeError, match=r"^torchferry: ferry_for\(\) takes the nn\.Module or torch\.optim\."
+                                        r"Optimizer given to the helpers, got str$"):
+        ferry_for("x")
+    assert ferry_for(torch.nn.Linear(2, 2)) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_a_cuda_dock_or_device_index_without_cuda_is_refused_at_once():
+    from torchferry import Dock
+
+    with pytest.raises(ValueError, match=r"^torchferry: Dock: device cuda was asked for, but CUDA is not available$"):
+        Dock(10**6, device="cuda")
+    with pytest.raises(ValueError, match=r"device index 0 needs an accelerator, and none is available; accepted"):
+        Ferry(torch.nn.Linear(2, 2), device=0)
+    with pytest.raises(ValueError, match=r"device index -1 is negative; accepted"):
+        Ferry(torch.nn.Linear(2, 2), device=-1)

@@ -45,9 +45,11 @@ def check_device(device: object, what: str) -> torch.device | None:
     try:
         return torch.device(device)
     except RuntimeError:
+        if isinstance(device, int) and device < 0:
+            raise ValueError(f"torchferry: {what}: device index {device} is negative; accepted: {accepted}") from None
         if isinstance(device, int):  # torch.device(0) is the accelerator's device 0
             raise ValueError(f"torchferry: {what}: device index {device} needs an accelerator, and none is "
-                             f"available (or the index is negative); accepted: {accepted}") from None
+                             f"available; accepted: {accepted}") from None
         raise ValueError(f"torchferry: {what}: {device!r} is not a device; accepted: {accepted}") from None
 
 

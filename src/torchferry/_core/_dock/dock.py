@@ -40,13 +40,16 @@ class Dock(NotCopyable):
             device: the device of the state sets; default the first added ferry's.
 
         Raises:
-            ValueError: ``budget_bytes`` not a positive int, or ``device`` a string
-                or index ``torch.device`` does not accept.
+            ValueError: ``budget_bytes`` not a positive int, ``device`` a string or index ``torch.device``
+                does not accept, or a CUDA device where CUDA is not available.
             TypeError: ``device`` not a ``torch.device``, str, int or ``None``.
         """
         if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
             raise ValueError(f"torchferry: Dock: budget_bytes must be an int > 0 (bytes), got {budget_bytes!r}")
-        self._engine = DockEngine(budget_bytes, check_device(device, "Dock(device=...)"), owner=self)
+        dev = check_device(device, "Dock(device=...)")
+        if dev is not None and dev.type == "cuda" and not torch.cuda.is_available():  # as Ferry(device=...) does
+            raise ValueError(f"torchferry: Dock: device {dev} was asked for, but CUDA is not available")
+        self._engine = DockEngine(budget_bytes, dev, owner=self)
 
     def _check_new_name(self, name: str) -> None:
         e = self._engine
@@ -65,6 +68,8 @@ class Dock(NotCopyable):
         if not names:
             raise ValueError(f"torchferry: Dock.{what}: give at least one name")
         e = self._engine
+        if e.closed:  # a closed dock's names are gone: "unknown names" would blame the caller's names
+            raise RuntimeError(f"torchferry: Dock.{what}: this dock is closed; make a new Dock")
         unknown = [n for n in names if n not in e.sets and n not in e.claimants]
         if unknown:
             raise ValueError(f"torchferry: Dock.{what}: unknown names {unknown}; registered: "

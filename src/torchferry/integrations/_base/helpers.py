@@ -180,7 +180,14 @@ _DIRECT = SeedHelpers(REGISTRY)  # a user's own calls: no integration, the envir
 
 
 def ferry_for(obj: nn.Module | torch.optim.Optimizer) -> Ferry | None:
-    """The :class:`~torchferry.Ferry` the helpers keep for ``obj`` (``None``: never offloaded through them)."""
+    """The :class:`~torchferry.Ferry` the helpers keep for ``obj`` (``None``: never offloaded through them).
+
+    Raises:
+        TypeError: ``obj`` is neither a module nor an optimizer.
+    """
+    if not isinstance(obj, (nn.Module, torch.optim.Optimizer)):
+        raise TypeError(f"torchferry: ferry_for() takes the nn.Module or torch.optim.Optimizer given to the "
+                        f"helpers, got {type(obj).__name__}")
     return REGISTRY.ferry(obj)
 
 

@@ -358,3 +358,18 @@ def test_a_ray_workers_hook_refuses_a_bad_setting_before_patching(monkeypatch, i
         finally:
             if mod.is_patched():  # the framework's helpers already imported here: patched at once
                 mod.unpatch()
+
+
+@pytest.mark.parametrize("launcher", ["torchferry.integrations.verl.main_ppo", "torchferry.integrations.skyrl.main_base"])
+def test_a_launcher_refuses_a_bad_setting_in_one_line(launcher):
+    """Before: a traceback of about twenty lines, the message on its last."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHFERRY_SKIP_UNCHANGED": "maybe"}
+    p = subprocess.run([sys.executable, "-m", launcher, "trainer.x=1"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert p.returncode == 1 and p.stdout == ""
+    assert p.stderr.strip().splitlines() == [
+        "torchferry: TORCHFERRY_SKIP_UNCHANGED must be on (1, true, yes, on) or off (0, false, no, off), got 'maybe'"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 
+from .._base import check_environment
 from . import patch, ray_init_with_hook
 
 __all__ = ["main"]
@@ -38,4 +39,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    try:
+        check_environment()  # a bad setting is one line here, not a traceback from inside patch()
+    except ValueError as e:
+        sys.exit(str(e))
     main()

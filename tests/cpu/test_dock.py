@@ -630,8 +630,12 @@ def test_bad_arguments_are_refused():
         dock.plan(["a", "nope"])
     with pytest.raises(ValueError, match="not one string"):
         Schedule.of("abc")
-    with pytest.raises(ValueError, match="non-empty frozenset"):
+    with pytest.raises(ValueError, match=r"^torchferry.Schedule: phase 1 is empty: give each phase a name or names$"):
         Schedule.of(["a", ()])
+    with pytest.raises(ValueError, match=r"^torchferry.Schedule: give at least one phase \(a name or names each\)$"):
+        dock.plan([])
+    with pytest.raises(ValueError, match="non-empty frozenset"):
+        Schedule((frozenset(),))  # the dataclass built directly
     with pytest.raises(ValueError, match="more than once"):
         Schedule.of([("a", "a")])
     with pytest.raises(ValueError, match=r"unknown names \['b'\]"), dock.use("b"):

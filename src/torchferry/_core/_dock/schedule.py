@@ -66,9 +66,13 @@ class Schedule:
         out = []
         for i, phase in enumerate(phases):
             names = (phase,) if isinstance(phase, str) else tuple(phase)
+            if not names:  # said in the caller's terms, before the frozenset check would
+                raise ValueError(f"torchferry.Schedule: phase {i} is empty: give each phase a name or names")
             if len(set(names)) != len(names):
                 raise ValueError(f"torchferry.Schedule: phase {i} names {names} more than once")
             out.append(frozenset(names))
+        if not out:
+            raise ValueError("torchferry.Schedule: give at least one phase (a name or names each)")
         return cls(tuple(out))
 
     @property

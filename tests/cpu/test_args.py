@@ -176,7 +176,8 @@ def test_a_closed_docks_calls_say_it_is_closed_not_that_the_names_are_unknown():
     model = torch.nn.Linear(4, 4)
     d.add("a", Ferry(model))
     d.close()
-    for call in (lambda: d.use("a").__enter__(), lambda: d.evict("a"), lambda: d.prefetch("a")):
+    for call in (lambda: d.use("a").__enter__(), lambda: d.evict("a"), lambda: d.prefetch("a"),
+                 lambda: d.plan([["a"]]), lambda: d.resize("a", 1)):  # before: "unknown names", "not a claimant"
         with pytest.raises(RuntimeError, match=r"^torchferry: Dock\.\w+: this dock is closed; make a new Dock$"):
             call()
 

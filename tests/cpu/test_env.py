@@ -336,6 +336,8 @@ def test_a_next_ray_hook_that_is_not_module_function_is_refused_naming_the_varia
     ("verl", "TORCHFERRY_SKIP_UNCHANGED", "maybe", True), ("verl", "TORCHFERRY_LAYERWISE_RELOAD", "2", True),
     ("verl", "TORCHFERRY_VERL_DOCK", "10GB", True), ("skyrl", "TORCHFERRY_OPTIMIZER_AT_STEP", "yes please", True),
     ("skyrl", "TORCHFERRY_VERL_DOCK", "10GB", False),  # verl's dock: not SkyRL's setting
+    ("skyrl", "TORCHFERRY_VERL_FSDP1", "maybe", False),  # verl's FSDP1 switch: SkyRL's patch() never reads it
+    ("verl", "TORCHFERRY_VERL_FSDP1", "maybe", True),
 ])
 def test_a_ray_workers_hook_refuses_a_bad_setting_before_patching(monkeypatch, integration, var, raw, refused):
     """The hook reads the settings' variables as ``patch()`` would: before, it returned normally and the
@@ -358,6 +360,19 @@ def test_a_ray_workers_hook_refuses_a_bad_setting_before_patching(monkeypatch, i
         finally:
             if mod.is_patched():  # the framework's helpers already imported here: patched at once
                 mod.unpatch()
+
+
+def test_skyrl_reads_only_its_own_switches_from_the_environment(monkeypatch):
+    """SkyRL's hook and launcher check what its ``patch()`` reads: before, a bad verl-only
+    ``TORCHFERRY_VERL_FSDP1`` (forwarded to every worker with the driver's settings) refused every worker."""
+    from torchferry.integrations._base.settings import check_environment
+    from torchferry.integrations.skyrl._patch import SWITCH_NAMES
+
+    monkeypatch.setenv("TORCHFERRY_VERL_FSDP1", "maybe")
+    assert SWITCH_NAMES == ("skip_unchanged", "optimizer_at_step", "layerwise_reload")
+    check_environment(SWITCH_NAMES)
+    with pytest.raises(ValueError, match=r"^torchferry: TORCHFERRY_VERL_FSDP1 must be on .* got 'maybe'$"):
+        check_environment()
 
 
 @pytest.mark.parametrize("launcher", ["torchferry.integrations.verl.main_ppo", "torchferry.integrations.skyrl.main_base"])

@@ -220,8 +220,10 @@ class Dock(NotCopyable):
         Raises:
             ValueError: ``name`` is not a claimant (a set, reserved bytes, unknown), or ``nbytes`` is not an
                 int in [0, the budget].
-            RuntimeError: the claimant is in use or awake (its old bytes are held now).
+            RuntimeError: the claimant is in use or awake (its old bytes are held now), or this dock is closed.
         """
+        if self._engine.closed:  # its claimants are gone: "not a claimant" would blame the name
+            raise RuntimeError("torchferry: Dock.resize: this dock is closed; make a new Dock")
         c = self._engine.claimants.get(name)
         if c is None or c.fixed:
             raise ValueError(f"torchferry: Dock.resize: {name!r} is not a claimant")
@@ -261,6 +263,7 @@ class Dock(NotCopyable):
         Raises:
             ValueError: a name not registered, or a malformed schedule.
             TypeError: ``schedule`` is not a :class:`Schedule`, an iterable of phases or ``None``.
+            RuntimeError: a schedule given to a closed dock.
         """
         if not (schedule is None or isinstance(schedule, (Schedule, Iterable))):
             raise TypeError(f"torchferry: Dock.plan() takes a Schedule, a list of phases (each a name or "
@@ -269,6 +272,8 @@ class Dock(NotCopyable):
             self._engine.plan(None)
             return
         sched = schedule if isinstance(schedule, Schedule) else Schedule.of(schedule)
+        if self._engine.closed:  # its names are gone: "unknown names" would blame the schedule's
+            raise RuntimeError("torchferry: Dock.plan: this dock is closed; make a new Dock")
         unknown = sorted(sched.names - self._engine.sets.keys() - self._engine.claimants.keys())
         if unknown:
             raise ValueError(f"torchferry: Dock.plan: unknown names {unknown}; add() or add_claimant() them first")

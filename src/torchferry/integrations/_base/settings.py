@@ -10,7 +10,7 @@ import math
 import numbers
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -151,14 +151,16 @@ def dock_budget(choice: object) -> int | float | None:
     return parse_budget(os.environ.get(DOCK_ENV), DOCK_ENV)
 
 
-def check_environment(*, with_dock: bool = False) -> None:
-    """Reads every switch's variable (and, ``with_dock``, ``TORCHFERRY_VERL_DOCK``) as ``patch()`` would, so a
-    Ray worker's hook refuses a bad value before anything is patched, instead of at the framework's import.
+def check_environment(switches: Iterable[str] = tuple(SWITCHES), *, with_dock: bool = False) -> None:
+    """Reads the variables of ``switches`` (names of :data:`SWITCHES`: those the integration's ``patch()`` reads;
+    default all) and, ``with_dock``, ``TORCHFERRY_VERL_DOCK``, as ``patch()`` would, so a Ray worker's hook or a
+    launcher refuses a bad value before anything is patched, instead of at the framework's import. A variable
+    the integration does not read is not checked (SkyRL's hook ignores verl's ``TORCHFERRY_VERL_FSDP1``).
 
     Raises:
         ValueError: a variable is neither on nor off, or a malformed dock budget.
     """
-    for name in SWITCHES:
+    for name in switches:
         read_switch(name)
     if with_dock:
         dock_budget(None)

@@ -16,9 +16,10 @@ from torch import nn
 from .._base import (REGISTRY, HelperSet, PatchState, Settings, check_bool, fsdp2_offloads_params,
                      offload_fsdp2_model_to_cpu, routed, seed_replacements, unpatch_integration)
 
-__all__ = ["FSDP_UTILS", "HELPER_SET", "is_patched", "patch", "unpatch"]
+__all__ = ["FSDP_UTILS", "HELPER_SET", "SWITCH_NAMES", "is_patched", "patch", "unpatch"]
 
 FSDP_UTILS = "skyrl.backends.skyrl_train.distributed.fsdp_utils"
+SWITCH_NAMES: tuple[str, ...] = ("skip_unchanged", "optimizer_at_step", "layerwise_reload")  # what patch() reads
 
 
 def _materialise_meta_buffers(model: nn.Module) -> None:
@@ -80,8 +81,8 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
     """
     check_bool(import_call_sites, "patch(import_call_sites=...)")
     state = REGISTRY.patched.get("skyrl")
-    args = {"skip_unchanged": skip_unchanged, "optimizer_at_step": optimizer_at_step,
-            "layerwise_reload": layerwise_reload}
+    given = (skip_unchanged, optimizer_at_step, layerwise_reload)
+    args: dict[str, bool | None] = dict(zip(SWITCH_NAMES, given, strict=True))
     settings = Settings.read(args, earlier=state.settings if state else None)  # a bad value: nothing replaced
     state = state or PatchState(name="skyrl", settings=settings)
     try:

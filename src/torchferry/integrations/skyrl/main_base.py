@@ -15,6 +15,7 @@ import sys
 
 from .._base import check_environment
 from . import patch, ray_init_with_hook
+from ._patch import SWITCH_NAMES
 
 __all__ = ["main"]
 
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     try:
-        check_environment()  # a bad setting is one line here, not a traceback from inside patch()
+        check_environment(SWITCH_NAMES)  # a bad setting is one line here, not a traceback from inside patch()
     except ValueError as e:
         sys.exit(str(e))
     main()

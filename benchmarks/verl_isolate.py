@@ -299,8 +299,8 @@ class StepProbe:
     ``None`` where it does not answer), and each thread's CPU seconds and involuntary switches by name
     (``threads``; ``main``: the thread that runs the step), which say whether the step's own thread was
     kept off its CPU, and the process's CPU seconds between its last step and this one
-    (``cpu_s_since_last_step``: while the other processes step, this one should sleep). A clock read at the step's end cannot see a cap that came and went inside the step;
-    the counters do."""
+    (``cpu_s_since_last_step``: while the other processes step, this one should sleep). A clock read at
+    the step's end cannot see a cap that came and went inside the step; the counters do."""
 
     def __init__(self, device) -> None:
         self.device = device

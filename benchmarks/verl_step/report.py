@@ -320,7 +320,8 @@ def report(runs: dict, command: str | None = None) -> dict:
                               "near the wall seconds under --blocking-sync: the phase is the host's work); "
                               "gpu_busy_per_step (--gpu-busy): per step, the GPU's busy seconds per phase and in the "
                               "step, from the profiler's CUDA activity (verl_step/gpu_busy.py); "
-                              "budget_bytes: the dock's budget (TORCHFERRY_VERL_DOCK); dock_steps: per step, the dock's moves (issued at at_s after "
+                              "budget_bytes: the dock's budget (TORCHFERRY_VERL_DOCK); dock_steps: per step, "
+                              "the dock's moves (issued at at_s after "
                               "the step's start) and bytes")
     out["bars"] = bars(out)
     return out

@@ -51,10 +51,14 @@ class Dock(NotCopyable):
             raise ValueError(f"torchferry: Dock: device {dev} was asked for, but CUDA is not available")
         self._engine = DockEngine(budget_bytes, dev, owner=self)
 
+    def _check_open(self, call: str) -> None:
+        """Refuses ``call`` on a closed dock: its names are gone, so "unknown names" would blame the caller's."""
+        if self._engine.closed:
+            raise RuntimeError(f"torchferry: {call}: this dock is closed; make a new Dock")
+
     def _check_new_name(self, name: str) -> None:
         e = self._engine
-        if e.closed:
-            raise RuntimeError("torchferry: Dock: this dock is closed; make a new Dock")
+        self._check_open("Dock")
         if not isinstance(name, str) or not name:
             raise ValueError(f"torchferry: Dock: a name must be a non-empty str, got {name!r}")
         if name in e.sets or name in e.claimants:
@@ -68,8 +72,7 @@ class Dock(NotCopyable):
         if not names:
             raise ValueError(f"torchferry: Dock.{what}: give at least one name")
         e = self._engine
-        if e.closed:  # a closed dock's names are gone: "unknown names" would blame the caller's names
-            raise RuntimeError(f"torchferry: Dock.{what}: this dock is closed; make a new Dock")
+        self._check_open(f"Dock.{what}")
         unknown = [n for n in names if n not in e.sets and n not in e.claimants]
         if unknown:
             raise ValueError(f"torchferry: Dock.{what}: unknown names {unknown}; registered: "
@@ -222,8 +225,7 @@ class Dock(NotCopyable):
                 int in [0, the budget].
             RuntimeError: the claimant is in use or awake (its old bytes are held now), or this dock is closed.
         """
-        if self._engine.closed:  # its claimants are gone: "not a claimant" would blame the name
-            raise RuntimeError("torchferry: Dock.resize: this dock is closed; make a new Dock")
+        self._check_open("Dock.resize")
         c = self._engine.claimants.get(name)
         if c is None or c.fixed:
             raise ValueError(f"torchferry: Dock.resize: {name!r} is not a claimant")
@@ -272,8 +274,7 @@ class Dock(NotCopyable):
             self._engine.plan(None)
             return
         sched = schedule if isinstance(schedule, Schedule) else Schedule.of(schedule)
-        if self._engine.closed:  # its names are gone: "unknown names" would blame the schedule's
-            raise RuntimeError("torchferry: Dock.plan: this dock is closed; make a new Dock")
+        self._check_open("Dock.plan")
         unknown = sorted(sched.names - self._engine.sets.keys() - self._engine.claimants.keys())
         if unknown:
             raise ValueError(f"torchferry: Dock.plan: unknown names {unknown}; add() or add_claimant() them first")

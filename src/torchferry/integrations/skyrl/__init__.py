@@ -15,21 +15,20 @@ SkyRL's FSDP code. The helpers re-exported here are the same objects as ``torchf
 from .._base import (
     HookNames,
     WorkerHook,
-    check_environment,
     ferry_for,
     load_fsdp2_model_to_gpu,
     load_fsdp_optimizer,
     offload_fsdp2_model_to_cpu,
     offload_fsdp_optimizer,
 )
-from ._patch import FSDP_UTILS, SWITCH_NAMES, is_patched, patch, unpatch
+from ._patch import FSDP_UTILS, check_settings, is_patched, patch, unpatch
 
 HOOK_PATH = "torchferry.integrations.skyrl.ray_worker_setup"
 ENV_FLAG = "TORCHFERRY_SKYRL"
 _HOOK = WorkerHook(HookNames(framework="skyrl", integration="skyrl", module=FSDP_UTILS, hook_path=HOOK_PATH,
                              env_flag=ENV_FLAG, next_hook_env="TORCHFERRY_SKYRL_NEXT_HOOK"),
                    patch=lambda: patch(import_call_sites=False), is_patched=is_patched,
-                   check=lambda: check_environment(SWITCH_NAMES))  # not verl's switches: patch() reads none
+                   check=check_settings)
 patch_when_imported = _HOOK.patch_when_imported
 ray_worker_setup = _HOOK.ray_worker_setup
 with_worker_setup = _HOOK.with_worker_setup

@@ -13,13 +13,23 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from .._base import (REGISTRY, HelperSet, PatchState, Settings, check_bool, fsdp2_offloads_params,
+from .._base import (REGISTRY, HelperSet, PatchState, Settings, check_bool, check_environment, fsdp2_offloads_params,
                      offload_fsdp2_model_to_cpu, routed, seed_replacements, unpatch_integration)
 
-__all__ = ["FSDP_UTILS", "HELPER_SET", "SWITCH_NAMES", "is_patched", "patch", "unpatch"]
+__all__ = ["FSDP_UTILS", "HELPER_SET", "SWITCH_NAMES", "check_settings", "is_patched", "patch", "unpatch"]
 
 FSDP_UTILS = "skyrl.backends.skyrl_train.distributed.fsdp_utils"
 SWITCH_NAMES: tuple[str, ...] = ("skip_unchanged", "optimizer_at_step", "layerwise_reload")  # what patch() reads
+
+
+def check_settings() -> None:
+    """Reads the variables SkyRL's ``patch()`` reads (not verl's), for the Ray hook and the launcher to refuse a
+    bad one before anything is patched.
+
+    Raises:
+        ValueError: a switch neither on nor off.
+    """
+    check_environment(SWITCH_NAMES)
 
 
 def _materialise_meta_buffers(model: nn.Module) -> None:

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import sys
 
-from .._base import check_environment
 from . import patch, ray_init_with_hook
-from ._patch import SWITCH_NAMES
+from ._patch import check_settings
 
 __all__ = ["main"]
 
@@ -41,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     try:
-        check_environment(SWITCH_NAMES)  # a bad setting is one line here, not a traceback from inside patch()
+        check_settings()  # a bad setting is one line here, not a traceback from inside patch()
     except ValueError as e:
         sys.exit(str(e))
     main()

@@ -11,9 +11,9 @@ own entry point, patches each worker that imports ``verl.utils.fsdp_utils``. The
 :mod:`.helpers`'s (``torchferry.compat.verl``: their older path).
 """
 
-from .._base import HookNames, WorkerHook, check_environment
+from .._base import HookNames, WorkerHook
 from ._dock import dock_rollout, docked
-from ._patch import FSDP_UTILS, is_patched, patch, unpatch
+from ._patch import FSDP_UTILS, check_settings, is_patched, patch, unpatch
 from .helpers import (
     ferry_for,
     load_fsdp2_model_to_gpu,
@@ -26,7 +26,7 @@ HOOK_PATH = "torchferry.integrations.verl.ray_worker_setup"
 ENV_FLAG = "TORCHFERRY_VERL"
 _HOOK = WorkerHook(HookNames(framework="verl", integration="verl", module=FSDP_UTILS, hook_path=HOOK_PATH,
                              env_flag=ENV_FLAG, next_hook_env="TORCHFERRY_VERL_NEXT_HOOK"),
-                   patch=patch, is_patched=is_patched, check=lambda: check_environment(with_dock=True))
+                   patch=patch, is_patched=is_patched, check=check_settings)
 patch_when_imported = _HOOK.patch_when_imported
 ray_worker_setup = _HOOK.ray_worker_setup
 with_worker_setup = _HOOK.with_worker_setup

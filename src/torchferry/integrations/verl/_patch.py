@@ -12,11 +12,22 @@ import importlib
 from collections.abc import Callable, Mapping
 from types import MappingProxyType, ModuleType
 
-from .._base import (REGISTRY, HelperSet, PatchState, Patcher, Settings, check_bool, fsdp1_offloads_params, helpers_of,
-                     idle_and_resharded, model_load, seed_replacements, unpatch_integration)
+from .._base import (REGISTRY, HelperSet, PatchState, Patcher, Settings, check_bool, check_environment,
+                     fsdp1_offloads_params, helpers_of, idle_and_resharded, model_load, seed_replacements,
+                     unpatch_integration)
 from ._dock_patch import DOCK_SETS, patch_dock, unpatch_dock, verl_targets
 
-__all__ = ["FSDP_UTILS", "is_patched", "patch", "unpatch"]
+__all__ = ["FSDP_UTILS", "check_settings", "is_patched", "patch", "unpatch"]
+
+
+def check_settings() -> None:
+    """Reads the variables verl's ``patch()`` reads (its switches and the dock's budget), for the Ray hook and
+    the launcher to refuse a bad one before anything is patched.
+
+    Raises:
+        ValueError: a switch neither on nor off, or a malformed ``TORCHFERRY_VERL_DOCK``.
+    """
+    check_environment(with_dock=True)
 
 FSDP_UTILS = "verl.utils.fsdp_utils"
 VERL_DEFAULTS = MappingProxyType({"optimizer_at_step": True, "layerwise_reload": True})  # [Note: verl's defaults]

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from .._base import check_environment
 from . import patch, ray_init_with_hook
+from ._patch import check_settings
 
 __all__ = ["main"]
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     try:
-        check_environment(with_dock=True)  # a bad setting is one line here, not a traceback from inside patch()
+        check_settings()  # a bad setting is one line here, not a traceback from inside patch()
     except ValueError as e:
         sys.exit(str(e))
     main()

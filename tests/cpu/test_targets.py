@@ -210,6 +210,45 @@ def test_ids_of_mixed_targets_follow_the_walk():
     assert targets.ids() != want
 
 
+def test_tensors_are_the_walks_tensors():
+    """``tensors`` (what every offload's fingerprint and reload's check read, no names made) yields
+    :func:`walk`'s tensors in its order: tied weights and shared submodules once, ``None`` entries
+    skipped, grads after their parameters, a root overriding ``named_parameters`` asked for them,
+    a TorchScript module and a bad target refused as :func:`walk` refuses them."""
+    from torchferry._core._state.targets import tensors, walk
+
+    shared = nn.Linear(3, 3)
+    m = nn.Sequential(shared, nn.Sequential(shared, nn.Linear(3, 3, bias=False)), nn.BatchNorm1d(3),
+                      nn.ModuleDict({"a": nn.Linear(3, 4), "b": nn.Embedding(5, 3)}))
+    m[3]["b"].weight = m[3]["a"].weight
+    m.add_module("missing", None)
+    m.register_buffer("none_buf", None)
+    m[1](m[0](torch.randn(4, 3))).sum().backward()  # grads on three parameters only
+
+    class Extra(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self._extra = [nn.Parameter(torch.randn(3))]
+
+        def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+            yield from super().named_parameters(prefix, recurse, remove_duplicate)
+            yield prefix + "extra", self._extra[0]
+
+    opt = torch.optim.Adam(m.parameters())
+    opt.step()
+    targets = [torch.randn(2), m, Extra(), Mixed(), opt]
+    want = [id(t) for _, t in walk(targets)]
+    assert [id(t) for t in tensors(targets)] == want
+    mixed = targets[3]
+    n_mixed = len(list(mixed.parameters())) + len(list(mixed.buffers()))
+    assert len(want) == 1 + (7 + 3 + 3) + 3 + n_mixed + 3 * 3  # tensor; m's params, grads, buffers; Extra; Adam
+    with pytest.raises(NotImplementedError, match="TorchScript"):
+        tensors([torch.jit.script(nn.Linear(2, 2))])
+    with pytest.raises(TypeError, match=r"targets\[1\] is dict"):
+        tensors([m, {}])
+
+
 def test_ids_names_the_bad_target_by_its_position():
     from torchferry._core._state.targets import Targets
 

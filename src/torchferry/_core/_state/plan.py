@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from .fsdp import local_of, storage_key
-from .targets import check_tensor, describe, hidden_optimizer_tensors, inner_optimizers, walk
+from .targets import check_tensor, describe, hidden_optimizer_tensors, inner_optimizers, tensors, walk
 
 __all__ = ["Plan", "PlanCache", "TensorRef", "build_plan", "fingerprint", "own_views", "refuse_unresizable",
            "resolve_device", "storage_bytes", "to_allocate"]
@@ -186,7 +186,7 @@ def fingerprint(targets: Sequence[object]) -> list[tuple]:
     with the same dtype, storage offset, size and stride. See [Note: cached plan].
     """
     out = []
-    for _, t in walk(targets):
+    for t in tensors(targets):
         local = local_of(t)
         st = local.untyped_storage()
         out.append((id(t), storage_key(st), st.nbytes(), st.is_shared(), st.resizable(), local.dtype,

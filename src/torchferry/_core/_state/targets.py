@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from .fsdp import is_dtensor, local_of, reshard, storage_key
-from .tree import named_tensors
+from .tree import named_tensors, tensors_of
 
-__all__ = ["Targets", "check_tensor", "hidden_optimizer_tensors", "inner_optimizers", "walk"]
+__all__ = ["Targets", "check_tensor", "hidden_optimizer_tensors", "inner_optimizers", "tensors", "walk"]
 
 _PLAIN = (torch.Tensor, nn.Parameter)
 
@@ -67,6 +67,31 @@ def walk(targets: Sequence[object]) -> Iterator[tuple[tuple, torch.Tensor]]:
     """
     for i, target in enumerate(targets):
         yield from _walk_one(i, target)
+
+
+def tensors(targets: Sequence[object]) -> list[torch.Tensor]:
+    """The tensors of :func:`walk` in its order, without where each was found: what every offload's
+    fingerprint and every reload's check for replaced state read
+    (``tests/cpu/test_targets.py::test_tensors_are_the_walks_tensors``).
+
+    Raises:
+        As :func:`walk`.
+    """
+    out: list[torch.Tensor] = []
+    for i, target in enumerate(targets):
+        if isinstance(target, nn.Module) and not isinstance(target, torch.jit.ScriptModule):
+            params, buffers = tensors_of(target)
+            for p in params:
+                out.append(p)
+                g = p.grad
+                if g is not None:
+                    out.append(g)
+            out.extend(buffers)
+        elif isinstance(target, torch.Tensor):
+            out.append(target)
+        else:  # an optimizer (its paths and order), or a target walk() refuses
+            out.extend(t for _, t in _walk_one(i, target))
+    return out
 
 
 def _walk_one(i: int, target: object) -> Iterator[tuple[tuple, torch.Tensor]]:
@@ -295,10 +320,4 @@ class Targets:
 
     def ids(self) -> list[int]:
         """``id`` of every tensor the targets hold now, in walk order (who is there, not where)."""
-        out: list[int] = []
-        for i, target in enumerate(self.live()):
-            if isinstance(target, torch.Tensor):  # a tensor target is itself (no generator per tensor)
-                out.append(id(target))
-            else:
-                out.extend(id(t) for _, t in _walk_one(i, target))
-        return out
+        return [id(t) for t in tensors(self.live())]

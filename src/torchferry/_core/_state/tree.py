@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-__all__ = ["members", "module_tree", "named_tensors", "tree_memo"]
+__all__ = ["members", "module_tree", "named_tensors", "tensors_of", "tree_memo"]
 
 _STANDARD = (nn.Module.named_modules, nn.Module.named_parameters, nn.Module.named_buffers)
 _memo = threading.local()
@@ -106,3 +106,31 @@ def members(tree: list[tuple[str, nn.Module]], kind: str) -> Named:
                 continue
             seen.add(id(t))
             yield (prefix + "." + k if prefix else k), t
+
+
+def tensors_of(root: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The tensors :func:`named_tensors` yields, without their names: ``(parameters, buffers)`` in the same
+    order, each once. For the checks every offload and reload repeats (fingerprint, ids), where making a
+    name per tensor was most of the walk's cost."""
+    cls = type(root)
+    standard_p = cls.named_parameters is nn.Module.named_parameters
+    standard_b = cls.named_buffers is nn.Module.named_buffers
+    tree = module_tree(root) if standard_p or standard_b else []
+    return (_member_list(tree, "_parameters") if standard_p else [t for _, t in root.named_parameters()],
+            _member_list(tree, "_buffers") if standard_b else [t for _, t in root.named_buffers()])
+
+
+def _member_list(tree: list[tuple[str, nn.Module]], kind: str) -> list[torch.Tensor]:
+    """:func:`members` without the names."""
+    seen: set[int] = set()
+    out: list[torch.Tensor] = []
+    for _, m in tree:
+        found = getattr(m, kind)
+        if not found:
+            continue
+        for t in found.values():
+            if t is None or id(t) in seen:
+                continue
+            seen.add(id(t))
+            out.append(t)
+    return out

@@ -34,8 +34,9 @@ class CallTimer:
     Each event: phase, step, direction, the parts moved, ``host_s`` (seconds inside the call, host clock),
     ``seconds`` (a reload's: from its start until the compute stream may go on, CUDA events, set by
     :meth:`resolve`; an offload's: its host seconds, the copies completed by a synchronisation before it
-    returns), ``bytes`` moved (unchanged storages a torchferry offload skipped left out) and the
-    residency after. ``current`` holds the label, phase and step of the running strategy.
+    returns), ``bytes`` moved (by a torchferry ferry: what its stats counted in the call, so unchanged
+    storages an offload skipped and a no-op left out; by verl's helpers: the whole part) and the residency
+    after. ``current`` holds the label, phase and step of the running strategy.
     """
 
     def __init__(self, *, ti: Any, records: dict, current: dict, kinds: dict, cuda: bool,
@@ -104,6 +105,9 @@ class CallTimer:
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+        parts = [p for p, on in (("model", model), ("optimizer", optimizer)) if on]
+        objs = {"model": engine.module, "optimizer": engine.optimizer}
+        before = {p: self._stats(objs[p]) for p in parts}
         prof = None
         if self.profile and cur["step"] >= 1:
             prof = self.profiles.setdefault((cur["label"], cur["phase"], direction), cProfile.Profile())
@@ -126,13 +130,20 @@ class CallTimer:
         if end is not None:
             end.record()  # a reload: where the compute stream may go on (no sync: the phase's forward follows)
         residency: dict[str, str | None] = {"model": None, "optimizer": None}
-        parts = [p for p, on in (("model", model), ("optimizer", optimizer)) if on]
-        moved = sum(_part_bytes(engine, p) for p in parts)  # what verl's helpers move: the whole part
-        for part, obj in (("model", engine.module), ("optimizer", engine.optimizer)):
+        moved = 0
+        for part, obj in objs.items():
             f = None if obj is None else self.ferry_for(obj)
             residency[part] = None if f is None else f.residency.name
-            if f is not None and part in parts and direction == "offload":  # unchanged storages stay
-                moved += f.stats.offload_bytes_copied - _part_bytes(engine, part)
+            if part not in parts:
+                continue
+            if f is None:  # verl's helpers (or the resident's, counted 0 below): the whole part
+                moved += _part_bytes(engine, part)
+                continue
+            was = before[part]  # what this call moved: a no-op 0, an offload's skipped storages 0
+            if direction == "reload":  # a layer-wise reload counts in the stats only when it completes
+                moved += _part_bytes(engine, part) if was is not None and was[0] and not f.residency.on_host else 0
+            elif was is None or f.stats.bytes_offloaded != was[1].bytes_offloaded:
+                moved += f.stats.offload_bytes_copied
         self.records[cur["label"]]["events"].append({
             "phase": cur["phase"], "step": cur["step"], "direction": direction, "model": model,
             "optimizer": optimizer, "host_s": host_s, "seconds": host_s, "_timing": (start, end),
@@ -140,6 +151,12 @@ class CallTimer:
             "gpu_allocated_after": torch.cuda.memory_allocated() if self.cuda else 0,
             "model_residency_after": residency["model"], "optimizer_residency_after": residency["optimizer"]})
         return out
+
+    def _stats(self, obj):
+        """Whether ``obj``'s ferry is on the host now, and its :class:`~torchferry.TransferStats`; ``None``:
+        no ferry yet."""
+        f = None if obj is None else self.ferry_for(obj)
+        return None if f is None else (f.residency.on_host, f.stats)
 
     def resolve(self, label: str) -> None:
         """After a synchronisation: each reload's seconds from its call until the compute stream could go on."""

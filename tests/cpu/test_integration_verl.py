@@ -313,3 +313,79 @@ def test_state_verl_offloaded_itself_is_loaded_by_verls_own_code(monkeypatch):
         assert all(v.device.type == "meta" for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
     finally:
         tf_verl.unpatch()
+
+
+def _lora_model():
+    peft = pytest.importorskip("peft")
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = torch.nn.Linear(8, 8)
+            self.v = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.v(self.q(x))
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(Tiny(), peft.LoraConfig(r=2, target_modules=["q", "v"]))
+    with torch.no_grad():  # adapters that differ from their initial zeros
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    return model
+
+
+def test_the_lora_sync_reads_adapters_where_they_are_only_when_verl_would_read_only_them(patched):
+    """[Note: the LoRA weight sync reads the adapters where they are]: a sync after the base's (``base_sync_done``)
+    of an FSDP2 peft model torchferry offloaded reads the adapters from the host, bit-identical to verl's own
+    ``collect_lora_params`` on the device, and leaves the model offloaded; every other sync is verl's own."""
+    import types as t
+
+    from torchferry.integrations.verl import _lora_sync as ls
+
+    engine_mod = pytest.importorskip("verl.workers.engine.fsdp.transformer_impl")
+    assert "verl.workers.engine.fsdp.transformer_impl.FSDPEngine.get_per_tensor_param" in patched
+    assert "verl.utils.fsdp_utils.collect_lora_params" in patched
+    assert engine_mod.collect_lora_params is verl_fsdp_utils.collect_lora_params
+    model = _lora_model()
+    verl_own = verl_fsdp_utils.collect_lora_params.__torchferry_original__  # verl's, on the model as it is
+    want = verl_own(model, False, True)
+    assert want and all("lora_" in k for k in want)
+    verl_fsdp_utils.offload_fsdp_model_to_cpu(model)
+    ferry = compat.ferry_for(model)
+    assert ferry.residency is Residency.HOST
+
+    def engine(**lora):
+        return t.SimpleNamespace(module=model, model_config=t.SimpleNamespace(lora={"merge": False, **lora}),
+                                 _uses_fsdp2_cpu_offload_policy=False)
+
+    fsdp2 = lambda m: 2  # noqa: E731  # the decision as for an FSDP2 module
+    assert ls._adapters_only(engine(), fsdp2, False, True)
+    assert not ls._adapters_only(engine(), fsdp2, False, False)  # the base's sync
+    assert not ls._adapters_only(engine(), fsdp2, True, True)  # layered summon
+    assert not ls._adapters_only(engine(merge=True), fsdp2, False, True)
+    assert not ls._adapters_only(engine(), lambda m: 1, False, True)  # FSDP1
+    assert not ls._adapters_only(t.SimpleNamespace(**{**vars(engine()), "_uses_fsdp2_cpu_offload_policy": True}),
+                                 fsdp2, False, True)
+    with ls._reading(model):
+        assert ls.reads_adapters_only(model)
+        verl_fsdp_utils.load_fsdp_model_to_gpu(model)  # left on the host
+        assert ferry.residency is Residency.HOST
+        got = verl_fsdp_utils.collect_lora_params(model, False, True)
+        verl_fsdp_utils.offload_fsdp_model_to_cpu(model)
+    assert not ls.reads_adapters_only(model) and ferry.residency is Residency.HOST
+    assert list(got) == list(want)
+    for k in want:
+        assert got[k].device.type == "cpu"
+        torch.testing.assert_close(got[k], want[k], atol=0, rtol=0)
+    verl_fsdp_utils.load_fsdp_model_to_gpu(model)  # outside a sync: the model comes back
+    assert ferry.residency is Residency.DEVICE
+    assert not ls._adapters_only(engine(), fsdp2, False, True)  # resident: verl's own read
+    with ls._reading(model):  # a resident model's read is verl's own even inside the scope
+        torch.testing.assert_close(verl_fsdp_utils.collect_lora_params(model, False, True), want, atol=0, rtol=0)
+    tf_verl.unpatch()
+    assert "get_per_tensor_param" not in engine_mod.FSDPEngine.__dict__ or \
+        engine_mod.FSDPEngine.get_per_tensor_param.__qualname__.startswith("FSDPEngine.")
+    assert verl_fsdp_utils.collect_lora_params is verl_own
+    tf_verl.patch()  # for the fixture's unpatch

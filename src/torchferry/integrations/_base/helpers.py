@@ -113,12 +113,16 @@ class SeedHelpers:
 @dataclass(eq=False, kw_only=True)
 class PatchState:
     """One integration between its ``patch()`` and ``unpatch()``, held by the registry (``REGISTRY.patched``):
-    its settings, the patchers that replaced its framework's names, and its dock router (verl's)."""
+    its settings, the patchers that replaced its framework's names, its dock router (verl's) and the models its
+    replacements leave where they are for the framework call running now."""
 
     name: str
     settings: Settings
-    patchers: dict[str, Patcher] = field(default_factory=dict)  # HelperSet.module (or .cls) -> its patcher
+    patchers: dict[str, Patcher] = field(default_factory=dict)  # HelperSet.key -> its patcher
     router: Any = None  # verl's dock mode while patch(dock=...) holds
+    left_in_place: set[int] = field(default_factory=set)
+    """``id`` of each model whose loads and offloads stay where the model is during the framework call running
+    now (verl's: [Note: the LoRA weight sync reads the adapters where they are])."""
 
     @property
     def helpers(self) -> SeedHelpers:
@@ -127,8 +131,7 @@ class PatchState:
 
     def patch(self, helper_set: HelperSet, *, import_call_sites: bool = True) -> list[str]:
         """Replaces ``helper_set``'s names (idempotent), its patcher kept here."""
-        key = f"{helper_set.module}:{helper_set.cls}"
-        return self.patchers.setdefault(key, Patcher(helper_set)).patch(import_call_sites=import_call_sites)
+        return self.patchers.setdefault(helper_set.key, Patcher(helper_set)).patch(import_call_sites=import_call_sites)
 
 
 def unpatch_integration(name: str, helper_sets: Iterable[HelperSet], *,

@@ -48,6 +48,11 @@ class HelperSet:
         return f"torchferry.integrations.{self.integration}: {what}"
 
     @property
+    def key(self) -> str:
+        """Identifies the set in its integration's patch state: two sets of one module name different functions."""
+        return f"{self.module}:{self.cls}:{','.join(self.helpers)}"
+
+    @property
     def owner(self) -> str:
         """Where the names live, for messages: ``module`` or ``module.Class``."""
         return self.module if self.cls is None else f"{self.module}.{self.cls}"

@@ -135,7 +135,7 @@ def patch_dock(state: PatchState, budget: int | float) -> None:
 def unpatch_dock(state: PatchState) -> None:
     """verl's own engine context again; the dock is kept as it is, the rollout's claimants too."""
     for hs in DOCK_SETS:
-        patcher = state.patchers.pop(f"{hs.module}:{hs.cls}", None)
+        patcher = state.patchers.pop(hs.key, None)
         if patcher is not None:
             patcher.unpatch()
     if state.router is not None:  # a phase still open now exits through verl's own code

@@ -16,6 +16,7 @@ from .._base import (REGISTRY, HelperSet, PatchState, Patcher, Settings, check_b
                      fsdp1_offloads_params, helpers_of, idle_and_resharded, model_load, seed_replacements,
                      unpatch_integration)
 from ._dock_patch import DOCK_SETS, patch_dock, unpatch_dock, verl_targets
+from ._lora_sync import LORA_SYNC_SETS, reads_adapters_only
 
 __all__ = ["FSDP_UTILS", "check_settings", "is_patched", "patch", "unpatch"]
 
@@ -51,8 +52,14 @@ def _replacements(fsdp_utils: ModuleType, original: Mapping[str, Callable]) -> d
             return original["offload_fsdp_model_to_cpu"](model, empty_cache)  # verl's own code
         return seed["offload_fsdp2_model_to_cpu"](model, empty_cache)
 
+    load = model_load("verl", original["load_fsdp_model_to_gpu"])
+
+    def load_fsdp_model_to_gpu(model):
+        if not reads_adapters_only(model):  # [Note: the LoRA weight sync reads the adapters where they are]
+            load(model)
+
     return {**seed, "offload_fsdp_model_to_cpu": offload_fsdp_model_to_cpu,
-            "load_fsdp_model_to_gpu": model_load("verl", original["load_fsdp_model_to_gpu"])}
+            "load_fsdp_model_to_gpu": load_fsdp_model_to_gpu}
 
 
 HELPER_SET = HelperSet(
@@ -107,7 +114,9 @@ ENGINE_SETS = tuple(_engine_set(engine) for engine in ("veomni", "automodel"))
 
 
 def importable_sets() -> list[HelperSet]:
-    """The engines whose helper module imports here, checked (``RuntimeError`` before anything is replaced)."""
+    """The engines whose helper module imports here, checked (``RuntimeError`` before anything is replaced), and
+    the LoRA weight sync's names where all import and fit ([Note: the LoRA weight sync reads the adapters where
+    they are]: verl's own code runs otherwise)."""
     out = []
     for hs in ENGINE_SETS:
         try:
@@ -116,7 +125,13 @@ def importable_sets() -> list[HelperSet]:
             continue
         Patcher(hs).check()
         out.append(hs)
-    return out
+    try:
+        for hs in LORA_SYNC_SETS:
+            importlib.import_module(hs.module)
+            Patcher(hs).check()
+    except Exception:  # the FSDP engine does not import here, or verl changed these names: verl's sync
+        return out
+    return [*out, *LORA_SYNC_SETS]
 
 
 def is_patched() -> bool:
@@ -183,6 +198,7 @@ def unpatch(*, keep_offloaded: bool = False) -> None:
     """What the patched helpers and the dock hold offloaded back on the device (not with ``keep_offloaded``),
     then verl's own helpers again ([Note: unpatch() brings the state back] in ``docs/integrations.md``)."""
     check_bool(keep_offloaded, "unpatch(keep_offloaded=...)")
-    state = unpatch_integration("verl", (HELPER_SET, *ENGINE_SETS, *DOCK_SETS), keep_offloaded=keep_offloaded)
+    state = unpatch_integration("verl", (HELPER_SET, *ENGINE_SETS, *LORA_SYNC_SETS, *DOCK_SETS),
+                                keep_offloaded=keep_offloaded)
     if state is not None and state.router is not None:  # a phase still open now exits through verl's own code
         state.router.close_phases()

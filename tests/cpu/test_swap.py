@@ -73,3 +73,30 @@ def test_swap_fits_answers_before_a_swap_what_it_would_refuse():
         g, h = Ferry(nn.Linear(8, 8).cuda()), Ferry(nn.Linear(8, 8).cuda())
         h.offload().wait()
         assert not swap_fits(g, h, -1) and not swap_fits(g, h, 0) and swap_fits(g, h, 1 << 40)
+
+
+def test_swap_if_fits_swaps_or_moves_nothing_under_one_measurement():
+    """The dock's swap (``_dock/mover.py``): the question and the swap measured once, so an allocation by another
+    thread between them cannot make the swap refuse; where the budget cannot hold it, ``None`` and nothing moved.
+    Bad input is refused as :func:`torchferry.swap` refuses it."""
+    from torchferry._core._ferry.swap import swap_if_fits
+
+    a, c, fa, fc = _pair()
+    want = a.weight.detach().clone(), c.weight.detach().clone()
+    fc.offload()
+    h_out, h_in = swap_if_fits(fa, fc, 0)  # the CPU's budget always fits
+    assert fa.residency.on_host and fc.residency is Residency.DEVICE and (h_out.nbytes, h_in.nbytes) == (16640, 260)
+    assert torch.equal(c.weight, want[1])
+    with pytest.raises(ValueError, match="swap_if_fits: out and into are the same ferry"):
+        swap_if_fits(fc, fc, None)
+    with pytest.raises(TypeError, match=r"swap_if_fits\(into=...\) must be a torchferry.Ferry"):
+        swap_if_fits(fc, object(), None)
+    if torch.cuda.is_available():
+        g, h = Ferry(nn.Linear(8, 8).cuda()), Ferry(nn.Linear(8, 8).cuda())
+        h.offload().wait()
+        assert swap_if_fits(g, h, 0) is None
+        assert g.residency is Residency.DEVICE and h.residency is Residency.HOST
+        assert swap_if_fits(g, h, 1 << 40) is not None
+        assert g.residency.on_host and not h.residency.on_host
+    fa.reload()
+    assert torch.equal(a.weight, want[0])

@@ -32,8 +32,7 @@ import torch
 from .._api.handle import TransferHandle
 from .._api.residency import Residency
 from .._ferry.interrupts import interrupts_deferred
-from .._ferry.swap import swap as swap_ferries
-from .._ferry.swap import swap_fits
+from .._ferry.swap import swap_if_fits
 from .._transfer.streams import side_stream
 from .measure import kept_bytes, measured
 from .records import Move, _Claimant, _Set
@@ -204,15 +203,16 @@ class Mover:
         if self._cuda:
             self._settle_allocator()
             budget = torch.cuda.memory_allocated(self.device) + self._budget - self._held_now()
-        if not swap_fits(out.ferry, into.ferry, budget):
-            # swap() checks against memory_allocated(), which also counts memory the dock does
-            # not know; it would refuse: do it one after the other instead.
+        swapped = swap_if_fits(out.ferry, into.ferry, budget)  # one measurement for the question and the swap
+        if swapped is None:
+            # The budget counts memory_allocated(), which also holds memory the dock does not know
+            # (another thread's, inside a use()): one after the other instead.
             logger.debug("dock: swap(%s, %s) does not fit; evicting then loading", out.name, into.name)
             self.evict(out, background=False)
             self.wait_room(in_bytes)
             self.load(into, background=False)
             return
-        h_out, h_in = swap_ferries(out.ferry, into.ferry, gpu_budget_bytes=budget)
+        h_out, h_in = swapped
         out.handle, out.prefetched = h_out, False
         into.handle, into.prefetched = h_in, False
         self.measure(out)

@@ -20,7 +20,7 @@ from .._api.handle import TransferHandle
 from .interrupts import interrupts_deferred
 from .._schedules.release import ReleaseSchedule
 
-__all__ = ["swap", "swap_fits"]
+__all__ = ["swap", "swap_fits", "swap_if_fits"]
 
 
 @interrupts_deferred
@@ -46,16 +46,38 @@ def swap(out: Ferry, into: Ferry, *, gpu_budget_bytes: int | None = None) -> tup
             ``into``'s reload failed (``out`` is then reloaded too, so neither moved; a reload that
             completed before raising leaves both moved).
     """
+    _check_pair(out, into, gpu_budget_bytes, "swap")
+    with out._mover.entered("swap()", out.__repr__), into._mover.entered("swap()", into.__repr__):
+        swapped = _swap(out, into, gpu_budget_bytes, refuse=True)  # see [Note: one thread moves a ferry]
+    assert swapped is not None
+    return swapped
+
+
+@interrupts_deferred
+def swap_if_fits(out: Ferry, into: Ferry, gpu_budget_bytes: int | None) -> tuple[TransferHandle, TransferHandle] | None:
+    """:func:`swap`, or ``None`` with nothing moved where ``gpu_budget_bytes`` cannot hold it (:func:`swap_fits`):
+    the question and the swap under one measurement of the device's memory. A dock asked :func:`swap_fits`
+    first and then called :func:`swap`, which measured again: an allocation by another thread in between made
+    the swap refuse where the dock would have evicted, then loaded.
+
+    Raises:
+        As :func:`swap`, but for a budget that cannot hold it.
+    """
+    _check_pair(out, into, gpu_budget_bytes, "swap_if_fits")
+    with out._mover.entered("swap()", out.__repr__), into._mover.entered("swap()", into.__repr__):
+        return _swap(out, into, gpu_budget_bytes, refuse=False)
+
+
+def _check_pair(out: object, into: object, gpu_budget_bytes: int | None, what: str) -> None:
     for name, ferry in (("out", out), ("into", into)):
         if not isinstance(ferry, Ferry):
-            raise TypeError(f"torchferry: swap({name}=...) must be a torchferry.Ferry, got {shown(ferry)}")
-    check_bytes(gpu_budget_bytes, "swap(gpu_budget_bytes=...)")
+            raise TypeError(f"torchferry: {what}({name}=...) must be a torchferry.Ferry, got {shown(ferry)}")
+    check_bytes(gpu_budget_bytes, f"{what}(gpu_budget_bytes=...)")
     if out is into:
-        raise ValueError("torchferry: swap: out and into are the same ferry")
+        raise ValueError(f"torchferry: {what}: out and into are the same ferry")
+    assert isinstance(out, Ferry) and isinstance(into, Ferry)
     if out.device != into.device:
-        raise ValueError(f"torchferry: swap: out is on {out.device} but into on {into.device}")
-    with out._mover.entered("swap()", out.__repr__), into._mover.entered("swap()", into.__repr__):
-        return _swap(out, into, gpu_budget_bytes)  # see [Note: one thread moves a ferry]
+        raise ValueError(f"torchferry: {what}: out is on {out.device} but into on {into.device}")
 
 
 def _staying(out: Ferry) -> int:
@@ -74,12 +96,15 @@ def swap_fits(out: Ferry, into: Ferry, gpu_budget_bytes: int | None) -> bool:
     return gpu_budget_bytes >= 0 and _staying(out) + into.state_bytes <= gpu_budget_bytes
 
 
-def _swap(out: Ferry, into: Ferry, gpu_budget_bytes: int | None) -> tuple[TransferHandle, TransferHandle]:
+def _swap(out: Ferry, into: Ferry, gpu_budget_bytes: int | None, *,
+          refuse: bool) -> tuple[TransferHandle, TransferHandle] | None:
     out._check_open()
     into._check_open()
     cuda = out.device.type == "cuda"
     base = torch.cuda.memory_allocated(out.device) if cuda else 0
     if not swap_fits(out, into, gpu_budget_bytes):
+        if not refuse:
+            return None
         stays = _staying(out)
         raise ValueError(
             f"torchferry: swap: gpu_budget_bytes={gpu_budget_bytes} but the incoming state "

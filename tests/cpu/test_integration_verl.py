@@ -376,8 +376,9 @@ def test_the_lora_sync_reads_adapters_where_they_are_only_when_verl_would_read_o
         verl_fsdp_utils.offload_fsdp_model_to_cpu(model)
     assert not ls.reads_adapters_only(model) and ferry.residency is Residency.HOST
     assert list(got) == list(want)
+    pool = {p.untyped_storage().data_ptr() for p in model.parameters()}  # offloaded: the pool's slots
     for k in want:
-        assert got[k].device.type == "cpu"
+        assert got[k].device.type == "cpu" and got[k].untyped_storage().data_ptr() not in pool  # a copy of its own
         torch.testing.assert_close(got[k], want[k], atol=0, rtol=0)
     verl_fsdp_utils.load_fsdp_model_to_gpu(model)  # outside a sync: the model comes back
     assert ferry.residency is Residency.DEVICE

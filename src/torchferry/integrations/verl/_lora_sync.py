@@ -14,9 +14,10 @@ calls returned (``exposed.torchferry.exposed_s_per_phase`` against ``transfer_at
 Under ``patch()``, when such a sync starts with the model offloaded by torchferry (FSDP2, peft adapters
 not merged, not layer-summoned, not held by a dock), the load and the offload inside it leave the
 model where it is, and ``collect_lora_params`` reads each adapter from its offloaded parameter as verl's
-own code reads an FSDP2 ``CPUOffloadPolicy`` parameter: ``param.to(device).full_tensor()``, then
-``.detach().cpu()`` as verl does. ``state_dict()`` while offloaded waits for the offload's copies
-([Note: state_dict() waits for the offload] in ``src/torchferry/_core/_ferry/guards.py``) and returns
+own code reads an FSDP2 ``CPUOffloadPolicy`` parameter: ``param.to(device).full_tensor()``, then a copy
+on the host as verl's ``.detach().cpu()`` makes (never a view of the pool). ``state_dict()`` while
+offloaded waits for the offload's copies ([Note: state_dict() waits for the offload] in
+``src/torchferry/_core/_ferry/guards.py``) and returns
 the pool's bytes, the ones the last offload copied, so the adapters sent are bit-identical to verl's
 (``tests/cpu/test_integration_verl_actor.py::test_lora_adds_the_reference_phase_and_stays_bit_identical_through_the_weight_sync``).
 Any other sync (the first one with the base, a merge, a model on the device) runs verl's code unchanged.
@@ -98,10 +99,10 @@ def _engine_replacements(module: ModuleType, original: Mapping[str, Callable]) -
 
 def _full(param, device):
     """One adapter as verl's ``collect_lora_params`` returns it (``full_tensor().detach().cpu()``), gathered
-    from where it is now."""
+    from where it is now: a tensor of its own (``.cpu()`` of a tensor on the host would return the pool's)."""
     if hasattr(param, "full_tensor"):
-        return param.to(device).full_tensor().detach().cpu()
-    return param.detach().cpu()
+        param = param.to(device).full_tensor()
+    return param.detach().to("cpu", copy=True)
 
 
 def _collect_replacements(module: ModuleType, original: Mapping[str, Callable]) -> dict[str, Callable]:

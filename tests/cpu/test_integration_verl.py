@@ -358,7 +358,7 @@ def test_the_lora_sync_reads_adapters_where_they_are_only_when_verl_would_read_o
 
     def engine(**lora):
         return t.SimpleNamespace(module=model, model_config=t.SimpleNamespace(lora={"merge": False, **lora}),
-                                 _uses_fsdp2_cpu_offload_policy=False)
+                                 _uses_fsdp2_cpu_offload_policy=False, _is_offload_param=True)
 
     fsdp2 = lambda m: 2  # noqa: E731  # the decision as for an FSDP2 module
     assert ls._adapters_only(engine(), fsdp2, False, True)
@@ -368,6 +368,8 @@ def test_the_lora_sync_reads_adapters_where_they_are_only_when_verl_would_read_o
     assert not ls._adapters_only(engine(), lambda m: 1, False, True)  # FSDP1
     assert not ls._adapters_only(t.SimpleNamespace(**{**vars(engine()), "_uses_fsdp2_cpu_offload_policy": True}),
                                  fsdp2, False, True)
+    # param_offload off (a model offloaded by hand): verl's sync loads it and leaves it on the device
+    assert not ls._adapters_only(t.SimpleNamespace(**{**vars(engine()), "_is_offload_param": False}), fsdp2, False, True)
     with ls._reading(model):
         assert ls.reads_adapters_only(model)
         verl_fsdp_utils.load_fsdp_model_to_gpu(model)  # left on the host

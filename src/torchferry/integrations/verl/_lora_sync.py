@@ -13,12 +13,12 @@ calls returned (``exposed.torchferry.exposed_s_per_phase`` against ``transfer_at
 
 Under ``patch()``, when such a sync starts with the model offloaded by torchferry and verl would offload
 it again at its end (FSDP2, ``param_offload`` on, peft adapters not merged, not layer-summoned, not held by
-a dock), the load and the offload inside it leave the model where it is, and ``collect_lora_params`` reads each adapter from its offloaded parameter as verl's
-own code reads an FSDP2 ``CPUOffloadPolicy`` parameter: ``param.to(device).full_tensor()``, then a copy
-on the host as verl's ``.detach().cpu()`` makes (never a view of the pool). ``state_dict()`` while
-offloaded waits for the offload's copies ([Note: state_dict() waits for the offload] in
-``src/torchferry/_core/_ferry/guards.py``) and returns
-the pool's bytes, the ones the last offload copied, so the adapters sent are bit-identical to verl's
+a dock), the load and the offload inside it leave the model where it is, and ``collect_lora_params``
+reads each adapter from its offloaded parameter as verl's own code reads an FSDP2 ``CPUOffloadPolicy``
+parameter: ``param.to(device).full_tensor()``, then a copy on the host as verl's ``.detach().cpu()``
+makes (never a view of the pool). ``state_dict()`` while offloaded waits for the offload's copies
+([Note: state_dict() waits for the offload] in ``src/torchferry/_core/_ferry/guards.py``) and returns the
+pool's bytes, the ones the last offload copied, so the adapters sent are bit-identical to verl's
 (``tests/cpu/test_integration_verl_actor.py::test_lora_adds_the_reference_phase_and_stays_bit_identical_through_the_weight_sync``).
 Any other sync (the first one with the base, a merge, a model on the device, a model offloaded by hand
 with ``param_offload`` off, which verl's sync loads and leaves loaded) runs verl's code unchanged.

@@ -215,11 +215,14 @@ def run_grpo(config: GrpoConfig, *, on_progress: Callable[[str, float], None] | 
     gathered: list = [None] * world
     dist.all_gather_object(gathered, {"rank": rank, "strategies": {
         n: {k: v for k, v in s.items() if k != "timeline_step"} for n, s in results.items()}})
+    layers = base.actor.config.num_hidden_layers
+    for side in sides.values():
+        side.let_go()
     return {
         "schema": SCHEMA,
         "env": env_record(device, world),
         "link_peak_GBps": peak,
-        "model": {"preset": preset, "layers": base.actor.config.num_hidden_layers, "seq_len": seq_len,
+        "model": {"preset": preset, "layers": layers, "seq_len": seq_len,
                   "batch_size": config.batch_size, "micro_batches": config.micro_batches,
                   "state_bytes": {"actor_params": P, "actor_optimizer": O_, "ref_params": R}},
         "budget": {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from collections.abc import Callable
 from typing import Any
@@ -83,6 +84,21 @@ class Side:
     kv: KVCache
     dock: Dock | None = None
     workspace: dict[str, int] = dataclasses.field(default_factory=dict)  # "forward", "update": bytes
+
+    def let_go(self) -> None:
+        """The run is done with this side: its dock closed and its models dropped, then its ferries closed, so
+        what they hold offloaded goes with the models (a ferry dropped while its models live warns that their
+        state stays on the host).
+
+        Raises:
+            RuntimeError: a model is still referenced elsewhere while its ferry holds it offloaded.
+        """
+        if self.dock is not None:
+            self.dock.close()
+        del self.actor, self.opt, self.ref
+        gc.collect()
+        for f in self.ferries.values():
+            f.close()
 
     def resident_bytes(self) -> int:
         """Bytes of this side's state and KV cache on the device now."""

@@ -31,8 +31,6 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
 
-from torchferry import Residency
-
 from .._base import REGISTRY, HelperSet
 
 __all__ = ["LORA_SYNC_SETS", "reads_adapters_only"]
@@ -48,9 +46,10 @@ def reads_adapters_only(model: object) -> bool:
 
 
 def _offloaded_here(model: object) -> bool:
-    """``model`` is offloaded by torchferry, whole, and no dock holds it."""
+    """``model`` is offloaded by torchferry (its copies may still run: ``state_dict()`` waits for them), whole,
+    and no dock holds it."""
     ferry = REGISTRY.ferry(model)
-    if ferry is None or ferry.residency is not Residency.HOST:
+    if ferry is None or not ferry.residency.on_host:
         return False
     state = REGISTRY.patched.get("verl")
     router = state.router if state is not None else None
@@ -113,7 +112,7 @@ def _collect_replacements(module: ModuleType, original: Mapping[str, Callable]) 
 
     def collect_lora_params(module, layered_summon, base_sync_done):
         ferry = REGISTRY.ferry(module)
-        if not reads_adapters_only(module) or ferry is None or ferry.residency is not Residency.HOST:
+        if not reads_adapters_only(module) or ferry is None or not ferry.residency.on_host:
             return verl_collect(module, layered_summon, base_sync_done)
         from peft.utils.save_and_load import get_peft_model_state_dict
 

@@ -377,6 +377,10 @@ def test_the_lora_sync_reads_adapters_where_they_are_only_when_verl_would_read_o
         got = verl_fsdp_utils.collect_lora_params(model, False, True)
         verl_fsdp_utils.offload_fsdp_model_to_cpu(model)
     assert not ls.reads_adapters_only(model) and ferry.residency is Residency.HOST
+    with pytest.raises(RuntimeError, match="inside the sync"), ls._reading(model):  # the scope ends with the call
+        verl_fsdp_utils.load_fsdp_model_to_gpu(model)
+        raise RuntimeError("inside the sync")
+    assert not ls.reads_adapters_only(model) and ferry.residency is Residency.HOST
     assert list(got) == list(want)
     pool = {p.untyped_storage().data_ptr() for p in model.parameters()}  # offloaded: the pool's slots
     for k in want:

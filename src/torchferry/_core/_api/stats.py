@@ -16,9 +16,10 @@ class TransferStats:
     """What a ferry has moved. Bytes in bytes, seconds in seconds, GB/s = 1e9 B/s.
 
     Seconds are the copy engine's time between the first and the last copy of
-    a transfer (CUDA events on the copy stream), or host time on the CPU; they
-    are known once the transfer was seen complete (``handle.wait()`` or
-    ``handle.done()``), ``None`` before.
+    a transfer (CUDA events on the copy stream), or host time on the CPU; a
+    transfer's are known once it was seen complete (``handle.wait()`` or
+    ``handle.done()``): ``last_offload_s`` / ``last_reload_s`` are ``None``
+    before, and the totals count completed transfers only (``0.0`` before any).
     """
 
     offloads: int = 0
@@ -39,8 +40,11 @@ class TransferStats:
     """Bytes the last offload actually copied device -> host: ``last_offload_bytes`` less the
     storages skipped as unchanged (``Ferry(skip_unchanged=True)``, [Note: unchanged storages])."""
     last_offload_s: float | None = None
+    """Seconds of the last offload, ``None`` until it was seen complete."""
     last_reload_bytes: int = 0
+    """Bytes of the state the last reload moved to the device."""
     last_reload_s: float | None = None
+    """Seconds of the last reload, ``None`` until it was seen complete."""
 
     @property
     def last_offload_GBps(self) -> float | None:

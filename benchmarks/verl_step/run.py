@@ -19,7 +19,7 @@ from verl_step.environment import _cpu_engine_to_by_direction, _install_cpu_plat
 from verl_step.logprobs import LOGPROB_ROWS, _logprobs_chunked
 from verl_step.records import _part_bytes, _sha, fingerprints
 from verl_step.rollout import RolloutStandIn, _gpu_bytes, _rewarm_cublas, _weight_sync, _write_segments
-from verl_step.strategies import BUDGETS, Strategy, _settings_env, dock_budget, parse_strategies
+from verl_step.strategies import BUDGETS, Strategy, _settings_env, dock_budget, lora_trainable, parse_strategies
 from verl_step.gpu_busy import GpuBusy
 from verl_step.timing import CallTimer
 
@@ -89,8 +89,12 @@ def cmd_run(args) -> None:
         if s.label in with_dock:
             kind = s.env["TORCHFERRY_VERL_DOCK"] if s.env["TORCHFERRY_VERL_DOCK"] in BUDGETS else None
             if kind:
+                trainable = None
+                if args.lora_rank:  # the optimizer state and gradients are the adapters'
+                    hf = json.loads((Path(args.model_dir) / "config.json").read_text())
+                    trainable = lora_trainable(hf, args.lora_rank)
                 s.env["TORCHFERRY_VERL_DOCK"] = str(dock_budget(kind, prepared["params"], world,
-                                                                int(args.rollout_gb * 1e9), weights_bytes))
+                                                                int(args.rollout_gb * 1e9), weights_bytes, trainable))
                 log(f"{s.label}: a {kind} budget of {int(s.env['TORCHFERRY_VERL_DOCK']) / 1e9:.3f} GB")
             docks[s.label] = {"budget": kind, "budget_why": BUDGETS.get(kind or ""),
                               "TORCHFERRY_VERL_DOCK": s.env["TORCHFERRY_VERL_DOCK"]}

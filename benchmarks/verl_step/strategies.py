@@ -14,21 +14,35 @@ BUDGETS = {
 }
 
 
-def dock_budget(kind: str, params: int, world: int, kv_bytes: int, weights_bytes: int) -> int:
+def dock_budget(kind: str, params: int, world: int, kv_bytes: int, weights_bytes: int,
+                trainable: int | None = None) -> int:
     """The dock strategy's budget on each rank (bytes), from the model's parameter count and the rollout
-    stand-in's KV cache (see :data:`BUDGETS`): fp32 parameters and gradients (4 bytes a parameter, sharded over
-    ``world`` ranks), AdamW's two fp32 moments (8 bytes), the rollout's bf16 weights (``weights_bytes``, whole
-    on each rank). Tight: KV + weights + half the parameters + the optimizer state; roomy: twice the sum of all.
+    stand-in's KV cache (see :data:`BUDGETS`): fp32 parameters (4 bytes a parameter, sharded over ``world``
+    ranks), fp32 gradients and AdamW's two fp32 moments (4 and 8 bytes a trainable parameter: ``trainable``,
+    LoRA's adapters, else every parameter), the rollout's bf16 weights (``weights_bytes``, whole on each rank).
+    Tight: KV + weights + half the parameters + the optimizer state; roomy: twice the sum of all.
 
     Raises:
         ValueError: an unknown ``kind``.
     """
     if kind not in BUDGETS:
         raise ValueError(f"budget kind {kind!r} is none of {sorted(BUDGETS)}")
-    p, o, w = 4 * params // world, 8 * params // world, weights_bytes
+    t = params if trainable is None else trainable
+    p, g, o, w = 4 * params // world, 4 * t // world, 8 * t // world, weights_bytes
     if kind == "tight":
         return kv_bytes + w + p // 2 + o
-    return 2 * (kv_bytes + w + 2 * p + o)
+    return 2 * (kv_bytes + w + p + g + o)
+
+
+def lora_trainable(hf_config: dict, rank: int) -> int:
+    """Parameters of rank-``rank`` LoRA adapters on every linear layer of a Llama-style decoder (Qwen2: the
+    bench's ``target_modules: all-linear``, which leaves the LM head out): ``rank * (in + out)`` for each of
+    q, k, v, o, gate, up and down in every layer, from the model's ``config.json``."""
+    h, inter, layers = hf_config["hidden_size"], hf_config["intermediate_size"], hf_config["num_hidden_layers"]
+    kv = hf_config.get("num_key_value_heads", hf_config["num_attention_heads"]) * (
+        hf_config.get("head_dim") or h // hf_config["num_attention_heads"])
+    per_layer = 2 * h + 2 * (h + kv) + 2 * h + 3 * (h + inter)  # q, k, v, o, gate, up, down
+    return rank * per_layer * layers
 
 
 @dataclasses.dataclass

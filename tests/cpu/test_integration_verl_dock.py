@@ -148,16 +148,27 @@ def test_the_bench_budgets_are_what_they_say():
     assert verl_actor.dock_budget("roomy", n, world, kv, w) == 2 * (kv + w + 2 * p + o)
     with pytest.raises(ValueError, match="none of"):
         verl_actor.dock_budget("loose", n, world, kv, w)
+    # LoRA: the gradients and AdamW's moments are the adapters' only, so a tight budget stays too small
+    t = 100
+    g, o = 4 * t // world, 8 * t // world
+    tight = verl_actor.dock_budget("tight", n, world, kv, w, t)
+    assert tight == kv + w + p // 2 + o and tight < kv + w + p + o
+    assert verl_actor.dock_budget("roomy", n, world, kv, w, t) == 2 * (kv + w + p + g + o)
+    from verl_step.strategies import lora_trainable
+
+    qwen = {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+            "num_key_value_heads": 2}  # Qwen2.5-1.5B: AdamW's state for rank 64 was 590,874,144 bytes, 1,568 of
+    assert 8 * lora_trainable(qwen, 64) == 590_874_144 - 1_568  # them the 392 step counters (728fc68's JSON)
 
 
 # ---------------------------------------------------------------------------- verl's actor under the dock
-def run_dock_bench(out: Path, nproc: str, preset: str, rollout: str, cpu: bool) -> dict[str, dict]:
+def run_dock_bench(out: Path, nproc: str, preset: str, rollout: str, cpu: bool, **extra: str) -> dict[str, dict]:
     """``benchmarks/verl_actor.sh`` with verl, torchferry and a dock strategy under a tight and a roomy
-    budget (``VERL_ACTOR_DOCK="tight roomy"``), 4 rounds, the weight sync on; returns the per-budget
-    JSONs (``tight``, ``roomy``)."""
+    budget (``VERL_ACTOR_DOCK="tight roomy"``), 4 rounds, the weight sync on (``extra``: more of the bench's
+    variables); returns the per-budget JSONs (``tight``, ``roomy``)."""
     env = {**os.environ, "PYTHON": sys.executable, "VERL_ACTOR_MODEL_DIR": str(out / "model"),
            "OMP_NUM_THREADS": "1", "VERL_ACTOR_RESIDENT": "0", "VERL_ACTOR_WEIGHT_SYNC": "1",
-           "VERL_ACTOR_ROLLOUT": rollout, "VERL_ACTOR_DOCK": "tight roomy"}
+           "VERL_ACTOR_ROLLOUT": rollout, "VERL_ACTOR_DOCK": "tight roomy", **extra}
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     else:  # the tiny model's tight budget leaves 0.3 MB beside the KV cache: verl's 128 KiB cuBLAS workspace
@@ -206,6 +217,17 @@ def test_verls_actor_under_the_dock(tmp_path):
     subprocess.run([sys.executable, "benchmarks/verl_actor.py", "timeline", *files, "--out", str(png)], cwd=ROOT,
                    check=True, capture_output=True)
     assert png.stat().st_size > 10_000
+
+
+def test_verls_lora_actor_under_the_dock(tmp_path):
+    """LoRA under the dock: the tight budget counts the adapters' gradients and optimizer state only
+    (``lora_trainable``), so it is still too small for everything and the parameters leave for the rollout and
+    come back for old_log_prob as with full fine-tuning (before, sized for AdamW over every parameter, it held
+    everything and nothing moved); bit-identical to verl, the weight sync (the adapters) included."""
+    results = run_dock_bench(tmp_path, "2", "tiny", "0.001 2", cpu=True, VERL_ACTOR_LORA_RANK="4")
+    for kind, result in results.items():
+        assert result["config"]["lora"] is True
+        check_dock_run(result, kind, gpu=False)
 
 
 def test_a_phase_that_cannot_fit_is_refused_before_verls_code_runs():

@@ -292,8 +292,9 @@ class StepProbe:
     """What a step costs besides its work, per step: the caching allocator's retries (a retry frees the
     whole cache and synchronises), the garbage collector's collections and seconds, the process's CPU
     seconds, page faults and context switches (an involuntary one: another thread took the core), the
-    caching allocator's cudaMalloc and cudaFree calls, the CPUs the process may run on, the
-    machine's CPU ticks by kind (``steal``: the hypervisor ran something else), the SM and memory clocks
+    caching allocator's cudaMalloc and cudaFree calls, the CPUs the process may run on, a fixed pure-Python
+    workload's seconds before and after the step and the step thread's CPU clock at both ends (``cpu_mhz_at_*``,
+    where the machine tells it), the machine's CPU ticks by kind (``steal``: the hypervisor ran something else), the SM and memory clocks
     and the GPU's temperature at the step's end, and, over the step, the seconds NVML counted the GPU's
     clocks held down by its power or thermal limit and the energy it drew (NVML's cumulative counters;
     ``None`` where it does not answer), and each thread's CPU seconds and involuntary switches by name
@@ -353,6 +354,30 @@ class StepProbe:
         return best
 
     @staticmethod
+    def cpu_mhz(cpu: int | None) -> float | None:
+        """CPU ``cpu``'s clock now, MHz: the kernel's ``cpufreq`` reading, else ``/proc/cpuinfo``'s ``cpu MHz``
+        line for it; ``None`` where neither is there (many virtual machines show a fixed or no figure)."""
+        if cpu is None:
+            return None
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/cpufreq/scaling_cur_freq") as f:
+                return int(f.read()) / 1e3  # kHz
+        except (OSError, ValueError):
+            pass
+        try:
+            with open("/proc/cpuinfo") as f:
+                current = None
+                for line in f:
+                    key, _, value = line.partition(":")
+                    if key.strip() == "processor":
+                        current = int(value)
+                    elif key.strip() == "cpu MHz" and current == cpu:
+                        return float(value)
+        except (OSError, ValueError):
+            return None
+        return None
+
+    @staticmethod
     def main_cpu() -> int | None:
         """The CPU the calling thread last ran on (``/proc/thread-self/stat``'s field 39)."""
         try:
@@ -383,7 +408,8 @@ class StepProbe:
         self._waiting = (time.process_time() - self._last_end) if self._last_end is not None else None
         self._threads0 = thread_ticks()
         self._gpu0 = self._gpu_counters()
-        self._ref = (self.host_reference_s(), self.main_cpu())
+        cpu = self.main_cpu()
+        self._ref = (self.host_reference_s(), cpu, self.cpu_mhz(cpu))
         self._at = (self._allocator(), self._gc_s, self._gc_n, time.process_time(),
                     resource.getrusage(resource.RUSAGE_SELF), _cpu_jiffies())
 
@@ -394,6 +420,7 @@ class StepProbe:
         out = {"alloc_retries": a1[0] - r0[0], "device_mallocs": a1[1] - r0[1], "device_frees": a1[2] - r0[2],
                "affinity_cpus": len(os.sched_getaffinity(0)), "gc_s": self._gc_s - g0,
                "host_reference_s": self._ref[0], "main_cpu_at_start": self._ref[1], "main_cpu_at_end": self.main_cpu(),
+               "cpu_mhz_at_start": self._ref[2],
                "gc_collections": self._gc_n - n0,
                "cpu_s": time.process_time() - c0, "minor_faults": u1.ru_minflt - u0.ru_minflt,
                "major_faults": u1.ru_majflt - u0.ru_majflt, "involuntary_switches": u1.ru_nivcsw - u0.ru_nivcsw,
@@ -418,5 +445,10 @@ class StepProbe:
                     out[key] = int(read())
                 except Exception:
                     out[key] = None
+        # After the step as before it: slow at both ends, the host was slow through the step; at the start
+        # only, the core was waking up.
+        cpu = self.main_cpu()
+        out["cpu_mhz_at_end"] = self.cpu_mhz(cpu)
+        out["host_reference_end_s"] = self.host_reference_s()
         self._last_end = time.process_time()
         return out

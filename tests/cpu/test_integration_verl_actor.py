@@ -340,6 +340,34 @@ def test_the_step_probe_reads_the_gpus_capped_seconds_and_energy_over_the_step()
     assert out["gpu_power_capped_s"] is None and out["gpu_energy_j"] is None and out["gpu_temp_c"] is None
 
 
+def test_the_step_probe_times_the_host_before_and_after_the_step_and_reads_the_cores_clock(tmp_path, monkeypatch):
+    """A host slow at both ends of a step was slow through it; slow at the start only, its core was waking up:
+    the fixed workload is timed at both ends, and the step thread's CPU clock read where the machine tells it
+    (the kernel's cpufreq, else /proc/cpuinfo's ``cpu MHz`` for that CPU)."""
+    import builtins
+
+    import torch
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\ncpu MHz\t\t: 2000.5\n\nprocessor\t: 1\ncpu MHz\t\t: 3100.25\n")
+    real_open = builtins.open
+
+    def fake_open(path, *args, **kwargs):
+        if str(path).startswith("/sys/devices/system/cpu/"):
+            raise FileNotFoundError(path)  # no cpufreq here: /proc/cpuinfo's line instead
+        return real_open(cpuinfo if path == "/proc/cpuinfo" else path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    assert verl_isolate.StepProbe.cpu_mhz(1) == 3100.25 and verl_isolate.StepProbe.cpu_mhz(0) == 2000.5
+    assert verl_isolate.StepProbe.cpu_mhz(7) is None and verl_isolate.StepProbe.cpu_mhz(None) is None
+    monkeypatch.setattr(verl_isolate.StepProbe, "main_cpu", staticmethod(lambda: 1))
+    probe = verl_isolate.StepProbe(torch.device("cpu"))
+    probe.begin()
+    out = probe.end()
+    assert out["host_reference_s"] > 0 and out["host_reference_end_s"] > 0
+    assert out["cpu_mhz_at_start"] == out["cpu_mhz_at_end"] == 3100.25
+
+
 def test_each_process_gets_whole_cores_where_the_kernel_shows_the_hyperthreads(tmp_path):
     """CPUs grouped by the kernel's thread siblings (8 CPUs, 4 cores, siblings 0+4, 1+5, ...): two processes
     get two whole cores each, so none shares a core with the other; four ranks of one process a core each;

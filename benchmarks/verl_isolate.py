@@ -294,8 +294,9 @@ class StepProbe:
     seconds, page faults and context switches (an involuntary one: another thread took the core), the
     caching allocator's cudaMalloc and cudaFree calls, the CPUs the process may run on, a fixed pure-Python
     workload's seconds before and after the step and the step thread's CPU clock at both ends (``cpu_mhz_at_*``,
-    where the machine tells it), the machine's CPU ticks by kind (``steal``: the hypervisor ran something else), the SM and memory clocks
-    and the GPU's temperature at the step's end, and, over the step, the seconds NVML counted the GPU's
+    where the machine tells it), the machine's CPU ticks by kind (``steal``: the hypervisor ran something
+    else), the SM and memory clocks and the GPU's temperature at the step's end, and, over the step, the
+    seconds NVML counted the GPU's
     clocks held down by its power or thermal limit and the energy it drew (NVML's cumulative counters;
     ``None`` where it does not answer), and each thread's CPU seconds and involuntary switches by name
     (``threads``; ``main``: the thread that runs the step), which say whether the step's own thread was

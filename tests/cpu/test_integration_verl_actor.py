@@ -105,9 +105,12 @@ def test_the_exposed_figures_are_the_per_round_differences(result):
         at_calls = [sum(e["seconds"] for e in _events(runs, label) if e["step"] == s) for s in (1, 2)]
         assert ex[label]["transfer_at_calls_s_per_step"]["all"] == pytest.approx(at_calls)
         assert min(at_calls) > 0
-    assert ex["torchferry"]["at_calls_over_verl"] == pytest.approx(
-        ex["torchferry"]["transfer_at_calls_s_per_step"]["median"]
-        / ex["verl"]["transfer_at_calls_s_per_step"]["median"])
+    v = ex["verl"]["transfer_at_calls_s_per_step"]
+    if v["median"] > v["max"] - v["min"]:  # a ratio where verl's figure is above its own spread ...
+        assert ex["torchferry"]["at_calls_over_verl"] == pytest.approx(
+            ex["torchferry"]["transfer_at_calls_s_per_step"]["median"] / v["median"])
+    else:  # ... else none (on a busy CPU the tiny model's calls can spread more than that)
+        assert ex["torchferry"]["at_calls_over_verl"] is None
 
 
 def test_patch_defaults_leave_the_state_to_the_forward_and_the_step(result):

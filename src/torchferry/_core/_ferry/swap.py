@@ -46,9 +46,7 @@ def swap(out: Ferry, into: Ferry, *, gpu_budget_bytes: int | None = None) -> tup
             ``into``'s reload failed (``out`` is then reloaded too, so neither moved; a reload that
             completed before raising leaves both moved).
     """
-    _check_pair(out, into, gpu_budget_bytes, "swap")
-    with out._mover.entered("swap()", out.__repr__), into._mover.entered("swap()", into.__repr__):
-        swapped = _swap(out, into, gpu_budget_bytes, refuse=True)  # see [Note: one thread moves a ferry]
+    swapped = _checked_swap(out, into, gpu_budget_bytes, "swap", refuse=True)
     assert swapped is not None
     return swapped
 
@@ -63,12 +61,12 @@ def swap_if_fits(out: Ferry, into: Ferry, gpu_budget_bytes: int | None) -> tuple
     Raises:
         As :func:`swap`, but for a budget that cannot hold it.
     """
-    _check_pair(out, into, gpu_budget_bytes, "swap_if_fits")
-    with out._mover.entered("swap()", out.__repr__), into._mover.entered("swap()", into.__repr__):
-        return _swap(out, into, gpu_budget_bytes, refuse=False)
+    return _checked_swap(out, into, gpu_budget_bytes, "swap_if_fits", refuse=False)
 
 
-def _check_pair(out: object, into: object, gpu_budget_bytes: int | None, what: str) -> None:
+def _checked_swap(out: object, into: object, gpu_budget_bytes: int | None, what: str, *,
+                  refuse: bool) -> tuple[TransferHandle, TransferHandle] | None:
+    """The arguments checked (errors named as ``what``), then :func:`_swap` with both ferries entered."""
     for name, ferry in (("out", out), ("into", into)):
         if not isinstance(ferry, Ferry):
             raise TypeError(f"torchferry: {what}({name}=...) must be a torchferry.Ferry, got {shown(ferry)}")
@@ -78,6 +76,8 @@ def _check_pair(out: object, into: object, gpu_budget_bytes: int | None, what: s
     assert isinstance(out, Ferry) and isinstance(into, Ferry)
     if out.device != into.device:
         raise ValueError(f"torchferry: {what}: out is on {out.device} but into on {into.device}")
+    with out._mover.entered("swap()", out.__repr__), into._mover.entered("swap()", into.__repr__):
+        return _swap(out, into, gpu_budget_bytes, refuse=refuse)  # see [Note: one thread moves a ferry]
 
 
 def _staying(out: Ferry) -> int:

@@ -88,12 +88,18 @@ Named = Iterator[tuple[str, torch.Tensor]]
 def named_tensors(root: nn.Module) -> tuple[Named, Named]:
     """``(root.named_parameters(), root.named_buffers())``, from one :func:`module_tree` where the
     root's class does not override them."""
+    standard_p, standard_b, tree = _standard(root)
+    return (members(tree, "_parameters") if standard_p else root.named_parameters(),
+            members(tree, "_buffers") if standard_b else root.named_buffers())
+
+
+def _standard(root: nn.Module) -> tuple[bool, bool, list[tuple[str, nn.Module]]]:
+    """Whether ``root``'s class keeps PyTorch's ``named_parameters`` and ``named_buffers``, and the
+    :func:`module_tree` their stand-ins read (none where both are overridden)."""
     cls = type(root)
     standard_p = cls.named_parameters is nn.Module.named_parameters
     standard_b = cls.named_buffers is nn.Module.named_buffers
-    tree = module_tree(root) if standard_p or standard_b else []
-    return (members(tree, "_parameters") if standard_p else root.named_parameters(),
-            members(tree, "_buffers") if standard_b else root.named_buffers())
+    return standard_p, standard_b, module_tree(root) if standard_p or standard_b else []
 
 
 def members(tree: list[tuple[str, nn.Module]], kind: str) -> Named:
@@ -112,10 +118,7 @@ def tensors_of(root: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]
     """The tensors :func:`named_tensors` yields, without their names: ``(parameters, buffers)`` in the same
     order, each once. For the checks every offload and reload repeats (fingerprint, ids), where making a
     name per tensor was most of the walk's cost."""
-    cls = type(root)
-    standard_p = cls.named_parameters is nn.Module.named_parameters
-    standard_b = cls.named_buffers is nn.Module.named_buffers
-    tree = module_tree(root) if standard_p or standard_b else []
+    standard_p, standard_b, tree = _standard(root)
     return (_member_list(tree, "_parameters") if standard_p else [t for _, t in root.named_parameters()],
             _member_list(tree, "_buffers") if standard_b else [t for _, t in root.named_buffers()])
 

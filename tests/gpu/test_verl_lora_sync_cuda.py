@@ -1,6 +1,6 @@
 """One GPU, NCCL: verl's LoRA weight sync after the base's under ``patch()`` reads each adapter of an FSDP2
 peft model where it is, offloaded ([Note: the LoRA weight sync reads the adapters where they are] in
-``src/torchferry/integrations/verl/_lora_sync.py``): ``param.to(device).full_tensor()`` through NCCL gives
+``docs/integrations.md``): ``param.to(device).full_tensor()`` through NCCL gives
 the bytes verl's own ``collect_lora_params`` reads from the resident model, the model stays offloaded and
 the device holds no more than before the sync once it returns."""
 

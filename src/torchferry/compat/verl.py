@@ -1,6 +1,6 @@
 """verl's FSDP offload helpers, backed by torchferry: the older import path.
 
-The helpers live in :mod:`torchferry.integrations.verl.helpers`; this module
+The helpers live in :mod:`torchferry.integrations.verl`; this module
 re-exports them (the same function objects, the same per-object ferries), so
 ``from torchferry.compat.verl import offload_fsdp2_model_to_cpu, ferry_for``
 keeps working::
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import warnings
 
-from ..integrations.verl.helpers import (
+from ..integrations.verl import (
     ferry_for,
     load_fsdp2_model_to_gpu,
     load_fsdp_optimizer,

@@ -12,15 +12,8 @@ tf_skyrl.ray_init_with_hook():``, or call ``tf_skyrl.patch_when_imported()`` in 
 SkyRL's FSDP code. The helpers re-exported here are the same objects as ``torchferry.integrations.verl``'s.
 """
 
-from .._base import (
-    HookNames,
-    WorkerHook,
-    ferry_for,
-    load_fsdp2_model_to_gpu,
-    load_fsdp_optimizer,
-    offload_fsdp2_model_to_cpu,
-    offload_fsdp_optimizer,
-)
+from .._base import (HookNames, WorkerHook, ferry_for, load_fsdp2_model_to_gpu, load_fsdp_optimizer,
+                     offload_fsdp2_model_to_cpu, offload_fsdp_optimizer)
 from ._patch import FSDP_UTILS, check_settings, is_patched, patch, unpatch
 
 HOOK_PATH = "torchferry.integrations.skyrl.ray_worker_setup"
@@ -34,19 +27,6 @@ ray_worker_setup = _HOOK.ray_worker_setup
 with_worker_setup = _HOOK.with_worker_setup
 ray_init_with_hook = _HOOK.ray_init_with_hook
 
-__all__ = [
-    "ENV_FLAG",
-    "HOOK_PATH",
-    "ferry_for",
-    "is_patched",
-    "load_fsdp2_model_to_gpu",
-    "load_fsdp_optimizer",
-    "offload_fsdp2_model_to_cpu",
-    "offload_fsdp_optimizer",
-    "patch",
-    "patch_when_imported",
-    "ray_init_with_hook",
-    "ray_worker_setup",
-    "unpatch",
-    "with_worker_setup",
-]
+__all__ = ["ENV_FLAG", "HOOK_PATH", "ferry_for", "is_patched", "load_fsdp2_model_to_gpu", "load_fsdp_optimizer",
+           "offload_fsdp2_model_to_cpu", "offload_fsdp_optimizer", "patch", "patch_when_imported", "ray_init_with_hook",
+           "ray_worker_setup", "unpatch", "with_worker_setup"]

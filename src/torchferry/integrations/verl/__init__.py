@@ -7,20 +7,15 @@
     tf_verl.patch(dock=0.6)  # the trainer under a Dock of 0.6 of the GPU: state stays while it fits
 
 verl's FSDP workers are Ray actors: :mod:`.main_ppo`, or the Ray hook :func:`ray_worker_setup` given to verl's
-own entry point, patches each worker that imports ``verl.utils.fsdp_utils``. The drop-in helpers are
-:mod:`.helpers`'s (``torchferry.compat.verl``: their older path).
+own entry point, patches each worker that imports ``verl.utils.fsdp_utils``. The drop-in helpers (verl PR #7347's
+names and signatures) are the same objects as SkyRL's, defined in :mod:`torchferry.integrations._base.helpers`
+(``torchferry.compat.verl``: their older path).
 """
 
-from .._base import HookNames, WorkerHook
+from .._base import (HookNames, WorkerHook, ferry_for, load_fsdp2_model_to_gpu, load_fsdp_optimizer,
+                     offload_fsdp2_model_to_cpu, offload_fsdp_optimizer)
 from ._dock import dock_rollout, docked
 from ._patch import FSDP_UTILS, check_settings, is_patched, patch, unpatch
-from .helpers import (
-    ferry_for,
-    load_fsdp2_model_to_gpu,
-    load_fsdp_optimizer,
-    offload_fsdp2_model_to_cpu,
-    offload_fsdp_optimizer,
-)
 
 HOOK_PATH = "torchferry.integrations.verl.ray_worker_setup"
 ENV_FLAG = "TORCHFERRY_VERL"
@@ -32,20 +27,6 @@ ray_worker_setup = _HOOK.ray_worker_setup
 with_worker_setup = _HOOK.with_worker_setup
 ray_init_with_hook = _HOOK.ray_init_with_hook
 
-__all__ = [
-    "ENV_FLAG",
-    "HOOK_PATH",
-    "dock_rollout",
-    "docked",
-    "ferry_for",
-    "is_patched",
-    "load_fsdp2_model_to_gpu",
-    "load_fsdp_optimizer",
-    "offload_fsdp2_model_to_cpu",
-    "offload_fsdp_optimizer",
-    "patch",
-    "patch_when_imported",
-    "ray_worker_setup",
-    "unpatch",
-    "with_worker_setup",
-]
+__all__ = ["ENV_FLAG", "HOOK_PATH", "dock_rollout", "docked", "ferry_for", "is_patched", "load_fsdp2_model_to_gpu",
+           "load_fsdp_optimizer", "offload_fsdp2_model_to_cpu", "offload_fsdp_optimizer", "patch",
+           "patch_when_imported", "ray_worker_setup", "unpatch", "with_worker_setup"]

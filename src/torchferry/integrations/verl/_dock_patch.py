@@ -9,22 +9,21 @@ from typing import Any
 
 import torch
 
-from .._base import REGISTRY, HelperSet, PatchState
+from .._base import REGISTRY, HelperSet, Patcher, PatchState
 from ._dock import VerlDock, dock_rollout, docked
 
 __all__ = ["patch_dock", "unpatch_dock", "verl_targets"]
 
 
 def verl_targets() -> type:
-    """verl's ``FSDPEngine``, once what the dock mode replaces or reads in verl is checked.
+    """verl's ``FSDPEngine``, once what the dock mode replaces or reads in verl is checked (:data:`DOCK_SETS`'
+    names and parameters, ``BaseEngineCtx(engine, mode)``).
 
     Raises:
         RuntimeError: verl is not 0.9.x, or one of these changed (nothing is replaced then).
     """
     try:
         import verl
-        from verl.workers import engine_workers
-        from verl.workers.engine import base
         from verl.workers.engine.fsdp import transformer_impl
     except Exception as e:  # verl's modules or what they import are missing
         raise RuntimeError(f"torchferry: verl dock: verl's engine modules do not import: {e}") from e
@@ -32,22 +31,12 @@ def verl_targets() -> type:
     if not version.startswith("0.9."):
         raise RuntimeError(f"torchferry: verl dock: written for verl 0.9.x, this is verl {version}; "
                            "nothing was replaced (patch() without dock= still works where its helpers match)")
-    ctx = getattr(base, "BaseEngineCtx", None)
-    worker = getattr(engine_workers, "ActorRolloutRefWorker", None)
+    ctx = Patcher(DOCK_SETS[0]).check()[1]
+    Patcher(DOCK_SETS[1]).check()
     engine = getattr(transformer_impl, "FSDPEngine", None)
-    if ctx is None or worker is None or engine is None:
-        raise RuntimeError("torchferry: verl dock: BaseEngineCtx, ActorRolloutRefWorker or FSDPEngine is missing "
-                           f"in verl {version}; nothing was replaced")
-    for fn, params, what in ((ctx.__init__, ("self", "engine", "mode"), "BaseEngineCtx.__init__"),
-                             (ctx.__exit__, ("self", "exc_type", "exc_val", "exc_tb"), "BaseEngineCtx.__exit__"),
-                             (worker.init_model, ("self",), "ActorRolloutRefWorker.init_model")):
-        try:
-            names = tuple(inspect.signature(fn).parameters)
-        except (TypeError, ValueError) as e:
-            raise RuntimeError(f"torchferry: verl dock: cannot read the signature of {what}: {e}") from e
-        if names[:len(params)] != params:
-            raise RuntimeError(f"torchferry: verl dock: {what} takes {names}, not {params} as in verl 0.9.1; "
-                               "this verl is not supported by patch(dock=...) (nothing was replaced)")
+    if engine is None or tuple(inspect.signature(ctx.__init__).parameters)[:3] != ("self", "engine", "mode"):
+        raise RuntimeError(f"torchferry: verl dock: FSDPEngine or BaseEngineCtx(engine, mode) changed in verl "
+                           f"{version}; this verl is not supported by patch(dock=...) (nothing was replaced)")
     return engine
 
 

@@ -1,28 +1,6 @@
 """verl's LoRA weight sync reading the adapters where they are: the base model stays on the host.
 
-[Note: the LoRA weight sync reads the adapters where they are]
-After its first weight sync verl sends the rollout only the LoRA adapters (``base_sync_done``), yet
-``FSDPEngine.get_per_tensor_param`` (verl 0.9.1, ``verl/workers/engine/fsdp/transformer_impl.py``)
-calls ``load_fsdp_model_to_gpu`` first and ``offload_fsdp_model_to_cpu`` after, and reads the adapters
-through peft's ``get_peft_model_state_dict``, which takes the whole ``state_dict()`` (that completes a
-layer-wise reload: [Note: the helpers' layer-wise reload] in ``docs/integrations.md``). So every step
-the whole base came back to the device for a read of the adapters and was released again: in
-``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp2-lora-compute-rich_h100x1_2026-12-06_728fc68_micro-8-8.json``
-the weight sync held 0.206 s of torchferry's 0.819 s of exposed time per step, 0.122 s of it after the
-calls returned (``exposed.torchferry.exposed_s_per_phase`` against ``transfer_at_calls_s_per_phase``).
-
-Under ``patch()``, when such a sync starts with the model offloaded by torchferry and verl would offload
-it again at its end (FSDP2, ``param_offload`` on, peft adapters not merged, not layer-summoned, not held by
-a dock), the load and the offload inside it leave the model where it is, and ``collect_lora_params``
-reads each adapter from its offloaded parameter as verl's own code reads an FSDP2 ``CPUOffloadPolicy``
-parameter: ``param.to(device).full_tensor()``, then a copy on the host as verl's ``.detach().cpu()``
-makes (never a view of the pool). ``state_dict()`` while offloaded waits for the offload's copies
-([Note: state_dict() waits for the offload] in ``src/torchferry/_core/_ferry/guards.py``) and returns the
-pool's bytes, the ones the last offload copied, so the adapters sent are bit-identical to verl's
-(``tests/cpu/test_integration_verl_actor.py::test_lora_adds_the_reference_phase_and_stays_bit_identical_through_the_weight_sync``).
-Any other sync (the first one with the base, a merge, a model on the device, a model offloaded by hand
-with ``param_offload`` off, which verl's sync loads and leaves loaded) runs verl's code unchanged.
-The device holds only each adapter's copy while it is gathered, never more than verl's helpers need.
+See [Note: the LoRA weight sync reads the adapters where they are] in ``docs/integrations.md``.
 """
 
 from __future__ import annotations
@@ -130,4 +108,5 @@ LORA_SYNC_SETS = (
               helpers={"collect_lora_params": ("module", "layered_summon", "base_sync_done")},
               replacements=_collect_replacements, call_sites=(FSDP_ENGINE,)),
 )
-"""What [Note: the LoRA weight sync reads the adapters where they are] replaces: both or neither."""
+"""What [Note: the LoRA weight sync reads the adapters where they are] (``docs/integrations.md``) replaces: both
+or neither."""

@@ -54,7 +54,8 @@ def _fresh(code: str) -> subprocess.CompletedProcess:
 def test_hook_patches_right_after_verl_imports_fsdp_utils_and_not_before():
     code = (
         "import sys\n"
-        "from torchferry.integrations.verl import ray_worker_setup, is_patched, helpers\n"
+        "import torchferry.integrations.verl as helpers\n"
+        "from torchferry.integrations.verl import ray_worker_setup, is_patched\n"
         "ray_worker_setup()\n"
         "assert 'verl.utils.fsdp_utils' not in sys.modules and not is_patched()  # nothing imported for it\n"
         "from verl.workers.engine.fsdp import transformer_impl as ti  # as verl's TrainingWorker does\n"

@@ -27,7 +27,8 @@ def _state() -> dict:
     from verl.utils import fsdp_utils
     from verl.workers.engine.fsdp import transformer_impl
 
-    from torchferry.integrations.verl import helpers, is_patched
+    import torchferry.integrations.verl as helpers
+    from torchferry.integrations.verl import is_patched
 
     return {
         "pid": os.getpid(),

@@ -150,6 +150,29 @@ class WorkerHook:
         env["env_vars"] = env_vars
         return env
 
+    def launch(self, entry: str, argv: list[str], patch: Callable[[], object] | None = None) -> None:
+        """Runs the framework's entry point ``entry.main()`` (a module, imported after ``patch``, default the hook's,
+        so what it imports binds torchferry's helpers) on ``argv`` (``sys.argv[1:]`` for its Hydra or argument
+        parser), its ``ray.init`` given the hook (:meth:`ray_init_with_hook`).
+
+        Raises:
+            RuntimeError: as the integration's ``patch()`` (the framework is not importable or changed).
+        """
+        (patch or self._patch)()
+        run = importlib.import_module(entry).main
+        sys.argv = [sys.argv[0], *argv]
+        with self.ray_init_with_hook():
+            run()
+
+    def run_as_main(self, launcher: Callable[[], None]) -> None:
+        """``python -m <launcher's module>``: a bad setting exits with its one-line message (not a traceback from
+        inside ``patch()``), else ``launcher()``."""
+        try:
+            self._check()
+        except ValueError as e:
+            sys.exit(str(e))
+        launcher()
+
     @contextlib.contextmanager
     def ray_init_with_hook(self) -> Iterator[None]:
         """Within this block, ``ray.init(...)`` gets :meth:`with_worker_setup` applied to its ``runtime_env``

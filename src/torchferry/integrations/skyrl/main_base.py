@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from . import patch, ray_init_with_hook
-from ._patch import check_settings
+from . import _HOOK, patch
 
 __all__ = ["main"]
 
@@ -23,24 +22,15 @@ _OVERRIDE = "trainer.override_entrypoint="  # SkyRL's hand-over to this module; 
 
 def main(argv: list[str] | None = None) -> None:
     """Runs ``skyrl.train.entrypoints.main_base.main`` on ``argv`` (default: ``sys.argv[1:]``; a
-    ``trainer.override_entrypoint=...`` dropped) after :func:`patch`, its ``ray.init`` given the Ray hook.
+    ``trainer.override_entrypoint=...`` dropped) after ``patch()``, its ``ray.init`` given the Ray hook.
 
     Raises:
         RuntimeError: SkyRL is not importable, or its offload helpers are not the ones this integration was
             written for.
     """
     argv = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith(_OVERRIDE)]
-    patch()
-    from skyrl.train.entrypoints import main_base  # after patch(): modules it imports bind torchferry's helpers
-
-    sys.argv = [sys.argv[0], *argv]  # SkyRL reads its overrides from sys.argv
-    with ray_init_with_hook():
-        main_base.main()
+    _HOOK.launch("skyrl.train.entrypoints.main_base", argv, patch)
 
 
 if __name__ == "__main__":
-    try:
-        check_settings()  # a bad setting is one line here, not a traceback from inside patch()
-    except ValueError as e:
-        sys.exit(str(e))
-    main()
+    _HOOK.run_as_main(main)

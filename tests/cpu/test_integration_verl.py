@@ -6,6 +6,7 @@ CI installs verl 0.9.1 without its dependencies, plus only what importing
 import inspect
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,9 @@ verl_fsdp_utils = pytest.importorskip("verl.utils.fsdp_utils", reason="verl not 
 import torchferry.integrations.verl as tf_verl  # noqa: E402
 from torchferry.compat import verl as compat  # noqa: E402
 from torchferry import Residency  # noqa: E402
+from torchferry.integrations._base import REGISTRY, marked  # noqa: E402
 from tests.helpers import Mixed, assert_same, identities, snapshot, trained  # noqa: E402
+from tests.spawn import run_spawned  # noqa: E402
 
 IDS = torch.tensor([[1, 2, 3]])
 
@@ -370,14 +373,15 @@ def test_the_lora_sync_reads_adapters_where_they_are_only_when_verl_would_read_o
                                  fsdp2, False, True)
     # param_offload off (a model offloaded by hand): verl's sync loads it and leaves it on the device
     assert not ls._adapters_only(t.SimpleNamespace(**{**vars(engine()), "_is_offload_param": False}), fsdp2, False, True)
-    with ls._reading(model):
+    reading = lambda: marked(REGISTRY.patched["verl"].left_in_place, model)  # noqa: E731  # as the sync marks it
+    with reading():
         assert ls.reads_adapters_only(model)
         verl_fsdp_utils.load_fsdp_model_to_gpu(model)  # left on the host
         assert ferry.residency is Residency.HOST
         got = verl_fsdp_utils.collect_lora_params(model, False, True)
         verl_fsdp_utils.offload_fsdp_model_to_cpu(model)
     assert not ls.reads_adapters_only(model) and ferry.residency is Residency.HOST
-    with pytest.raises(RuntimeError, match="inside the sync"), ls._reading(model):  # the scope ends with the call
+    with pytest.raises(RuntimeError, match="inside the sync"), reading():  # the scope ends with the call
         verl_fsdp_utils.load_fsdp_model_to_gpu(model)
         raise RuntimeError("inside the sync")
     assert not ls.reads_adapters_only(model) and ferry.residency is Residency.HOST
@@ -389,10 +393,68 @@ def test_the_lora_sync_reads_adapters_where_they_are_only_when_verl_would_read_o
     verl_fsdp_utils.load_fsdp_model_to_gpu(model)  # outside a sync: the model comes back
     assert ferry.residency is Residency.DEVICE
     assert not ls._adapters_only(engine(), fsdp2, False, True)  # resident: verl's own read
-    with ls._reading(model):  # a resident model's read is verl's own even inside the scope
+    with reading():  # a resident model's read is verl's own even inside the scope
         torch.testing.assert_close(verl_fsdp_utils.collect_lora_params(model, False, True), want, atol=0, rtol=0)
     tf_verl.unpatch()
     assert "get_per_tensor_param" not in engine_mod.FSDPEngine.__dict__ or \
         engine_mod.FSDPEngine.get_per_tensor_param.__qualname__.startswith("FSDPEngine.")
     assert verl_fsdp_utils.collect_lora_params is verl_own
     tf_verl.patch()  # for the fixture's unpatch
+
+
+def _twin_syncs(rank, world):
+    """verl's own weight syncs on a resident FSDP2 peft model against the same syncs under ``patch()``'s defaults
+    on its twin, offloaded by verl's patched helper: the merged one (``lora.merge``) and the layer-summoned one."""
+    import sys
+    import types as t
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from torch.distributed.fsdp import fully_shard
+    from verl_step.environment import _install_cpu_platform
+
+    _install_cpu_platform()  # verl's device names on a CPU
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    def model():
+        m = _lora_model()
+        for mod in (m.base_model.model.q, m.base_model.model.v, m):
+            fully_shard(mod)
+        m(torch.ones(2, 8))  # FSDP2's lazy init
+        return m
+
+    def engine(m, merge):
+        config = t.SimpleNamespace(lora={"merge": merge}, hf_config=t.SimpleNamespace(model_type="x"))
+        e = t.SimpleNamespace(module=m, model_config=config, _uses_fsdp2_cpu_offload_policy=False,
+                              _is_offload_param=True, _qat_enabled=False)
+        e._merged_lora_per_tensor_param = t.MethodType(FSDPEngine._merged_lora_per_tensor_param, e)
+        return e
+
+    def syncs(m):
+        merged = dict(FSDPEngine.get_per_tensor_param(engine(m, True), base_sync_done=True)[0])
+        layered = dict(FSDPEngine.get_per_tensor_param(engine(m, False), layered_summon=True, base_sync_done=True)[0])
+        verl_fsdp_utils.load_fsdp_model_to_gpu(m)
+        return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in {**merged, **layered}.items()}, \
+            {k: v.full_tensor() for k, v in m.state_dict().items()}
+
+    verl_own, verl_state = syncs(model())
+    tf_verl.patch()  # its defaults: layerwise_reload and skip_unchanged on
+    try:
+        twin = model()
+        verl_fsdp_utils.offload_fsdp_model_to_cpu(twin)
+        got, state = syncs(twin)
+        assert compat.ferry_for(twin).residency is Residency.DEVICE
+    finally:
+        tf_verl.unpatch()
+    for want, have in ((verl_own, got), (verl_state, state)):
+        assert list(have) == list(want)
+        for k in want:
+            torch.testing.assert_close(have[k], want[k], atol=0, rtol=0)
+
+
+def test_a_sync_that_merges_or_reads_the_base_loads_the_model_whole():
+    """[Note: verl's defaults]: only a train/eval context's load is followed by a forward, so only it reloads
+    layer-wise; the merged LoRA sync (peft's merge writes ``.data`` before any forward) and the layer-summoned one
+    (``full_tensor()`` of each unit) get the model whole. Before, under ``patch()``'s defaults the merged sync sent
+    the base without the adapters and left the merge in the model's weights for good."""
+    pytest.importorskip("peft")
+    run_spawned(_twin_syncs, world=1)

@@ -14,6 +14,7 @@ from .helpers import (
     helpers_of,
     load_fsdp2_model_to_gpu,
     load_fsdp_optimizer,
+    marked,
     model_load,
     offload_fsdp2_model_to_cpu,
     offload_fsdp_optimizer,
@@ -44,6 +45,6 @@ __all__ = [
     "HelperSet", "HookNames", "PatchState", "Patcher", "PhaseDock", "SeedHelpers", "Settings", "WorkerHook", "away",
     "check_bool", "check_environment", "dock_budget", "ferry_for", "fsdp1_offloads_params", "fsdp2_offloads_params",
     "has_state", "helpers_of", "idle_and_resharded", "load_fsdp2_model_to_gpu", "load_fsdp_optimizer", "local_of",
-    "model_load", "offload_fsdp2_model_to_cpu", "offload_fsdp_optimizer", "parse_budget", "patch_choices",
+    "marked", "model_load", "offload_fsdp2_model_to_cpu", "offload_fsdp_optimizer", "parse_budget", "patch_choices",
     "read_switch", "routed", "seed_replacements", "settings_of", "unpatch_integration", "whole_copies",
 ]

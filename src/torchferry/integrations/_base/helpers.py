@@ -6,7 +6,8 @@ backed by torchferry: :class:`SeedHelpers` for one caller, the module-level func
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import contextlib
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,7 @@ from .registry import REGISTRY, Registry
 from .settings import SWITCHES, Settings, read_switch
 
 __all__ = ["PatchState", "SeedHelpers", "ferry_for", "has_state", "helpers_of", "load_fsdp2_model_to_gpu",
-           "load_fsdp_optimizer", "model_load", "offload_fsdp2_model_to_cpu", "offload_fsdp_optimizer",
+           "load_fsdp_optimizer", "marked", "model_load", "offload_fsdp2_model_to_cpu", "offload_fsdp_optimizer",
            "patch_choices", "seed_replacements", "settings_of", "unpatch_integration"]
 
 
@@ -40,6 +41,10 @@ class SeedHelpers:
     router: Any = None
     """A dock mode holding some ferries (verl's: [Note: verl under a Dock]): a load of one makes its set
     resident (``router.load``), an offload does nothing."""
+    forward_follows: Collection[int] | None = None
+    """``id`` of each model whose load the framework follows with a forward now (verl's ``FSDPEngine.to``): with
+    a collection, only those reload layer-wise, every other load whole ([Note: the helpers' layer-wise reload]);
+    ``None``: every load may."""
 
     def switch(self, name: str) -> bool:
         return read_switch(name) if self.settings is None else getattr(self.settings, name)
@@ -70,12 +75,12 @@ class SeedHelpers:
             if ferry.device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    def _load(self, ferry: Ferry, prefetch: str) -> None:
+    def _load(self, ferry: Ferry, prefetch: str | None) -> None:
         """A docked set made resident, else ``ferry`` reloaded, beside the caller's compute with switch ``prefetch``
-        on ([Note: the helpers' layer-wise reload], [Note: optimizer state waited for at step()])."""
+        on ([Note: the helpers' layer-wise reload], [Note: optimizer state waited for at step()]), else whole."""
         if self._docked(ferry):
             self.router.load(ferry, f"{self.integration}'s load")
-        elif self.switch(prefetch):
+        elif prefetch is not None and self.switch(prefetch):
             ferry.reload(prefetch=True)  # with switch points
         else:
             with whole_copies():  # the caller's stream waits: [Note: whole copies where the caller waits]
@@ -89,7 +94,8 @@ class SeedHelpers:
     def load_model(self, model: nn.Module) -> None:
         ferry = self.registry.ferry(model)
         if ferry is not None:
-            self._load(ferry, "layerwise_reload")
+            follows = self.forward_follows is None or id(model) in self.forward_follows
+            self._load(ferry, "layerwise_reload" if follows else None)
 
     @torch.no_grad()
     def offload_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -123,15 +129,30 @@ class PatchState:
     left_in_place: set[int] = field(default_factory=set)
     """``id`` of each model whose loads and offloads stay where the model is during the framework call running
     now (verl's: [Note: the LoRA weight sync reads the adapters where they are])."""
+    forward_follows: set[int] | None = None  # SeedHelpers.forward_follows (verl's: a set; others: None)
 
     @property
     def helpers(self) -> SeedHelpers:
-        """The helpers its replacements call: its settings and router, as values."""
-        return SeedHelpers(REGISTRY, self.name, self.settings, self.router)
+        """The helpers its replacements call: its settings, router and the loads a forward follows, as values."""
+        return SeedHelpers(REGISTRY, self.name, self.settings, self.router, self.forward_follows)
 
     def patch(self, helper_set: HelperSet, *, import_call_sites: bool = True) -> list[str]:
         """Replaces ``helper_set``'s names (idempotent), its patcher kept here."""
         return self.patchers.setdefault(helper_set.key, Patcher(helper_set)).patch(import_call_sites=import_call_sites)
+
+
+@contextlib.contextmanager
+def marked(ids: set[int] | None, obj: object) -> Iterator[None]:
+    """``id(obj)`` in ``ids`` for the block, for a framework call running now (nothing if ``ids`` is ``None`` or
+    holds it already: a call inside a call leaves the mark to the outer one)."""
+    if ids is None or id(obj) in ids:
+        yield
+        return
+    ids.add(id(obj))
+    try:
+        yield
+    finally:
+        ids.discard(id(obj))
 
 
 def unpatch_integration(name: str, helper_sets: Iterable[HelperSet], *,

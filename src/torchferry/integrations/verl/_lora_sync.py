@@ -5,11 +5,10 @@ See [Note: the LoRA weight sync reads the adapters where they are] in ``docs/int
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from types import ModuleType
 
-from .._base import REGISTRY, HelperSet
+from .._base import REGISTRY, HelperSet, marked
 
 __all__ = ["LORA_SYNC_SETS", "reads_adapters_only"]
 
@@ -51,19 +50,6 @@ def _adapters_only(engine: object, fsdp_version: Callable, layered_summon: bool,
     return _offloaded_here(module)
 
 
-@contextlib.contextmanager
-def _reading(model: object) -> Iterator[None]:
-    state = REGISTRY.patched.get("verl")
-    if state is None or id(model) in state.left_in_place:  # unpatched meanwhile, or a sync inside a sync
-        yield
-        return
-    state.left_in_place.add(id(model))
-    try:
-        yield
-    finally:
-        state.left_in_place.discard(id(model))
-
-
 def _engine_replacements(module: ModuleType, original: Mapping[str, Callable]) -> dict[str, Callable]:
     verl_get = original["get_per_tensor_param"]
     from verl.utils.fsdp_utils import fsdp_version
@@ -71,7 +57,8 @@ def _engine_replacements(module: ModuleType, original: Mapping[str, Callable]) -
     def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
         if not _adapters_only(self, fsdp_version, layered_summon, base_sync_done):
             return verl_get(self, layered_summon=layered_summon, base_sync_done=base_sync_done, **kwargs)
-        with _reading(self.module):
+        state = REGISTRY.patched.get("verl")  # None: unpatched meanwhile
+        with marked(None if state is None else state.left_in_place, self.module):
             return verl_get(self, layered_summon=layered_summon, base_sync_done=base_sync_done, **kwargs)
 
     return {"get_per_tensor_param": get_per_tensor_param}

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType, ModuleType
 
 from .._base import (REGISTRY, HelperSet, PatchState, Patcher, Settings, check_bool, check_environment,
-                     fsdp1_offloads_params, helpers_of, idle_and_resharded, model_load, seed_replacements,
+                     fsdp1_offloads_params, helpers_of, idle_and_resharded, marked, model_load, seed_replacements,
                      unpatch_integration)
 from ._dock_patch import DOCK_SETS, patch_dock, unpatch_dock, verl_targets
 from ._lora_sync import LORA_SYNC_SETS, reads_adapters_only
@@ -71,6 +71,25 @@ HELPER_SET = HelperSet(
 )
 
 
+def _context_replacements(module: ModuleType, original: Mapping[str, Callable]) -> dict[str, Callable]:
+    switch = original["_context_switch"]
+
+    def _context_switch(self, device):  # a train/eval context's entry (its load) or exit (an offload)
+        state = REGISTRY.patched.get("verl")
+        model = getattr(self.engine, "module", None)
+        follows = None if state is None or model is None else state.forward_follows
+        with marked(follows, model):
+            return switch(self, device)
+
+    return {"_context_switch": _context_switch}
+
+
+CONTEXT_SET = HelperSet(integration="verl", framework="verl", module="verl.workers.engine.base", package="verl",
+                        cls="BaseEngineCtx", helpers={"_context_switch": ("self", "device")},
+                        replacements=_context_replacements)
+"""Where verl's loads are followed by a forward: only there the reload is layer-wise ([Note: verl's defaults])."""
+
+
 # verl's VeOmni and Automodel engines' helpers, where they import: [Note: the VeOmni and Automodel helpers]
 def _optimizers(optimizer) -> list:
     """VeOmni's ``MultiOptimizer`` holds one optimizer per parameter split; others are one."""
@@ -115,8 +134,9 @@ ENGINE_SETS = tuple(_engine_set(engine) for engine in ("veomni", "automodel"))
 
 def importable_sets() -> list[HelperSet]:
     """The engines whose helper module imports here, checked (``RuntimeError`` before anything is replaced), and
-    the LoRA weight sync's names where all import and fit ([Note: the LoRA weight sync reads the adapters where
-    they are]: verl's own code runs otherwise)."""
+    each of these groups where all its names import and fit, else verl's own code runs: the LoRA weight sync's
+    ([Note: the LoRA weight sync reads the adapters where they are]) and the train/eval context's (without it
+    every load is whole: [Note: verl's defaults])."""
     out = []
     for hs in ENGINE_SETS:
         try:
@@ -125,13 +145,15 @@ def importable_sets() -> list[HelperSet]:
             continue
         Patcher(hs).check()
         out.append(hs)
-    try:
-        for hs in LORA_SYNC_SETS:
-            importlib.import_module(hs.module)
-            Patcher(hs).check()
-    except Exception:  # the FSDP engine does not import here, or verl changed these names: verl's sync
-        return out
-    return [*out, *LORA_SYNC_SETS]
+    for group in (LORA_SYNC_SETS, (CONTEXT_SET,)):
+        try:
+            for hs in group:
+                importlib.import_module(hs.module)
+                Patcher(hs).check()
+        except Exception:  # the module does not import here, or verl changed these names
+            continue
+        out.extend(group)
+    return out
 
 
 def is_patched() -> bool:
@@ -182,7 +204,7 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
     if settings.dock is not None:
         verl_targets()  # checked before anything is replaced
     engines = importable_sets()  # checked before anything is replaced
-    state = state or PatchState(name="verl", settings=settings)
+    state = state or PatchState(name="verl", settings=settings, forward_follows=set())
     for helper_set in (HELPER_SET, *engines):
         state.patch(helper_set, import_call_sites=import_engines)
     state.settings = settings
@@ -198,7 +220,7 @@ def unpatch(*, keep_offloaded: bool = False) -> None:
     """What the patched helpers and the dock hold offloaded back on the device (not with ``keep_offloaded``),
     then verl's own helpers again ([Note: unpatch() brings the state back] in ``docs/integrations.md``)."""
     check_bool(keep_offloaded, "unpatch(keep_offloaded=...)")
-    state = unpatch_integration("verl", (HELPER_SET, *ENGINE_SETS, *LORA_SYNC_SETS, *DOCK_SETS),
+    state = unpatch_integration("verl", (HELPER_SET, *ENGINE_SETS, *LORA_SYNC_SETS, CONTEXT_SET, *DOCK_SETS),
                                 keep_offloaded=keep_offloaded)
     if state is not None and state.router is not None:  # a phase still open now exits through verl's own code
         state.router.close_phases()

@@ -458,3 +458,21 @@ def test_a_sync_that_merges_or_reads_the_base_loads_the_model_whole():
     the base without the adapters and left the merge in the model's weights for good."""
     pytest.importorskip("peft")
     run_spawned(_twin_syncs, world=1)
+
+
+@pytest.mark.parametrize("call", ["offload_fsdp2_model_to_cpu(opt)", "load_fsdp2_model_to_gpu(5)",
+                                  "offload_fsdp_optimizer(m)", "load_fsdp_optimizer(m, 'cpu')"])
+def test_a_helper_given_the_wrong_kind_of_object_refuses_it_in_one_line(call):
+    """An optimizer given to a model helper was offloaded through it; a module given to an optimizer helper, or
+    an int to a load, raised from inside Python or weakref. Now a one-line ``TypeError``, nothing moved."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    before = snapshot(m, opt)
+    with pytest.raises(TypeError, match=r"^torchferry: the (model|optimizer) (offload|load) takes a torch") as e:
+        eval(call, {**vars(compat), "m": m, "opt": opt})
+    assert "\n" not in str(e.value)
+    assert compat.ferry_for(m) is None and compat.ferry_for(opt) is None
+    assert_same(before, snapshot(m, opt))

@@ -52,6 +52,30 @@ def test_swap_into_a_closed_ferry_is_refused_before_moving_out():
     assert fa.residency is Residency.DEVICE, "the failed swap left `out` offloaded"
 
 
+@pytest.mark.parametrize("how", ["raises", "collected"])
+def test_a_failed_swap_leaves_an_out_that_was_already_offloaded_where_it_was(how, monkeypatch):
+    """swap() is a no-op for an ``out`` already offloaded; when ``into``'s reload then fails (an error, a collected
+    target), the failed swap leaves ``out`` offloaded too (it had reloaded it: on a GPU, after an out-of-memory
+    in ``into``'s reload, both sets' allocations at once)."""
+    a, c = nn.Linear(8, 8), nn.Linear(8, 8)
+    fa, fc = Ferry(a), Ferry(c)
+    want = a.weight.detach().clone()
+    fa.offload()
+    fc.offload()
+    if how == "raises":
+        def fail(*args, **kwargs):
+            raise RuntimeError("into's reload failed")
+
+        monkeypatch.setattr(fc, "_reload", fail)
+    else:
+        del c
+    with pytest.raises((RuntimeError, ReferenceError)):
+        torchferry.swap(fa, fc)
+    assert fa.residency is Residency.HOST and fc.residency is Residency.HOST
+    fa.reload()
+    assert torch.equal(a.weight, want)
+
+
 def test_swap_refuses_a_negative_budget():
     """A regression test (failed before its fix): gpu_budget_bytes is not validated (negative / zero accepted; on the CPU ignored entirely)."""
     a, c = nn.Linear(8, 8), nn.Linear(8, 8)

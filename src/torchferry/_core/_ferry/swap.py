@@ -111,6 +111,7 @@ def _swap(out: Ferry, into: Ferry, gpu_budget_bytes: int | None, *,
             f"({into.state_bytes} bytes) plus what stays allocated ({stays} bytes) needs {stays + into.state_bytes}"
         )
     schedule = ReleaseSchedule(gpu_budget_bytes if cuda else None, base)
+    out_was_away = out.residency.on_host  # then the swap does not move it, nor bring it back on a failure
     try:
         h_out = out._offload(schedule)
     except BaseException:  # offloaded all the same ([Note: a release rolled forward]): what it held is freed now
@@ -122,7 +123,7 @@ def _swap(out: Ferry, into: Ferry, gpu_budget_bytes: int | None, *,
         try:
             schedule.release_rest()
         finally:
-            if into.residency.on_host:  # all or nothing: bring the outgoing state back before raising
+            if into.residency.on_host and not out_was_away:  # all or nothing: the outgoing state back first
                 out.reload()
             # else the reload completed before raising (an error in its bookkeeping after the move):
             # the swap completed; reloading `out` too would hold both sets on the device at once

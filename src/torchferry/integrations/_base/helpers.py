@@ -31,6 +31,14 @@ def has_state(optimizer: torch.optim.Optimizer) -> bool:
     return any(o.state for _, o in inner_optimizers(optimizer))
 
 
+def _checked(obj: Any, kind: type, what: str) -> Any:
+    """``obj`` if it is a ``kind``; else a one-line ``TypeError`` (a model given to an optimizer helper, ...)."""
+    if not isinstance(obj, kind):
+        raise TypeError(f"torchferry: the {what} takes a torch {'nn.Module' if kind is nn.Module else 'Optimizer'}, "
+                        f"got {type(obj).__name__}; nothing was moved")
+    return obj
+
+
 @dataclass(frozen=True)
 class SeedHelpers:
     """The four helpers for one caller: an integration's replacements, or a user calling them directly."""
@@ -88,23 +96,23 @@ class SeedHelpers:
 
     @torch.no_grad()
     def offload_model(self, model: nn.Module, empty_cache: bool = True) -> None:
-        self._offload(model, empty_cache)
+        self._offload(_checked(model, nn.Module, "model offload"), empty_cache)
 
     @torch.no_grad()
     def load_model(self, model: nn.Module) -> None:
-        ferry = self.registry.ferry(model)
+        ferry = self.registry.ferry(_checked(model, nn.Module, "model load"))
         if ferry is not None:
             follows = self.forward_follows is None or id(model) in self.forward_follows
             self._load(ferry, "layerwise_reload" if follows else None)
 
     @torch.no_grad()
     def offload_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        if has_state(optimizer):
+        if has_state(_checked(optimizer, torch.optim.Optimizer, "optimizer offload")):
             self._offload(optimizer, empty_cache=False)
 
     @torch.no_grad()
     def load_optimizer(self, optimizer: torch.optim.Optimizer, device_id: int | str | torch.device) -> None:
-        ferry = self.registry.ferry(optimizer)
+        ferry = self.registry.ferry(_checked(optimizer, torch.optim.Optimizer, "optimizer load"))
         if not has_state(optimizer) or ferry is None:
             return
         device = torch.device(device_id) if not isinstance(device_id, int) else torch.device("cuda", device_id)

@@ -197,3 +197,40 @@ def check_local_shard_given_other_bytes_while_offloaded(rank, world):
 
 def test_local_shard_given_other_bytes_while_offloaded_gloo():
     run_spawned(check_local_shard_given_other_bytes_while_offloaded, world=2)
+
+
+def _parameter_replaced_while_offloaded(rank: int, world: int, prefetch: bool) -> None:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    def model():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        for unit in (m[0], m[1], m):
+            fully_shard(unit)
+        m(torch.ones(2, 8))  # FSDP2's lazy init
+        return m
+
+    twin, m = model(), model()
+    ferry = Ferry(m, device="cpu")
+    ferry.offload()
+    for mod in (twin, m):  # a new Parameter where FSDP2's own stays registered
+        old = mod[0].weight
+        mod[0].weight = nn.Parameter(distribute_tensor(torch.ones(8, 8), old.device_mesh, old.placements))
+    ferry.reload(prefetch=prefetch)
+    x = torch.arange(16.0).reshape(2, 8)
+    torch.testing.assert_close(m(x), twin(x), atol=0, rtol=0)  # FSDP2 gathers its own parameter, as in the twin
+    assert ferry.residency is Residency.DEVICE
+    ferry.offload()
+    ferry.reload()
+    torch.testing.assert_close(m(x), twin(x), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_an_fsdp2_parameter_replaced_while_offloaded_leaves_fsdp2s_own_whole(prefetch):
+    """``module.weight = nn.Parameter(...)`` while offloaded: FSDP2 keeps all-gathering the parameter its
+    ``FSDPParam`` holds, which the reload had left released (no longer held by the module): the next forward
+    crashed the process. Every parameter an FSDP2 unit holds comes back now, as in a run without the ferry."""
+    import functools
+
+    run_spawned(functools.partial(_parameter_replaced_while_offloaded, prefetch=prefetch), world=1)

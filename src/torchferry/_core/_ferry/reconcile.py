@@ -8,7 +8,10 @@ which is the CPU then), the old ones dead. ``offload()`` and ``reload()``
 while offloaded compare the ids of the tensors the targets hold with those at
 the offload (``reload()`` while its copies are in flight); on a difference
 the ferry reconciles: it brings back only the storages of tensors still
-held, never re-allocates the dead ones, moves each replacement on the host to
+held (by the targets, or by an FSDP2 unit's ``FSDPParam``, which all-gathers
+from its own parameter after the module was given another:
+``tests/cpu/test_integration_fsdp2.py::test_an_fsdp2_parameter_replaced_while_offloaded_leaves_fsdp2s_own_whole``),
+never re-allocates the dead ones, moves each replacement on the host to
 the device where its predecessor (same name) lived (optimizer state without a
 predecessor: floating state other than ``step``, as PyTorch's own placement
 rule), and forgets its plan. The state is then resident; an ``offload()``
@@ -42,7 +45,7 @@ import torch
 from .._transfer.copies import undo_allocations
 from .._transfer.h2d import issue_h2d
 from .._transfer.signals import uninterruptible
-from .._state.fsdp import local_of, repoint_sharded_data, storage_key
+from .._state.fsdp import local_of, repoint_sharded_data, sharded_params, storage_key
 from .._state.host_blocks import in_host_pool
 from .._host.layout import HostViews
 from .._state.plan import Plan
@@ -114,6 +117,8 @@ def reconcile(plan: Plan, views: HostViews, parking: Parking, targets: list[obje
     """
     current = list(walk(targets))
     held = {id(t) for _, t in current}
+    # FSDP2 all-gathers from the parameter its FSDPParam holds, also after the module was given another one
+    held |= set(sharded_params([t for t in targets if isinstance(t, torch.nn.Module)]))
     swapped = [i for i in moved_away(views, parking) if id(plan.tensors[i].tensor) in held]
     assigned = {i: local_of(parking.tensors[i]).detach() for i in swapped}  # the bytes the user gave
     live_t = [i for i, r in enumerate(plan.tensors) if id(r.tensor) in held and i not in assigned]

@@ -364,13 +364,13 @@ def lora_command(*, preset: str | None, layers: int | None, rank: int, strategie
         CommandError: an option refused before the run (or by it), a missing package (exit 2).
     """
     check_paths(("--json", json_path, False, "bench-lora.json"))
-    require("torchferry bench-lora", "peft", "transformers")
     names = tuple(x.strip() for x in strategies.split(",") if x.strip())
     try:
         config = LoraBenchConfig(preset=preset, layers=layers, rank=rank, strategies=names, steps=steps,
                                  seq_len=seq_len)
-    except ValueError as e:
+    except ValueError as e:  # refused before peft and transformers are imported (seconds)
         raise CommandError(str(e)) from None
+    require("torchferry bench-lora", "peft", "transformers")
     result = run_with_progress(run_lora, config)
     if not on_rank0():
         return 0

@@ -26,6 +26,15 @@ def shown(value: object) -> str:
     return kind
 
 
+def _one_cpu(device: torch.device | None, what: str, accepted: str) -> torch.device | None:
+    """``cpu:0`` as ``cpu`` (what CPU tensors report); another CPU index refused: there is one host."""
+    if device is None or device.type != "cpu" or device.index is None:
+        return device
+    if device.index != 0:
+        raise ValueError(f"torchferry: {what}: {str(device)!r} is not a device (the host is 'cpu'); accepted: {accepted}")
+    return torch.device("cpu")
+
+
 def check_device(device: object, what: str) -> torch.device | None:
     """``device`` as a ``torch.device`` (``None`` kept).
 
@@ -35,15 +44,16 @@ def check_device(device: object, what: str) -> torch.device | None:
 
     Raises:
         TypeError: not a ``torch.device``, str, int or ``None``.
-        ValueError: a string or index ``torch.device`` does not accept (``"gpu"``).
+        ValueError: a string or index ``torch.device`` does not accept (``"gpu"``), or a CPU index other than 0
+            (``"cpu:0"`` is taken as ``"cpu"``).
     """
-    if device is None or isinstance(device, torch.device):
-        return device
     accepted = "'cpu', 'cuda', 'cuda:N', a torch.device, or None (inferred from the tensors)"
+    if device is None or isinstance(device, torch.device):
+        return _one_cpu(device, what, accepted)
     if not isinstance(device, (str, int)) or isinstance(device, bool):
         raise TypeError(f"torchferry: {what} takes {accepted}; got {shown(device)}")
     try:
-        return torch.device(device)
+        return _one_cpu(torch.device(device), what, accepted)
     except RuntimeError:
         if isinstance(device, int) and device < 0:
             raise ValueError(f"torchferry: {what}: device index {device} is negative; accepted: {accepted}") from None

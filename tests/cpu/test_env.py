@@ -425,3 +425,26 @@ def test_an_integrations_settings_carry_the_cores_read_at_patch(monkeypatch):
     monkeypatch.setenv("TORCHFERRY_SWITCH_BYTES", "lots")
     with pytest.raises(ValueError, match=r"TORCHFERRY_SWITCH_BYTES='lots' is not a number of bytes"):
         Settings.read({"skip_unchanged": None})
+
+
+@pytest.mark.parametrize(("given", "error", "message"), [
+    ({"hash": "sha256"}, ValueError, r"CoreSettings\(hash=\.\.\.\) must be one of auto, triton, torch"),
+    ({"switch_bytes": -1}, ValueError, r"CoreSettings\(switch_bytes=\.\.\.\) must be an int >= 0"),
+    ({"host_budget_bytes": 1.5}, ValueError, r"CoreSettings\(host_budget_bytes=\.\.\.\) must be an int >= 0"),
+    ({"verify_skips": "yes"}, TypeError, r"CoreSettings\(verify_skips=\.\.\.\) must be True or False"),
+    ({"ledger_dir": "relative"}, ValueError, r"CoreSettings\(ledger_dir=\.\.\.\) must be an absolute path"),
+    ({"allocator_conf": None}, TypeError, r"CoreSettings\(allocator_conf=\.\.\.\) must be a str"),
+])
+def test_core_settings_given_by_hand_are_checked_when_made(given, error, message):
+    from torchferry import CoreSettings
+
+    with pytest.raises(error, match=message):
+        CoreSettings(**given)
+
+
+def test_a_refill_mark_above_the_window_is_refused_at_ferry():
+    from torchferry import CoreSettings
+    from torchferry._core._schedules.issuer import ISSUE_WINDOW_BYTES
+
+    with pytest.raises(ValueError, match="refill mark must be in"):
+        Ferry(torch.ones(3), settings=CoreSettings(issue_refill_bytes=ISSUE_WINDOW_BYTES + 1))

@@ -23,7 +23,7 @@ import re
 from collections.abc import Sequence
 from typing import overload
 
-from .._core._api.settings import CoreSettings
+from .._core._api.settings import HASH_CHOICES, CoreSettings
 from .._core._schedules.issuer import ISSUE_WINDOW_BYTES
 
 __all__ = ["ARENA_ENV", "BYTES_FORM", "CORE_ENV", "DRIVER_ENV", "HASH_CHOICES", "HASH_ENV", "HOST_BUDGET_ENV",
@@ -163,7 +163,6 @@ SWITCH_ENV = "TORCHFERRY_SWITCH_BYTES"  # _transfer/switch: bytes between switch
 CORE_ENV = (HOST_BUDGET_ENV, HOST_RESERVE_ENV, LEDGER_DIR_ENV, REFILL_ENV, HASH_ENV, VERIFY_ENV, ARENA_ENV,
             DRIVER_ENV, SWITCH_ENV)
 """Every ``TORCHFERRY_*`` variable the core's settings are read from."""
-HASH_CHOICES = ("auto", "triton", "torch")
 
 
 def ledger_dir() -> str | None:

@@ -1,4 +1,4 @@
-"""The core's settings: values, read from nowhere. Lowest layer: imports nothing of torchferry.
+"""The core's settings: values, read from nowhere. Lowest layer: imports its argument checks only.
 
 No module of ``_core`` reads the environment (``tests/cpu/test_layers.py`` checks it): a ``Ferry`` is handed
 a :class:`CoreSettings` and passes its values down its call paths. ``torchferry.Ferry`` (``_public/ferry``)
@@ -8,15 +8,22 @@ integration's ``patch()`` builds one once, at ``patch()`` (``integrations/_base/
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-__all__ = ["CoreSettings"]
+from .args import check_bool, check_bytes, shown
+
+__all__ = ["HASH_CHOICES", "CoreSettings"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class CoreSettings:
     """What the core's modules do where a setting chooses; each default is the core's own (what an unset
     variable means). Byte counts are bytes.
+
+    Raises:
+        ValueError: a byte count not an int >= 0 or ``None``, ``hash`` not ``"auto"``, ``"triton"`` or
+            ``"torch"``, a ``ledger_dir`` that is not an absolute path.
+        TypeError: a switch not a bool, ``allocator_conf`` not a str.
 
     Attributes:
         host_budget_bytes: bytes all pools of the node may hold together, ``None``: no budget
@@ -54,3 +61,24 @@ class CoreSettings:
     driver_copies: bool = True
     switch_bytes: int | None = None
     allocator_conf: str = ""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value, what = getattr(self, f.name), f"CoreSettings({f.name}=...)"
+            if f.name.endswith("_bytes"):
+                check_bytes(value, what)
+            elif f.type == "bool":
+                check_bool(value, what)
+        if self.hash not in HASH_CHOICES:
+            raise ValueError(f"torchferry: CoreSettings(hash=...) must be one of {', '.join(HASH_CHOICES)}, "
+                             f"got {shown(self.hash)}")
+        if self.ledger_dir is not None and not (isinstance(self.ledger_dir, str) and self.ledger_dir.startswith("/")):
+            raise ValueError(f"torchferry: CoreSettings(ledger_dir=...) must be an absolute path or None, "
+                             f"got {shown(self.ledger_dir)}")
+        if not isinstance(self.allocator_conf, str):
+            raise TypeError("torchferry: CoreSettings(allocator_conf=...) must be a str, "
+                            f"got {shown(self.allocator_conf)}")
+
+
+HASH_CHOICES = ("auto", "triton", "torch")
+"""The implementations of the unchanged-storage hash (``CoreSettings.hash``)."""

@@ -16,6 +16,7 @@ from .._api.handle import TransferHandle
 from .._api.residency import Residency
 from .._api.settings import CoreSettings
 from .._api.stats import StatsRecorder, TransferStats
+from .._schedules.issuer import refill_mark
 from .._schedules.prefetch import Prefetch, prefetch_groups
 from .._schedules.release import ReleaseSchedule
 from .._state.plan import build_plan
@@ -68,7 +69,7 @@ class Ferry(HostSide):
             (refused here, before anything moved).
         TypeError: a target that is not a module, optimizer or tensor; ``device`` not a str, int
             or ``torch.device``; ``pin_ahead`` or ``skip_unchanged`` not a bool; ``settings`` not a
-            ``CoreSettings``.
+            ``CoreSettings`` (whose own values it checks when made: ``ValueError``, ``TypeError``).
         NotImplementedError: meta, nested, non-strided, quantized tensors, tensor subclasses other
             than DTensor (also as a DTensor's local shard), storages that cannot be resized, an
             optimizer holding device state outside ``optimizer.state``.
@@ -93,6 +94,7 @@ class Ferry(HostSide):
             settings = CoreSettings()
         if not isinstance(settings, CoreSettings):
             raise TypeError(f"torchferry: Ferry(settings=...) must be a CoreSettings, got {shown(settings)}")
+        refill_mark(settings.issue_refill_bytes)  # a mark above the issue window: refused now, not at a reload
         check_bytes(max_pinned_bytes, "Ferry(max_pinned_bytes=...)")
         check_bytes(host_budget_bytes, "Ferry(host_budget_bytes=...)")
         check_bool(pin_ahead, "Ferry(pin_ahead=...)")

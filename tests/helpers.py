@@ -220,3 +220,13 @@ def fsdp_params(m):
         for group in groups:
             out += group.fsdp_params
     return out
+
+
+def node_ledger():
+    """The node ledger a ferry made now uses: its folder and reserve from the environment's
+    ``TORCHFERRY_LEDGER_DIR`` and ``TORCHFERRY_HOST_RESERVE_BYTES`` (the core reads no environment)."""
+    from torchferry._core._host.budget import NodeLedger
+    from torchferry._public.env import core_settings
+
+    settings = core_settings()
+    return NodeLedger(folder=settings.ledger_dir, reserve=settings.host_reserve_bytes)

@@ -13,15 +13,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ._core._api.handle import TransferHandle
     from ._core._api.residency import Residency
+    from ._core._api.settings import CoreSettings
     from ._core._api.stats import TransferStats
     from ._core._dock import Dock, DockStats, Move, Schedule
-    from ._core._ferry.ferry import Ferry
     from ._core._ferry.swap import swap
     from ._core._host.budget import HostBudgetError
     from ._core._schedules.prefetch import Prefetch
+    from ._public.ferry import Ferry
 
-__all__ = ["Dock", "DockStats", "Ferry", "HostBudgetError", "Move", "Prefetch", "Residency", "Schedule",
-           "TransferHandle", "TransferStats", "swap"]
+__all__ = ["CoreSettings", "Dock", "DockStats", "Ferry", "HostBudgetError", "Move", "Prefetch", "Residency",
+           "Schedule", "TransferHandle", "TransferStats", "swap"]
 __version__ = "0.1.0"
 
 
@@ -29,16 +30,17 @@ def _load() -> None:
     """Imports the public names, shown and documented as ``torchferry.X`` (where users import them)."""
     from ._core._api.handle import TransferHandle
     from ._core._api.residency import Residency
+    from ._core._api.settings import CoreSettings
     from ._core._api.stats import TransferStats
     from ._core._dock import Dock, DockStats, Move, Schedule
-    from ._core._ferry.ferry import Ferry
     from ._core._ferry.swap import swap
     from ._core._host.budget import HostBudgetError
     from ._core._schedules.prefetch import Prefetch
+    from ._public.ferry import Ferry
 
-    found = {"TransferHandle": TransferHandle, "Residency": Residency, "TransferStats": TransferStats, "Dock": Dock,
-             "DockStats": DockStats, "Move": Move, "Schedule": Schedule, "Ferry": Ferry, "swap": swap,
-             "HostBudgetError": HostBudgetError, "Prefetch": Prefetch}
+    found = {"CoreSettings": CoreSettings, "TransferHandle": TransferHandle, "Residency": Residency,
+             "TransferStats": TransferStats, "Dock": Dock, "DockStats": DockStats, "Move": Move, "Schedule": Schedule,
+             "Ferry": Ferry, "swap": swap, "HostBudgetError": HostBudgetError, "Prefetch": Prefetch}
     for name in __all__:
         found[name].__module__ = __name__
         globals()[name] = found[name]

@@ -149,7 +149,8 @@ def test_public_signatures_name_no_private_type():
 
 
 def test_environment_settings_are_parsed_in_one_place(monkeypatch):
-    from torchferry._core._api.args import check_optional_bool, env_flag, env_int
+    from torchferry._core._api.args import check_optional_bool
+    from torchferry._public.env import env_flag, env_int
 
     monkeypatch.delenv("TORCHFERRY_X", raising=False)
     assert env_flag("TORCHFERRY_X", True) and not env_flag("TORCHFERRY_X", False)

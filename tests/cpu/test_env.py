@@ -1,5 +1,5 @@
 """Every ``TORCHFERRY_*`` variable parsed alike ([Note: one parser for the environment] in
-``torchferry._core._api.env``): one set of spellings for on and off, a clear error naming the
+``torchferry._public.env``): one set of spellings for on and off, a clear error naming the
 variable and the value for anything else, and a bad value failing every time.
 
 Reproduces: ``TORCHFERRY_VERL=false`` still installed the Ray hook's patch,
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from torchferry import Ferry
-from torchferry._core._api.env import OFF, ON, env_bytes, env_choice, env_flag, env_int, parse_flag
+from torchferry._public.env import OFF, ON, core_settings, env_bytes, env_choice, env_flag, env_int, parse_flag
 
 ON_SPELLINGS = [s for on in ON for s in (on, on.upper(), on.capitalize(), f"  {on}\t")]
 OFF_SPELLINGS = [s for off in OFF for s in (off, off.upper(), off.capitalize(), f" {off} ")]
@@ -61,15 +61,15 @@ def test_a_switch_neither_on_nor_off_is_refused_naming_the_variable_and_value(mo
 
 
 def _switch_readers():
-    """(variable, what reads it now, its default) for every switch of the core and the integrations."""
-    from torchferry._core._schedules.unchanged import verify_skips
-    from torchferry._core._transfer import arena, driver
+    """(variable, what reads it now, its default) for every switch of the core (read into its settings, as
+    ``Ferry()`` reads them) and the integrations."""
+    from torchferry._core._transfer import arena
     from torchferry.integrations._base import read_switch
 
     return [
-        ("TORCHFERRY_DRIVER_COPIES", driver.enabled, True),
-        ("TORCHFERRY_VERIFY_SKIPS", verify_skips, False),
-        ("TORCHFERRY_RELOAD_ARENA", arena.arena_supported, True),
+        ("TORCHFERRY_DRIVER_COPIES", lambda: core_settings().driver_copies, True),
+        ("TORCHFERRY_VERIFY_SKIPS", lambda: core_settings().verify_skips, False),
+        ("TORCHFERRY_RELOAD_ARENA", lambda: arena.arena_supported(core_settings()), True),
         ("TORCHFERRY_SKIP_UNCHANGED", lambda: read_switch("skip_unchanged"), True),
         ("TORCHFERRY_OPTIMIZER_AT_STEP", lambda: read_switch("optimizer_at_step"), False),
         ("TORCHFERRY_LAYERWISE_RELOAD", lambda: read_switch("layerwise_reload"), False),
@@ -95,11 +95,9 @@ def test_every_switch_of_torchferry_takes_every_spelling(monkeypatch, index):
 
 
 def test_verify_skips_false_leaves_verify_mode_off(monkeypatch):
-    from torchferry._core._schedules.unchanged import verify_skips
-
     for raw in ("false", "no", "off", "FALSE"):
         monkeypatch.setenv("TORCHFERRY_VERIFY_SKIPS", raw)
-        assert verify_skips() is False
+        assert core_settings().verify_skips is False
 
 
 def test_verl_fsdp1_switch_takes_every_spelling(monkeypatch):
@@ -230,26 +228,26 @@ def test_numbers_and_names_take_their_documented_forms(monkeypatch):
     from torchferry._core._schedules.hash import hash_kind
 
     monkeypatch.setenv("TORCHFERRY_HASH", "TORCH")
-    assert hash_kind(torch.device("cpu")) == "torch"
+    assert core_settings().hash == "torch"
+    assert hash_kind(torch.device("cuda"), core_settings().hash) == "torch"
     monkeypatch.setenv("TORCHFERRY_HASH", "sha256")
     with pytest.raises(ValueError, match="TORCHFERRY_HASH must be one of .* got 'sha256'"):
-        hash_kind(torch.device("cuda"))
+        core_settings()
 
 
 def _byte_count_readers():
-    from torchferry._core._host.budget import budget_from_env, reserve_from_env
-    from torchferry._core._schedules.issuer import refill_bytes_from_env
-    from torchferry._core._transfer.switch import switch_bytes_from_env
-
-    return {"TORCHFERRY_HOST_BUDGET_BYTES": budget_from_env, "TORCHFERRY_HOST_RESERVE_BYTES": reserve_from_env,
-            "TORCHFERRY_SWITCH_BYTES": switch_bytes_from_env, "TORCHFERRY_ISSUE_REFILL_BYTES": refill_bytes_from_env}
+    """Variable -> its value in the core's settings read now, as ``Ferry()`` reads them."""
+    return {"TORCHFERRY_HOST_BUDGET_BYTES": lambda: core_settings().host_budget_bytes,
+            "TORCHFERRY_HOST_RESERVE_BYTES": lambda: core_settings().host_reserve_bytes,
+            "TORCHFERRY_SWITCH_BYTES": lambda: core_settings().switch_bytes,
+            "TORCHFERRY_ISSUE_REFILL_BYTES": lambda: core_settings().issue_refill_bytes}
 
 
 @pytest.mark.parametrize("name", list(_byte_count_readers()))
 def test_every_byte_count_takes_the_same_forms(monkeypatch, name):
     """Byte counts were parsed two ways: ``1e6`` passed for the host budget and reserve but not for
     the switch and refill sizes, and ``int()`` let ``1_000``, ``-0`` and full-width digits through
-    ([Note: one parser for byte counts] in ``torchferry._core._api.env``)."""
+    ([Note: one parser for byte counts] in ``torchferry._public.env``)."""
     import re
 
     read = _byte_count_readers()[name]
@@ -287,7 +285,7 @@ def test_the_verl_dock_budget_is_a_byte_count_or_a_fraction(monkeypatch):
 
 @pytest.mark.parametrize("raw", [" {tmp} ", "{tmp}"])
 def test_the_ledger_folder_takes_spaces_around_it(monkeypatch, tmp_path, raw):
-    from torchferry._core._api.env import ledger_dir
+    from torchferry._public.env import ledger_dir
 
     monkeypatch.setenv("TORCHFERRY_LEDGER_DIR", raw.format(tmp=tmp_path))
     assert ledger_dir() == str(tmp_path)
@@ -388,3 +386,65 @@ def test_a_launcher_refuses_a_bad_setting_in_one_line(launcher):
     assert p.returncode == 1 and p.stdout == ""
     assert p.stderr.strip().splitlines() == [
         "torchferry: TORCHFERRY_SKIP_UNCHANGED must be on (1, true, yes, on) or off (0, false, no, off), got 'maybe'"]
+
+
+def test_the_public_ferry_is_the_cores_with_its_settings_read_from_the_environment(monkeypatch, tmp_path):
+    """``torchferry.Ferry`` (``_public/ferry``) has the core's signature and docstring and makes a core
+    ``Ferry``; it reads the core's settings from the environment once, at ``Ferry()``, unless given them."""
+    import inspect
+
+    from torchferry._core._api.settings import CoreSettings
+    from torchferry._core._ferry.ferry import Ferry as CoreFerry
+
+    assert inspect.signature(Ferry.__init__) == inspect.signature(CoreFerry.__init__)
+    assert Ferry.__doc__ == CoreFerry.__doc__ and Ferry.__module__ == "torchferry"
+    monkeypatch.setenv("TORCHFERRY_LEDGER_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHFERRY_SWITCH_BYTES", "1e6")
+    t = torch.arange(10.0)
+    ferry = Ferry(t)
+    assert isinstance(ferry, CoreFerry)
+    assert ferry.settings == core_settings()
+    assert ferry.settings.ledger_dir == str(tmp_path) and ferry.settings.switch_bytes == 10**6
+    monkeypatch.setenv("TORCHFERRY_HASH", "not-a-hash")  # set after Ferry(): this ferry does not read it
+    ferry.offload()
+    ferry.reload()
+    assert ferry.settings.hash == "auto" and torch.equal(t, torch.arange(10.0))
+    given = CoreSettings(ledger_dir=str(tmp_path), verify_skips=True)
+    assert Ferry(t, settings=given).settings is given  # the environment not read: its bad value unseen
+    assert CoreFerry(t).settings == CoreSettings()  # the core's own class reads no environment
+    with pytest.raises(TypeError, match=r"Ferry\(settings=\.\.\.\) must be a CoreSettings, got dict"):
+        Ferry(t, settings={"hash": "torch"})  # type: ignore[arg-type]
+
+
+def test_an_integrations_settings_carry_the_cores_read_at_patch(monkeypatch):
+    from torchferry.integrations._base import Settings
+
+    monkeypatch.setenv("TORCHFERRY_SWITCH_BYTES", "4096")
+    settings = Settings.read({"skip_unchanged": None})
+    assert settings.core == core_settings() and settings.core.switch_bytes == 4096
+    monkeypatch.setenv("TORCHFERRY_SWITCH_BYTES", "lots")
+    with pytest.raises(ValueError, match=r"TORCHFERRY_SWITCH_BYTES='lots' is not a number of bytes"):
+        Settings.read({"skip_unchanged": None})
+
+
+@pytest.mark.parametrize(("given", "error", "message"), [
+    ({"hash": "sha256"}, ValueError, r"CoreSettings\(hash=\.\.\.\) must be one of auto, triton, torch"),
+    ({"switch_bytes": -1}, ValueError, r"CoreSettings\(switch_bytes=\.\.\.\) must be an int >= 0"),
+    ({"host_budget_bytes": 1.5}, ValueError, r"CoreSettings\(host_budget_bytes=\.\.\.\) must be an int >= 0"),
+    ({"verify_skips": "yes"}, TypeError, r"CoreSettings\(verify_skips=\.\.\.\) must be True or False"),
+    ({"ledger_dir": "relative"}, ValueError, r"CoreSettings\(ledger_dir=\.\.\.\) must be an absolute path"),
+    ({"allocator_conf": None}, TypeError, r"CoreSettings\(allocator_conf=\.\.\.\) must be a str"),
+])
+def test_core_settings_given_by_hand_are_checked_when_made(given, error, message):
+    from torchferry import CoreSettings
+
+    with pytest.raises(error, match=message):
+        CoreSettings(**given)
+
+
+def test_a_refill_mark_above_the_window_is_refused_at_ferry():
+    from torchferry import CoreSettings
+    from torchferry._core._schedules.issuer import ISSUE_WINDOW_BYTES
+
+    with pytest.raises(ValueError, match="refill mark must be in"):
+        Ferry(torch.ones(3), settings=CoreSettings(issue_refill_bytes=ISSUE_WINDOW_BYTES + 1))

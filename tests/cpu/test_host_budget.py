@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from tests.helpers import assert_same, snapshot, trained
+from tests.helpers import assert_same, node_ledger, snapshot, trained
 from tests.spawn import run_spawned
 from torchferry import Ferry, HostBudgetError, Residency
 from torchferry._core._host.budget import NodeLedger
@@ -36,7 +36,7 @@ def test_budget_refusal_names_bytes_and_options_and_leaves_state_intact():
     assert ferry.residency is Residency.DEVICE and ferry.host_bytes == 0  # nothing allocated
     assert_same(before, snapshot(m, opt))  # nothing moved
     assert all(p.untyped_storage().nbytes() > 0 for p in m.parameters())
-    assert NodeLedger().usage() == {}  # nothing recorded
+    assert node_ledger().usage() == {}  # nothing recorded
     with pytest.raises(HostBudgetError):
         ferry.reserve_host()
     with pytest.raises(HostBudgetError):
@@ -71,13 +71,13 @@ def test_ledger_records_held_bytes_and_gives_them_back():
     fa.offload()
     fb.offload()
     me = str(os.getpid())
-    assert NodeLedger().usage()[me] == {"held": fa.host_bytes + fb.host_bytes, "pending": 0}
+    assert node_ledger().usage()[me] == {"held": fa.host_bytes + fb.host_bytes, "pending": 0}
     fa.reload()
     fa.release_host()
-    assert fa.host_bytes == 0 and NodeLedger().usage()[me]["held"] == fb.host_bytes
+    assert fa.host_bytes == 0 and node_ledger().usage()[me]["held"] == fb.host_bytes
     fb.reload()
     fb.close()
-    assert me not in NodeLedger().usage()
+    assert me not in node_ledger().usage()
     fa.offload()  # a released ferry allocates again
     assert fa.host_bytes > 0 and torch.equal(a.clone(), torch.ones(1000))
     fa.reload()
@@ -156,8 +156,8 @@ def test_background_reserve_failure_surfaces_at_offload(monkeypatch):
     ferry.offload()
     ferry.reload()
     assert torch.equal(t, torch.arange(1000.0))
-    assert str(os.getpid()) in NodeLedger().usage()  # the failed one was settled, the new one held
-    assert NodeLedger().usage()[str(os.getpid())]["pending"] == 0
+    assert str(os.getpid()) in node_ledger().usage()  # the failed one was settled, the new one held
+    assert node_ledger().usage()[str(os.getpid())]["pending"] == 0
 
 
 def test_release_host_while_offloaded_is_refused():
@@ -184,7 +184,7 @@ def test_budget_inf_and_a_ledger_of_another_shape(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="'inf' is not a number of bytes"):
         Ferry(torch.ones(3))
     monkeypatch.delenv("TORCHFERRY_HOST_BUDGET_BYTES")
-    ledger = NodeLedger()
+    ledger = node_ledger()
     for junk in ("[]", '{"%d": 5}' % os.getpid()):
         with open(ledger.path, "w") as f:
             f.write(junk)
@@ -217,7 +217,7 @@ def test_a_corrupt_ledger_entry_is_skipped_with_a_warning(caplog, pid, entry):
     import logging
 
     pid = str(os.getpid()) if pid == "SELF" else pid
-    ledger = NodeLedger()
+    ledger = node_ledger()
     with open(ledger.path, "w") as f:
         json.dump({pid: entry, str(os.getppid()): {"held": 7, "pending": 0}}, f)  # beside a live, valid one
     t = torch.arange(100.0)
@@ -227,7 +227,7 @@ def test_a_corrupt_ledger_entry_is_skipped_with_a_warning(caplog, pid, entry):
     assert f"skipped a corrupt entry of the host ledger {ledger.path}: {pid!r}" in caplog.text
     ferry.reload()
     assert torch.equal(t, torch.arange(100.0))
-    usage = NodeLedger().usage()
+    usage = node_ledger().usage()
     assert usage[str(os.getppid())] == {"held": 7, "pending": 0}  # the valid entry is kept
     assert usage[str(os.getpid())] == {"held": ferry.host_bytes, "pending": 0}  # the corrupt one was dropped
     with open(ledger.path) as f:
@@ -242,7 +242,7 @@ def test_a_corrupt_ledger_entry_is_skipped_with_a_warning(caplog, pid, entry):
 def test_a_torn_ledger_is_started_over_with_a_warning(caplog):
     import logging
 
-    ledger = NodeLedger()
+    ledger = node_ledger()
     with open(ledger.path, "w") as f:
         f.write('{"12": {"held"')
     with caplog.at_level(logging.WARNING, logger="torchferry"):
@@ -268,7 +268,7 @@ def test_pending_bytes_expire_and_a_reused_pid_is_dropped(caplog):
     parent = os.getppid()
     start = _start_time(parent)
     assert start is not None
-    ledger = NodeLedger()
+    ledger = node_ledger()
     for entry in ({"pending": 10**15}, {"pending": 10**15, "since": time.time() - PENDING_EXPIRE_S - 1},
                   {"pending": 10**15, "since": time.time() + 10 * PENDING_EXPIRE_S}):  # a clock far off
         _write_ledger(ledger, {"1": entry})
@@ -294,7 +294,7 @@ def test_this_process_records_its_start_time_and_pending_time():
 
     from torchferry._core._host.budget import _start_time
 
-    ledger = NodeLedger()
+    ledger = node_ledger()
     before = time.time()
     ledger.request(10, budget=None, what="a host pool")
     with open(ledger.path) as f:

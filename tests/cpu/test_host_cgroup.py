@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import torchferry._core._host.node_memory as nm
+from tests.helpers import node_ledger
 from torchferry import Ferry, HostBudgetError, Residency
-from torchferry._core._host.budget import NodeLedger
 from torchferry._core._host.node_memory import CgroupMemory, cgroup_memory, meminfo
 
 pytestmark = pytest.mark.usefixtures("own_ledger")  # each test its own node ledger (tests/conftest.py)
@@ -62,7 +62,7 @@ def test_v2_limit_less_usage_is_the_room_and_a_refusal_names_it(tmp_path, monkey
     got = cgroup_memory()
     assert got == CgroupMemory(headroom=1 * GiB, limit=8 * GiB, usage=7 * GiB, limit_file=str(c1 / "memory.max"),
                                usage_file=str(c1 / "memory.current"), version=2)
-    ledger = NodeLedger()
+    ledger = node_ledger()
     room = GiB - int(0.05 * 8 * GiB)  # less the reserve: 5% of the limit
     with pytest.raises(HostBudgetError, match=(
             rf"needs {2 * GiB} bytes .* only {room} bytes .* within the container's memory limit \(cgroup v2 "
@@ -91,7 +91,7 @@ def test_a_cgroup_without_a_limit_leaves_meminfo_and_the_budget(tmp_path, monkey
     assert cgroup_memory() is None
     monkeypatch.setenv("TORCHFERRY_HOST_RESERVE_BYTES", "0")
     with pytest.raises(HostBudgetError, match=rf"only {3 * GiB} bytes .* free memory \(MemAvailable {3 * GiB} bytes"):
-        NodeLedger().request(3 * GiB + 1, budget=None, what="a host pool")
+        node_ledger().request(3 * GiB + 1, budget=None, what="a host pool")
 
 
 def test_v1_limit_less_usage_and_its_huge_no_limit(tmp_path, monkeypatch):
@@ -106,7 +106,7 @@ def test_v1_limit_less_usage_and_its_huge_no_limit(tmp_path, monkeypatch):
                                            str(leaf / "memory.usage_in_bytes"), 1)
     with pytest.raises(HostBudgetError, match=rf"only {3 * GiB - int(0.05 * 4 * GiB)} bytes .* \(cgroup v1 "
                        rf"{leaf}/memory.limit_in_bytes"):
-        NodeLedger().request(4 * GiB, budget=None, what="a host pool")
+        node_ledger().request(4 * GiB, budget=None, what="a host pool")
     (leaf / "memory.limit_in_bytes").write_text(V1_UNLIMITED + "\n")
     assert cgroup_memory() is None  # no limit anywhere
 
@@ -150,7 +150,7 @@ def test_the_smallest_limit_applies_and_is_named(tmp_path, monkeypatch, smallest
     names = {"budget": "the node's host budget of", "cgroup": "the container's memory limit",
              "meminfo": "the node's free memory"}
     with pytest.raises(HostBudgetError, match=rf"only {2 * GiB} bytes .* within {names[smallest]}") as ei:
-        NodeLedger().request(3 * GiB, budget=rooms["budget"], what="a host pool")
+        node_ledger().request(3 * GiB, budget=rooms["budget"], what="a host pool")
     assert ei.value.available == 2 * GiB
 
 
@@ -179,7 +179,7 @@ def test_pending_pools_of_this_process_count_against_the_cgroups_room(tmp_path, 
     node = FakeNode(tmp_path, monkeypatch)
     node.own("0::/job\n")
     node.files("job", memory_max=str(100 * MB), memory_current=str(10 * MB))
-    ledger = NodeLedger()
+    ledger = node_ledger()
     ledger.request(60 * MB, budget=None, what="a host pool")
     room = 100 * MB - 10 * MB - 60 * MB - 5 * MB  # less this process's pending 60 MB and the 5% reserve
     with pytest.raises(HostBudgetError, match=rf"only {room} bytes .* {60 * MB} being allocated by processes") as ei:
@@ -198,7 +198,7 @@ def test_pending_pools_of_this_process_count_against_memavailable(tmp_path, monk
     MiB = 1 << 20  # meminfo counts kB
     FakeNode(tmp_path, monkeypatch, mem_available=100 * MiB, mem_total=100 * MiB)
     monkeypatch.setenv("TORCHFERRY_HOST_RESERVE_BYTES", "0")
-    ledger = NodeLedger()
+    ledger = node_ledger()
     ledger.request(60 * MiB, budget=None, what="a host pool")
     with pytest.raises(HostBudgetError, match=rf"only {40 * MiB} bytes .* free memory"):
         ledger.request(60 * MiB, budget=None, what="a host pool")
@@ -225,9 +225,9 @@ def test_reclaimable_page_cache_in_the_cgroup_is_room(tmp_path, monkeypatch, ver
                                        "total_inactive_file 50000000\n")  # v1: the total counts
     got = cgroup_memory()
     assert got is not None and (got.headroom, got.usage, got.reclaimable) == (55 * MB, 95 * MB, 50 * MB)
-    NodeLedger().request(55 * MB, budget=None, what="a host pool")
+    node_ledger().request(55 * MB, budget=None, what="a host pool")
     with pytest.raises(HostBudgetError, match=rf"only 0 bytes .* \({50 * MB} of them reclaimable page cache"):
-        NodeLedger().request(1, budget=None, what="a host pool")
+        node_ledger().request(1, budget=None, what="a host pool")
     (d / "memory.stat").write_text("inactive_file lots\n")  # unreadable: nothing taken off
     assert cgroup_memory().headroom == 5 * MB  # pyright: ignore[reportOptionalMemberAccess]
 
@@ -239,16 +239,16 @@ def test_the_reserve_applies_to_the_cgroups_limit(tmp_path, monkeypatch):
     node.own("0::/job\n")
     node.files("job", memory_max=str(100 * MB), memory_current=str(10 * MB))
     with pytest.raises(HostBudgetError, match=rf"only {85 * MB} bytes .* a reserve of {5 * MB} bytes"):
-        NodeLedger().request(90 * MB - 1, budget=None, what="a host pool")
+        node_ledger().request(90 * MB - 1, budget=None, what="a host pool")
     with pytest.raises(HostBudgetError, match=rf"only {85 * MB} bytes"):
-        NodeLedger().request(85 * MB + 1, budget=None, what="a host pool")
-    NodeLedger().request(85 * MB, budget=None, what="a host pool")
-    NodeLedger().settle(85 * MB, allocated=False)
+        node_ledger().request(85 * MB + 1, budget=None, what="a host pool")
+    node_ledger().request(85 * MB, budget=None, what="a host pool")
+    node_ledger().settle(85 * MB, allocated=False)
     monkeypatch.setenv("TORCHFERRY_HOST_RESERVE_BYTES", str(20 * MB))
     with pytest.raises(HostBudgetError, match=rf"only {70 * MB} bytes .* a reserve of {20 * MB} bytes"):
-        NodeLedger().request(70 * MB + 1, budget=None, what="a host pool")
+        node_ledger().request(70 * MB + 1, budget=None, what="a host pool")
     monkeypatch.setenv("TORCHFERRY_HOST_RESERVE_BYTES", "0")
-    NodeLedger().request(90 * MB, budget=None, what="a host pool")
+    node_ledger().request(90 * MB, budget=None, what="a host pool")
 
 
 @pytest.mark.parametrize("garbled", ["memory.max", "memory.current", "memory.stat", "self/cgroup", "meminfo"])

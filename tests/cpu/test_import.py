@@ -10,8 +10,8 @@ def test_import_does_not_initialise_cuda_or_distributed():
         "print(sorted(torchferry.__all__))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == ("['Dock', 'DockStats', 'Ferry', 'HostBudgetError', 'Move', 'Prefetch', 'Residency', "
-                                  "'Schedule', 'TransferHandle', 'TransferStats', 'swap']")
+    assert out.stdout.strip() == ("['CoreSettings', 'Dock', 'DockStats', 'Ferry', 'HostBudgetError', 'Move', "
+                                  "'Prefetch', 'Residency', 'Schedule', 'TransferHandle', 'TransferStats', 'swap']")
 
 
 def test_public_names_are_torchferrys_and_the_old_verl_path_warns():

@@ -328,24 +328,29 @@ def test_a_full_window_is_waited_down_to_the_refill_mark():
 
 
 def test_the_refill_mark_comes_from_the_environment(monkeypatch):
-    from torchferry._core._schedules.issuer import ISSUE_WINDOW_BYTES, REFILL_ENV, refill_bytes_from_env
+    from torchferry._core._schedules.issuer import ISSUE_WINDOW_BYTES, refill_mark
+    from torchferry._public.env import REFILL_ENV, core_settings
 
     monkeypatch.delenv(REFILL_ENV, raising=False)
-    assert refill_bytes_from_env() == ISSUE_WINDOW_BYTES  # as soon as a group fits
+    assert refill_mark(core_settings().issue_refill_bytes) == ISSUE_WINDOW_BYTES  # as soon as a group fits
     monkeypatch.setenv(REFILL_ENV, str(512 << 20))
-    assert refill_bytes_from_env() == 512 << 20
+    assert refill_mark(core_settings().issue_refill_bytes) == 512 << 20
     for bad in ("-1", "1.5", "512M", str(ISSUE_WINDOW_BYTES + 1)):
         monkeypatch.setenv(REFILL_ENV, bad)
         with pytest.raises(ValueError, match="TORCHFERRY_ISSUE_REFILL_BYTES=.* is not a number of bytes"):
-            refill_bytes_from_env()
+            core_settings()
+    with pytest.raises(ValueError, match="refill mark must be in"):
+        refill_mark(ISSUE_WINDOW_BYTES + 1)
 
 
-def test_a_bad_refill_mark_fails_the_reload_before_anything_moved(monkeypatch):
+def test_a_bad_refill_mark_fails_at_ferry_before_anything_moved(monkeypatch):
+    """Read with the core's settings at ``Ferry()``: a bad mark is refused there (it was refused at the
+    layer-wise reload, read then), a good one is the reload's."""
     from torch import nn
 
-    from torchferry import Ferry, Residency
+    from torchferry import Ferry
     from torchferry._core._schedules import groups, prefetch
-    from torchferry._core._schedules.issuer import REFILL_ENV
+    from torchferry._public.env import REFILL_ENV
 
     monkeypatch.setattr(prefetch, "BACKGROUND_ON_CPU", True)
     monkeypatch.setattr(groups, "TAIL_PIECE_BYTES", 1024)
@@ -354,13 +359,15 @@ def test_a_bad_refill_mark_fails_the_reload_before_anything_moved(monkeypatch):
     m(torch.ones(2, 64)).sum().backward()
     opt.step()
     want = {k: v.clone() for k, v in opt.state[m.weight].items()}
-    ferry = Ferry(opt)
-    ferry.offload().wait()
     monkeypatch.setenv(REFILL_ENV, "lots")
     with pytest.raises(ValueError, match="TORCHFERRY_ISSUE_REFILL_BYTES"):
-        ferry.reload(prefetch=True)
-    assert ferry.residency is Residency.HOST
+        Ferry(opt)
+    assert all(torch.equal(opt.state[m.weight][k], v) for k, v in want.items())
     monkeypatch.setenv(REFILL_ENV, "0")
+    ferry = Ferry(opt)
+    ferry.offload().wait()
+    monkeypatch.setenv(REFILL_ENV, "lots")  # after Ferry(): not read
     ferry.reload(prefetch=True)
+    assert ferry._prefetch is not None and ferry._prefetch._refill == 0
     opt.state_dict()  # completes the reload
     assert all(torch.equal(opt.state[m.weight][k], v) for k, v in want.items())

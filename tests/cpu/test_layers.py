@@ -17,7 +17,7 @@ import torchferry
 
 PKG = os.path.dirname(torchferry.__file__)
 LAYERS = ["_core._api", "_core._state", "_core._host", "_core._transfer", "_core._schedules", "_core._ferry",
-          "_core._dock", "__init__", "integrations", "compat", "bench", "cli", "__main__"]  # __init__: the public face
+          "_core._dock", "_public", "__init__", "integrations", "compat", "bench", "cli", "__main__"]  # __init__: the public face
 
 
 def _modules() -> dict[str, str]:
@@ -131,7 +131,7 @@ def test_the_checker_sees_an_upward_import(tmp_path):
 CORE = "torchferry._core."
 TORCH_PRIVATE = {"_cdata", "_local_tensor", "_spec", "_sharded_param_data", "_swap_tensor_impl",
                  "_foreach_copy_"}  # private attributes of torch, FSDP2 and DTensor the core needs
-ENV_PARSERS = {"env_flag", "env_int", "env_bytes", "env_choice"}  # _api/env's generic readers
+ENV_PARSERS = {"env_flag", "env_int", "env_bytes", "env_choice"}  # _public/env's generic readers
 
 
 def _attr_chain(node: ast.AST) -> str:
@@ -187,7 +187,7 @@ PROMISES = {  # rule -> (finder, the modules allowed to do it)
     "copies are queued only by _transfer": (_copies, lambda m: m.startswith(CORE + "_transfer.")),
     "streams and events are made only in _transfer/streams": (_streams, {CORE + "_transfer.streams"}.__contains__),
     "torch's internals are read only in _state/fsdp": (_internals, {CORE + "_state.fsdp"}.__contains__),
-    "the environment is read only in _api/env": (_environment, {CORE + "_api.env"}.__contains__),
+    "the core reads no environment": (_environment, lambda m: not m.startswith(CORE)),
 }
 
 
@@ -221,15 +221,24 @@ def test_torch_internals_are_read_only_in_state_fsdp():
     assert not (found := _core_breaches("torch's internals are read only in _state/fsdp")), "\n".join(found)
 
 
-def test_the_environment_is_read_only_in_api_env():
-    """[Note: one parser for the environment]: each ``TORCHFERRY_*`` variable of the core has its reader
-    in ``_api/env``; no other module of the core reads ``os.environ`` or calls the generic parsers."""
-    assert not (found := _core_breaches("the environment is read only in _api/env")), "\n".join(found)
+def test_the_core_reads_no_environment():
+    """The core is handed its settings (``CoreSettings`` (``_core/_api/settings.py``)); no module of it reads
+    ``os.environ`` or calls the generic parsers: ``torchferry/_public/env`` reads the core's variables
+    ([Note: one parser for the environment])."""
+    assert not (found := _core_breaches("the core reads no environment")), "\n".join(found)
 
 
-def test_the_core_reads_nine_variables_all_named_in_api_env():
-    """Every ``TORCHFERRY_*`` name in the core's code (not its docstrings) is one of ``CORE_ENV``."""
-    from torchferry._core._api.env import CORE_ENV
+def test_the_public_face_reads_the_environment_only_in_public_env():
+    found = [f"{m}:{line}: {what}" for m, path in sorted(_modules().items())
+             if m.startswith("torchferry._public.") and m != "torchferry._public.env"
+             for line, what in _environment(ast.parse(open(path, encoding="utf-8").read()))]
+    assert not found, "\n".join(found)
+
+
+def test_the_core_settings_are_read_from_nine_variables_and_the_core_names_no_other():
+    """Every ``TORCHFERRY_*`` name in the core's code (not its docstrings) is one of ``CORE_ENV``, the nine
+    variables ``_public/env.core_settings`` reads."""
+    from torchferry._public.env import CORE_ENV
 
     assert len(set(CORE_ENV)) == 9
     named = {n.value for mod, path in _modules().items() if mod.startswith(CORE)
@@ -250,18 +259,22 @@ def test_the_core_reads_nine_variables_all_named_in_api_env():
     ("torch's internals are read only in _state/fsdp", "t = p._local_tensor\n"),
     ("torch's internals are read only in _state/fsdp", "t = getattr(p, '_local_tensor', p)\n"),
     ("torch's internals are read only in _state/fsdp", "torch._C._swap_tensor_impl(a, b)\n"),
-    ("the environment is read only in _api/env", "import os\nx = os.environ.get('TORCHFERRY_HASH')\n"),
-    ("the environment is read only in _api/env", "import os\nx = os.getenv('TORCHFERRY_HASH')\n"),
-    ("the environment is read only in _api/env", "from os import environ\n"),
-    ("the environment is read only in _api/env", "x = env_flag('TORCHFERRY_VERIFY_SKIPS', False)\n"),
+    ("the core reads no environment", "import os\nx = os.environ.get('TORCHFERRY_HASH')\n"),
+    ("the core reads no environment", "import os\nx = os.getenv('TORCHFERRY_HASH')\n"),
+    ("the core reads no environment", "from os import environ\n"),
+    ("the core reads no environment", "x = env_flag('TORCHFERRY_VERIFY_SKIPS', False)\n"),
 ])
 def test_the_promise_checkers_see_a_planted_breach(rule, planted):
     """Each checker above can fail: the breach planted in a ``_schedules`` module is reported, and the
-    same source in the one module allowed to do it is not."""
+    same source in the one module allowed to do it (for the environment: one above the core) is not."""
     assert _breaches(rule, CORE + "_schedules.planted", planted), planted
     home = {"copies": "_transfer.copies", "streams": "_transfer.streams", "torch's": "_state.fsdp",
-            "the": "_api.env"}[rule.split()[0]]
-    assert not _breaches(rule, CORE + home, planted)
+            "the": None}[rule.split()[0]]
+    if home is not None:
+        assert not _breaches(rule, CORE + home, planted)
+    else:  # the core reads the environment nowhere: the same source above it is not reported
+        assert _breaches(rule, CORE + "_api.settings", planted)
+        assert not _breaches(rule, "torchferry._public.env", planted)
 
 
 def test_the_promise_checkers_pass_the_dict_copy_and_index_copy():
@@ -412,7 +425,8 @@ def test_the_callback_checker_sees_a_method_only_a_lower_layer_defines():
 # The integrations' rules ([Note: each integration's settings] in ``docs/integrations.md``): a
 # framework folder (``verl/``, ``skyrl/``, ``areal/``) builds on ``torchferry``'s public names and
 # ``integrations._base`` only; no module of ``integrations`` keeps mutable state at module level (the one
-# registry, ``_base/registry.REGISTRY``, aside); the environment is read in ``_base/settings`` only.
+# registry, ``_base/registry.REGISTRY``, aside); the environment is read in ``_base/settings`` only (the core's
+# variables through ``torchferry/_public/env``).
 
 INTEGRATIONS = "torchferry.integrations."
 FRAMEWORKS = ("verl", "skyrl", "areal")

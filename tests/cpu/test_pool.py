@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers import node_ledger
 from torchferry import Ferry
-from torchferry._core._host.budget import NodeLedger
 from torchferry._core._host.pool import HostPool
+from torchferry._public.env import core_settings
 
 
 def test_pool_is_exact_size_persistent_and_grows():
@@ -44,7 +45,7 @@ def test_pool_growth_through_offload_frees_the_old_block_first():
     ferry.offload()
     ferry.reload()
     assert torch.equal(m.weight, w) and torch.equal(m.bias, torch.zeros(200_000))
-    assert NodeLedger().usage()[str(os.getpid())]["held"] == ferry.host_bytes == 4_800_000
+    assert node_ledger().usage()[str(os.getpid())]["held"] == ferry.host_bytes == 4_800_000
 
 
 def test_failed_pool_growth_does_not_break_later_offloads(monkeypatch):
@@ -80,14 +81,16 @@ def test_reload_arena_off_for_allocator_settings_it_cannot_rely_on(monkeypatch, 
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
     # what the allocator read from the environment (the real one would keep this conf for the process)
     monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: conf, raising=False)
-    assert not _device_alloc.arena_supported()
-    assert _device_alloc.ReloadArena.seed(torch.device("cuda", 0), [1 << 30]) is None
+    settings = core_settings()  # as Ferry() reads them
+    assert not _device_alloc.arena_supported(settings)
+    assert _device_alloc.ReloadArena.seed(torch.device("cuda", 0), [1 << 30], settings) is None
 
 
 def test_reload_arena_reads_the_allocator_settings_now(monkeypatch):
     """[Note: allocator settings read now]: the settings made at run time over the environment's (verl's
     ``_set_allocator_settings("expandable_segments:True")``), any spelling, and options it does not know
-    turn the arena off; an answer is never cached. Read once from the environment, the arena stayed on."""
+    turn the arena off; an answer is never cached. Read once from the environment, the arena stayed on. The
+    environment's are read with the ferry's settings (``core_settings()``, at ``Ferry()``)."""
     from torchferry._core._transfer import arena
 
     monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "native")
@@ -109,20 +112,20 @@ def test_reload_arena_reads_the_allocator_settings_now(monkeypatch):
     }
     for conf, want in cases.items():
         now["settings"] = conf
-        assert arena.arena_supported() is want, conf
+        assert arena.arena_supported(core_settings()) is want, conf
     now["settings"] = "expandable_segments:False"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # set back at run time
-    assert arena.arena_supported()
+    assert arena.arena_supported(core_settings())
     now["settings"] = "garbage_collection_threshold:0.6"
-    assert not arena.arena_supported()  # the environment's, not overridden
+    assert not arena.arena_supported(core_settings())  # the environment's, not overridden
     monkeypatch.delattr(torch._C, "_accelerator_getAllocatorSettings")  # torch 2.11: the environment only
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", " Expandable_Segments : True ")
-    assert not arena.arena_supported()
+    assert not arena.arena_supported(core_settings())
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6")
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:64")
-    assert not arena.arena_supported()
+    assert not arena.arena_supported(core_settings())
     monkeypatch.delenv("PYTORCH_ALLOC_CONF")
-    assert arena.arena_supported()
+    assert arena.arena_supported(core_settings())
 
 
 @pytest.mark.skipif(not hasattr(torch._C, "_accelerator_setAllocatorSettings"), reason="torch < 2.13")
@@ -136,9 +139,9 @@ def test_reload_arena_off_after_expandable_segments_set_at_run_time(monkeypatch)
     before = torch._C._accelerator_getAllocatorSettings()
     try:
         torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
-        assert arena.arena_supported()
+        assert arena.arena_supported(core_settings())
         torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
-        assert not arena.arena_supported()
+        assert not arena.arena_supported(core_settings())
     finally:
         torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
         if before:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from torchferry._core._transfer import switch as switch_mod
-from torchferry._core._transfer.switch import D2H_SWITCH_BYTES, SWITCH_BYTES, SwitchPoints, switch_bytes_from_env
+from torchferry._core._transfer.switch import D2H_SWITCH_BYTES, SWITCH_BYTES, SwitchPoints, interval
 
 
 def _points(every: int, monkeypatch) -> tuple[SwitchPoints, list[int]]:
@@ -55,21 +55,31 @@ def test_switch_points_off_copy_whole(monkeypatch):
 
 
 def test_the_environment_sets_the_interval(monkeypatch):
-    monkeypatch.delenv(switch_mod.SWITCH_ENV, raising=False)
-    assert switch_bytes_from_env() == SWITCH_BYTES  # on by default, at the measured interval
+    """``TORCHFERRY_SWITCH_BYTES``, read into the core's settings, sets both directions' interval of a device's
+    streams (``streams_for``); unset, each direction's measured one."""
+    from torchferry._core._transfer.streams import TransferStreams
+    from torchferry._public.env import SWITCH_ENV, core_settings
+
+    monkeypatch.delenv(SWITCH_ENV, raising=False)
+    assert core_settings().switch_bytes is None
+    assert interval("h2d", None) == SWITCH_BYTES  # on by default, at the measured interval
     assert SwitchPoints(torch.device("cuda"), "h2d").every == SWITCH_BYTES
-    assert switch_bytes_from_env("d2h") == SwitchPoints(torch.device("cuda"), "d2h").every == D2H_SWITCH_BYTES == 32 << 20
+    assert interval("d2h", None) == SwitchPoints(torch.device("cuda"), "d2h").every == D2H_SWITCH_BYTES == 32 << 20
     assert SwitchPoints(torch.device("cpu"), "h2d").every == 0  # no copy engine to share
-    monkeypatch.setenv(switch_mod.SWITCH_ENV, str(SWITCH_BYTES))
-    assert switch_bytes_from_env() == SWITCH_BYTES == 16 << 20
-    monkeypatch.setenv(switch_mod.SWITCH_ENV, "0")
-    assert switch_bytes_from_env() == 0
-    monkeypatch.setenv(switch_mod.SWITCH_ENV, "1048576")
-    assert SwitchPoints(torch.device("cuda"), "d2h").every == SwitchPoints(torch.device("cuda"), "h2d").every == 1 << 20
+    monkeypatch.setenv(SWITCH_ENV, str(SWITCH_BYTES))
+    assert core_settings().switch_bytes == SWITCH_BYTES == 16 << 20
+    monkeypatch.setenv(SWITCH_ENV, "0")
+    assert core_settings().switch_bytes == 0 and interval("h2d", 0) == 0
+    monkeypatch.setenv(SWITCH_ENV, "1048576")
+    streams = TransferStreams(torch.device("cuda"), core_settings().switch_bytes)
+    assert streams.switch("d2h").every == streams.switch("h2d").every == 1 << 20
+    streams.set_switch_bytes(None)  # a ferry made with the default: the points made already follow
+    assert (streams.switch("h2d").every, streams.switch("d2h").every) == (SWITCH_BYTES, D2H_SWITCH_BYTES)
+    assert TransferStreams(torch.device("cpu"), 1 << 20).switch("h2d").every == 0
     for bad in ("-1", "16M", "1.5"):
-        monkeypatch.setenv(switch_mod.SWITCH_ENV, bad)
+        monkeypatch.setenv(SWITCH_ENV, bad)
         with pytest.raises(ValueError, match="TORCHFERRY_SWITCH_BYTES=.* is not a number of bytes"):
-            switch_bytes_from_env()
+            core_settings()
 
 
 def test_a_direction_is_h2d_or_d2h():

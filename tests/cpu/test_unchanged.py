@@ -161,7 +161,7 @@ def _storage_bytes(tensors) -> int:
 
 @pytest.fixture
 def verify(monkeypatch):
-    monkeypatch.setenv(unchanged_mod.VERIFY_ENV, "1")
+    monkeypatch.setenv("TORCHFERRY_VERIFY_SKIPS", "1")  # read by each Ferry() the test makes
 
 
 def test_never_trained_model_is_not_copied_and_cycles_are_bit_exact(verify):
@@ -615,20 +615,20 @@ def test_a_baseline_is_compared_only_with_a_hash_of_its_own_kind(monkeypatch):
         real("torch", out, todo, *args)
 
     monkeypatch.setattr(unchanged_mod, "hash_storages", spy)
-    monkeypatch.setattr(unchanged_mod, "hash_kind", lambda device: "first")
+    monkeypatch.setattr(unchanged_mod, "hash_kind", lambda device, choice: "first")
     m = _model().eval()
     ferry = Ferry(m, skip_unchanged=True)
     ferry.offload()
     ferry.reload()  # baseline taken by "first"
-    monkeypatch.setattr(unchanged_mod, "hash_kind", lambda device: "second")  # e.g. TORCHFERRY_HASH changed
+    monkeypatch.setattr(unchanged_mod, "hash_kind", lambda device, choice: "second")  # e.g. Triton gone
     ferry.offload()
     assert kinds == ["first", "first"] and ferry.stats.offload_bytes_copied == 0
 
 
-def test_hash_kind_is_torch_on_the_cpu_and_when_forced(monkeypatch):
+def test_hash_kind_is_torch_on_the_cpu_and_when_forced():
     assert hash_mod.hash_kind(torch.device("cpu")) == "torch"
-    monkeypatch.setenv(hash_mod.HASH_ENV, "torch")
-    assert hash_mod.hash_kind(torch.device("cuda", 0)) == "torch"
+    assert hash_mod.hash_kind(torch.device("cpu"), "triton") == "torch"
+    assert hash_mod.hash_kind(torch.device("cuda", 0), "torch") == "torch"  # TORCHFERRY_HASH=torch
 
 
 @pytest.mark.parametrize("flag", ["pin_ahead", "skip_unchanged"])

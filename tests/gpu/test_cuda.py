@@ -165,7 +165,8 @@ _ARENA_CHECK = r"""
 import torch
 from torchferry import Ferry
 from torchferry._core._transfer.arena import arena_supported
-assert arena_supported()
+from torchferry._public.env import core_settings
+assert arena_supported(core_settings())
 torch.manual_seed(0)
 ts = [torch.randn(n, device="cuda") for n in (40 << 20, 3 << 20, 7 << 20 | 5, 1000, 25 << 20)]
 want = [t.cpu() for t in ts]
@@ -199,8 +200,9 @@ def test_reload_arena_one_segment_and_full_release():
     import sys
 
     from torchferry._core._transfer.arena import arena_supported
+    from torchferry._public.env import core_settings
 
-    if not arena_supported():
+    if not arena_supported(core_settings()):
         pytest.skip("allocator settings disable the reload arena")
     p = subprocess.run([sys.executable, "-c", _ARENA_CHECK], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "arena ok" in p.stdout, p.stderr[-3000:]
@@ -244,8 +246,9 @@ def test_reload_arena_seeded_beside_cached_free_blocks():
     import sys
 
     from torchferry._core._transfer.arena import arena_supported
+    from torchferry._public.env import core_settings
 
-    if not arena_supported():
+    if not arena_supported(core_settings()):
         pytest.skip("allocator settings disable the reload arena")
     p = subprocess.run([sys.executable, "-c", _ARENA_FOREIGN_CHECK], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "arena ok" in p.stdout, p.stderr[-3000:]

@@ -16,6 +16,7 @@ from torchferry._core._host.memory import HostBuffer
 from torchferry._core._schedules import groups, prefetch
 from torchferry._core._transfer import driver
 from torchferry._core._transfer.switch import SwitchPoints
+from torchferry._public.env import DRIVER_ENV
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda", 0)
@@ -86,7 +87,7 @@ def _step(m, opt):
 
 @pytest.mark.parametrize("setting", ["1", "0"])
 def test_a_reload_from_the_issuer_thread_goes_by_pointer_unless_switched_off(monkeypatch, setting):
-    monkeypatch.setenv(driver.DRIVER_ENV, setting)
+    monkeypatch.setenv(DRIVER_ENV, setting)
     monkeypatch.setattr(groups, "TAIL_PIECE_BYTES", 8 << 20)  # 268 MB of AdamW state: ~32 groups
     monkeypatch.setattr(prefetch, "ISSUE_WINDOW_BYTES", 24 << 20)  # the thread waits for the engine
     calls = {"n": 0, "waits": 0}
@@ -122,19 +123,21 @@ def test_a_reload_from_the_issuer_thread_goes_by_pointer_unless_switched_off(mon
     ferry.close()
 
 
-def test_a_bad_setting_fails_the_reload_and_leaves_the_state_on_the_host(monkeypatch):
+def test_a_bad_setting_fails_at_ferry_and_leaves_the_state_where_it_is(monkeypatch):
+    """Read with the core's settings at ``Ferry()`` (it was read at the layer-wise reload): a bad value is
+    refused there, before anything moved; one set after ``Ferry()`` does not act."""
     m, opt = _optimizer_ferry()
     _step(m, opt)
-    want = [v.cpu() for st in opt.state.values() for k, v in st.items() if k == "exp_avg"]
+    want = [v.clone() for st in opt.state.values() for k, v in st.items() if k == "exp_avg"]
+    monkeypatch.setenv(DRIVER_ENV, "maybe")
+    with pytest.raises(ValueError, match="TORCHFERRY_DRIVER_COPIES must be on .* got 'maybe'"):
+        Ferry(opt)
+    held = [v for st in opt.state.values() for k, v in st.items() if k == "exp_avg"]
+    assert all(h.device.type == "cuda" for h in held) and all(map(torch.equal, held, want))
+    monkeypatch.setenv(DRIVER_ENV, "1")
     ferry = Ferry(opt)
     ferry.offload().wait()
-    monkeypatch.setenv(driver.DRIVER_ENV, "maybe")
-    with pytest.raises(ValueError, match="TORCHFERRY_DRIVER_COPIES must be on .* got 'maybe'"):
-        ferry.reload(prefetch=True)
-    assert ferry.residency is Residency.HOST
-    held = [v for st in opt.state.values() for k, v in st.items() if k == "exp_avg"]
-    assert all(h.device.type == "cpu" for h in held) and all(map(torch.equal, held, want))
-    monkeypatch.setenv(driver.DRIVER_ENV, "1")
+    monkeypatch.setenv(DRIVER_ENV, "maybe")  # after Ferry(): not read
     ferry.reload(prefetch=True)
     _step(m, opt)  # the step completes the reload
     got = [v for st in opt.state.values() for k, v in st.items() if k == "exp_avg"]

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .env import env_flag, env_int  # re-exported: [Note: one parser for the environment]
-
 __all__ = ["check_bool", "check_bytes", "check_callable", "check_device", "check_optional_bool", "check_stream",
-           "env_flag", "env_int", "shown"]
+           "shown"]
 
 
 def shown(value: object) -> str:

@@ -11,16 +11,17 @@ import weakref
 
 import torch
 
-from .._api.args import check_bool, check_bytes, check_device
+from .._api.args import check_bool, check_bytes, check_device, shown
 from .._api.handle import TransferHandle
 from .._api.residency import Residency
+from .._api.settings import CoreSettings
 from .._api.stats import StatsRecorder, TransferStats
+from .._schedules.issuer import refill_mark
 from .._schedules.prefetch import Prefetch, prefetch_groups
 from .._schedules.release import ReleaseSchedule
 from .._state.plan import build_plan
 from .._state.targets import Targets
 from .._transfer.copies import transfer_range
-from .environment import check_environment
 from .guards import OffloadGuards, dropped
 from .host_side import HostSide
 from .misuse import OneMover, moves_state
@@ -47,7 +48,7 @@ class Ferry(HostSide):
         max_pinned_bytes: pin at most this many bytes of the pool (at a copy boundary); the rest
             stays pageable (slower, ``is_pinned()`` False).
         host_budget_bytes: bytes all pools of this node may hold together ([Note: host budget]);
-            default ``TORCHFERRY_HOST_BUDGET_BYTES``.
+            default ``settings.host_budget_bytes`` (``TORCHFERRY_HOST_BUDGET_BYTES``).
         pin_ahead: on a GPU, allocate and pin the host pool in a background thread from now on (after an
             optimizer target's first step if it has no state yet), so that the first offload does not pin
             ([Note: pin ahead]). Default on.
@@ -55,12 +56,20 @@ class Ferry(HostSide):
             rest uncopied (a frozen base, a reference model); a 128-bit hash of each such storage on the
             device at each reload and offload decides ([Note: unchanged storages] in
             ``torchferry._core._schedules.unchanged``). Default off.
+        settings: the core's settings (``torchferry.CoreSettings``: the host budget's
+            reserve and ledger folder, the copy streams' switch points, the hash, ...). Default:
+            ``torchferry.Ferry`` reads them from the ``TORCHFERRY_*`` variables (``docs/ferry.md``,
+            "Settings") once, now: a variable set after ``Ferry()`` does not change this ferry (the core's
+            own class, below the environment, takes ``CoreSettings()``, the defaults); an integration's
+            ``patch()`` passes the ones it read.
 
     Raises:
         ValueError: no targets, tensors on several devices, a ``device`` string torch does not
-            know (``"gpu"``), a negative or non-integer byte count, or a bad ``TORCHFERRY_*`` setting.
+            know (``"gpu"``), a negative or non-integer byte count, or a bad ``TORCHFERRY_*`` setting
+            (refused here, before anything moved).
         TypeError: a target that is not a module, optimizer or tensor; ``device`` not a str, int
-            or ``torch.device``; ``pin_ahead`` or ``skip_unchanged`` not a bool.
+            or ``torch.device``; ``pin_ahead`` or ``skip_unchanged`` not a bool; ``settings`` not a
+            ``CoreSettings`` (whose own values it checks when made: ``ValueError``, ``TypeError``).
         NotImplementedError: meta, nested, non-strided, quantized tensors, tensor subclasses other
             than DTensor (also as a DTensor's local shard), storages that cannot be resized, an
             optimizer holding device state outside ``optimizer.state``.
@@ -80,7 +89,12 @@ class Ferry(HostSide):
 
     def __init__(self, *targets: object, device: torch.device | str | None = None,
                  max_pinned_bytes: int | None = None, host_budget_bytes: int | None = None,
-                 pin_ahead: bool = True, skip_unchanged: bool = False) -> None:
+                 pin_ahead: bool = True, skip_unchanged: bool = False, settings: CoreSettings | None = None) -> None:
+        if settings is None:
+            settings = CoreSettings()
+        if not isinstance(settings, CoreSettings):
+            raise TypeError(f"torchferry: Ferry(settings=...) must be a CoreSettings, got {shown(settings)}")
+        refill_mark(settings.issue_refill_bytes)  # a mark above the issue window: refused now, not at a reload
         check_bytes(max_pinned_bytes, "Ferry(max_pinned_bytes=...)")
         check_bytes(host_budget_bytes, "Ferry(host_budget_bytes=...)")
         check_bool(pin_ahead, "Ferry(pin_ahead=...)")
@@ -91,8 +105,9 @@ class Ferry(HostSide):
         # No tensor yet (an optimizer before its first step), no device: decided at the first offload.
         fixed = device is not None or bool(plan.tensors)
         self._set = StateSet(self._targets, plan.device if fixed else None, max_pinned_bytes=max_pinned_bytes,
-                             host_budget_bytes=check_environment(host_budget_bytes),
-                             skip_unchanged=skip_unchanged)
+                             host_budget_bytes=settings.host_budget_bytes if host_budget_bytes is None
+                             else host_budget_bytes, skip_unchanged=skip_unchanged, settings=settings)
+        self._settings = settings
         ref = weakref.ref(self)
         self._guards = OffloadGuards(lambda: repr(ref()) if ref() is not None else "Ferry(dropped)")
         # See [Note: a ferry dropped while offloaded].
@@ -111,6 +126,11 @@ class Ferry(HostSide):
         weakref.finalize(self, self._watch.disarm).atexit = False
 
     # ------------------------------------------------------------------ state
+    @property
+    def settings(self) -> CoreSettings:
+        """The core's settings this ferry was made with (read once, at ``Ferry()``)."""
+        return self._settings
+
     @property
     def last_handle(self) -> TransferHandle | None:
         """The handle of the last transfer issued (offload or reload), or ``None`` before the first;

@@ -31,6 +31,8 @@ from concurrent.futures import Future
 
 import torch
 
+from .._api.settings import CoreSettings
+from .._host.budget import NodeLedger
 from .._host.layout import HostLayout, HostViews
 from .._host.pool import HostPool
 from .._schedules.early import EarlyOffload
@@ -74,10 +76,13 @@ class StateSet:
         device: the device, or ``None`` while no tensor tells it (an
             optimizer before its first step): decided at the first plan.
         max_pinned_bytes, host_budget_bytes, skip_unchanged: as for ``Ferry``.
+        settings: the ferry's settings, handed to what acts on them (default: the core's defaults).
     """
 
     def __init__(self, targets: Targets, device: torch.device | None, *, max_pinned_bytes: int | None,
-                 host_budget_bytes: int | None, skip_unchanged: bool = False) -> None:
+                 host_budget_bytes: int | None, skip_unchanged: bool = False,
+                 settings: CoreSettings | None = None) -> None:
+        self.settings = settings = settings if settings is not None else CoreSettings()
         self.targets = targets
         self.device_fixed = device is not None
         self._max_pinned_bytes = max_pinned_bytes
@@ -85,16 +90,19 @@ class StateSet:
         self._set_device(device if device is not None else torch.device("cpu"))
         self.cache: PlanCache | None = None
         self.parking: Parking | None = None
-        self.unchanged = UnchangedStorages() if skip_unchanged else None
+        self.unchanged = (UnchangedStorages(hash_choice=settings.hash, verify=settings.verify_skips) if skip_unchanged
+                          else None)
         self.arena: ReloadArena | None = None  # see [Note: reload arena]
         self.early: EarlyOffload | None = None  # see [Note: offload during forward]
         self.warned_kept = False  # see _warn_kept(): once per ferry
 
     def _set_device(self, device: torch.device) -> None:
         self.device = device
-        self.streams: TransferStreams = streams_for(device)
+        self.streams: TransferStreams = streams_for(device, self.settings.switch_bytes)
         cuda = device.type == "cuda"
-        self.pool = HostPool(pin=cuda, device=device.index if cuda else None, budget=self._host_budget_bytes)
+        ledger = NodeLedger(folder=self.settings.ledger_dir, reserve=self.settings.host_reserve_bytes)
+        self.pool = HostPool(pin=cuda, device=device.index if cuda else None, budget=self._host_budget_bytes,
+                             ledger=ledger)
         self.host = HostLayout(self.pool, self._max_pinned_bytes)
 
     # ------------------------------------------------------------------- plan
@@ -350,7 +358,8 @@ class StateSet:
         plan, cuda = off.plan, self.streams.is_cuda
         tracks = schedule is not None and schedule.tracks
         parking = self._parking_of()
-        arena = ReloadArena.seed(self.device, to_allocate(plan), after) if cuda and not tracks else None
+        arena = (ReloadArena.seed(self.device, to_allocate(plan), self.settings, after) if cuda and not tracks
+                 else None)
         move = ReloadMove(plan, parking, self.streams, arena, self.unchanged)
         hash_early = cuda and not tracks and self.unchanged is not None
         try:  # see [Note: all or nothing]
@@ -448,4 +457,4 @@ class StateSet:
         is dropped, its groups take a new one as they are copied."""
         self.forget_baseline()
         return PrefetchRun(off.plan, off.views, self._parking_of(), self.device_views(off.plan), groups, policy,
-                           self.streams, after, self.unchanged)
+                           self.streams, after, self.unchanged, settings=self.settings)

@@ -66,10 +66,9 @@ import threading
 import time
 from collections.abc import Iterator
 
-from .._api.env import host_budget_bytes, host_reserve_bytes, ledger_dir
 from .node_memory import cgroup_memory, meminfo
 
-__all__ = ["HostBudgetError", "NodeLedger", "budget_from_env", "meminfo", "reserve_from_env"]
+__all__ = ["HostBudgetError", "NodeLedger", "meminfo"]
 
 logger = logging.getLogger("torchferry")
 
@@ -105,24 +104,6 @@ class HostBudgetError(RuntimeError):
         super().__init__(message)
         self.needed = needed
         self.available = available
-
-
-def budget_from_env() -> int | None:
-    """``TORCHFERRY_HOST_BUDGET_BYTES`` (bytes all pools of the node may hold), or ``None``.
-
-    Raises:
-        ValueError: not a byte count (``_api/env.env_bytes``).
-    """
-    return host_budget_bytes()
-
-
-def reserve_from_env() -> int | None:
-    """``TORCHFERRY_HOST_RESERVE_BYTES`` (bytes of ``MemAvailable`` left to everything else), or ``None``.
-
-    Raises:
-        ValueError: not a byte count (``_api/env.env_bytes``).
-    """
-    return host_reserve_bytes()
 
 
 def _alive(pid: int) -> bool:
@@ -200,16 +181,20 @@ class NodeLedger:
     """The node-wide record of pool bytes, one JSON file under an ``flock``.
 
     Args:
-        path: the ledger file; default ``/dev/shm/torchferry-host-<uid>.json``
-            (``TORCHFERRY_LEDGER_DIR`` replaces the folder).
+        path: the ledger file; default ``<folder>/torchferry-host-<uid>.json``.
+        folder: the ledger's folder when ``path`` is ``None`` (``CoreSettings.ledger_dir``, from
+            ``TORCHFERRY_LEDGER_DIR``); default ``/dev/shm``, else the temporary folder.
+        reserve: bytes of the node's free memory and of the memory cgroup's room left to everything else
+            (``CoreSettings.host_reserve_bytes``, from ``TORCHFERRY_HOST_RESERVE_BYTES``); default 5% of
+            each.
     """
 
-    def __init__(self, path: str | None = None) -> None:
+    def __init__(self, path: str | None = None, *, folder: str | None = None, reserve: int | None = None) -> None:
         if path is None:
-            folder = ledger_dir() or (
-                "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+            folder = folder or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
             path = os.path.join(folder, f"torchferry-host-{os.getuid()}.json")
         self.path = path
+        self.reserve = reserve
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[dict[str, dict[str, int]]]:
@@ -279,8 +264,8 @@ class NodeLedger:
         """
         info = meminfo()
         cgroup = cgroup_memory()
-        env_reserve = reserve_from_env()
-        reserve = int(_RESERVE_FRACTION * info.get("MemTotal", 0)) if env_reserve is None else env_reserve
+        given = self.reserve
+        reserve = int(_RESERVE_FRACTION * info.get("MemTotal", 0)) if given is None else given
         with self._locked() as entries:
             pending = sum(e.get("pending", 0) for e in entries.values())  # this process's too: see the Note
             used = sum(e.get("held", 0) + e.get("pending", 0) for e in entries.values())
@@ -297,7 +282,7 @@ class NodeLedger:
                                f"of {reserve} bytes)", "lower the reserve (TORCHFERRY_HOST_RESERVE_BYTES) "
                                "if the node really has the memory"))
             if cgroup is not None:
-                cg_reserve = int(_RESERVE_FRACTION * cgroup.limit) if env_reserve is None else env_reserve
+                cg_reserve = int(_RESERVE_FRACTION * cgroup.limit) if given is None else given
                 limits.append((cgroup.headroom - pending - cg_reserve,
                                f"the container's memory limit (cgroup v{cgroup.version} {cgroup.limit_file} "
                                f"{cgroup.limit} bytes, less {cgroup.usage} bytes in use in "

@@ -18,12 +18,11 @@ from typing import NamedTuple
 
 import torch
 
-from .._api.env import HASH_ENV, hash_setting
 from .hash_rows import int64_on
 from .._host.slots import PackChunk
 from .._state.fsdp import foreach_copy
 
-__all__ = ["HASH_ENV", "HASH_PIECE", "LANES", "hash_bytes", "hash_choice", "hash_kind", "hash_packed", "hash_storages",
+__all__ = ["HASH_PIECE", "LANES", "hash_bytes", "hash_kind", "hash_packed", "hash_storages",
            "stage_rows"]
 
 logger = logging.getLogger("torchferry")
@@ -153,19 +152,11 @@ def _triton_usable() -> bool:
     return True
 
 
-def hash_choice() -> str:
-    """``TORCHFERRY_HASH``: ``"auto"`` (unset or empty; also ``"triton"``: the kernel where it imports) or
-    ``"torch"`` (the torch ops everywhere), any case.
-
-    Raises:
-        ValueError: another value ([Note: one parser for the environment]).
-    """
-    return hash_setting()
-
-
-def hash_kind(device: torch.device) -> str:
-    """``"triton"`` on a CUDA device where Triton imports (unless ``TORCHFERRY_HASH=torch``), else ``"torch"``."""
-    if device.type == "cuda" and hash_choice() != "torch" and _triton_usable():
+def hash_kind(device: torch.device, choice: str = "auto") -> str:
+    """``"triton"`` on a CUDA device where Triton imports, else ``"torch"``. ``choice``: ``CoreSettings.hash``
+    (from ``TORCHFERRY_HASH``): ``"auto"`` or ``"triton"`` (the kernel where it imports), ``"torch"`` (the
+    torch ops everywhere)."""
+    if device.type == "cuda" and choice != "torch" and _triton_usable():
         return "triton"
     return "torch"
 

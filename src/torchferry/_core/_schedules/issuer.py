@@ -61,22 +61,25 @@ from collections.abc import Callable
 
 import torch
 
-from .._api.env import REFILL_ENV, issue_refill_bytes
-
-__all__ = ["ISSUE_POLL_S", "ISSUE_WINDOW_BYTES", "REFILL_ENV", "Issuer", "refill_bytes_from_env", "wait_target"]
+__all__ = ["ISSUE_POLL_S", "ISSUE_WINDOW_BYTES", "Issuer", "refill_mark", "wait_target"]
 
 ISSUE_WINDOW_BYTES = 1 << 30  # copies the issuer thread keeps queued ahead of the engine (bytes; see the Note)
 
 
-def refill_bytes_from_env() -> int:
-    """``TORCHFERRY_ISSUE_REFILL_BYTES``: the queued bytes a full issue window is waited down to before
-    the issuer thread fills it again (default :data:`ISSUE_WINDOW_BYTES`: as soon as a group fits).
-    A lower mark takes the GIL back once per several groups, not once per group.
+def refill_mark(setting: int | None) -> int:
+    """The queued bytes a full issue window is waited down to before the issuer thread fills it again:
+    ``setting`` (``CoreSettings.issue_refill_bytes``, from ``TORCHFERRY_ISSUE_REFILL_BYTES``, read in
+    ``[0, ISSUE_WINDOW_BYTES]``), ``None``: :data:`ISSUE_WINDOW_BYTES` (as soon as a group fits). A lower
+    mark takes the GIL back once per several groups, not once per group.
 
     Raises:
-        ValueError: not a byte count in ``[0, ISSUE_WINDOW_BYTES]`` (``_api/env.parse_bytes``).
+        ValueError: ``setting`` outside ``[0, ISSUE_WINDOW_BYTES]``.
     """
-    return issue_refill_bytes(ISSUE_WINDOW_BYTES)
+    if setting is None:
+        return ISSUE_WINDOW_BYTES
+    if not 0 <= setting <= ISSUE_WINDOW_BYTES:
+        raise ValueError(f"torchferry: the issue refill mark must be in [0, {ISSUE_WINDOW_BYTES}] bytes, got {setting}")
+    return setting
 
 
 def wait_target(nbytes: list[int], first: int, issued: int, gi: int, high: int, low: int) -> int | None:

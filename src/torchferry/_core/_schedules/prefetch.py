@@ -59,6 +59,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from .._api.settings import CoreSettings
 from .._transfer.batches import copy_group_in, copy_now
 from .._transfer.copies import transfer_range, undo_allocations
 from .._state.fsdp import comm_streams, forward_prefetch_units, local_of, repoint_sharded_data, sharded_params, versions
@@ -69,10 +70,10 @@ from .._state.plan import Plan
 from .._state.parking import Parking
 from .step_hooks import GlobalStepHook
 from .unchanged import UnchangedStorages
-from .._transfer.driver import DriverQueue, enabled as driver_copies_enabled, queue_for
+from .._transfer.driver import DriverQueue, queue_for
 from .._transfer.streams import TransferStreams, wait_event
 from .groups import Group, group_plan, prefetch_groups, split_tail
-from .issuer import ISSUE_POLL_S, ISSUE_WINDOW_BYTES, Issuer, refill_bytes_from_env, wait_target
+from .issuer import ISSUE_POLL_S, ISSUE_WINDOW_BYTES, Issuer, refill_mark, wait_target
 
 __all__ = ["Group", "Prefetch", "PrefetchRun", "group_plan", "prefetch_groups", "split_tail"]
 
@@ -154,6 +155,11 @@ class PrefetchRun:
         unchanged: the ferry's ``skip_unchanged`` ([Note: unchanged storages]), or ``None``:
             each group's baseline hash is taken on the H2D stream right after its copies, its
             version counters once it is resident.
+        settings: the ferry's settings: the issuer thread's refill mark (``issue_refill_bytes``) and
+            whether it queues copies by pointer (``driver_copies``); default the core's defaults.
+
+    Raises:
+        ValueError: a refill mark outside ``[0, ISSUE_WINDOW_BYTES]`` (:func:`refill_mark`).
 
     Attributes:
         finished: every group resident and every hook removed.
@@ -166,7 +172,8 @@ class PrefetchRun:
 
     def __init__(self, plan: Plan, views: HostViews, parking: Parking, device_views: list[torch.Tensor] | None,
                  groups: list[Group], policy: Prefetch, streams: TransferStreams,
-                 after: torch.cuda.Event | None, unchanged: UnchangedStorages | None = None) -> None:
+                 after: torch.cuda.Event | None, unchanged: UnchangedStorages | None = None, *,
+                 settings: CoreSettings | None = None) -> None:
         self.plan, self.views, self.parking, self.device_views = plan, views, parking, device_views
         self.groups, self.policy, self.streams, self._after = groups, policy, streams, after
         self._unchanged = unchanged
@@ -186,7 +193,8 @@ class PrefetchRun:
         self._issuer: Issuer | None = None  # see [Note: copies issued off the caller's thread]
         self._window_from = 0  # the first issued group whose copies may not be done (issuer thread)
         self._queue: DriverQueue | Literal[False] | None = None  # the issuer thread's; False: use copy_
-        self._refill = ISSUE_WINDOW_BYTES  # read in begin() (see refill_bytes_from_env)
+        self._settings = settings if settings is not None else CoreSettings()
+        self._refill = refill_mark(self._settings.issue_refill_bytes)
         self._pinned: dict[int, bool] = {}  # storage index -> its slot is pinned (the issuer thread's)
         self._background = (streams.is_cuda or BACKGROUND_ON_CPU) and policy.lookahead_bytes is None
         if self._background:
@@ -208,10 +216,7 @@ class PrefetchRun:
                 self._comm = comm_streams(self.plan.modules)
                 _SETTLING.install()  # finish() adds to it, maybe from inside a step
             if self._background:
-                if cuda:
-                    driver_copies_enabled()  # a bad TORCHFERRY_DRIVER_COPIES fails here, before anything moved
-                    # No reload arena here: [Note: no arena under a layer-wise reload] in _transfer/arena.py.
-                self._refill = refill_bytes_from_env()
+                # No reload arena here: [Note: no arena under a layer-wise reload] in _transfer/arena.py.
                 for gi in range(len(self.groups)):  # on the caller's thread and stream: see the Note
                     self._allocate_group(gi)
             else:
@@ -368,7 +373,7 @@ class PrefetchRun:
         by pointer where the driver allows ([Note: copies queued by pointer]). A full window is
         waited for until it has drained to the refill mark (``TORCHFERRY_ISSUE_REFILL_BYTES``)."""
         if self._queue is None and self.streams.is_cuda:
-            self._queue = queue_for("h2d", self.streams.h2d) or False
+            self._queue = queue_for("h2d", self.streams.h2d, enabled=self._settings.driver_copies) or False
         queue = self._queue or None
         events, nbytes = self.events, [g.nbytes for g in self.groups]
         while self._window_from < self.issued and (events[self._window_from] is None

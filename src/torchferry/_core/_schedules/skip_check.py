@@ -10,7 +10,6 @@ from typing import NamedTuple
 
 import torch
 
-from .._api.env import VERIFY_ENV, verify_skips
 from .._host.layout import HostViews
 from .._state.plan import Plan
 from .._transfer.batches import copy_now
@@ -62,10 +61,11 @@ def rules_of(plan: Plan, views: HostViews) -> Rules:
 
 def hashed_alike(kind: str, baseline: torch.Tensor, rows: list[int], cand: list[int], plan: Plan, views: HostViews,
                  sources: list[torch.Tensor], rules: Rules, written: list[tuple[int, int]],
-                 hash_fn: Callable[..., None]) -> set[int]:
+                 hash_fn: Callable[..., None], *, verify: bool = False) -> set[int]:
     """The storages ``cand`` whose bytes hash now as ``baseline[rows]`` (same order) did: their slots hold
     them. None whose slot overlaps a range in ``written`` ([Note: host tensors of earlier plans]). ``hash_fn``:
-    :func:`~.hash.hash_storages`, as the caller names it. On any error (memory short at an offload, a hash
+    :func:`~.hash.hash_storages`, as the caller names it. ``verify`` (``CoreSettings.verify_skips``): compare
+    each storage judged unchanged with its slot too (:func:`_verify`). On any error (memory short at an offload, a hash
     that failed) none: they are copied."""
     if written:
         keep = [k for k, si in enumerate(cand) if not any(
@@ -82,19 +82,23 @@ def hashed_alike(kind: str, baseline: torch.Tensor, rows: list[int], cand: list[
         logger.warning("torchferry: could not hash the state at offload; it is copied in full", exc_info=True)
         return set()
     same = {si for si, e in zip(cand, equal, strict=False) if e}
-    if verify_skips():
+    if verify:
         _verify(plan, views, sources, same, rules)
     return same
 
 
 def _verify(plan: Plan, views: HostViews, sources: list[torch.Tensor], same: set[int], rules: Rules) -> None:
-    """Compares every storage judged unchanged with its pool slot (``TORCHFERRY_VERIFY_SKIPS=1``)."""
+    """Compares every storage judged unchanged with its pool slot (``TORCHFERRY_VERIFY_SKIPS=1``).
+
+    Raises:
+        RuntimeError: one differs (a write was missed), naming its tensors.
+    """
     for si in sorted(same):
         scratch = torch.empty(plan.nbytes[si], dtype=torch.uint8)
         copy_now(scratch, sources[si])
         if not torch.equal(scratch, views.slots[si]):
             names = ", ".join(plan.tensors[ti].name for ti in rules.members[si])
             raise RuntimeError(
-                f"torchferry: {VERIFY_ENV}: the storage of {names} was judged unchanged since the "
+                f"torchferry: TORCHFERRY_VERIFY_SKIPS: the storage of {names} was judged unchanged since the "
                 "reload but differs from its host copy; a write was missed (please report it)"
             )

@@ -142,7 +142,6 @@ from collections.abc import Iterable
 
 import torch
 
-from .._api.env import VERIFY_ENV, verify_skips as _verify_skips
 from .._state.fsdp import local_of, storage_refs, versions
 from .hash import hash_kind, hash_storages, stage_rows
 from .._host.layout import HostViews
@@ -150,20 +149,10 @@ from .._state.plan import Plan
 from .skip_check import Carried, Retired, Rules, hashed_alike, rules_of
 from .step_hooks import GlobalStepHook
 
-__all__ = ["VERIFY_ENV", "UnchangedStorages", "verify_skips"]
+__all__ = ["UnchangedStorages"]
 
 logger = logging.getLogger("torchferry")
 
-
-
-def verify_skips() -> bool:
-    """``TORCHFERRY_VERIFY_SKIPS`` (tests; off by default): compare every storage judged unchanged with its
-    pool slot. A switch as [Note: one parser for the environment] reads it.
-
-    Raises:
-        ValueError: neither on nor off.
-    """
-    return _verify_skips()
 
 
 # Any optimizer step marks the trainable storages of every baseline as written.
@@ -178,9 +167,15 @@ class UnchangedStorages:
     reload's groups, an offload during forward); ``None`` where ``skip_unchanged`` is off. What it
     decides is one set of storage indices, ``unchanged``: their pool slots already hold their
     bytes, so the offload copies them not at all.
+
+    Args:
+        hash_choice: ``CoreSettings.hash``, the hash's implementation (``hash.hash_kind``).
+        verify: ``CoreSettings.verify_skips`` (tests): compare every storage judged unchanged with its pool
+            slot (``skip_check.hashed_alike``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, hash_choice: str = "auto", verify: bool = False) -> None:
+        self._hash, self._verify = hash_choice, verify
         self._rules: Rules | None = None
         self._baseline: set[int] = set()  # storage indices holding a baseline hash now
         ref = weakref.ref(self)
@@ -296,7 +291,7 @@ class UnchangedStorages:
             self.forget()
             self._refresh_retired()
             self._plan, self._views = plan, views
-            self._kind = hash_kind(plan.device)
+            self._kind = hash_kind(plan.device, self._hash)
             self._hashes = torch.empty(len(plan.storages), 2, dtype=torch.int64, device=plan.device)
             _STEPS.add(self._step_key, self._on_step)
 
@@ -310,7 +305,7 @@ class UnchangedStorages:
         try:
             rules = self._rules_for(plan, views)
             todo = [si for si in range(len(plan.storages)) if rules.eligible[si]]
-            return stage_rows(hash_kind(plan.device), todo, plan.nbytes)
+            return stage_rows(hash_kind(plan.device, self._hash), todo, plan.nbytes)
         except Exception:
             logger.debug("torchferry: could not stage the hash's table", exc_info=True)
             return None
@@ -331,7 +326,7 @@ class UnchangedStorages:
         try:
             self._begin(plan, views, storages is None if fresh is None else fresh)
             rules = self._rules_for(plan, views)
-            if staged is not None and staged[1] is not None and self._kind == hash_kind(plan.device):
+            if staged is not None and staged[1] is not None and self._kind == hash_kind(plan.device, self._hash):
                 todo, table = staged
             else:
                 todo, table = [si for si in (range(len(plan.storages)) if storages is None else storages)
@@ -385,14 +380,14 @@ class UnchangedStorages:
                 and all(recorded.get(ti) == now[ti] and host_recorded.get(ti) == host_versions[ti]
                         for ti in rules.members[si])]
         return hashed_alike(kind, base, cand, cand, plan, views, sources, rules,  # pyright: ignore[reportArgumentType]  # _kind, _hashes and the base are set by _begin() before any hash
-                            self._written_retired(views.block), hash_storages)
+                            self._written_retired(views.block), hash_storages, verify=self._verify)
 
 
     def _take_carried(self, carried: Carried, plan: Plan, views: HostViews, sources: list[torch.Tensor],
                       rewritten: set[int]) -> set[int]:
         """:meth:`take` for a plan made after the baseline: the storages whose slot a re-plan carried
         ([Note: a baseline carried across a re-plan])."""
-        if carried.kind != hash_kind(plan.device):
+        if carried.kind != hash_kind(plan.device, self._hash):
             return set()
         rules = self._rules_for(plan, views)
         cand, rows = [], []
@@ -406,4 +401,4 @@ class UnchangedStorages:
                 cand.append(si)
                 rows.append(row)
         return hashed_alike(carried.kind, carried.hashes, rows, cand, plan, views, sources, rules,
-                            self._written_retired(views.block), hash_storages)
+                            self._written_retired(views.block), hash_storages, verify=self._verify)

@@ -123,7 +123,8 @@ rules hold; otherwise storages are allocated one by one, as before.
 after a first reload may have asked), spellings with spaces or capitals
 (``"expandable_segments: True"``), and options it did not list. So every call
 reads the settings now: the environment's (``PYTORCH_CUDA_ALLOC_CONF``, then
-``PYTORCH_ALLOC_CONF``), with those the allocator was last given at run time
+``PYTORCH_ALLOC_CONF``, read with the ferry's settings at ``Ferry()``,
+``CoreSettings.allocator_conf``: torch reads them once too), with those the allocator was last given at run time
 over them where torch tells them (``torch._C._accelerator_getAllocatorSettings``,
 which returns the last string set, or the environment's before any: an option
 an earlier call set and the last one left out is not seen; a torch without it
@@ -145,10 +146,10 @@ import re
 
 import torch
 
-from .._api.env import ARENA_ENV, allocator_conf, reload_arena
+from .._api.settings import CoreSettings
 from .._state.fsdp import allocator_settings_set
 
-__all__ = ["ARENA_ENV", "ReloadArena", "allocator_settings", "arena_bytes", "arena_supported", "best_fit",
+__all__ = ["ReloadArena", "allocator_settings", "arena_bytes", "arena_supported", "best_fit",
            "free_blocks", "parse_allocator_settings"]
 
 
@@ -286,26 +287,24 @@ def parse_allocator_settings(conf: str) -> dict[str, str]:
     return out
 
 
-def allocator_settings() -> dict[str, str]:
-    """The caching allocator's settings now, parsed (:func:`parse_allocator_settings`): the environment's,
-    with those last set at run time over them where torch tells them ([Note: allocator settings read now])."""
-    settings = parse_allocator_settings(allocator_conf())
+def allocator_settings(conf: str) -> dict[str, str]:
+    """The caching allocator's settings now, parsed (:func:`parse_allocator_settings`): the environment's
+    (``conf``: ``CoreSettings.allocator_conf``), with those last set at run time over them where torch tells
+    them ([Note: allocator settings read now])."""
+    settings = parse_allocator_settings(conf)
     current = allocator_settings_set()  # None: the environment only
     if current is not None:
         settings.update(parse_allocator_settings(current))
     return settings
 
 
-def arena_supported() -> bool:
-    """True with the native CUDA caching allocator at default rounding, splitting and segments (its settings
-    read at each call: [Note: allocator settings read now]), unless ``TORCHFERRY_RELOAD_ARENA`` is off.
-
-    Raises:
-        ValueError: ``TORCHFERRY_RELOAD_ARENA`` is neither on nor off.
-    """
-    if not reload_arena():
+def arena_supported(settings: CoreSettings) -> bool:
+    """True with the native CUDA caching allocator at default rounding, splitting and segments (the
+    environment's in ``settings.allocator_conf``, those set at run time read at each call: [Note: allocator
+    settings read now]), unless ``settings.reload_arena`` (``TORCHFERRY_RELOAD_ARENA``) is off."""
+    if not settings.reload_arena:
         return False
-    for key, value in allocator_settings().items():
+    for key, value in allocator_settings(settings.allocator_conf).items():
         if key not in _NEUTRAL and _DEFAULTS.get(key) != value:
             return False
     try:
@@ -324,7 +323,7 @@ def _unfilled(nbytes: int, device: torch.device) -> torch.UntypedStorage:
 class ReloadArena:
     """Seeds the allocator with one segment for the large storages of a reload.
 
-    Usage: ``arena = ReloadArena.seed(device, sizes)`` before the storages are
+    Usage: ``arena = ReloadArena.seed(device, sizes, settings)`` before the storages are
     re-allocated on the current stream, ``arena.seal(storages)`` after. Keep the
     arena object while the state is resident; drop it after the next offload
     released the storages.
@@ -337,7 +336,7 @@ class ReloadArena:
         self._fillers: list[torch.UntypedStorage] = []  # on the device: the segment's tail
 
     @classmethod
-    def seed(cls, device: torch.device, sizes: list[int],
+    def seed(cls, device: torch.device, sizes: list[int], settings: CoreSettings,
              after: torch.cuda.Event | None = None) -> ReloadArena | None:
         """Allocates and frees one block for the large storages in ``sizes`` (bytes, in the order they
         are allocated) that the cached free blocks cannot hold ([Note: an arena only for what the cache
@@ -346,6 +345,7 @@ class ReloadArena:
         Args:
             device: the reload's device.
             sizes: every storage's size in bytes.
+            settings: the ferry's settings (:func:`arena_supported`).
             after: the ferry's own last offload event, waited for on the host first if it has
                 not completed ([Note: a reload takes the blocks its offload freed]).
 
@@ -353,7 +353,7 @@ class ReloadArena:
         unsupported allocator settings, little to allocate beyond what the cache holds, no room,
         or the allocator served it from a cached block.
         """
-        if device.type != "cuda" or not arena_supported():
+        if device.type != "cuda" or not arena_supported(settings):
             return None
         large = [r for r in (_round(n, _MIN_BLOCK) for n in sizes if n) if r > _SMALL_SIZE]
         if sum(large) < _MIN_ARENA:

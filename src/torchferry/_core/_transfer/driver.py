@@ -50,9 +50,8 @@ import threading
 
 import torch
 
-from .._api.env import DRIVER_ENV, driver_copies
 
-__all__ = ["DRIVER_ENV", "DriverQueue", "enabled", "queue_for"]
+__all__ = ["DriverQueue", "queue_for"]
 
 logger = logging.getLogger("torchferry")
 
@@ -86,15 +85,6 @@ def _load() -> tuple[ctypes.CDLL, ctypes.PyDLL] | None:
                 f.restype = ctypes.c_int
         _libs = (releasing, keeping)
         return _libs
-
-
-def enabled() -> bool:
-    """``TORCHFERRY_DRIVER_COPIES``: ``1`` (default) queues the issuer thread's copies by pointer, ``0`` with ``copy_``.
-
-    Raises:
-        ValueError: neither on nor off.
-    """
-    return driver_copies()
 
 
 class DriverQueue:
@@ -131,11 +121,12 @@ class DriverQueue:
             raise RuntimeError(f"torchferry: waiting for a copy event failed (CUresult {code})")
 
 
-def queue_for(direction: str, stream: torch.cuda.Stream) -> DriverQueue | None:
+def queue_for(direction: str, stream: torch.cuda.Stream, *, enabled: bool = True) -> DriverQueue | None:
     """A :class:`DriverQueue` for ``direction`` (``"h2d"`` or ``"d2h"``) on ``stream``, for the calling
-    thread; ``None`` where copies should go through ``copy_`` (switched off, no driver library, or
-    no current context of the stream's device on this thread)."""
-    if not enabled():
+    thread; ``None`` where copies should go through ``copy_`` (switched off: ``enabled`` false, a ferry's
+    ``CoreSettings.driver_copies`` from ``TORCHFERRY_DRIVER_COPIES``; no driver library; or no current
+    context of the stream's device on this thread)."""
+    if not enabled:
         return None
     libs = _load()
     if libs is None:

@@ -41,7 +41,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .switch import SwitchPoints
+from .switch import SwitchPoints, interval
 
 __all__ = ["Stalls", "TransferStreams", "record_stalls", "side_stream", "streams_for", "wait_event"]
 
@@ -99,10 +99,16 @@ def wait_event(stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
 
 
 class TransferStreams:
-    """The D2H and H2D streams of one device; ``None`` everywhere for the CPU."""
+    """The D2H and H2D streams of one device; ``None`` everywhere for the CPU.
 
-    def __init__(self, device: torch.device) -> None:
+    Attributes:
+        switch_bytes: the interval of the streams' switch points (bytes; ``0``: none), ``None``: each
+            direction's measured one (``switch.interval``); set by :func:`streams_for`.
+    """
+
+    def __init__(self, device: torch.device, switch_bytes: int | None = None) -> None:
         self.device = device
+        self.switch_bytes = switch_bytes
         self._d2h: torch.cuda.Stream | None = None
         self._h2d: torch.cuda.Stream | None = None
         self._pack: torch.cuda.Stream | None = None
@@ -147,8 +153,16 @@ class TransferStreams:
         """The switch points of the ``"h2d"`` or ``"d2h"`` stream: every bulk copy on it goes
         through ``switch(direction).copy(dst, src)`` ([Note: switch points])."""
         if direction not in self._switch:
-            self._switch[direction] = SwitchPoints(self.device, direction)
+            every = interval(direction, self.switch_bytes) if self.is_cuda else 0  # the CPU: no copy engine
+            self._switch[direction] = SwitchPoints(self.device, direction, every)
         return self._switch[direction]
+
+    def set_switch_bytes(self, setting: int | None) -> None:
+        """Sets :attr:`switch_bytes`, for the switch points made already too (their next copy)."""
+        self.switch_bytes = setting
+        if self.is_cuda:
+            for direction, points in self._switch.items():
+                points.every = interval(direction, setting)
 
     def current(self) -> torch.cuda.Stream:
         """The caller's current stream on this device."""
@@ -170,10 +184,14 @@ def side_stream(device: torch.device | None) -> torch.cuda.Stream:
 _per_device: dict[torch.device, TransferStreams] = {}
 
 
-def streams_for(device: torch.device) -> TransferStreams:
+def streams_for(device: torch.device, switch_bytes: int | None = None) -> TransferStreams:
     """The process-wide :class:`TransferStreams` of ``device``: every ferry on a
     device shares its two copy streams, so their transfers queue on the copy
-    engine instead of competing from several streams."""
+    engine instead of competing from several streams. ``switch_bytes``: the
+    calling ferry's ``CoreSettings.switch_bytes``; the streams' switch points
+    follow the ferry made last (ferries made from one environment agree)."""
     if device not in _per_device:
         _per_device[device] = TransferStreams(device)
-    return _per_device[device]
+    streams = _per_device[device]
+    streams.set_switch_bytes(switch_bytes)
+    return streams

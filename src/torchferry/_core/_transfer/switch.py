@@ -86,10 +86,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .._api.env import SWITCH_ENV, switch_bytes
 
-__all__ = ["D2H_SWITCH_BYTES", "SEPARATOR_BYTES", "SWITCH_BYTES", "SWITCH_ENV", "SwitchPoints", "default_interval",
-           "whole_copies"]
+__all__ = ["D2H_SWITCH_BYTES", "SEPARATOR_BYTES", "SWITCH_BYTES", "SwitchPoints", "default_interval",
+           "interval", "whole_copies"]
 
 _whole = contextvars.ContextVar("torchferry_whole_copies", default=False)
 
@@ -116,14 +115,10 @@ def default_interval(direction: str) -> int:
     return D2H_SWITCH_BYTES if direction == "d2h" else SWITCH_BYTES
 
 
-def switch_bytes_from_env(direction: str = "h2d") -> int:
-    """``TORCHFERRY_SWITCH_BYTES``: bytes between switch points in both directions (``0``: none;
-    unset: the measured interval of ``direction``, :func:`default_interval`).
-
-    Raises:
-        ValueError: not a byte count (``_api/env.parse_bytes``).
-    """
-    return switch_bytes(default_interval(direction))
+def interval(direction: str, setting: int | None) -> int:
+    """Bytes between switch points of ``direction``'s copy stream: ``setting`` (``CoreSettings.switch_bytes``,
+    from ``TORCHFERRY_SWITCH_BYTES``; ``0``: none), ``None``: the measured interval (:func:`default_interval`)."""
+    return default_interval(direction) if setting is None else setting
 
 
 class SwitchPoints:
@@ -132,8 +127,8 @@ class SwitchPoints:
     Args:
         device: the CUDA device.
         direction: ``"h2d"`` or ``"d2h"``: the direction of the separator copy.
-        every: bytes between switch points (``0``: none); default from the environment on CUDA, none
-            on the CPU.
+        every: bytes between switch points (``0``: none); default the measured interval of ``direction``
+            (:func:`default_interval`) on CUDA, none on the CPU.
 
     Attributes:
         every: bytes between two switch points (``0``: off).
@@ -145,7 +140,7 @@ class SwitchPoints:
             raise ValueError(f"torchferry: SwitchPoints direction must be 'h2d' or 'd2h', got {direction!r}")
         self.device, self.direction = device, direction
         # The CPU has no copy engine to share: its copies never need switch points.
-        self.every = (switch_bytes_from_env(direction) if device.type == "cuda" else 0) if every is None else every
+        self.every = (default_interval(direction) if device.type == "cuda" else 0) if every is None else every
         self.separators = 0
         self._since = 0  # bytes queued on the stream since the last switch point
         self._lock = threading.Lock()  # two threads may queue on one stream (an issuer thread and a caller)

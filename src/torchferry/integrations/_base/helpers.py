@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..._core._ferry.ferry import Ferry
+from ..._public.ferry import Ferry
 from ..._core._state.targets import inner_optimizers
 from ..._core._transfer.switch import whole_copies
 from .patcher import HelperSet, Patcher, routed
@@ -62,7 +62,9 @@ class SeedHelpers:
         ferry = self.registry.ferry(obj)
         if ferry is None:  # see [Note: the helpers skip unchanged storages]
             model = isinstance(obj, nn.Module)
-            ferry = Ferry(obj, skip_unchanged=self.switch("skip_unchanged")) if model else Ferry(obj)
+            core = None if self.settings is None else self.settings.core  # None: the environment's, now
+            skip = self.switch("skip_unchanged") if model else False
+            ferry = Ferry(obj, skip_unchanged=skip, settings=core)
             self.registry.put(obj, ferry, self.integration)
         self.registry.moved_by(obj, self.integration)
         return ferry

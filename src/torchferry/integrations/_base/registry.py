@@ -13,7 +13,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ..._core._api.residency import Residency
-from ..._core._ferry.ferry import Ferry
+from ..._public.ferry import Ferry
 from ..._core._transfer.switch import whole_copies
 
 __all__ = ["REGISTRY", "Held", "Registry", "away"]

@@ -1,5 +1,6 @@
 """An integration's settings, read once by its ``patch()``: the only module of ``integrations`` that reads
-``TORCHFERRY_*`` variables.
+``TORCHFERRY_*`` variables (its own, with the parsers of ``torchferry/_public/env``, and the core's, through
+``_public/env.core_settings``).
 
 See [Note: each integration's settings] in ``docs/integrations.md``.
 """
@@ -11,11 +12,12 @@ import numbers
 import os
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from ..._core._api.args import check_optional_bool
-from ..._core._api.env import OFF, env_flag, parse_bytes
+from ..._core._api.settings import CoreSettings
+from ..._public.env import OFF, core_settings, env_flag, parse_bytes
 
 __all__ = [
     "DOCK_ENV", "FORWARDED_SETTINGS", "FSDP1_ENV", "LAYERWISE_ENV", "OPTIMIZER_AT_STEP_ENV", "SKIP_ENV", "SWITCHES",
@@ -62,6 +64,9 @@ class Settings:
     chosen: tuple[tuple[str, str], ...] = ()
     """The ``patch()`` arguments given so far, as the variables a Ray worker reads (``("TORCHFERRY_LAYERWISE_RELOAD",
     "0")``): what the integration's Ray hook passes on, over the driver's environment."""
+    core: CoreSettings = field(default_factory=CoreSettings)
+    """The core's settings the integration's ferries are made with (``Ferry(settings=...)``): the environment's,
+    read by :meth:`read` at ``patch()``."""
 
     def choice(self, name: str) -> bool | None:
         """What a ``patch()`` argument said of switch ``name`` (``None``: no argument did)."""
@@ -75,10 +80,12 @@ class Settings:
         from its argument, else the argument of ``earlier`` (a ``patch()`` still in force), else the environment,
         else ``defaults`` (the integration's: [Note: verl's defaults]), else torchferry's; a switch ``args`` does
         not name keeps torchferry's default. ``with_dock``: verl's budget too (:func:`dock_budget` of ``dock``).
+        The core's settings (:attr:`core`) from the environment now (``_public/env.core_settings``).
 
         Raises:
             TypeError: an argument is neither ``None`` nor a bool.
-            ValueError: a variable it reads is neither on nor off, or a malformed dock budget.
+            ValueError: a variable it reads is neither on nor off, a malformed dock budget, or a core setting
+                its parser refuses (naming the variable and the value).
         """
         chosen = dict(earlier.chosen) if earlier is not None else {}
         values: dict[str, bool] = {}
@@ -91,7 +98,7 @@ class Settings:
         budget = dock_budget(dock) if with_dock else None
         if with_dock and dock is not None:
             chosen[DOCK_ENV] = "0" if budget is None else str(budget)
-        return cls(**values, dock=budget, chosen=tuple(sorted(chosen.items())))
+        return cls(**values, dock=budget, chosen=tuple(sorted(chosen.items())), core=core_settings())
 
 
 _FRACTION = re.compile(r"[0-9]*\.[0-9]+|[0-9]+\.")  # a str read as a fraction: ASCII digits and a point
@@ -101,7 +108,7 @@ MIN_BUDGET_BYTES = 1 << 20  # below this a byte count is a slip (TORCHFERRY_VERL
 def parse_budget(value: object, where: str) -> int | float | None:
     """A dock budget: bytes (an integer >= :data:`MIN_BUDGET_BYTES`, or a whole float such as ``40e9``), a
     fraction of the device's memory (a float in (0, 1]), or ``None`` / ``0`` / ``""`` / an off spelling (no
-    dock). A str is a byte count as every other (``_api/env.parse_bytes``) or a fraction in ASCII digits with a
+    dock). A str is a byte count as every other (``_public/env.parse_bytes``) or a fraction in ASCII digits with a
     point (``0.6``); numpy numbers count as ints and floats.
 
     Raises:
@@ -114,7 +121,7 @@ def parse_budget(value: object, where: str) -> int | float | None:
     raw = value
     if isinstance(value, str):
         text = value.strip()
-        if text == "" or text.lower() in OFF:  # the off spellings of every switch (_api/env.OFF)
+        if text == "" or text.lower() in OFF:  # the off spellings of every switch (_public/env.OFF)
             return None
         try:
             value = parse_bytes(text, where)  # [Note: one parser for byte counts]

@@ -60,8 +60,9 @@ def _ferry_of(engine: object) -> Ferry:
     targets = (model,) if optimizer is None else (model, optimizer)
     # The engine's device, not one inferred from the tensors: with FSDP's CPUOffloadPolicy
     # (fsdp.offload_params) or per_layer_optim_step the state already on the CPU stays out.
-    ferry = Ferry(*targets, device=getattr(engine, "device", None),
-                  skip_unchanged=_skip_unchanged(engine, optimizer))
+    state = REGISTRY.patched.get("areal")
+    ferry = Ferry(*targets, device=getattr(engine, "device", None), skip_unchanged=_skip_unchanged(engine, optimizer),
+                  settings=state.settings.core if state is not None else None)  # None: the environment's, now
     REGISTRY.put(engine, ferry, "areal", (model, optimizer))
     return ferry
 

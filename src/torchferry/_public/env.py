@@ -1,6 +1,7 @@
-"""Every ``TORCHFERRY_*`` environment variable is read through here, so each is parsed alike, and the
-core's own settings are read here only: no other module of ``_core`` reads the environment (one function
-per variable below; ``tests/cpu/test_layers.py`` checks it).
+"""Every ``TORCHFERRY_*`` environment variable is read through here, so each is parsed alike: the core's
+settings are read here only (:func:`core_settings`, into the values ``CoreSettings`` (``_core/_api/settings.py``)
+holds; no module of ``_core`` reads the environment), an integration's with the parsers below
+(``integrations/_base/settings.py``); ``tests/cpu/test_layers.py`` checks both.
 
 [Note: one parser for the environment]
 A switch was read three ways: ``"1"``/``"0"`` only (a ``ValueError`` for ``"true"``), anything
@@ -10,8 +11,8 @@ but ``"0"`` as on (``TORCHFERRY_VERL=false`` installed the Ray hook's patch), an
 surrounding spaces ignored, the empty string or no variable means its default, and anything else
 is a ``ValueError`` naming the variable and the value. Numbers (:func:`env_int`), byte counts
 (:func:`env_bytes`, [Note: one parser for byte counts]) and names (:func:`env_choice`) are refused
-the same way, and so is a ledger folder (:func:`ledger_dir`) the node's ranks could not share. Lowest layer: imports
-nothing of torchferry.
+the same way, and so is a ledger folder (:func:`ledger_dir`) the node's ranks could not share. Above the
+core: imports its settings and the issue window only.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ import re
 from collections.abc import Sequence
 from typing import overload
 
-__all__ = ["ARENA_ENV", "BYTES_FORM", "CORE_ENV", "DRIVER_ENV", "HASH_ENV", "HOST_BUDGET_ENV", "HOST_RESERVE_ENV",
-           "LEDGER_DIR_ENV", "OFF", "ON", "REFILL_ENV", "SWITCH_ENV", "VERIFY_ENV", "allocator_conf", "driver_copies",
-           "env_bytes", "env_choice", "env_flag", "env_int", "hash_setting", "host_budget_bytes", "host_reserve_bytes",
-           "issue_refill_bytes", "ledger_dir", "parse_bytes", "parse_flag", "reload_arena", "switch_bytes",
-           "verify_skips"]
+from .._core._api.settings import HASH_CHOICES, CoreSettings
+from .._core._schedules.issuer import ISSUE_WINDOW_BYTES
+
+__all__ = ["ARENA_ENV", "BYTES_FORM", "CORE_ENV", "DRIVER_ENV", "HASH_CHOICES", "HASH_ENV", "HOST_BUDGET_ENV",
+           "HOST_RESERVE_ENV", "LEDGER_DIR_ENV", "OFF", "ON", "REFILL_ENV", "SWITCH_ENV", "VERIFY_ENV",
+           "allocator_conf", "core_settings", "env_bytes", "env_choice", "env_flag", "env_int", "ledger_dir",
+           "parse_bytes", "parse_flag"]
 
 ON = ("1", "true", "yes", "on")
 """The spellings of on (lower case; compared after ``strip().lower()``)."""
@@ -146,31 +149,20 @@ def env_choice(name: str, choices: Sequence[str], default: str) -> str:
     return text
 
 
-# The core's settings: one reader each, named after its variable. Their meanings are documented where
-# they act (the module named on each line); the defaults that belong to a lower layer's measurements
-# come in as arguments.
+# The core's settings: one variable each, read by :func:`core_settings`. Their meanings are documented where
+# they act (the module named on each line; ``CoreSettings`` (``_core/_api/settings.py``) lists them).
 HOST_BUDGET_ENV = "TORCHFERRY_HOST_BUDGET_BYTES"  # _host/budget: bytes all pools of the node may hold
 HOST_RESERVE_ENV = "TORCHFERRY_HOST_RESERVE_BYTES"  # _host/budget: MemAvailable left to everything else
 LEDGER_DIR_ENV = "TORCHFERRY_LEDGER_DIR"  # _host/budget: the node ledger's folder
 REFILL_ENV = "TORCHFERRY_ISSUE_REFILL_BYTES"  # _schedules/issuer: a full issue window's refill mark
 HASH_ENV = "TORCHFERRY_HASH"  # _schedules/hash: the unchanged-storage hash's implementation
-VERIFY_ENV = "TORCHFERRY_VERIFY_SKIPS"  # _schedules/unchanged: compare every skipped storage (tests)
+VERIFY_ENV = "TORCHFERRY_VERIFY_SKIPS"  # _schedules/skip_check: compare every skipped storage (tests)
 ARENA_ENV = "TORCHFERRY_RELOAD_ARENA"  # _transfer/arena: the reload arena, a switch
 DRIVER_ENV = "TORCHFERRY_DRIVER_COPIES"  # _transfer/driver: copies queued by pointer, a switch
 SWITCH_ENV = "TORCHFERRY_SWITCH_BYTES"  # _transfer/switch: bytes between switch points
 CORE_ENV = (HOST_BUDGET_ENV, HOST_RESERVE_ENV, LEDGER_DIR_ENV, REFILL_ENV, HASH_ENV, VERIFY_ENV, ARENA_ENV,
             DRIVER_ENV, SWITCH_ENV)
-"""Every ``TORCHFERRY_*`` variable the core reads."""
-
-
-def host_budget_bytes() -> int | None:
-    """``TORCHFERRY_HOST_BUDGET_BYTES``, or ``None`` if unset. Raises ``ValueError`` as :func:`env_bytes`."""
-    return env_bytes(HOST_BUDGET_ENV)
-
-
-def host_reserve_bytes() -> int | None:
-    """``TORCHFERRY_HOST_RESERVE_BYTES``, or ``None`` if unset. Raises ``ValueError`` as :func:`env_bytes`."""
-    return env_bytes(HOST_RESERVE_ENV)
+"""Every ``TORCHFERRY_*`` variable the core's settings are read from."""
 
 
 def ledger_dir() -> str | None:
@@ -192,40 +184,32 @@ def ledger_dir() -> str | None:
     return path
 
 
-def issue_refill_bytes(window: int) -> int:
-    """``TORCHFERRY_ISSUE_REFILL_BYTES`` in ``[0, window]``, ``window`` if unset. Raises ``ValueError`` as
-    :func:`env_bytes`."""
-    return env_bytes(REFILL_ENV, window, hi=window)
-
-
-def hash_setting() -> str:
-    """``TORCHFERRY_HASH``: ``"auto"`` (unset or empty), ``"triton"`` or ``"torch"``. Raises ``ValueError``
-    as :func:`env_choice`."""
-    return env_choice(HASH_ENV, ("auto", "triton", "torch"), "auto")
-
-
-def verify_skips() -> bool:
-    """``TORCHFERRY_VERIFY_SKIPS``, off by default. Raises ``ValueError`` as :func:`env_flag`."""
-    return env_flag(VERIFY_ENV, False)
-
-
-def reload_arena() -> bool:
-    """``TORCHFERRY_RELOAD_ARENA``, on by default. Raises ``ValueError`` as :func:`env_flag`."""
-    return env_flag(ARENA_ENV, True)
-
-
-def driver_copies() -> bool:
-    """``TORCHFERRY_DRIVER_COPIES``, on by default. Raises ``ValueError`` as :func:`env_flag`."""
-    return env_flag(DRIVER_ENV, True)
-
-
-def switch_bytes(default: int) -> int:
-    """``TORCHFERRY_SWITCH_BYTES``, ``default`` if unset. Raises ``ValueError`` as :func:`env_bytes`."""
-    return env_bytes(SWITCH_ENV, default)
-
-
 def allocator_conf() -> str:
     """PyTorch's caching-allocator settings, ``PYTORCH_CUDA_ALLOC_CONF`` and ``PYTORCH_ALLOC_CONF`` joined
-    by a comma, in lower case (``_transfer/arena`` parses it, with the settings made at run time over it:
-    [Note: allocator settings read now])."""
+    by a comma, in lower case (``_core/_transfer/arena.py`` parses it, with the settings made at run time over
+    it: [Note: allocator settings read now])."""
     return (os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")).lower()
+
+
+def core_settings() -> CoreSettings:
+    """The core's settings from the environment now: each of :data:`CORE_ENV` (unset or empty: the core's
+    default) and :func:`allocator_conf`.
+
+    Raises:
+        ValueError: a variable its parser refuses, naming the variable and the value: a byte count
+            (:func:`parse_bytes`; the refill mark in ``[0, ISSUE_WINDOW_BYTES]``), a switch (:func:`env_flag`),
+            ``TORCHFERRY_HASH`` not one of :data:`HASH_CHOICES` (:func:`env_choice`), a ledger folder the
+            node's ranks could not share (:func:`ledger_dir`).
+    """
+    return CoreSettings(
+        driver_copies=env_flag(DRIVER_ENV, True),
+        issue_refill_bytes=env_bytes(REFILL_ENV, hi=ISSUE_WINDOW_BYTES),
+        switch_bytes=env_bytes(SWITCH_ENV),
+        hash=env_choice(HASH_ENV, HASH_CHOICES, "auto"),
+        verify_skips=env_flag(VERIFY_ENV, False),
+        reload_arena=env_flag(ARENA_ENV, True),
+        ledger_dir=ledger_dir(),
+        host_reserve_bytes=env_bytes(HOST_RESERVE_ENV),
+        host_budget_bytes=env_bytes(HOST_BUDGET_ENV),
+        allocator_conf=allocator_conf(),
+    )

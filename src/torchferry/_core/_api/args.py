@@ -29,7 +29,8 @@ def _one_cpu(device: torch.device | None, what: str, accepted: str) -> torch.dev
     if device is None or device.type != "cpu" or device.index is None:
         return device
     if device.index != 0:
-        raise ValueError(f"torchferry: {what}: {str(device)!r} is not a device (the host is 'cpu'); accepted: {accepted}")
+        raise ValueError(f"torchferry: {what}: {str(device)!r} is not a device (the host is 'cpu'); "
+                         f"accepted: {accepted}")
     return torch.device("cpu")
 
 

@@ -50,9 +50,9 @@ class SeedHelpers:
     """A dock mode holding some ferries (verl's: [Note: verl under a Dock]): a load of one makes its set
     resident (``router.load``), an offload does nothing."""
     forward_follows: Collection[int] | None = None
-    """``id`` of each model whose load the framework follows with a forward now (verl's ``FSDPEngine.to``): with
-    a collection, only those reload layer-wise, every other load whole ([Note: the helpers' layer-wise reload]);
-    ``None``: every load may."""
+    """``id`` of each model whose load the framework follows with a forward now (verl's train/eval context entry,
+    ``BaseEngineCtx._context_switch``): with a collection, only those reload layer-wise, every other load whole
+    ([Note: the helpers' layer-wise reload]); ``None``: every load may."""
 
     def switch(self, name: str) -> bool:
         return read_switch(name) if self.settings is None else getattr(self.settings, name)

@@ -432,7 +432,11 @@ def test_an_integrations_settings_carry_the_cores_read_at_patch(monkeypatch):
     ({"switch_bytes": -1}, ValueError, r"CoreSettings\(switch_bytes=\.\.\.\) must be an int >= 0"),
     ({"host_budget_bytes": 1.5}, ValueError, r"CoreSettings\(host_budget_bytes=\.\.\.\) must be an int >= 0"),
     ({"verify_skips": "yes"}, TypeError, r"CoreSettings\(verify_skips=\.\.\.\) must be True or False"),
-    ({"ledger_dir": "relative"}, ValueError, r"CoreSettings\(ledger_dir=\.\.\.\) must be an absolute path"),
+    ({"ledger_dir": "relative"}, ValueError, r"CoreSettings\(ledger_dir=\.\.\.\) must be None or an absolute path"),
+    # a folder the node's ranks could not share a ledger in (each would check alone, silently)
+    ({"ledger_dir": "/no/such/folder"}, ValueError, r"ledger_dir=\.\.\.\) must be None or an absolute path to a folder"),
+    ({"ledger_dir": __file__}, ValueError, r"ledger_dir=\.\.\.\) must be None or an absolute path to a folder"),
+    ({"ledger_dir": "/tmp\0x"}, ValueError, r"ledger_dir=\.\.\.\) must be None or an absolute path to a folder"),
     ({"allocator_conf": None}, TypeError, r"CoreSettings\(allocator_conf=\.\.\.\) must be a str"),
 ])
 def test_core_settings_given_by_hand_are_checked_when_made(given, error, message):

@@ -476,3 +476,15 @@ def test_a_helper_given_the_wrong_kind_of_object_refuses_it_in_one_line(call):
     assert "\n" not in str(e.value)
     assert compat.ferry_for(m) is None and compat.ferry_for(opt) is None
     assert_same(before, snapshot(m, opt))
+
+
+@pytest.mark.parametrize("call", ["load_fsdp2_model_to_gpu([1])", "load_fsdp_model_to_gpu(opt)",
+                                  "load_fsdp_optimizer(m, 'cpu')", "offload_fsdp_model_to_cpu(opt)"])
+def test_verls_patched_helpers_refuse_the_wrong_kind_of_object_before_looking_it_up(call, patched):
+    """The patched loads looked an object up first: a list raised weakref's error, an optimizer never offloaded
+    went to verl's own load (which asserts CUDA), a module to the optimizer load raised an ``AttributeError``."""
+    m = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(m.parameters())
+    with pytest.raises(TypeError, match=r"^torchferry: the (model|optimizer) (offload|load) takes a torch"):
+        eval(call, {**vars(verl_fsdp_utils), "m": m, "opt": opt})
+    assert compat.ferry_for(m) is None and compat.ferry_for(opt) is None

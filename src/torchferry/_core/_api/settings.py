@@ -8,11 +8,19 @@ integration's ``patch()`` builds one once, at ``patch()`` (``integrations/_base/
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 from .args import check_bool, check_bytes, shown
 
 __all__ = ["HASH_CHOICES", "CoreSettings"]
+
+
+def _shared_folder(path: object) -> bool:
+    """Whether ``path`` is an absolute path to a folder this process can write (a node ledger's folder: one that
+    cannot be opened would leave each rank checking alone, silently)."""
+    return (isinstance(path, str) and "\0" not in path and os.path.isabs(path) and os.path.isdir(path)
+            and os.access(path, os.W_OK | os.X_OK))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,7 +30,7 @@ class CoreSettings:
 
     Raises:
         ValueError: a byte count not an int >= 0 or ``None``, ``hash`` not ``"auto"``, ``"triton"`` or
-            ``"torch"``, a ``ledger_dir`` that is not an absolute path.
+            ``"torch"``, a ``ledger_dir`` that is not an absolute path to a folder this process can write.
         TypeError: a switch not a bool, ``allocator_conf`` not a str.
 
     Attributes:
@@ -72,8 +80,9 @@ class CoreSettings:
         if self.hash not in HASH_CHOICES:
             raise ValueError(f"torchferry: CoreSettings(hash=...) must be one of {', '.join(HASH_CHOICES)}, "
                              f"got {shown(self.hash)}")
-        if self.ledger_dir is not None and not (isinstance(self.ledger_dir, str) and self.ledger_dir.startswith("/")):
-            raise ValueError(f"torchferry: CoreSettings(ledger_dir=...) must be an absolute path or None, "
+        if self.ledger_dir is not None and not _shared_folder(self.ledger_dir):
+            raise ValueError("torchferry: CoreSettings(ledger_dir=...) must be None or an absolute path to a folder "
+                             "this process can write (every rank of the node shares the ledger there), "
                              f"got {shown(self.ledger_dir)}")
         if not isinstance(self.allocator_conf, str):
             raise TypeError("torchferry: CoreSettings(allocator_conf=...) must be a str, "

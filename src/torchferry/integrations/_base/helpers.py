@@ -266,7 +266,7 @@ def model_load(integration: str, framework_load: Callable) -> Callable:
     torchferry never moved the framework's own (``framework_load``)."""
 
     def load_model(model):
-        if REGISTRY.ferry(model) is None:
+        if REGISTRY.ferry(_checked(model, nn.Module, "model load")) is None:
             return framework_load(model)
         return helpers_of(integration).load_model(model)
 
@@ -278,7 +278,7 @@ def seed_replacements(integration: str, original: Mapping[str, Callable]) -> dic
     running :func:`helpers_of` at its call; a load of an object torchferry never moved goes to ``original``."""
 
     def load_optimizer(optimizer, device_id):
-        if REGISTRY.ferry(optimizer) is None:
+        if REGISTRY.ferry(_checked(optimizer, torch.optim.Optimizer, "optimizer load")) is None:
             return original["load_fsdp_optimizer"](optimizer, device_id)
         return helpers_of(integration).load_optimizer(optimizer, device_id)
 

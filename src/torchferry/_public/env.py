@@ -23,7 +23,7 @@ import re
 from collections.abc import Sequence
 from typing import overload
 
-from .._core._api.settings import HASH_CHOICES, CoreSettings
+from .._core._api.settings import HASH_CHOICES, CoreSettings, shared_folder
 from .._core._schedules.issuer import ISSUE_WINDOW_BYTES
 
 __all__ = ["ARENA_ENV", "BYTES_FORM", "CORE_ENV", "DRIVER_ENV", "HASH_CHOICES", "HASH_ENV", "HOST_BUDGET_ENV",
@@ -177,7 +177,7 @@ def ledger_dir() -> str | None:
     path = _raw(LEDGER_DIR_ENV)
     if not path:
         return None
-    if not (os.path.isabs(path) and os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)):
+    if not shared_folder(path):
         raise ValueError(f"torchferry: {LEDGER_DIR_ENV} must be an absolute path to a folder this process can "
                          "write (every rank of the node shares the ledger there), "
                          f"got {os.environ.get(LEDGER_DIR_ENV)!r}")

@@ -13,10 +13,10 @@ from dataclasses import dataclass, fields
 
 from .args import check_bool, check_bytes, shown
 
-__all__ = ["HASH_CHOICES", "CoreSettings"]
+__all__ = ["HASH_CHOICES", "CoreSettings", "shared_folder"]
 
 
-def _shared_folder(path: object) -> bool:
+def shared_folder(path: object) -> bool:
     """Whether ``path`` is an absolute path to a folder this process can write (a node ledger's folder: one that
     cannot be opened would leave each rank checking alone, silently)."""
     return (isinstance(path, str) and "\0" not in path and os.path.isabs(path) and os.path.isdir(path)
@@ -80,7 +80,7 @@ class CoreSettings:
         if self.hash not in HASH_CHOICES:
             raise ValueError(f"torchferry: CoreSettings(hash=...) must be one of {', '.join(HASH_CHOICES)}, "
                              f"got {shown(self.hash)}")
-        if self.ledger_dir is not None and not _shared_folder(self.ledger_dir):
+        if self.ledger_dir is not None and not shared_folder(self.ledger_dir):
             raise ValueError("torchferry: CoreSettings(ledger_dir=...) must be None or an absolute path to a folder "
                              "this process can write (every rank of the node shares the ledger there), "
                              f"got {shown(self.ledger_dir)}")

@@ -13,11 +13,11 @@ every tensor it knows a CPU impl viewing that slot while parking the device
 impl (``_state/parking``, [Note: parked TensorImpls]), and releases the device
 storage with ``resize_(0)``: the storage *object* is kept. On reload it
 ``resize_``s the same storage objects, copies the bytes back and gives the
-tensors their parked device impls back. Aliases the ferry does not know
-(FSDP2's padded ``_sharded_param_data``, a user's views) share those storage
-objects, so they are valid again after reload; while offloaded their storage
-is empty and they must not be used (making a new view of them raises, but a
-kernel reading them reads released memory: undefined, possibly a crash).
+tensors their parked device impls back. FSDP2's padded ``_sharded_param_data``
+shares those storage objects, so it is valid again after reload. A storage that
+a tensor the ferry does not know also views (a user's view or ``.detach()``) is
+copied but not released, so that tensor stays readable ([Note: a storage shared
+with a tensor the ferry does not know] in ``_state/holders.py``).
 Tensor objects keep their Python identity and autograd metadata; their
 addresses change, so CUDA graphs captured over them must be captured again
 after a reload. ``torch.compile``d modules skip the forward guard (Dynamo does

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import sys
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -54,6 +55,8 @@ CASES = [
     ("swap(gpu_budget_bytes=1.5)", lambda m, f, g, d: torchferry.swap(f, g, gpu_budget_bytes=1.5), ValueError,
      r"got float 1\.5"),
     ("swap(f, f)", lambda m, f, g, d: torchferry.swap(f, f), ValueError, r"swap: out and into are the same ferry"),
+    ("reserve_host(background=numpy.bool_)", lambda m, f, g, d: f.reserve_host(background=np.bool_(True)), TypeError,
+     r"reserve_host\(background=\.\.\.\) must be True or False, got numpy\.bool_? (np\.)?True_?$"),
     ("reserve_host(background='yes')", lambda m, f, g, d: f.reserve_host(background="yes"), TypeError,
      r"reserve_host\(background=\.\.\.\) must be True or False, got str 'yes'"),
     ("Prefetch(lookahead_bytes='1GB')", lambda m, f, g, d: Prefetch(lookahead_bytes="1GB"), ValueError,

@@ -76,6 +76,33 @@ def test_a_failed_swap_leaves_an_out_that_was_already_offloaded_where_it_was(how
     assert torch.equal(a.weight, want)
 
 
+def test_a_swap_whose_rollback_fails_too_names_both_errors_and_leaves_both_offloaded_whole(monkeypatch):
+    """``into``'s reload fails, then bringing ``out`` back fails too (on a GPU: out of memory both times): one
+    error names both causes, both sets stay offloaded, and ``out.reload()`` retries exactly."""
+    a, c = nn.Linear(8, 8), nn.Linear(8, 8)
+    fa, fc = Ferry(a), Ferry(c)
+    want_a, want_c = a.weight.detach().clone(), c.weight.detach().clone()
+    fc.offload()
+
+    def into_fails(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (into)")
+
+    def out_fails(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (out)")
+
+    monkeypatch.setattr(fc, "_reload", into_fails)
+    monkeypatch.setattr(fa, "reload", out_fails)
+    with pytest.raises(RuntimeError, match=r"into's reload failed \(RuntimeError: CUDA out of memory \(into\)\) "
+                       r"and bringing out back failed too \(RuntimeError: CUDA out of memory \(out\)\)") as e:
+        torchferry.swap(fa, fc)
+    assert "\n" not in str(e.value) and isinstance(e.value.__cause__, RuntimeError)
+    assert fa.residency is Residency.HOST and fc.residency is Residency.HOST
+    monkeypatch.undo()
+    fa.reload()
+    fc.reload()
+    assert torch.equal(a.weight, want_a) and torch.equal(c.weight, want_c)
+
+
 def test_swap_refuses_a_negative_budget():
     """A regression test (failed before its fix): gpu_budget_bytes is not validated (negative / zero accepted; on the CPU ignored entirely)."""
     a, c = nn.Linear(8, 8), nn.Linear(8, 8)

@@ -9,6 +9,8 @@ imports torch only.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 __all__ = ["check_bool", "check_bytes", "check_callable", "check_device", "check_optional_bool", "check_stream",
@@ -16,12 +18,19 @@ __all__ = ["check_bool", "check_bytes", "check_callable", "check_device", "check
 
 
 def shown(value: object) -> str:
-    """``value`` for a one-line message: its type, and its repr when short and simple."""
-    kind = type(value).__name__
-    if isinstance(value, (str, bytes, int, float, complex, type(None))):
+    """``value`` for a one-line message: its type (a NumPy scalar's as ``numpy.bool``, not ``bool``), and its
+    repr when short and simple (a number, a string, a NumPy scalar)."""
+    numpy_scalar = _is_numpy_scalar(value)
+    kind = f"numpy.{type(value).__name__}" if numpy_scalar else type(value).__name__
+    if isinstance(value, (str, bytes, int, float, complex, type(None))) or numpy_scalar:
         text = repr(value)
         return f"{kind} {text}" if len(text) <= 60 else kind
     return kind
+
+
+def _is_numpy_scalar(value: object) -> bool:
+    numpy = sys.modules.get("numpy")  # imported by whoever made a NumPy value
+    return numpy is not None and isinstance(value, numpy.generic)
 
 
 def _one_cpu(device: torch.device | None, what: str, accepted: str) -> torch.device | None:

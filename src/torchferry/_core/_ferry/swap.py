@@ -119,14 +119,25 @@ def _swap(out: Ferry, into: Ferry, gpu_budget_bytes: int | None, *,
         raise
     try:
         h_in = into._reload(False, schedule)
-    except BaseException:
+    except BaseException as failed:
         try:
             schedule.release_rest()
         finally:
             if into.residency.on_host and not out_was_away:  # all or nothing: the outgoing state back first
-                out.reload()
+                _bring_back(out, failed)
             # else the reload completed before raising (an error in its bookkeeping after the move):
             # the swap completed; reloading `out` too would hold both sets on the device at once
         raise
     schedule.release_rest()
     return h_out, h_in
+
+
+def _bring_back(out: Ferry, failed: BaseException) -> None:
+    """``out`` reloaded after ``into``'s reload raised ``failed``; if that reload fails too, one error naming
+    both (``out`` then stays offloaded, whole: each reload is all or nothing)."""
+    try:
+        out.reload()
+    except Exception as e:
+        raise RuntimeError(f"torchferry: swap: into's reload failed ({type(failed).__name__}: {failed}) and "
+                           f"bringing out back failed too ({type(e).__name__}: {e}); both stay offloaded, "
+                           "out.reload() retries") from failed

@@ -147,7 +147,10 @@ class HostPool:
                 fut.set_exception(e)
 
         self._pending, self._pending_bytes, self._pending_quiet = fut, nbytes, quiet
-        threading.Thread(target=work, name="torchferry-pin", daemon=True).start()
+        # Not a daemon: the interpreter's exit waits for it. A daemon thread still allocating in torch's C++ code
+        # when the process exits aborts it ("terminate called without an active exception", rc 134:
+        # tests/cpu/test_pool.py::test_the_process_exits_cleanly_with_a_background_allocation_in_flight).
+        threading.Thread(target=work, name="torchferry-pin", daemon=False).start()
         seconds: Future = Future()
         fut.add_done_callback(
             lambda f: seconds.set_exception(f.exception()) if f.exception()

@@ -109,7 +109,7 @@ ISSUE_POLL_S = 0.0005  # seconds between two looks at the copies' progress, queu
 
 
 class Issuer:
-    """Runs ``job(i)`` for ``i`` in ``range(first, stop)``, in order, on a daemon thread.
+    """Runs ``job(i)`` for ``i`` in ``range(first, stop)``, in order, on a thread of its own.
 
     Args:
         device: the device the jobs issue on (set as the thread's current CUDA device).
@@ -127,7 +127,8 @@ class Issuer:
         self._cancelled = False
         self._ended = False
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="torchferry-h2d-issuer", daemon=True)
+        # Not a daemon, as the pool's background allocation (``_host/pool.py``): the exit waits for its copies.
+        self._thread = threading.Thread(target=self._run, name="torchferry-h2d-issuer", daemon=False)
 
     def start(self) -> None:
         self._thread.start()

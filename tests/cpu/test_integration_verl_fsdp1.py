@@ -111,3 +111,48 @@ def test_the_fsdp1_setting_comes_from_patch_else_the_environment(monkeypatch):
     with pytest.raises(TypeError, match=r"patch\(fsdp1=...\) must be True, False or None, got int 1"):
         tf_verl.patch(fsdp1=1, import_engines=False)  # type: ignore[arg-type]
     assert not tf_verl.is_patched()
+
+
+def _state_dict_while_offloaded(rank, world, orig):
+    import torchferry
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+    m, opt = _fsdp1(orig)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+    train_step(m, opt, x, set_to_none=True)
+    kinds = (StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT, StateDictType.LOCAL_STATE_DICT)
+
+    def state(kind):
+        with FSDP.state_dict_type(m, kind):
+            return {k: (v.local_tensor() if hasattr(v, "local_tensor") else v).clone()
+                    for k, v in m.state_dict().items()}
+
+    want = {kind: state(kind) for kind in kinds}
+    before = snapshot(m, opt)
+    ferry = torchferry.Ferry(m, opt)
+    ferry.offload()
+    for kind in kinds:
+        with FSDP.state_dict_type(m, kind), pytest.raises(RuntimeError) as e:
+            m.state_dict()
+        assert str(e.value).startswith("torchferry: state_dict() / load_state_dict() of the FSDP1 model "
+                                       "FullyShardedDataParallel while its state is offloaded")
+        assert "\n" not in str(e.value) and "call ferry.reload()" in str(e.value)
+        with FSDP.state_dict_type(m, kind), pytest.raises(RuntimeError, match="^torchferry: state_dict"):
+            m.load_state_dict(want[kind])
+    ferry.reload()
+    _same(before, snapshot(m, opt))
+    for kind in kinds:  # FSDP1 untouched: every kind works after the reload, and equals what it was
+        _same(want[kind], state(kind))
+    ferry.offload()  # and once more, a cycle later
+    ferry.reload()
+    _same(want[kinds[0]], state(kinds[0]))
+
+
+@pytest.mark.parametrize("orig", [False, True], ids=["flat_params", "use_orig_params"])
+def test_an_fsdp1_state_dict_while_offloaded_is_refused_and_fsdp1_stays_usable(orig):
+    """FSDP1's own state-dict hooks read the released flat parameters: with ``use_orig_params=True`` a
+    ``state_dict()`` while offloaded raised PyTorch's ``setStorage ... storage of size 0`` and left FSDP1 in its
+    unshard context, so every later ``state_dict()`` failed, after ``reload()`` too ([Note: FSDP1's state dict
+    while offloaded] in ``_core/_ferry/guards.py``). Now refused in one line before FSDP1's hooks run, for every
+    state-dict type and ``load_state_dict()``, and exact after the reload (2 gloo ranks)."""
+    run_spawned(functools.partial(_state_dict_while_offloaded, orig=orig))

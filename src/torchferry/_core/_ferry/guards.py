@@ -21,6 +21,18 @@ does not wait. They hold the handle, not the ferry, so they still wait after the
 dropped; once the copies are seen complete a hook is an attribute check, and nothing is
 installed while the state is resident. Host reads by other means (``p.sum().item()``,
 ``p.numpy()``, ``torch.save`` of tensors taken from ``parameters()``) need ``handle.wait()``.
+
+[Note: FSDP1's state dict while offloaded]
+An FSDP1 (``FullyShardedDataParallel``) model's ``state_dict()`` and ``load_state_dict()`` run FSDP1's own
+pre-hooks first: they all-gather the flat parameters (NCCL takes no host tensor) and, with
+``use_orig_params=True``, write the original parameters back into the flat parameter's storage, which the
+offload released. On 2 gloo ranks that raised PyTorch's ``setStorage: ... out of bounds for storage of size 0``
+and left FSDP1 inside its unshard context, so every later ``state_dict()``, after ``reload()`` too, failed
+(``AssertionError: Entering the _unshard_fsdp_state_params context but _unshard_params_ctx[module] is not
+None``): checkpointing broken for the rest of the run. So an FSDP1 target's root refuses both calls while
+offloaded, in hooks placed before FSDP1's (``run_first`` in ``_state/fsdp.py``): nothing of FSDP1 has run,
+and after ``reload()`` both work (verl's checkpoint manager loads the model before it saves or loads). Test:
+``tests/cpu/test_integration_verl_fsdp1.py::test_an_fsdp1_state_dict_while_offloaded_is_refused_and_fsdp1_stays_usable``.
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .._api.handle import TransferHandle
 from .._api.hooks import Uncopyable
+from .._state.fsdp import is_fsdp1, run_first
 from .._state.tree import module_tree
 
 __all__ = ["OffloadGuards", "dropped"]
@@ -87,6 +100,11 @@ class OffloadGuards:
             # The root's hooks run before any submodule's state is read or written.
             self._handles.append(root.register_state_dict_pre_hook(wait))
             self._handles.append(root.register_load_state_dict_pre_hook(wait))
+            if is_fsdp1(root):  # see [Note: FSDP1's state dict while offloaded]
+                refuse = Uncopyable(self._fsdp1_state_dict_hook, during)
+                first = root.register_state_dict_pre_hook(refuse), root.register_load_state_dict_pre_hook(refuse)
+                self._handles.extend(first)
+                run_first(root, *first)
         for opt in optimizers:
             self._handles.append(opt.register_step_pre_hook(step))
             self._handles.append(opt.register_state_dict_pre_hook(wait))
@@ -112,6 +130,14 @@ class OffloadGuards:
         pending = self.pending
         if pending is not None:
             pending.wait()  # returns at once once seen complete
+
+    def _fsdp1_state_dict_hook(self, module: nn.Module, *args: object) -> None:
+        raise RuntimeError(
+            f"torchferry: state_dict() / load_state_dict() of the FSDP1 model {type(module).__name__} while its "
+            f"state is offloaded ({self._describe()}): FSDP1's own state-dict hooks read and write the device "
+            "storages the offload released; call ferry.reload() (with the verl helpers: "
+            "load_fsdp_model_to_gpu(model)) first"
+        )
 
     def _step_hook(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         raise RuntimeError(

@@ -13,6 +13,7 @@ import sys
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .tree import module_tree
 
@@ -29,12 +30,14 @@ __all__ = [
     "fsdp_modules",
     "idle_and_resharded",
     "is_dtensor",
+    "is_fsdp1",
     "lazy_init_done",
     "local_of",
     "param_groups",
     "repoint_sharded_data",
     "sharded_params",
     "reshard",
+    "run_first",
     "foreach_copy",
     "set_local",
     "sharded_storages",
@@ -282,6 +285,23 @@ def fsdp1_offloads_params(module: nn.Module) -> bool:
 
     return any(getattr(getattr(m, "cpu_offload", None), "offload_params", False)
                for m in FullyShardedDataParallel.fsdp_modules(module))
+
+
+def is_fsdp1(module: nn.Module) -> bool:
+    """Whether ``module`` is, or holds, an FSDP1 (``FullyShardedDataParallel``) unit."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return False
+    return any(isinstance(m, FullyShardedDataParallel) for _, m in module_tree(module))
+
+
+def run_first(module: nn.Module, state_dict_hook: RemovableHandle, load_hook: RemovableHandle) -> None:
+    """Moves the state-dict pre-hook and the load-state-dict pre-hook registered on ``module`` (their handles)
+    before its others, those FSDP1 registered at wrapping included (a module's hooks run in registration order,
+    and there is no ``prepend``)."""
+    module._state_dict_pre_hooks.move_to_end(state_dict_hook.id, last=False)
+    module._load_state_dict_pre_hooks.move_to_end(load_hook.id, last=False)
 
 
 def fsdp2_offloads_params(module: nn.Module) -> bool:

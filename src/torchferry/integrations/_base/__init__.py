@@ -1,6 +1,5 @@
 """What the framework folders (``verl/``, ``skyrl/``, ``areal/``) build on: the one face they import besides
-``torchferry``'s public names (``tests/cpu/test_layers.py`` holds it), with the few pieces of the core they need
-(the framework-neutral :class:`PhaseDock` that verl's dock mode adapts, FSDP's internals)."""
+``torchferry``'s public names (``tests/cpu/test_layers.py`` holds it), with the few pieces of the core they need."""
 
 from ..._core._api.args import check_bool
 from ..._core._dock.phase_dock import PhaseDock

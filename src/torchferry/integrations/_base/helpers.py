@@ -1,8 +1,6 @@
-"""The four FSDP offload helpers verl (``verl.utils.fsdp_utils``, verl PR #7347) and SkyRL share, "the seed",
-backed by torchferry: :class:`SeedHelpers` for one caller, the module-level functions for a user's own calls
-(the environment's settings). What changes: ``docs/verl-quickstart.md``; the notes cited below are in
-``docs/integrations.md`` ("The seed helpers").
-"""
+"""The four FSDP offload helpers verl and SkyRL share ("the seed", verl PR #7347's), backed by torchferry:
+:class:`SeedHelpers` for one caller, the module-level functions for a user's own calls. The notes cited below are
+in ``docs/integrations.md`` ("The seed helpers")."""
 
 from __future__ import annotations
 
@@ -46,13 +44,10 @@ class SeedHelpers:
     registry: Registry  # where the ferries live (REGISTRY: one per process)
     integration: str | None = None  # whose replacements call (recorded on the ferries they move)
     settings: Settings | None = None  # None: each switch from the environment when it is needed
-    router: Any = None
-    """A dock mode holding some ferries (verl's: [Note: verl under a Dock]): a load of one makes its set
-    resident (``router.load``), an offload does nothing."""
+    router: Any = None  # a dock mode (verl's): a load of a ferry it holds makes its set resident, an offload nothing
     forward_follows: Collection[int] | None = None
-    """``id`` of each model whose load the framework follows with a forward now (verl's train/eval context entry,
-    ``BaseEngineCtx._context_switch``): with a collection, only those reload layer-wise, every other load whole
-    ([Note: the helpers' layer-wise reload]); ``None``: every load may."""
+    """``id`` of each model whose load a forward follows now (verl's train/eval context entry): only those reload
+    layer-wise ([Note: the helpers' layer-wise reload]); ``None``: every load may."""
 
     def switch(self, name: str) -> bool:
         return read_switch(name) if self.settings is None else getattr(self.settings, name)
@@ -61,9 +56,8 @@ class SeedHelpers:
         """``obj``'s ferry, made if it has none; recorded as moved by :attr:`integration`."""
         ferry = self.registry.ferry(obj)
         if ferry is None:  # see [Note: the helpers skip unchanged storages]
-            model = isinstance(obj, nn.Module)
             core = None if self.settings is None else self.settings.core  # None: the environment's, now
-            skip = self.switch("skip_unchanged") if model else False
+            skip = isinstance(obj, nn.Module) and self.switch("skip_unchanged")
             ferry = Ferry(obj, skip_unchanged=skip, settings=core)
             self.registry.put(obj, ferry, self.integration)
         self.registry.moved_by(obj, self.integration)
@@ -118,9 +112,7 @@ class SeedHelpers:
         if not has_state(optimizer) or ferry is None:
             return
         device = torch.device(device_id) if not isinstance(device_id, int) else torch.device("cuda", device_id)
-        if device.type == ferry.device.type and device.index is None:
-            device = ferry.device
-        if device != ferry.device:
+        if device.type != ferry.device.type or device.index not in (None, ferry.device.index):
             raise ValueError(f"torchferry: load_fsdp_optimizer(device_id={device_id!r}) but the state "
                              f"was offloaded from {ferry.device}; it reloads where it came from")
         self._load(ferry, "optimizer_at_step")
@@ -128,17 +120,15 @@ class SeedHelpers:
 
 @dataclass(eq=False, kw_only=True)
 class PatchState:
-    """One integration between its ``patch()`` and ``unpatch()``, held by the registry (``REGISTRY.patched``):
-    its settings, the patchers that replaced its framework's names, its dock router (verl's) and the models its
-    replacements leave where they are for the framework call running now."""
+    """One integration between its ``patch()`` and ``unpatch()``, held by the registry (``REGISTRY.patched``)."""
 
     name: str
     settings: Settings
     patchers: dict[str, Patcher] = field(default_factory=dict)  # HelperSet.key -> its patcher
     router: Any = None  # verl's dock mode while patch(dock=...) holds
     left_in_place: set[int] = field(default_factory=set)
-    """``id`` of each model whose loads and offloads stay where the model is during the framework call running
-    now (verl's: [Note: the LoRA weight sync reads the adapters where they are])."""
+    """``id`` of each model the loads and offloads leave where it is during the framework call running now
+    (verl's: [Note: the LoRA weight sync reads the adapters where they are])."""
     forward_follows: set[int] | None = None  # SeedHelpers.forward_follows (verl's: a set; others: None)
 
     @property
@@ -167,9 +157,8 @@ def marked(ids: set[int] | None, obj: object) -> Iterator[None]:
 
 def unpatch_integration(name: str, helper_sets: Iterable[HelperSet], *,
                         keep_offloaded: bool = False) -> PatchState | None:
-    """An integration's ``unpatch()``: what its replacements and its kept docks hold offloaded brought back (not
-    with ``keep_offloaded``: [Note: unpatch() brings the state back]), its names restored (unpatched: ``helper_sets``'
-    in modules imported after ``patch()``), its ferries closed but the docks' sets; the state it ended returned.
+    """An integration's ``unpatch()`` ([Note: unpatch() brings the state back]): its names restored (unpatched:
+    ``helper_sets``' in modules imported after ``patch()``); the state it ended returned.
 
     Raises:
         RuntimeError: a reload failed; nothing is unpatched then.
@@ -186,8 +175,7 @@ def unpatch_integration(name: str, helper_sets: Iterable[HelperSet], *,
 
 
 def helpers_of(integration: str) -> SeedHelpers:
-    """The helpers ``integration``'s replacements call now: its patch state's, or (unpatched, a replacement
-    bound before ``unpatch()``) the environment's."""
+    """The helpers ``integration``'s replacements call now: its patch state's, else the environment's."""
     state = REGISTRY.patched.get(integration)
     return SeedHelpers(REGISTRY, integration) if state is None else state.helpers
 
@@ -262,8 +250,8 @@ def load_fsdp_optimizer(optimizer: torch.optim.Optimizer, device_id: int | str |
 
 
 def model_load(integration: str, framework_load: Callable) -> Callable:
-    """A model load of ``integration``'s replacements: :func:`helpers_of`'s at its call, or for a model
-    torchferry never moved the framework's own (``framework_load``)."""
+    """A model load of ``integration``'s replacements: :func:`helpers_of`'s, else (a model torchferry never moved)
+    ``framework_load``."""
 
     def load_model(model):
         if REGISTRY.ferry(_checked(model, nn.Module, "model load")) is None:
@@ -274,8 +262,8 @@ def model_load(integration: str, framework_load: Callable) -> Callable:
 
 
 def seed_replacements(integration: str, original: Mapping[str, Callable]) -> dict[str, Callable]:
-    """The four seed helpers' replacements for ``integration`` (each ``__wrapped__``: the public helper), each
-    running :func:`helpers_of` at its call; a load of an object torchferry never moved goes to ``original``."""
+    """The four seed helpers' replacements for ``integration`` (``__wrapped__``: the public helper), as
+    :func:`model_load`."""
 
     def load_optimizer(optimizer, device_id):
         if REGISTRY.ferry(_checked(optimizer, torch.optim.Optimizer, "optimizer load")) is None:

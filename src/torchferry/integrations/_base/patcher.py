@@ -1,8 +1,6 @@
-"""Replacing a framework's functions or a class's methods by name, checked first and undone exactly: an
-integration says what in a :class:`HelperSet`, a :class:`Patcher` does it the same way for every framework.
-
-See [Note: replacements remember their originals] in ``docs/integrations.md``.
-"""
+"""Replacing a framework's functions or a class's methods by name, checked first and undone exactly ([Note:
+replacements remember their originals] in ``docs/integrations.md``): what in a :class:`HelperSet`, how in a
+:class:`Patcher`."""
 
 from __future__ import annotations
 
@@ -28,15 +26,11 @@ class HelperSet:
     integration: str  # as in torchferry.integrations.<integration> (error messages)
     framework: str  # the framework as a user knows it ("verl", "AReaL"), for error messages
     module: str  # the module defining the functions (or the class), e.g. "verl.utils.fsdp_utils"
-    package: str
-    """Every module of this package (``package`` or ``package.*``) that holds a function by name gets the
-    replacement; the name a user installs the framework by (error messages)."""
+    package: str  # every module of it holding a function by name gets the replacement; also for error messages
     helpers: Mapping[str, tuple[str, ...]]  # name -> the parameter names it must have for the replacement to fit
     replacements: Replacements
     cls: str | None = None  # a class of module whose methods helpers names (replaced on the class), or None
-    call_sites: tuple[str, ...] = ()
-    """Modules that import the functions by name, imported by ``patch()`` (when asked) so their names are
-    replaced at once; one that fails to import is skipped."""
+    call_sites: tuple[str, ...] = ()  # modules binding the functions by name, imported by patch() when they can
     requires: tuple[str, ...] = ()
     """Other attributes the replacements use, dotted from ``module`` (``"dist"``, ``"FSDPEngine._ensure_ready"``)."""
     catch: tuple[type[BaseException], ...] = (ImportError,)  # what importing module may raise: "not importable"
@@ -78,8 +72,7 @@ class Patcher:
                 for o, a, _ in self._patched]
 
     def check(self) -> tuple[ModuleType, object]:
-        """Imports the module and checks the names, changing nothing; the module and the owner of the names
-        (the module, or the class).
+        """Imports the module and checks the names, changing nothing; returns the module and the names' owner.
 
         Raises:
             RuntimeError: the framework is not importable, a name or required attribute is missing, or a
@@ -110,9 +103,8 @@ class Patcher:
         return module, owner
 
     def patch(self, *, import_call_sites: bool = True) -> list[str]:
-        """Replaces the names, on the class (so on every subclass that does not define its own) or wherever a
-        module of the package holds the original (those of ``HelperSet.call_sites`` imported first, with
-        ``import_call_sites``), and returns them. Idempotent.
+        """Replaces the names on the class (so on its subclasses) or wherever a module of the package holds the
+        original (``call_sites`` imported first, with ``import_call_sites``); returns them. Idempotent.
 
         Raises:
             RuntimeError: as :meth:`check`; nothing is replaced then.
@@ -123,7 +115,10 @@ class Patcher:
         hs = self.helper_set
         originals = {name: getattr(owner, name) if hs.cls is None else owner.__dict__[name] for name in hs.helpers}
         built = hs.replacements(module, originals)
-        new = {name: self._tagged(built[name], originals[name]) for name in hs.helpers}
+        new = {name: built[name] for name in hs.helpers}
+        for name, fn in new.items():  # [Note: replacements remember their originals]
+            fn.__torchferry_original__ = originals[name]  # type: ignore[attr-defined]
+            fn.__torchferry_integration__ = hs.integration  # type: ignore[attr-defined]
         if isinstance(owner, type):
             for name, fn in new.items():
                 self._patched.append((owner, name, originals[name]))
@@ -160,9 +155,3 @@ class Patcher:
     def _package_modules(self) -> list[tuple[str, ModuleType]]:
         pkg = self.helper_set.package
         return [(n, m) for n, m in list(sys.modules.items()) if m is not None and (n == pkg or n.startswith(pkg + "."))]
-
-    def _tagged(self, fn: Callable, original: object) -> Callable:
-        """``fn`` marked with what it replaced ([Note: replacements remember their originals])."""
-        fn.__torchferry_original__ = original  # type: ignore[attr-defined]
-        fn.__torchferry_integration__ = self.helper_set.integration  # type: ignore[attr-defined]
-        return fn

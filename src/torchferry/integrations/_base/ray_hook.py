@@ -1,8 +1,5 @@
-"""A Ray ``worker_process_setup_hook`` that patches a framework's helpers in every worker: ``patch()`` in the
-driver does not reach training workers that are Ray actors (each its own process). Ray runs a job's hook in
-every worker process it starts for that job, before any task or actor method, and actors inherit the job's
-``runtime_env`` (``env_vars`` an actor sets are merged).
-"""
+"""A Ray ``worker_process_setup_hook`` that patches a framework's helpers in every worker ([Note: the Ray hook
+patches every worker] in ``docs/integrations.md``)."""
 
 from __future__ import annotations
 
@@ -37,8 +34,7 @@ class HookNames:
 
 
 class _PatchAfterExec(importlib.abc.Loader):
-    """Wraps the loader of the helper module: runs it, then the patch ([Note: a failed patch fails every
-    import] in ``docs/integrations.md``)."""
+    """Wraps the helper module's loader: runs it, then the patch ([Note: a failed patch fails every import])."""
 
     def __init__(self, inner: importlib.abc.Loader, finder: _PatchOnImport) -> None:
         self._inner, self._finder = inner, finder
@@ -52,7 +48,7 @@ class _PatchAfterExec(importlib.abc.Loader):
         try:
             self._finder.on_import()
         except BaseException:
-            self._finder.install()  # see [Note: a failed patch fails every import]
+            self._finder.install()
             raise
 
     def __getattr__(self, name: str):  # get_source, is_package, ... of the real loader
@@ -92,7 +88,7 @@ class WorkerHook:
     def __init__(self, names: HookNames, patch: Callable[[], object], is_patched: Callable[[], bool],
                  check: Callable[[], object] = check_environment) -> None:
         self.names, self._patch, self._is_patched = names, patch, is_patched
-        self._check = check  # the settings' variables read up front (a bad value refused at the hook)
+        self._check = check  # reads the variables patch() reads: a bad value refused at the hook, before patching
 
     def patch_when_imported(self) -> None:
         """Patches now if the helper module is imported, else right after its import. Idempotent.
@@ -113,9 +109,8 @@ class WorkerHook:
 
         Raises:
             RuntimeError: as the integration's ``patch()``.
-            ValueError: the ``env_flag`` variable is neither on nor off, the user's next hook's variable
-                is not ``module.function``, or a setting's variable is malformed (read here, before the
-                framework's import would fail on it in every later attempt).
+            ValueError: the ``env_flag`` variable is neither on nor off, the next hook's is not
+                ``module.function``, or a setting's variable is malformed (read here, not at the framework's import).
         """
         on, nxt = hook_env(self.names.env_flag, self.names.next_hook_env)
         if on:
@@ -128,10 +123,8 @@ class WorkerHook:
             getattr(importlib.import_module(module), name)()
 
     def with_worker_setup(self, runtime_env: dict | None) -> dict:
-        """A copy of a Ray ``runtime_env`` (a dict, or ``None``) whose worker processes run the hook, after which
-        a ``worker_process_setup_hook`` already there runs. Its ``env_vars`` get ``<env_flag>=1`` and, where
-        they do not set them, the driver's ``FORWARDED_SETTINGS`` (workers on other nodes see the job's
-        ``env_vars``, not the driver's environment), its ``patch(...)`` arguments over them."""
+        """A copy of a Ray ``runtime_env`` (a dict, or ``None``) whose workers run the hook, then a hook already
+        there; its ``env_vars`` get ``<env_flag>=1`` and the settings ([Note: the Ray hook patches every worker])."""
         n = self.names
         env = dict(runtime_env or {})
         ours = {**forwarded_env(), **patch_choices(n.integration)}  # where the job's own env_vars do not set them
@@ -151,9 +144,8 @@ class WorkerHook:
         return env
 
     def launch(self, entry: str, argv: list[str], patch: Callable[[], object] | None = None) -> None:
-        """Runs the framework's entry point ``entry.main()`` (a module, imported after ``patch``, default the hook's,
-        so what it imports binds torchferry's helpers) on ``argv`` (``sys.argv[1:]`` for its Hydra or argument
-        parser), its ``ray.init`` given the hook (:meth:`ray_init_with_hook`).
+        """Runs ``entry.main()`` (imported after ``patch``, default the hook's, so it binds torchferry's helpers) on
+        ``argv`` (as ``sys.argv[1:]``), its ``ray.init`` given the hook (:meth:`ray_init_with_hook`).
 
         Raises:
             RuntimeError: as the integration's ``patch()`` (the framework is not importable or changed).
@@ -165,8 +157,7 @@ class WorkerHook:
             run()
 
     def run_as_main(self, launcher: Callable[[], None]) -> None:
-        """``python -m <launcher's module>``: a bad setting exits with its one-line message (not a traceback from
-        inside ``patch()``), else ``launcher()``."""
+        """``python -m <launcher's module>``: a bad setting exits with its one-line message, else ``launcher()``."""
         try:
             self._check()
         except ValueError as e:

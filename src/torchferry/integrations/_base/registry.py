@@ -1,7 +1,5 @@
-"""The one registry of the integrations: every ferry their helpers made, and each integration's patch state.
-
-See [Note: unpatch() brings the state back] in ``docs/integrations.md``.
-"""
+"""The one registry of the integrations: every ferry their helpers made, and each integration's patch state
+([Note: unpatch() brings the state back] in ``docs/integrations.md``)."""
 
 from __future__ import annotations
 
@@ -38,9 +36,8 @@ def _first_line(err: BaseException) -> str:
 
 
 class Entry:
-    """One key's ferry (a model, an optimizer, an AReaL engine), the integration whose replacements last
-    moved it (``None``: only a helper called directly), and what the ferry was made for, weakly (an
-    engine's model and optimizer); ``held`` keeps those strongly while offloaded."""
+    """One key's ferry, the integration whose replacements last moved it (``None``: a helper called directly),
+    what the ferry was made for, weakly (an engine's model and optimizer); ``held``: those, while offloaded."""
 
     __slots__ = ("ferry", "who", "_targets", "held")
 
@@ -89,8 +86,7 @@ class Registry:
         self._entries.pop(key, None)
 
     def kept_sets(self, who: str) -> dict[Ferry, str]:
-        """The state sets of every dock ``who`` kept (the one in use too): ferry -> its name for messages
-        (``"verl dock set engine0.params"``); their moves in flight waited for."""
+        """The sets of every dock ``who`` kept (the one in use too), ferry -> name for messages; moves waited for."""
         out: dict[Ferry, str] = {}
         for router in [r for key, r in list(self.kept.items()) if key[0] == who]:
             if router.dock is not None:
@@ -98,27 +94,21 @@ class Registry:
             out.update({ferry: f"{router.label} set {name}" for name, ferry in router.sets.items()})
         return out
 
-    def _held_by(self, who: str, names: Mapping[Ferry, str]) -> list[Held]:
-        out = []
-        for key, entry in self.of(who):
-            kind = "model" if isinstance(key, nn.Module) else "optimizer" if isinstance(key, Optimizer) else "engine"
-            what = (f"{type(key).__name__} engine" if kind == "engine" else f"{kind} {type(key).__name__}")
-            what = f"{what} ({entry.ferry.state_bytes} bytes)"
-            out.append(Held(f"{names[entry.ferry]} ({what})" if entry.ferry in names else what, entry.ferry))
-        return out
-
     def bring_back(self, who: str, names: Mapping[Ferry, str] | None = None) -> list[Held]:
         """Reloads every ferry of ``who`` that is :func:`away`, synchronously, all or nothing ([Note: unpatch()
-        brings the state back]); a ferry in ``names`` (a verl dock's set) is named so in messages.
-
-        Returns:
-            Those brought back, in order.
+        brings the state back]), and returns them in order; a ferry in ``names`` (a verl dock's set) is named so.
 
         Raises:
             RuntimeError: a reload failed (the message names it, the cause and everything that stays
                 offloaded); the ferries brought back before it were offloaded again.
         """
-        todo = [h for h in self._held_by(who, names or {}) if away(h.ferry)]
+        names = names or {}
+        todo: list[Held] = []
+        for key, entry in [(k, e) for k, e in self.of(who) if away(e.ferry)]:
+            kind = "model" if isinstance(key, nn.Module) else "optimizer" if isinstance(key, Optimizer) else "engine"
+            what = (f"{type(key).__name__} engine" if kind == "engine" else f"{kind} {type(key).__name__}")
+            what = f"{what} ({entry.ferry.state_bytes} bytes)"
+            todo.append(Held(f"{names[entry.ferry]} ({what})" if entry.ferry in names else what, entry.ferry))
         done: list[Held] = []
         for h in todo:
             try:
@@ -139,8 +129,7 @@ class Registry:
         return done
 
     def drop(self, who: str, keep: Collection[Ferry] = ()) -> None:
-        """``who``'s ferries closed (their pools returned) and forgotten, but those in ``keep`` (:meth:`kept_sets`:
-        the docks keep them, a later ``unpatch()`` brings them back).
+        """``who``'s ferries closed (their pools returned) and forgotten, but those in ``keep`` (:meth:`kept_sets`).
 
         Raises:
             RuntimeError: one of them is offloaded (:meth:`bring_back` first).

@@ -1,9 +1,6 @@
-"""An integration's settings, read once by its ``patch()``: the only module of ``integrations`` that reads
-``TORCHFERRY_*`` variables (its own, with the parsers of ``torchferry/_public/env``, and the core's, through
-``_public/env.core_settings``).
-
-See [Note: each integration's settings] in ``docs/integrations.md``.
-"""
+"""An integration's settings, read once by its ``patch()`` ([Note: each integration's settings] in
+``docs/integrations.md``): the only module of ``integrations`` that reads ``TORCHFERRY_*`` variables (through
+``torchferry/_public/env``)."""
 
 from __future__ import annotations
 
@@ -35,8 +32,7 @@ SWITCHES: Mapping[str, tuple[str, bool]] = MappingProxyType({  # switch -> (its 
 })
 _WHAT = MappingProxyType({"fsdp1": "patch(fsdp1=...)"})  # an argument as a TypeError names it, if not by name
 
-# The driver's settings a worker should see too: how torchferry moves state, the same on every node.
-# Not the node-local ones (host budgets, the ledger folder), tests' or the bench's.
+# The driver's settings a worker should see too (how state moves), not node-local ones, tests' or the bench's.
 FORWARDED_SETTINGS = (SKIP_ENV, "TORCHFERRY_DRIVER_COPIES", "TORCHFERRY_SWITCH_BYTES", "TORCHFERRY_ISSUE_REFILL_BYTES",
                       "TORCHFERRY_HASH", "TORCHFERRY_RELOAD_ARENA", FSDP1_ENV, OPTIMIZER_AT_STEP_ENV, LAYERWISE_ENV,
                       DOCK_ENV)
@@ -61,12 +57,8 @@ class Settings:
     layerwise_reload: bool = False
     fsdp1: bool = True
     dock: int | float | None = None  # verl's dock budget: bytes, a fraction of the device, or None (no dock)
-    chosen: tuple[tuple[str, str], ...] = ()
-    """The ``patch()`` arguments given so far, as the variables a Ray worker reads (``("TORCHFERRY_LAYERWISE_RELOAD",
-    "0")``): what the integration's Ray hook passes on, over the driver's environment."""
-    core: CoreSettings = field(default_factory=CoreSettings)
-    """The core's settings the integration's ferries are made with (``Ferry(settings=...)``): the environment's,
-    read by :meth:`read` at ``patch()``."""
+    chosen: tuple[tuple[str, str], ...] = ()  # the patch() arguments so far, as the Ray hook passes them on
+    core: CoreSettings = field(default_factory=CoreSettings)  # the integration's ferries' (Ferry(settings=...))
 
     def choice(self, name: str) -> bool | None:
         """What a ``patch()`` argument said of switch ``name`` (``None``: no argument did)."""
@@ -76,16 +68,13 @@ class Settings:
     @classmethod
     def read(cls, args: Mapping[str, bool | None], *, defaults: Mapping[str, bool] | None = None,
              earlier: Settings | None = None, with_dock: bool = False, dock: object = None) -> Settings:
-        """The settings of one ``patch()``: each switch of ``args`` (name -> the argument, ``None``: not given)
-        from its argument, else the argument of ``earlier`` (a ``patch()`` still in force), else the environment,
-        else ``defaults`` (the integration's: [Note: verl's defaults]), else torchferry's; a switch ``args`` does
-        not name keeps torchferry's default. ``with_dock``: verl's budget too (:func:`dock_budget` of ``dock``).
-        The core's settings (:attr:`core`) from the environment now (``_public/env.core_settings``).
+        """The settings of one ``patch()``: each switch of ``args`` (``None``: not given) from its argument, else
+        ``earlier``'s (a ``patch()`` still in force), else the environment, else ``defaults`` (the integration's),
+        else torchferry's; ``with_dock``: :func:`dock_budget` of ``dock`` too; :attr:`core` from the environment.
 
         Raises:
             TypeError: an argument is neither ``None`` nor a bool.
-            ValueError: a variable it reads is neither on nor off, a malformed dock budget, or a core setting
-                its parser refuses (naming the variable and the value).
+            ValueError: a variable it reads is neither on nor off, a malformed dock budget, or a core setting.
         """
         chosen = dict(earlier.chosen) if earlier is not None else {}
         values: dict[str, bool] = {}
@@ -129,17 +118,15 @@ def parse_budget(value: object, where: str) -> int | float | None:
             value = float(text) if _FRACTION.fullmatch(text) else None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"torchferry: {where}: {raw!r} is not a dock budget: {hint}")
+    if value == 0:
+        return None
     if isinstance(value, numbers.Integral):
         n = int(value)
-        if n == 0:
-            return None
         if n >= MIN_BUDGET_BYTES:
             return n
         why = "1 is one byte, not 'on': 1.0 is the whole device" if n == 1 else f"{n} bytes is no GPU budget"
         raise ValueError(f"torchferry: {where}: {raw!r} is not a dock budget ({why}): {hint}")
     x = float(value)
-    if x == 0.0:
-        return None
     if math.isfinite(x) and 0.0 < x <= 1.0:
         return x
     if math.isfinite(x) and x >= MIN_BUDGET_BYTES and x.is_integer():
@@ -159,10 +146,8 @@ def dock_budget(choice: object) -> int | float | None:
 
 
 def check_environment(switches: Iterable[str] = tuple(SWITCHES), *, with_dock: bool = False) -> None:
-    """Reads the variables of ``switches`` (names of :data:`SWITCHES`: those the integration's ``patch()`` reads;
-    default all) and, ``with_dock``, ``TORCHFERRY_VERL_DOCK``, as ``patch()`` would, so a Ray worker's hook or a
-    launcher refuses a bad value before anything is patched, instead of at the framework's import. A variable
-    the integration does not read is not checked (SkyRL's hook ignores verl's ``TORCHFERRY_VERL_FSDP1``).
+    """Reads the variables of ``switches`` (default all) and, ``with_dock``, ``TORCHFERRY_VERL_DOCK``, as ``patch()``
+    would: a Ray worker's hook or a launcher refuses a bad value before patching, not at the framework's import.
 
     Raises:
         ValueError: a variable is neither on nor off, or a malformed dock budget.
@@ -183,8 +168,7 @@ def hook_env(flag: str, next_env: str) -> tuple[bool, str | None]:
     torchferry's (``module.function`` in ``next_env``), if any.
 
     Raises:
-        ValueError: the switch is neither on nor off, or the hook is not ``module.function`` (spaces
-            around it ignored).
+        ValueError: the switch is neither on nor off, or the hook is not ``module.function`` (spaces aside).
     """
     on, nxt = env_flag(flag, True), os.environ.get(next_env, "").strip()
     module, _, name = nxt.rpartition(".")

@@ -6,8 +6,7 @@ single-controller schedulers)::
     tf_areal.patch()     # FSDPEngine.offload / onload now go through torchferry
     tf_areal.unpatch()   # offloaded engines back on the device; AReaL's own methods again
 
-What they do: :mod:`._patch`; what torch_memory_saver released that a ferry does not: ``docs/integrations.md``.
-areal is imported by :func:`patch`, not by this package.
+What they do: :mod:`._patch` and ``docs/integrations.md``. areal is imported by :func:`patch`, not by this package.
 """
 
 from ._patch import ferry_for, is_patched, patch, unpatch

@@ -1,13 +1,7 @@
-"""``patch()``: AReaL's ``FSDPEngine.offload`` / ``onload`` through torchferry ferries, replaced on
-``areal.engine.fsdp_engine.FSDPEngine`` (so on every subclass that does not define its own: ``FSDPPPOActor``,
-``FSDPPPOCritic``, ``FSDPLMEngine`` ...). Written against AReaL 1.0.4. In place of torch_memory_saver's pause and
-resume (AReaL's launchers' ``enable_offload=True``) they keep AReaL's logs, ``clear_memory()``, synchronizations,
-barrier (of the engine's gloo ``cpu_group``) and ``is_offload``, so its callers (``_offload_aware_context()``,
-``_ensure_ready()``) keep their meaning.
-
-See [Note: what torch_memory_saver released that a ferry does not], [Note: AReaL's clear_memory() beside the
-copies] and [Note: which engines skip unchanged storages] in ``docs/integrations.md``.
-"""
+"""``patch()``: AReaL 1.0.4's ``FSDPEngine.offload`` / ``onload`` through torchferry ferries, in place of
+torch_memory_saver's pause and resume ([Note: the patched offload() keeps AReaL's contract], [Note: what
+torch_memory_saver released that a ferry does not], [Note: AReaL's clear_memory() beside the copies] and [Note:
+which engines skip unchanged storages] in ``docs/integrations.md``)."""
 
 from __future__ import annotations
 
@@ -37,18 +31,8 @@ def ferry_for(engine: object) -> Ferry | None:
     return entry.ferry
 
 
-def _skip_unchanged(engine: object, optimizer: object | None) -> bool:
-    """See [Note: which engines skip unchanged storages]."""
-    state = REGISTRY.patched.get("areal")
-    forced = state.settings.choice("skip_unchanged") if state is not None else None
-    if forced is not None:
-        return forced
-    return optimizer is None or bool(getattr(getattr(engine, "config", None), "use_lora", False))
-
-
 def _ferry_of(engine: object) -> Ferry:
-    """The engine's ferry, made at its first offload (and again if its model or optimizer was
-    replaced since: a new ``initialize()``; the old one goes with its entry)."""
+    """The engine's ferry, made at its first offload (and again for a new model or optimizer, after ``_settle``)."""
     model = getattr(engine, "model", None)
     if model is None:
         raise RuntimeError(HELPER_SET.error("offload() of an FSDPEngine without a model (before initialize() or "
@@ -58,10 +42,12 @@ def _ferry_of(engine: object) -> Ferry:
     if ferry is not None:
         return ferry
     targets = (model,) if optimizer is None else (model, optimizer)
-    # The engine's device, not one inferred from the tensors: with FSDP's CPUOffloadPolicy
-    # (fsdp.offload_params) or per_layer_optim_step the state already on the CPU stays out.
     state = REGISTRY.patched.get("areal")
-    ferry = Ferry(*targets, device=getattr(engine, "device", None), skip_unchanged=_skip_unchanged(engine, optimizer),
+    skip = state.settings.choice("skip_unchanged") if state is not None else None  # None: not forced by patch()
+    if skip is None:  # see [Note: which engines skip unchanged storages]
+        skip = optimizer is None or bool(getattr(getattr(engine, "config", None), "use_lora", False))
+    # The engine's device, not the tensors': with CPUOffloadPolicy or per_layer_optim_step, state on the CPU stays out
+    ferry = Ferry(*targets, device=getattr(engine, "device", None), skip_unchanged=skip,
                   settings=state.settings.core if state is not None else None)  # None: the environment's, now
     REGISTRY.put(engine, ferry, "areal", (model, optimizer))
     return ferry
@@ -81,8 +67,7 @@ def _settle(engine: object) -> None:
 
 
 def _clears_as_areal_cuda(platform: object) -> bool:
-    """Whether ``platform.clear_memory`` is AReaL's own CUDA one, which the patched ``offload()`` may run around
-    its copies ([Note: AReaL's clear_memory() beside the copies])."""
+    """Whether ``platform.clear_memory`` is AReaL's own CUDA one ([Note: AReaL's clear_memory() beside the copies])."""
     try:
         from areal.infra.platforms.cuda import CudaPlatform  # pyright: ignore[reportMissingImports]
     except Exception:  # noqa: BLE001  (AReaL moved it: call clear_memory() as AReaL does)
@@ -91,19 +76,16 @@ def _clears_as_areal_cuda(platform: object) -> bool:
 
 
 def _replacements(module: ModuleType, original: Mapping[str, Callable]) -> dict[str, Callable]:
-    """``offload`` and ``onload`` for ``module.FSDPEngine``; they read ``module.current_platform`` and
-    ``module.dist`` at each call, as AReaL's methods do."""
+    """``FSDPEngine.offload`` and ``onload``, reading ``module.current_platform`` and ``module.dist`` at each call."""
 
     def offload(self) -> None:
-        """Offloads the engine's model (parameters, buffers, ``.grad``s) and optimizer state to the host
-        through its torchferry ferry; returns once the copies are done and the released memory went back to
-        the driver, after a barrier of the engine's ranks, ``is_offload`` True. Moves nothing when already
-        offloaded.
+        """Offloads the engine's model (parameters, buffers, ``.grad``s) and optimizer state to the host through
+        its ferry (nothing when already offloaded); returns once the copies are done and the memory released, after
+        a barrier of the engine's ranks, ``is_offload`` True ([Note: the patched offload() keeps AReaL's contract]).
 
         Raises:
-            RuntimeError: the engine has no model (before ``initialize()``, after ``destroy()``), or host
-                memory could not be allocated or pinned (``torchferry.HostBudgetError`` among them); the state
-                stays on the device, ``is_offload`` unchanged.
+            RuntimeError: no model (before ``initialize()``, after ``destroy()``), or host memory could not be
+                allocated or pinned (``torchferry.HostBudgetError``); the state stays, ``is_offload`` unchanged.
         """
         self.get_device_stats().log("before offload model")
         _settle(self)
@@ -129,16 +111,15 @@ def _replacements(module: ModuleType, original: Mapping[str, Callable]) -> dict[
         self.is_offload = True
 
     def onload(self) -> None:
-        """Reloads what :meth:`offload` moved; returns with the state on the device (synchronized), after a
-        barrier of the engine's ranks, ``is_offload`` False. Moves nothing for an engine that is resident or
-        was never offloaded through torchferry. A model or optimizer replaced since the offload: the state
-        offloaded comes back, the new ones move at the next offload.
+        """Reloads what :meth:`offload` moved (nothing for an engine resident or never offloaded through
+        torchferry); returns with the state on the device (synchronized), after a barrier of the engine's ranks,
+        ``is_offload`` False ([Note: a model or optimizer replaced while offloaded]).
 
         Raises:
             RuntimeError: the device ran out of memory (the message names the bytes needed; the state stays on
                 the host, ``is_offload`` unchanged).
         """
-        _settle(self)  # see [Note: a model or optimizer replaced while offloaded]
+        _settle(self)
         ferry = ferry_for(self)
         if ferry is not None:
             with whole_copies():  # synchronised below: [Note: whole copies where the caller waits]
@@ -164,8 +145,8 @@ HELPER_SET = HelperSet(
 
 
 def patch(*, skip_unchanged: bool | None = None) -> list[str]:
-    """Routes AReaL's ``FSDPEngine.offload`` / ``onload`` through torchferry ferries, in this process only
-    (engines made before the call too). Idempotent: a second call changes nothing, its arguments included.
+    """Routes AReaL's ``FSDPEngine.offload`` / ``onload`` through torchferry ferries, in this process (engines
+    made before too). Idempotent: a second call changes nothing, its arguments included.
 
     Args:
         skip_unchanged: ``None`` (default): on for engines without an optimizer and LoRA engines, off for the
@@ -192,15 +173,13 @@ def patch(*, skip_unchanged: bool | None = None) -> list[str]:
 
 
 def unpatch() -> None:
-    """Brings back the state of every engine offloaded through torchferry (synchronously, as the patched
-    ``onload()`` without its barrier and logs; its ``is_offload`` False: [Note: unpatch() brings the state
-    back] in ``docs/integrations.md``), then puts AReaL's own ``offload`` / ``onload`` back on
-    ``FSDPEngine`` and closes the ferries. Idempotent.
+    """Brings back the state of every engine offloaded through torchferry (as the patched ``onload()`` without
+    its barrier and logs: [Note: unpatch() brings the state back] in ``docs/integrations.md``), then AReaL's own
+    ``offload`` / ``onload`` again; the ferries closed. Idempotent.
 
     Raises:
-        RuntimeError: a reload failed (e.g. the device is out of memory; the message names the engine and
-            what stays offloaded). Nothing is unpatched then and every engine is as it was; free memory and
-            call it again.
+        RuntimeError: a reload failed (the device out of memory: the message names the engine and what stays
+            offloaded); nothing is unpatched then.
     """
     offloaded = [engine for engine, entry in REGISTRY.of("areal") if away(entry.ferry)]
     unpatch_integration("areal", ())

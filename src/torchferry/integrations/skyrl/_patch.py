@@ -1,8 +1,5 @@
-"""``patch()``: SkyRL 0.4.0's FSDP2 offload helpers (verl PR #7347's, the same names and signatures), replaced
-in its ``fsdp_utils`` and wherever SkyRL modules bound them (``...distributed.fsdp_strategy``).
-
-See [Note: what stays with SkyRL's own helpers] in ``docs/integrations.md``.
-"""
+"""``patch()``: SkyRL 0.4.0's FSDP2 offload helpers (verl PR #7347's), replaced in its ``fsdp_utils`` and wherever
+SkyRL modules bound them ([Note: what stays with SkyRL's own helpers] in ``docs/integrations.md``)."""
 
 from __future__ import annotations
 
@@ -13,23 +10,13 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from .._base import (REGISTRY, HelperSet, PatchState, Settings, check_bool, check_environment, fsdp2_offloads_params,
+from .._base import (REGISTRY, HelperSet, PatchState, Settings, check_bool, fsdp2_offloads_params,
                      offload_fsdp2_model_to_cpu, routed, seed_replacements, unpatch_integration)
 
-__all__ = ["FSDP_UTILS", "HELPER_SET", "SWITCH_NAMES", "check_settings", "is_patched", "patch", "unpatch"]
+__all__ = ["FSDP_UTILS", "HELPER_SET", "SWITCH_NAMES", "is_patched", "patch", "unpatch"]
 
 FSDP_UTILS = "skyrl.backends.skyrl_train.distributed.fsdp_utils"
 SWITCH_NAMES: tuple[str, ...] = ("skip_unchanged", "optimizer_at_step", "layerwise_reload")  # what patch() reads
-
-
-def check_settings() -> None:
-    """Reads the variables SkyRL's ``patch()`` reads (not verl's), for the Ray hook and the launcher to refuse a
-    bad one before anything is patched.
-
-    Raises:
-        ValueError: a switch neither on nor off.
-    """
-    check_environment(SWITCH_NAMES)
 
 
 def _materialise_meta_buffers(model: nn.Module) -> None:
@@ -76,8 +63,7 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
         import_call_sites: also import ``fsdp_strategy`` now (when its own imports, flash_attn among them, are
             there), so the names it bound by ``from ...fsdp_utils import ...`` are replaced too.
         skip_unchanged, optimizer_at_step, layerwise_reload: as :func:`torchferry.integrations.verl.patch`'s,
-            SkyRL's own ([Note: each integration's settings] in ``docs/integrations.md``); by default
-            only ``skip_unchanged`` is on.
+            SkyRL's own, only ``skip_unchanged`` on by default ([Note: each integration's settings]).
 
     Returns:
         The ``module.attribute`` names replaced.
@@ -85,9 +71,8 @@ def patch(*, import_call_sites: bool = True, skip_unchanged: bool | None = None,
     Raises:
         TypeError: ``import_call_sites`` is not a bool, or a switch neither ``None`` nor a bool.
         ValueError: a switch's environment variable is neither on nor off.
-        RuntimeError: SkyRL's ``fsdp_utils`` is not importable (on Python < 3.12 the message says SkyRL needs
-            3.12), or one of its helpers is missing or has other parameters than this integration was written
-            for (nothing is replaced then).
+        RuntimeError: SkyRL's ``fsdp_utils`` is not importable (on Python < 3.12: SkyRL needs 3.12), or one of its
+            helpers is missing or has other parameters (nothing is replaced then).
     """
     check_bool(import_call_sites, "patch(import_call_sites=...)")
     state = REGISTRY.patched.get("skyrl")

@@ -7,21 +7,20 @@
     tf_verl.patch(dock=0.6)  # the trainer under a Dock of 0.6 of the GPU: state stays while it fits
 
 verl's FSDP workers are Ray actors: :mod:`.main_ppo`, or the Ray hook :func:`ray_worker_setup` given to verl's
-own entry point, patches each worker that imports ``verl.utils.fsdp_utils``. The drop-in helpers (verl PR #7347's
-names and signatures) are the same objects as SkyRL's, defined in :mod:`torchferry.integrations._base.helpers`
-(``torchferry.compat.verl``: their older path).
+own entry point, patches each worker that imports ``verl.utils.fsdp_utils``. The drop-in helpers are SkyRL's too,
+from :mod:`torchferry.integrations._base.helpers` (``torchferry.compat.verl``: their older path).
 """
 
-from .._base import (HookNames, WorkerHook, ferry_for, load_fsdp2_model_to_gpu, load_fsdp_optimizer,
+from .._base import (HookNames, WorkerHook, check_environment, ferry_for, load_fsdp2_model_to_gpu, load_fsdp_optimizer,
                      offload_fsdp2_model_to_cpu, offload_fsdp_optimizer)
 from ._dock import dock_rollout, docked
-from ._patch import FSDP_UTILS, check_settings, is_patched, patch, unpatch
+from ._patch import FSDP_UTILS, is_patched, patch, unpatch
 
 HOOK_PATH = "torchferry.integrations.verl.ray_worker_setup"
 ENV_FLAG = "TORCHFERRY_VERL"
 _HOOK = WorkerHook(HookNames(framework="verl", integration="verl", module=FSDP_UTILS, hook_path=HOOK_PATH,
                              env_flag=ENV_FLAG, next_hook_env="TORCHFERRY_VERL_NEXT_HOOK"),
-                   patch=patch, is_patched=is_patched, check=check_settings)
+                   patch=patch, is_patched=is_patched, check=lambda: check_environment(with_dock=True))
 patch_when_imported = _HOOK.patch_when_imported
 ray_worker_setup = _HOOK.ray_worker_setup
 with_worker_setup = _HOOK.with_worker_setup

@@ -1,8 +1,5 @@
-"""verl's trainer under a :class:`~torchferry.Dock` (``patch(dock=budget)``): a thin adapter over the core's phase
-dock ([Note: a trainer under a phase dock] in ``torchferry._core._dock.phase_dock``).
-
-See [Note: verl under a Dock] and [Note: verl's offload flags under a Dock] in ``docs/integrations.md``.
-"""
+"""verl's trainer under a :class:`~torchferry.Dock` (``patch(dock=budget)``), an adapter over the core's phase dock:
+[Note: verl under a Dock] and [Note: verl's offload flags under a Dock] in ``docs/integrations.md``."""
 
 from __future__ import annotations
 
@@ -22,20 +19,16 @@ _TAGS = MappingProxyType({"weights": "rollout.weights", "kv_cache": "rollout.kv_
 
 
 def dock_rollout(rollout: Any, weights_bytes: int, kv_cache_bytes: int) -> Any:
-    """Makes a rollout's memory claimants of the process's verl dock: ``rollout.resume(tags)`` first makes room
-    for ``rollout.weights`` and / or ``rollout.kv_cache``, then resumes; ``rollout.release()`` marks both asleep
-    (the next phase entry does too: [Note: verl under a Dock]). Applied to the worker's rollout by
-    ``patch(dock=...)``; called again, it takes the new byte counts. A no-op without a dock. A ``resume`` that
-    raises leaves its claimants counted until the next phase entry (its memory may be half mapped).
+    """Makes a rollout's memory claimants of the process's verl dock ([Note: verl under a Dock]): ``resume(tags)``
+    first makes room for ``rollout.weights`` / ``rollout.kv_cache``, ``release()`` marks both asleep. Applied by
+    ``patch(dock=...)``; called again, it takes the new byte counts; a no-op without a dock. Returns ``rollout``,
+    its ``resume`` / ``release`` wrapped on the instance.
 
     Args:
         rollout: an object with ``async resume(tags)`` (``tags``: a list of ``"weights"`` /
             ``"kv_cache"``) and ``async release()`` (verl's ``BaseRollout``).
         weights_bytes: bytes its weights take on this device (>= 0).
         kv_cache_bytes: bytes its KV cache takes (>= 0).
-
-    Returns:
-        ``rollout``, its ``resume`` / ``release`` wrapped (on the instance).
 
     Raises:
         ValueError: a byte count that is not an int >= 0.
@@ -78,9 +71,8 @@ def dock_rollout(rollout: Any, weights_bytes: int, kv_cache_bytes: int) -> Any:
 
 
 def kept_on_device(engine: Any) -> tuple[list[object], str]:
-    """What verl keeps on the device of ``engine`` and the flags why, for messages: its module without
-    ``param_offload``, its optimizer without ``optimizer_offload`` ([Note: verl's offload flags under a Dock];
-    an object without the flags offloads both)."""
+    """What verl keeps on the device of ``engine`` and the flags why, for messages ([Note: verl's offload flags
+    under a Dock]; an object without the flags offloads both)."""
     kept: list[object] = []
     why = []
     if not getattr(engine, "is_param_offload_enabled", True):
@@ -94,15 +86,13 @@ def kept_on_device(engine: Any) -> tuple[list[object], str]:
 
 
 class VerlDock(PhaseDock):
-    """The process's dock over verl's engines ([Note: verl under a Dock]): verl's engine contexts and rollout
-    said in the phase dock's terms."""
+    """The process's dock over verl's engine contexts and rollout, in the phase dock's terms."""
 
     def __init__(self, budget: int | float) -> None:
         super().__init__(budget, label="verl dock", hint="TORCHFERRY_VERL_DOCK / patch(dock=...)")
 
     def _set(self, obj: Any, helpers: SeedHelpers | None) -> Ferry:
-        """``obj``'s ferry (made by verl's helpers: [Note: unpatch() brings the state back]); a dock of another
-        budget (``patch(dock=...)`` changed) lets it go."""
+        """``obj``'s ferry (made by verl's helpers); a dock of another budget (an earlier ``patch()``) lets it go."""
         ferry = (helpers or helpers_of("verl")).make(obj)
         for other in docks():
             if other is not self and other.holds(ferry):
@@ -154,7 +144,6 @@ def docks() -> list[VerlDock]:
 
 def docked() -> VerlDock | None:
     """The process's verl dock while ``patch(dock=...)`` holds, else ``None``: its :class:`~torchferry.Dock`
-    (``.dock``: ``stats``, ``moves``, ``resident_bytes``), the phases it saw (``.phase_log``) and
-    :meth:`VerlDock.take_peak`."""
+    (``.dock``), the phases it saw (``.phase_log``) and :meth:`VerlDock.take_peak`."""
     state = REGISTRY.patched.get("verl")
     return None if state is None else state.router

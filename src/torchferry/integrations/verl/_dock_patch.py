@@ -16,8 +16,7 @@ __all__ = ["patch_dock", "unpatch_dock", "verl_targets"]
 
 
 def verl_targets() -> type:
-    """verl's ``FSDPEngine``, once what the dock mode replaces or reads in verl is checked (:data:`DOCK_SETS`'
-    names and parameters, ``BaseEngineCtx(engine, mode)``).
+    """verl's ``FSDPEngine``, once what the dock mode replaces or reads in verl is checked.
 
     Raises:
         RuntimeError: verl is not 0.9.x, or one of these changed (nothing is replaced then).
@@ -41,9 +40,8 @@ def verl_targets() -> type:
 
 
 def _rollout_bytes(worker: Any) -> tuple[int, int]:
-    """An estimate of the rollout's weights and KV cache bytes on one device (verl's vLLM / SGLang
-    config): the actor's parameters in bf16 over the rollout's tensor parallel size, and
-    ``gpu_memory_utilization`` of the device's memory less them."""
+    """An estimate of the rollout's weights and KV cache bytes on one device: the actor's parameters in bf16 over
+    the rollout's tensor parallel size, and ``gpu_memory_utilization`` of the device's memory less them."""
     cfg = worker.config.rollout
     tp = int(cfg.get("tensor_model_parallel_size", 1) or 1)
     util = float(cfg.get("gpu_memory_utilization", 0.5) or 0.5)
@@ -111,8 +109,7 @@ DOCK_SETS = (  # what patch(dock=...) replaces in verl, besides the helpers
 
 
 def patch_dock(state: PatchState, budget: int | float) -> None:
-    """verl's engine context under the dock kept for ``budget``, else a new one (``patch()`` checked
-    :func:`verl_targets`; ``unpatch()`` keeps each dock made, its sets where it left them: ``VerlDock._set``)."""
+    """verl's engine context under the dock kept for ``budget``, else a new one (``unpatch()`` keeps each)."""
     for hs in DOCK_SETS:
         state.patch(hs)
     key = ("verl", type(budget).__name__, budget)  # 1 (a byte) and 1.0 (the device) are two budgets

@@ -1,7 +1,5 @@
-"""verl's LoRA weight sync reading the adapters where they are: the base model stays on the host.
-
-See [Note: the LoRA weight sync reads the adapters where they are] in ``docs/integrations.md``.
-"""
+"""verl's LoRA weight sync reading the adapters where they are, the base model left on the host ([Note: the LoRA
+weight sync reads the adapters where they are] in ``docs/integrations.md``)."""
 
 from __future__ import annotations
 
@@ -55,10 +53,9 @@ def _engine_replacements(module: ModuleType, original: Mapping[str, Callable]) -
     from verl.utils.fsdp_utils import fsdp_version
 
     def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
-        if not _adapters_only(self, fsdp_version, layered_summon, base_sync_done):
-            return verl_get(self, layered_summon=layered_summon, base_sync_done=base_sync_done, **kwargs)
         state = REGISTRY.patched.get("verl")  # None: unpatched meanwhile
-        with marked(None if state is None else state.left_in_place, self.module):
+        here = state is not None and _adapters_only(self, fsdp_version, layered_summon, base_sync_done)
+        with marked(state.left_in_place if here else None, getattr(self, "module", None)):
             return verl_get(self, layered_summon=layered_summon, base_sync_done=base_sync_done, **kwargs)
 
     return {"get_per_tensor_param": get_per_tensor_param}
@@ -87,7 +84,7 @@ def _collect_replacements(module: ModuleType, original: Mapping[str, Callable]) 
     return {"collect_lora_params": collect_lora_params}
 
 
-LORA_SYNC_SETS = (
+LORA_SYNC_SETS = (  # what the LoRA weight sync's note replaces: both or neither
     HelperSet(integration="verl", framework="verl", module=FSDP_ENGINE, package="verl", cls="FSDPEngine",
               helpers={"get_per_tensor_param": ("self", "layered_summon", "base_sync_done", "kwargs")},
               replacements=_engine_replacements),
@@ -95,5 +92,3 @@ LORA_SYNC_SETS = (
               helpers={"collect_lora_params": ("module", "layered_summon", "base_sync_done")},
               replacements=_collect_replacements, call_sites=(FSDP_ENGINE,)),
 )
-"""What [Note: the LoRA weight sync reads the adapters where they are] (``docs/integrations.md``) replaces: both
-or neither."""

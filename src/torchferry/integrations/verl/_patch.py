@@ -1,9 +1,6 @@
-"""``patch()``: verl 0.9.1's FSDP offload helpers (verl PR #7347's; :data:`HELPER_SET`, wherever verl modules
-bound them) and its VeOmni and Automodel engines' replaced by torchferry's.
-
-See [Note: FSDP1 models through torchferry], [Note: verl's defaults] and [Note: the VeOmni and Automodel helpers]
-in ``docs/integrations.md``.
-"""
+"""``patch()``: verl 0.9.1's FSDP offload helpers (verl PR #7347's) and its VeOmni and Automodel engines' replaced
+by torchferry's ([Note: FSDP1 models through torchferry], [Note: verl's defaults] and [Note: the VeOmni and
+Automodel helpers] in ``docs/integrations.md``)."""
 
 from __future__ import annotations
 
@@ -12,23 +9,12 @@ import importlib
 from collections.abc import Callable, Mapping
 from types import MappingProxyType, ModuleType
 
-from .._base import (REGISTRY, HelperSet, PatchState, Patcher, Settings, check_bool, check_environment,
-                     fsdp1_offloads_params, helpers_of, idle_and_resharded, marked, model_load, seed_replacements,
-                     unpatch_integration)
+from .._base import (REGISTRY, HelperSet, PatchState, Patcher, Settings, check_bool, fsdp1_offloads_params,
+                     helpers_of, idle_and_resharded, marked, model_load, seed_replacements, unpatch_integration)
 from ._dock_patch import DOCK_SETS, patch_dock, unpatch_dock, verl_targets
 from ._lora_sync import LORA_SYNC_SETS, reads_adapters_only
 
-__all__ = ["FSDP_UTILS", "check_settings", "is_patched", "patch", "unpatch"]
-
-
-def check_settings() -> None:
-    """Reads the variables verl's ``patch()`` reads (its switches and the dock's budget), for the Ray hook and
-    the launcher to refuse a bad one before anything is patched.
-
-    Raises:
-        ValueError: a switch neither on nor off, or a malformed ``TORCHFERRY_VERL_DOCK``.
-    """
-    check_environment(with_dock=True)
+__all__ = ["FSDP_UTILS", "is_patched", "patch", "unpatch"]
 
 FSDP_UTILS = "verl.utils.fsdp_utils"
 VERL_DEFAULTS = MappingProxyType({"optimizer_at_step": True, "layerwise_reload": True})  # [Note: verl's defaults]
@@ -133,10 +119,9 @@ ENGINE_SETS = tuple(_engine_set(engine) for engine in ("veomni", "automodel"))
 
 
 def importable_sets() -> list[HelperSet]:
-    """The engines whose helper module imports here, checked (``RuntimeError`` before anything is replaced), and
-    each of these groups where all its names import and fit, else verl's own code runs: the LoRA weight sync's
-    ([Note: the LoRA weight sync reads the adapters where they are]) and the train/eval context's (without it
-    every load is whole: [Note: verl's defaults])."""
+    """The engine sets whose module imports here, checked (``RuntimeError`` before anything is replaced), and the
+    LoRA weight sync's and the train/eval context's groups where all their names import and fit (else verl's own
+    code runs there: [Note: the LoRA weight sync reads the adapters where they are], [Note: verl's defaults])."""
     out = []
     for hs in ENGINE_SETS:
         try:
@@ -148,8 +133,7 @@ def importable_sets() -> list[HelperSet]:
     for group in (LORA_SYNC_SETS, (CONTEXT_SET,)):
         try:
             for hs in group:
-                importlib.import_module(hs.module)
-                Patcher(hs).check()
+                Patcher(hs).check()  # imports the module
         except Exception:  # the module does not import here, or verl changed these names
             continue
         out.extend(group)
@@ -167,34 +151,31 @@ def patch(*, import_engines: bool = True, skip_unchanged: bool | None = None,
     """Routes verl's FSDP model and optimizer offload helpers through torchferry. Idempotent.
 
     A switch left ``None`` is an earlier ``patch()``'s choice, else its environment variable, else on ([Note:
-    verl's defaults]); verl's own ([Note: each integration's settings] in ``docs/integrations.md``).
+    verl's defaults], [Note: each integration's settings] in ``docs/integrations.md``).
 
     Args:
         import_engines: also import verl's FSDP engine modules now, so the names they bound by ``from
             verl.utils.fsdp_utils import ...`` are replaced too.
         skip_unchanged: models' ferries skip unchanged storages (``TORCHFERRY_SKIP_UNCHANGED``; [Note: the
-            helpers skip unchanged storages] in ``docs/integrations.md``).
-        fsdp1: FSDP1 models go through torchferry too (``TORCHFERRY_VERL_FSDP1``; [Note: FSDP1 models through
-            torchferry]).
+            helpers skip unchanged storages]).
+        fsdp1: FSDP1 models go through torchferry (``TORCHFERRY_VERL_FSDP1``; [Note: FSDP1 models through torchferry]).
         optimizer_at_step: ``load_fsdp_optimizer`` leaves the state's copies to ``optimizer.step()``
             (``TORCHFERRY_OPTIMIZER_AT_STEP``; [Note: optimizer state waited for at step()]).
         layerwise_reload: ``load_fsdp2_model_to_gpu`` reloads the FSDP2 units in forward order
             (``TORCHFERRY_LAYERWISE_RELOAD``; [Note: the helpers' layer-wise reload]).
-        dock: a GPU budget for verl's trainer under a :class:`~torchferry.Dock` ([Note: verl under a Dock] in
-            ``docs/integrations.md``): bytes (at least 1 MiB; ``40e9`` too) or a float in (0, 1] (a fraction
-            of the device's memory), which must hold the rollout's memory too; ``0``: no dock (an earlier one
-            switched off); ``None``: ``TORCHFERRY_VERL_DOCK`` (the same, as text), else an earlier ``patch()``'s.
+        dock: a GPU budget for verl's trainer under a :class:`~torchferry.Dock` ([Note: verl under a Dock]): bytes
+            (at least 1 MiB; ``40e9`` too) or a float in (0, 1] (a fraction of the device's memory), the rollout's
+            memory included; ``0``: no dock (an earlier one switched off); ``None``: ``TORCHFERRY_VERL_DOCK`` (the
+            same, as text), else an earlier ``patch()``'s.
 
     Returns:
         The ``module.attribute`` names replaced.
 
     Raises:
         TypeError: a switch is neither ``None`` nor a bool.
-        ValueError: ``dock`` or ``TORCHFERRY_VERL_DOCK`` is not a budget (``_base.settings.parse_budget``), or
-            a switch's environment variable is neither on nor off.
-        RuntimeError: verl is not importable, or one of its helpers is missing or has other parameters than
-            this integration was written for (nothing is replaced then); with a dock, verl is not 0.9.x or
-            the engine context, the worker or the engine it replaces changed.
+        ValueError: ``dock`` or ``TORCHFERRY_VERL_DOCK`` is not a budget, or a switch's variable is neither on nor off.
+        RuntimeError: verl is not importable, or one of its helpers is missing or has other parameters (nothing is
+            replaced then); with a dock, verl is not 0.9.x or the engine context, worker or engine changed.
     """
     state = REGISTRY.patched.get("verl")
     args = {"skip_unchanged": skip_unchanged, "optimizer_at_step": optimizer_at_step,

@@ -478,6 +478,30 @@ def test_a_helper_given_the_wrong_kind_of_object_refuses_it_in_one_line(call):
     assert_same(before, snapshot(m, opt))
 
 
+@pytest.mark.parametrize("device_id, exc, match", [
+    (None, TypeError, r"load_fsdp_optimizer\(device_id=None\): give the device to reload onto"),
+    ("gpu", ValueError, r"load_fsdp_optimizer\(device_id=\.\.\.\): 'gpu' is not a device"),
+    (True, TypeError, r"load_fsdp_optimizer\(device_id=\.\.\.\) takes a device index, 'cuda:N' or a device; got bool"),
+    (1.5, TypeError, r"got float 1\.5"),
+    (-1, ValueError, r"device index -1 is negative"),
+])
+def test_the_optimizer_load_refuses_a_bad_device_id_in_one_line_and_the_state_stays_offloaded(device_id, exc, match):
+    """``load_fsdp_optimizer(opt, None)`` (or ``"gpu"``, ``True``, ``1.5``) raised PyTorch's multi-line errors from
+    ``torch.device``; now one torchferry line, the state offloaded and intact, a right device then reloads it."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    before = snapshot(m, opt)
+    compat.offload_fsdp_optimizer(opt)
+    with pytest.raises(exc, match="^torchferry: .*" + match) as e:
+        compat.load_fsdp_optimizer(opt, device_id)
+    assert "\n" not in str(e.value) and compat.ferry_for(opt).residency.on_host
+    compat.load_fsdp_optimizer(opt, "cpu")
+    assert_same(before, snapshot(m, opt))
+
+
 @pytest.mark.parametrize("call", ["load_fsdp2_model_to_gpu([1])", "load_fsdp_model_to_gpu(opt)",
                                   "load_fsdp_optimizer(m, 'cpu')", "offload_fsdp_model_to_cpu(opt)"])
 def test_verls_patched_helpers_refuse_the_wrong_kind_of_object_before_looking_it_up(call, patched):

@@ -43,19 +43,20 @@ def _one_cpu(device: torch.device | None, what: str, accepted: str) -> torch.dev
     return torch.device("cpu")
 
 
-def check_device(device: object, what: str) -> torch.device | None:
+def check_device(device: object, what: str, accepted: str | None = None) -> torch.device | None:
     """``device`` as a ``torch.device`` (``None`` kept).
 
     Args:
         device: a ``torch.device``, a device string or index as ``torch.device`` takes it, or ``None``.
         what: where it was given, for the message (``"Ferry(device=...)"``).
+        accepted: what the message says is accepted (default: what ``Ferry(device=...)`` takes).
 
     Raises:
         TypeError: not a ``torch.device``, str, int or ``None``.
         ValueError: a string or index ``torch.device`` does not accept (``"gpu"``), or a CPU index other than 0
             (``"cpu:0"`` is taken as ``"cpu"``).
     """
-    accepted = "'cpu', 'cuda', 'cuda:N', a torch.device, or None (inferred from the tensors)"
+    accepted = accepted or "'cpu', 'cuda', 'cuda:N', a torch.device, or None (inferred from the tensors)"
     if device is None or isinstance(device, torch.device):
         return _one_cpu(device, what, accepted)
     if not isinstance(device, (str, int)) or isinstance(device, bool):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..._public.ferry import Ferry
+from ..._core._api.args import check_device
 from ..._core._state.targets import inner_optimizers
 from ..._core._transfer.switch import whole_copies
 from .patcher import HelperSet, Patcher, routed
@@ -109,9 +110,11 @@ class SeedHelpers:
     @torch.no_grad()
     def load_optimizer(self, optimizer: torch.optim.Optimizer, device_id: int | str | torch.device) -> None:
         ferry = self.registry.ferry(_checked(optimizer, torch.optim.Optimizer, "optimizer load"))
+        device = check_device(device_id, "load_fsdp_optimizer(device_id=...)", "a device index, 'cuda:N' or a device")
+        if device is None:  # an int is the accelerator's device N (verl's get_device_id()), as for torch.device
+            raise TypeError("torchferry: load_fsdp_optimizer(device_id=None): give the device to reload onto")
         if not has_state(optimizer) or ferry is None:
             return
-        device = torch.device(device_id) if not isinstance(device_id, int) else torch.device("cuda", device_id)
         if device.type != ferry.device.type or device.index not in (None, ferry.device.index):
             raise ValueError(f"torchferry: load_fsdp_optimizer(device_id={device_id!r}) but the state "
                              f"was offloaded from {ferry.device}; it reloads where it came from")

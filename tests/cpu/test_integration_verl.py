@@ -460,16 +460,21 @@ def test_a_sync_that_merges_or_reads_the_base_loads_the_model_whole():
     run_spawned(_twin_syncs, world=1)
 
 
-@pytest.mark.parametrize("call", ["offload_fsdp2_model_to_cpu(opt)", "load_fsdp2_model_to_gpu(5)",
-                                  "offload_fsdp_optimizer(m)", "load_fsdp_optimizer(m, 'cpu')"])
-def test_a_helper_given_the_wrong_kind_of_object_refuses_it_in_one_line(call):
-    """An optimizer given to a model helper was offloaded through it; a module given to an optimizer helper, or
-    an int to a load, raised from inside Python or weakref. Now a one-line ``TypeError``, nothing moved."""
+def _stepped_linear():
     torch.manual_seed(0)
     m = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(m.parameters())
     m(torch.ones(1, 4)).sum().backward()
     opt.step()
+    return m, opt
+
+
+@pytest.mark.parametrize("call", ["offload_fsdp2_model_to_cpu(opt)", "load_fsdp2_model_to_gpu(5)",
+                                  "offload_fsdp_optimizer(m)", "load_fsdp_optimizer(m, 'cpu')"])
+def test_a_helper_given_the_wrong_kind_of_object_refuses_it_in_one_line(call):
+    """An optimizer given to a model helper was offloaded through it; a module given to an optimizer helper, or
+    an int to a load, raised from inside Python or weakref. Now a one-line ``TypeError``, nothing moved."""
+    m, opt = _stepped_linear()
     before = snapshot(m, opt)
     with pytest.raises(TypeError, match=r"^torchferry: the (model|optimizer) (offload|load) takes a torch") as e:
         eval(call, {**vars(compat), "m": m, "opt": opt})
@@ -488,11 +493,7 @@ def test_a_helper_given_the_wrong_kind_of_object_refuses_it_in_one_line(call):
 def test_the_optimizer_load_refuses_a_bad_device_id_in_one_line_and_the_state_stays_offloaded(device_id, exc, match):
     """``load_fsdp_optimizer(opt, None)`` (or ``"gpu"``, ``True``, ``1.5``) raised PyTorch's multi-line errors from
     ``torch.device``; now one torchferry line, the state offloaded and intact, a right device then reloads it."""
-    torch.manual_seed(0)
-    m = torch.nn.Linear(4, 4)
-    opt = torch.optim.AdamW(m.parameters())
-    m(torch.ones(1, 4)).sum().backward()
-    opt.step()
+    m, opt = _stepped_linear()
     before = snapshot(m, opt)
     compat.offload_fsdp_optimizer(opt)
     with pytest.raises(exc, match="^torchferry: .*" + match) as e:

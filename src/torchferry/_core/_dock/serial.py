@@ -22,6 +22,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from .._transfer.signals import deferred
+
 __all__ = ["WAIT_S", "DockLock", "serialized"]
 
 WAIT_S = 60.0
@@ -71,7 +73,9 @@ def serialized(call: str, fn: _F) -> _F:
     @functools.wraps(fn)
     def one_at_a_time(self: Any, *args: Any, **kwargs: Any) -> Any:
         engine = self._engine
-        with engine.lock.held(call, engine.label):
+        # SIGINT / SIGTERM held back for the call, the lock's bookkeeping included: one arriving between the
+        # lock's acquire and its try left the lock held for good ([Note: all or nothing] in _ferry/interrupts.py)
+        with deferred(), engine.lock.held(call, engine.label):
             return fn(self, *args, **kwargs)
 
     return one_at_a_time  # type: ignore[return-value]

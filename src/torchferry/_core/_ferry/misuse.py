@@ -105,10 +105,11 @@ def moves_state(call: str) -> Callable[[_F], _F]:
     ([Note: GC pause]) and each module tree walked once ([Note: module walks])."""
 
     def wrap(fn: _F) -> _F:
-        inner = interrupts_deferred(torch.inference_mode(False)(torch.no_grad()(gc_paused()(tree_memo()(fn)))))
+        inner = torch.inference_mode(False)(torch.no_grad()(gc_paused()(tree_memo()(fn))))
 
         @functools.wraps(fn)
-        def wrapper(self, *args, **kwargs):
+        @interrupts_deferred  # around the mover's bookkeeping too: a signal between its lock and its try left
+        def wrapper(self, *args, **kwargs):  # the lock held (every later call hung) or the ferry owned for good
             with self._mover.entered(call, self.__repr__):
                 return inner(self, *args, **kwargs)
 

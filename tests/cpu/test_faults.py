@@ -267,6 +267,63 @@ def test_sigint_during_a_transfer_is_raised_after_it_completes(monkeypatch):
         signal.signal(signal.SIGINT, previous)
 
 
+class _Stop(Exception):
+    """What the test's SIGTERM handler raises (as a worker's handler raises ``SystemExit``)."""
+
+
+@pytest.mark.parametrize("where", ["between the installs", "between the restores"])
+def test_a_signal_between_two_handler_swaps_is_neither_lost_nor_left_held(where, monkeypatch):
+    """[Note: a signal between two handler swaps] in ``_core/_transfer/signals.py``: a SIGTERM whose handler
+    raises, arriving between the two installs, left SIGINT's hold in place (every later Ctrl-C swallowed); a
+    Ctrl-C between the two restores left SIGTERM's hold in place and the SIGTERM held during the call lost."""
+    from torchferry._core._transfer import signals
+
+    got = []
+
+    def on_term(signum, frame):
+        got.append("SIGTERM")
+        raise _Stop
+
+    previous = {s: signal.signal(s, h) for s, h in ((signal.SIGINT, signal.default_int_handler),
+                                                    (signal.SIGTERM, on_term))}
+    real, calls = signal.signal, []
+
+    def swap(signum, handler):  # a signal arrives right after the first swap of the installs, or of the restores
+        out = real(signum, handler)
+        calls.append(signum)
+        if where == "between the installs" and len(calls) == 1:
+            signal.raise_signal(signal.SIGTERM)
+        if where == "between the restores" and len(calls) == 3:
+            signal.raise_signal(signal.SIGINT)
+        return out
+
+    m = nn.Linear(16, 16)
+    before = m.weight.detach().clone()
+    ferry = Ferry(m, device="cpu")
+    try:
+        monkeypatch.setattr(signals.signal, "signal", swap)
+        if where == "between the installs":
+            with pytest.raises(_Stop):
+                ferry.offload()
+            assert ferry.residency is torchferry.Residency.DEVICE  # nothing moved: it never got in
+        else:
+            with pytest.raises(_Stop) as e:  # both delivered: the Ctrl-C as it came, then the SIGTERM held
+                with signals.deferred():
+                    signal.raise_signal(signal.SIGTERM)  # held for the block
+            assert got == ["SIGTERM"] and isinstance(e.value.__context__, KeyboardInterrupt)
+        monkeypatch.undo()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) is on_term
+        with pytest.raises(KeyboardInterrupt):  # Ctrl-C works again
+            signal.raise_signal(signal.SIGINT)
+        ferry.offload()
+        ferry.reload()
+        assert torch.equal(m.weight, before)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 def test_an_ignored_sigint_stays_ignored_through_a_transfer(monkeypatch):
     """A caller that ignores SIGINT (``SIG_IGN``) keeps ignoring it: a Ctrl-C during an offload is not
     turned into a ``KeyboardInterrupt`` and the handler is ``SIG_IGN`` after the call."""

@@ -117,7 +117,10 @@ def _state_dict_while_offloaded(rank, world, orig):
     import torchferry
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
 
-    m, opt = _fsdp1(orig)
+    torch.manual_seed(0)
+    inner = FSDP(nn.Sequential(nn.Linear(11, 5)), device_id=torch.device("cpu"), use_orig_params=orig)
+    m = FSDP(nn.Sequential(nn.Linear(16, 11), nn.ReLU(), inner), device_id=torch.device("cpu"), use_orig_params=orig)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
     train_step(m, opt, x, set_to_none=True)
     kinds = (StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT, StateDictType.LOCAL_STATE_DICT)
@@ -139,6 +142,8 @@ def _state_dict_while_offloaded(rank, world, orig):
         assert "\n" not in str(e.value) and "call ferry.reload()" in str(e.value)
         with FSDP.state_dict_type(m, kind), pytest.raises(RuntimeError, match="^torchferry: state_dict"):
             m.load_state_dict(want[kind])
+        with FSDP.state_dict_type(m, kind), pytest.raises(RuntimeError, match="^torchferry: state_dict"):
+            inner.state_dict()  # a unit inside the target: its own hooks would do the same
     ferry.reload()
     _same(before, snapshot(m, opt))
     for kind in kinds:  # FSDP1 untouched: every kind works after the reload, and equals what it was
@@ -154,5 +159,6 @@ def test_an_fsdp1_state_dict_while_offloaded_is_refused_and_fsdp1_stays_usable(o
     ``state_dict()`` while offloaded raised PyTorch's ``setStorage ... storage of size 0`` and left FSDP1 in its
     unshard context, so every later ``state_dict()`` failed, after ``reload()`` too ([Note: FSDP1's state dict
     while offloaded] in ``_core/_ferry/guards.py``). Now refused in one line before FSDP1's hooks run, for every
-    state-dict type and ``load_state_dict()``, and exact after the reload (2 gloo ranks)."""
+    state-dict type, ``load_state_dict()`` and a unit inside the target, and exact after the reload (2 gloo
+    ranks)."""
     run_spawned(functools.partial(_state_dict_while_offloaded, orig=orig))

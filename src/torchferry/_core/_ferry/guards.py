@@ -29,8 +29,9 @@ pre-hooks first: they all-gather the flat parameters (NCCL takes no host tensor)
 offload released. On 2 gloo ranks that raised PyTorch's ``setStorage: ... out of bounds for storage of size 0``
 and left FSDP1 inside its unshard context, so every later ``state_dict()``, after ``reload()`` too, failed
 (``AssertionError: Entering the _unshard_fsdp_state_params context but _unshard_params_ctx[module] is not
-None``): checkpointing broken for the rest of the run. So an FSDP1 target's root refuses both calls while
-offloaded, in hooks placed before FSDP1's (``run_first`` in ``_state/fsdp.py``): nothing of FSDP1 has run,
+None``): checkpointing broken for the rest of the run. So every FSDP1 unit of a target (the root and the
+units inside it, whose own ``state_dict()`` does the same) refuses both calls while offloaded, in hooks placed
+before FSDP1's (``run_first`` in ``_state/fsdp.py``): nothing of FSDP1 has run,
 and after ``reload()`` both work (verl's checkpoint manager loads the model before it saves or loads). Test:
 ``tests/cpu/test_integration_verl_fsdp1.py::test_an_fsdp1_state_dict_while_offloaded_is_refused_and_fsdp1_stays_usable``.
 """
@@ -47,7 +48,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .._api.handle import TransferHandle
 from .._api.hooks import Uncopyable
-from .._state.fsdp import is_fsdp1, run_first
+from .._state.fsdp import fsdp1_units, run_first
 from .._state.tree import module_tree
 
 __all__ = ["OffloadGuards", "dropped"]
@@ -100,11 +101,11 @@ class OffloadGuards:
             # The root's hooks run before any submodule's state is read or written.
             self._handles.append(root.register_state_dict_pre_hook(wait))
             self._handles.append(root.register_load_state_dict_pre_hook(wait))
-            if is_fsdp1(root):  # see [Note: FSDP1's state dict while offloaded]
+            for unit in fsdp1_units(root):  # see [Note: FSDP1's state dict while offloaded]
                 refuse = Uncopyable(self._fsdp1_state_dict_hook, during)
-                first = root.register_state_dict_pre_hook(refuse), root.register_load_state_dict_pre_hook(refuse)
+                first = unit.register_state_dict_pre_hook(refuse), unit.register_load_state_dict_pre_hook(refuse)
                 self._handles.extend(first)
-                run_first(root, *first)
+                run_first(unit, *first)
         for opt in optimizers:
             self._handles.append(opt.register_step_pre_hook(step))
             self._handles.append(opt.register_state_dict_pre_hook(wait))

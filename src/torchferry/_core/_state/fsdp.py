@@ -25,12 +25,12 @@ __all__ = [
     "forward_prefetch_units",
     "fsdp1_flat_storages",
     "fsdp1_offloads_params",
+    "fsdp1_units",
     "fsdp2_offloads_params",
     "fsdp_held",
     "fsdp_modules",
     "idle_and_resharded",
     "is_dtensor",
-    "is_fsdp1",
     "lazy_init_done",
     "local_of",
     "param_groups",
@@ -287,13 +287,13 @@ def fsdp1_offloads_params(module: nn.Module) -> bool:
                for m in FullyShardedDataParallel.fsdp_modules(module))
 
 
-def is_fsdp1(module: nn.Module) -> bool:
-    """Whether ``module`` is, or holds, an FSDP1 (``FullyShardedDataParallel``) unit."""
+def fsdp1_units(module: nn.Module) -> list[nn.Module]:
+    """The FSDP1 (``FullyShardedDataParallel``) units of ``module``'s tree, itself included."""
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:
-        return False
-    return any(isinstance(m, FullyShardedDataParallel) for _, m in module_tree(module))
+        return []
+    return [m for _, m in module_tree(module) if isinstance(m, FullyShardedDataParallel)]
 
 
 def run_first(module: nn.Module, state_dict_hook: RemovableHandle, load_hook: RemovableHandle) -> None:

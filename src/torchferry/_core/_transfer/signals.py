@@ -25,7 +25,8 @@ the SIGTERM held during the call undelivered (found by sending real signals at
 traced lines). So the swaps run inside the ``try`` whose ``finally`` restores
 what it installed (each restore even if a signal raised in an earlier one) and
 delivers what was held, and a hold still installed after the block delivers at
-once, as the handler it stands for (``tests/cpu/test_faults.py::test_a_signal_between_two_handler_swaps_is_neither_lost_nor_left_held``).
+once, as the handler it stands for. Test:
+``tests/cpu/test_faults.py::test_a_signal_between_two_handler_swaps_is_neither_lost_nor_left_held``.
 """
 
 from __future__ import annotations

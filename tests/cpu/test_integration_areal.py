@@ -425,3 +425,46 @@ def test_unpatch_brings_back_what_its_helpers_hold_offloaded(areal_importable):
     through torchferry refused (AReaL's own onload() resumes a torch_memory_saver that paused nothing, so
     it cannot bring the state back); now it brings every engine back, all or nothing."""
     run_spawned(_unpatch_brings_back_body, world=1, timeout_s=TIMEOUT_S)
+
+
+def _sigint_in_offload_body(rank: int, world: int) -> None:
+    import signal
+
+    import torchferry._core._state.parking as parking
+    import torchferry.integrations.areal as tf_areal
+    from areal.engine import fsdp_engine
+    from torchferry import Residency
+
+    tf_areal.patch()
+    engine = _stand_in(fsdp_engine.FSDPEngine, 0)
+    before = snapshot(engine.model, engine.optimizer)
+    real, sent = parking._exchange, []
+
+    def exchange(a, b, dtensor):  # a real Ctrl-C in the middle of each move
+        real(a, b, dtensor)
+        if not sent:
+            sent.append(True)
+            signal.raise_signal(signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    parking._exchange = exchange
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.offload()
+        assert tf_areal.ferry_for(engine).residency is Residency.HOST and engine.is_offload
+        sent.clear()
+        with pytest.raises(KeyboardInterrupt):
+            engine.onload()
+        assert tf_areal.ferry_for(engine).residency is Residency.DEVICE and not engine.is_offload
+    finally:
+        parking._exchange = real
+        signal.signal(signal.SIGINT, previous)
+    _assert_equal(before, snapshot(engine.model, engine.optimizer))
+    tf_areal.unpatch()
+
+
+def test_a_sigint_during_the_patched_offload_or_onload_leaves_is_offload_true_to_the_state(areal_importable):
+    """A Ctrl-C held during the ferry's move was raised once it was done, before the patched ``offload()`` set
+    ``is_offload``: the state on the host with ``is_offload`` False, so AReaL's ``_ensure_ready()`` did not
+    onload it. The flag is now set with the move ([Note: the patched offload() keeps AReaL's contract])."""
+    run_spawned(_sigint_in_offload_body, world=1, timeout_s=TIMEOUT_S)

@@ -18,6 +18,7 @@ from .measure import counted_bytes, is_closed
 from .records import DockStats, Move, _fmt
 from .schedule import Schedule
 from .serial import serialized
+from .._transfer.signals import deferred
 
 __all__ = ["Dock"]
 
@@ -33,10 +34,9 @@ class Dock(NotCopyable):
         """A dock with nothing in it yet.
 
         Args:
-            budget_bytes: bytes that the resident state sets (their storages as
-                they are now, grown state included), the awake claimants and the
-                byte-count claimants in use may hold together on the device (see
-                [Note: dock accounting]).
+            budget_bytes: bytes that the resident state sets (their storages as they are now, grown state
+                included), the awake claimants and the byte-count claimants in use may hold together on the
+                device (see [Note: dock accounting]).
             device: the device of the state sets; default the first added ferry's.
 
         Raises:
@@ -100,10 +100,8 @@ class Dock(NotCopyable):
                 ferry on another device than the dock's, or a set larger than
                 the budget (it could never be resident).
             TypeError: ``ferry`` is not a :class:`~torchferry.Ferry`.
-            HostBudgetError: a resident ferry that had no plan yet is planned
-                here (``ferry.reserve_host(background=True)``, which starts
-                allocating the host pool its first eviction needs) and the
-                node cannot hold that pool.
+            HostBudgetError: the node cannot hold the host pool its first eviction needs (a resident ferry
+                without a plan is planned here).
             RuntimeError: another dock that is still alive holds the ferry
                 (:meth:`remove` it there or :meth:`close` that dock first), or
                 this dock is closed. Nothing changes in either dock.
@@ -285,17 +283,15 @@ class Dock(NotCopyable):
     def use(self, *names: str) -> Iterator[None]:
         """Makes the named state sets resident and the named claimants awake for the block.
 
-        Idle sets and claimants leave only as far as the budget needs (see
-        [Note: choosing victims]); with one set out and one in, both move at
-        once on the two copy engines (:func:`torchferry.swap`). A set loaded
-        here is ready for the current stream (no host sync); one a
-        ``prefetch()`` loaded is waited for only for what is left. After the
-        block everything stays where it is until the room is needed.
+        Idle sets and claimants leave only as far as the budget needs (see [Note: choosing victims]); with one
+        set out and one in, both move at once on the two copy engines (:func:`torchferry.swap`). A set loaded
+        here is ready for the current stream (no host sync); one a ``prefetch()`` loaded is waited for only for
+        what is left. After the block everything stays where it is until the room is needed.
 
-        The sets are counted as they are now (see [Note: a set counts its
-        bytes now]); state that grows in the block is seen at its end: if the
-        dock then holds more than the budget, idle sets leave and idle
-        claimants sleep until it is within the budget again.
+        The sets are counted as they are now (see [Note: a set counts its bytes now]); state that grows in the
+        block is seen at its end: if the dock then holds more than the budget, idle sets leave and idle
+        claimants sleep until it is within the budget again. A signal during the entry is raised once the
+        names are released again.
 
         Raises:
             ValueError: an unknown or repeated name, or names that together
@@ -304,11 +300,15 @@ class Dock(NotCopyable):
             RuntimeError: the room cannot be made because the sets holding it
                 are in use (nothing is moved then).
         """
-        self.acquire(*names)
+        acquired = False
         try:
+            with deferred():  # a signal held during acquire() is raised here, inside the try: the names go back
+                self.acquire(*names)
+                acquired = True
             yield
         finally:
-            self.release(*names)
+            if acquired:
+                self.release(*names)
 
     def acquire(self, *names: str) -> None:
         """``use()``'s entry, for frameworks whose load and offload calls are apart (see ``docs/dock.md``).

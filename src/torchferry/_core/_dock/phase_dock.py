@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from .._ferry.ferry import Ferry
+from .._transfer.signals import deferred
 from .dock import Dock
 from .first_step import first_step_bytes
 from .measure import objects_bytes
@@ -154,15 +155,16 @@ class PhaseDock:
         lazily)."""
         name = self._name_of(ferry)
         assert self.dock is not None and name is not None
-        try:
-            if name in self.dock.in_use:
-                self.dock.require(name)
-                return
-            self.dock.acquire(name)
-        except (ValueError, RuntimeError) as err:
-            raise type(err)(f"torchferry: {self.label}: {who} of {name} outside a phase does not fit the budget "
-                            f"({self.hint}): {err}") from err
-        self.dock.release(name)
+        with deferred():  # a signal held during the acquire is raised after the release
+            try:
+                if name in self.dock.in_use:
+                    self.dock.require(name)
+                    return
+                self.dock.acquire(name)
+            except (ValueError, RuntimeError) as err:
+                raise type(err)(f"torchferry: {self.label}: {who} of {name} outside a phase does not fit the "
+                                f"budget ({self.hint}): {err}") from err
+            self.dock.release(name)
 
     # --------------------------------------------------------------------- phases
     def engine(self, key: Any) -> EngineNames:
@@ -194,6 +196,17 @@ class PhaseDock:
         if mode in e.open:  # a context of the same mode inside the open one: nothing more to hold
             e.depth[mode] = e.depth.get(mode, 0) + 1
             return
+        try:
+            with deferred():  # a signal during the entry is raised once the phase is open: it closes again below
+                self._open(e, mode, device, params, optimizer, first_step, kept, kept_why)
+        except BaseException:
+            if mode in e.open:  # opened by this call (an open one returned above)
+                self.dock_on(device).release(*e.open.pop(mode)[0])
+            raise
+
+    def _open(self, e: EngineNames, mode: str, device: torch.device, params: Ferry | None,
+              optimizer: Ferry | None, first_step: torch.optim.Optimizer | None, kept: Sequence[object],
+              kept_why: str) -> None:
         e.kept, e.kept_why = tuple(kept), kept_why
         dock = self.dock_on(device)
         self.asleep()  # the driver slept the rollout before this phase

@@ -13,7 +13,7 @@ import torch
 
 from torchferry import Ferry
 
-from .._base import REGISTRY, HelperSet, PatchState, Settings, away, unpatch_integration, whole_copies
+from .._base import REGISTRY, HelperSet, PatchState, Settings, away, deferred, unpatch_integration, whole_copies
 
 __all__ = ["ferry_for", "is_patched", "patch", "unpatch"]
 
@@ -93,8 +93,9 @@ def _replacements(module: ModuleType, original: Mapping[str, Callable]) -> dict[
         beside = ferry.device.type == "cuda" and _clears_as_areal_cuda(module.current_platform)
         if beside:  # see [Note: AReaL's clear_memory() beside the copies]
             module.current_platform.synchronize()  # as clear_memory() before its collection
-        with whole_copies():  # it waits for them below: [Note: whole copies where the caller waits]
+        with deferred(), whole_copies():  # it waits for them below: [Note: whole copies where the caller waits]
             handle = ferry.offload()
+            self.is_offload = True  # with the move: a Ctrl-C held during it is raised after this
         if beside:
             gc.collect()
             handle.wait()
@@ -108,7 +109,6 @@ def _replacements(module: ModuleType, original: Mapping[str, Callable]) -> dict[
         module.current_platform.synchronize()
         module.dist.barrier(group=self.cpu_group)
         self.get_device_stats().log("after offload model")
-        self.is_offload = True
 
     def onload(self) -> None:
         """Reloads what :meth:`offload` moved (nothing for an engine resident or never offloaded through
@@ -121,14 +121,14 @@ def _replacements(module: ModuleType, original: Mapping[str, Callable]) -> dict[
         """
         _settle(self)
         ferry = ferry_for(self)
-        if ferry is not None:
-            with whole_copies():  # synchronised below: [Note: whole copies where the caller waits]
+        with deferred(), whole_copies():  # synchronised below: [Note: whole copies where the caller waits]
+            if ferry is not None:
                 ferry.reload()
-            REGISTRY.entry(self).held = ()  # type: ignore[union-attr]
+                REGISTRY.entry(self).held = ()  # type: ignore[union-attr]
+            self.is_offload = False  # with the move, as in offload()
         module.current_platform.synchronize()
         module.dist.barrier(group=self.cpu_group)
         self.get_device_stats().log("after onload model")
-        self.is_offload = False
 
     for name, fn in (("offload", offload), ("onload", onload)):
         fn.__qualname__ = f"FSDPEngine.{name}"

@@ -8,6 +8,7 @@ runs it and draws its own table and summary. Nothing heavy is imported before a 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
@@ -192,7 +193,26 @@ def bench_grpo(
 
 
 def main() -> None:
-    app()
+    """The ``torchferry`` command: a usage error (an unknown option or command, a value of the wrong type) is one
+    line of stderr naming it, exit 2, not Click's boxed usage."""
+    try:
+        code = app(prog_name="torchferry", standalone_mode=False)
+    except typer.Exit as e:  # --help, --version, and the commands' own exit codes
+        sys.exit(e.exit_code)
+    except typer.Abort:  # Ctrl-C at a prompt
+        sys.exit(130)
+    except Exception as e:  # Click's usage errors (typer vendors Click from 0.29: matched by what they offer)
+        ctx, message = getattr(e, "ctx", None), getattr(e, "format_message", None)
+        if getattr(e, "exit_code", None) != 2 or message is None:
+            raise
+        if type(e).__name__ == "NoArgsIsHelpError":  # `torchferry` alone: the help, as before (exit 2)
+            e.show()  # type: ignore[attr-defined]
+            sys.exit(2)
+        where = f"{ctx.command_path}: " if ctx is not None else ""
+        hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+        typer.echo(f"error: {where}{message()}{hint}", err=True)
+        sys.exit(2)
+    sys.exit(code if isinstance(code, int) else 0)  # without standalone mode Click returns a command's exit code
 
 
 if __name__ == "__main__":

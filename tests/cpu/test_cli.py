@@ -192,3 +192,32 @@ def test_bad_path_exits_in_seconds_with_one_line_no_traceback(tmp_path):
         "error: --json /proc/x/y.json: folder /proc/x does not exist and cannot be made in /proc "
         "(its file system takes no new files)"]
     assert elapsed < 30, elapsed  # the import of torch, no model, no bench
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench-pin", "--gib", "-1"], "error: torchferry bench-pin: No such option: --gib (Possible options: "
+                                   "--first-gib, --pin-gib) (see torchferry bench-pin --help)"),
+    (["bench", "--layers", "abc"], "error: torchferry bench: Invalid value for '--layers': "),
+    (["nosuch"], "error: torchferry: No such command 'nosuch'. (see torchferry --help)"),
+])
+def test_a_usage_error_is_one_line_naming_it(args, message, monkeypatch, capsys):
+    """Click's own usage errors (an unknown option or command, a value of the wrong type) printed a boxed,
+    several-line usage; ``torchferry`` (its ``main()``) prints one line, exit 2."""
+    from torchferry.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["torchferry", *args])
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith(message), err
+
+
+def test_the_command_alone_shows_its_help_and_help_exits_0(monkeypatch, capsys):
+    from torchferry.cli import main
+
+    for args, code in (([], 2), (["bench-pin", "--help"], 0), (["--version"], 0)):
+        monkeypatch.setattr(sys, "argv", ["torchferry", *args])
+        with pytest.raises(SystemExit) as e:
+            main()
+        out = capsys.readouterr()
+        assert e.value.code == code and ("Usage" in out.out + out.err or "torchferry " in out.out), (args, out)

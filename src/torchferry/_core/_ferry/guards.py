@@ -93,6 +93,7 @@ class OffloadGuards:
             return
         during = lambda: f"its state is offloaded ({self._describe()})"  # noqa: E731
         wait, step = Uncopyable(self._wait_hook, during), Uncopyable(self._step_hook, during)
+        refuse = Uncopyable(self._fsdp1_state_dict_hook, during)
         for root in modules:  # hooks refuse copies: [Note: a module copied while its state is away] in _api/hooks
             for name, m in module_tree(root):
                 if m is root or _owns_state(m):
@@ -102,7 +103,6 @@ class OffloadGuards:
             self._handles.append(root.register_state_dict_pre_hook(wait))
             self._handles.append(root.register_load_state_dict_pre_hook(wait))
             for unit in fsdp1_units(root):  # see [Note: FSDP1's state dict while offloaded]
-                refuse = Uncopyable(self._fsdp1_state_dict_hook, during)
                 first = unit.register_state_dict_pre_hook(refuse), unit.register_load_state_dict_pre_hook(refuse)
                 self._handles.extend(first)
                 run_first(unit, *first)

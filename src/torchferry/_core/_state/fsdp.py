@@ -393,20 +393,12 @@ def fsdp_held(modules: list[nn.Module]) -> list[torch.Tensor]:
 def fsdp1_flat_storages(modules: list[nn.Module]) -> set[int]:
     """:func:`storage_key` of every FSDP1 ``FlatParameter``'s storage (and its local shard's) under
     ``modules``; empty without FSDP1 units."""
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:
-        return set()
     out: set[int] = set()
-    for m in modules:
-        for _, sub in module_tree(m):
-            if not isinstance(sub, FullyShardedDataParallel):
-                continue
-            handle = getattr(sub, "_handle", None)
-            flat = getattr(handle, "flat_param", None)
-            for t in (flat, getattr(flat, "_local_shard", None)):
-                if isinstance(t, torch.Tensor):
-                    out.add(storage_key(t.untyped_storage()))
+    for unit in (u for m in modules for u in fsdp1_units(m)):
+        flat = getattr(getattr(unit, "_handle", None), "flat_param", None)
+        for t in (flat, getattr(flat, "_local_shard", None)):
+            if isinstance(t, torch.Tensor):
+                out.add(storage_key(t.untyped_storage()))
     return out
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 __all__ = ["HELD_SIGNALS", "deferred", "uninterruptible"]
 
@@ -52,25 +52,29 @@ def _deliver(signum: int, handler: object, frame: object) -> None:
         signal.raise_signal(signum)
 
 
+def _each(items: list, fn: Callable[..., None]) -> None:
+    """``fn(*item)`` for each item in order, every one even if an earlier call raised (or a signal's handler
+    raised in between): the last exception leaves, each earlier one as its ``__context__``."""
+    if items:
+        try:
+            fn(*items[0])
+        finally:
+            _each(items[1:], fn)
+
+
 def _deliver_all(pending: list[tuple[int, object]], saved: dict[int, object]) -> None:
     """Delivers each held signal in arrival order, every one even if an earlier handler raised."""
-    if pending:
-        (signum, frame), rest = pending[0], pending[1:]
-        try:
-            _deliver(signum, saved[signum], frame)
-        finally:
-            _deliver_all(rest, saved)
+    _each(pending, lambda signum, frame: _deliver(signum, saved[signum], frame))
 
 
 def _restore(saved: list[tuple[int, object]], hold: object) -> None:
     """Each handler of ``saved`` back where ``hold`` still stands, every one even if a signal raised in between."""
-    if saved:
-        (signum, handler), rest = saved[0], saved[1:]
-        try:
-            if signal.getsignal(signum) is hold:
-                signal.signal(signum, handler)  # type: ignore[arg-type]
-        finally:
-            _restore(rest, hold)
+
+    def put_back(signum: int, handler: object) -> None:
+        if signal.getsignal(signum) is hold:
+            signal.signal(signum, handler)  # type: ignore[arg-type]
+
+    _each(saved, put_back)
 
 
 @contextlib.contextmanager

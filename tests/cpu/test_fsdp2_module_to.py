@@ -154,10 +154,60 @@ def check_load_state_dict_of_a_root_unit_while_prefetching(rank: int, world: int
     torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
 
 
+def check_a_submodules_move_while_resident_leaves_nothing_behind(rank: int, world: int, device: str = "cpu") -> None:
+    """[Note: FSDP2's shard buffer left by a submodule's move]: ``.to()`` of a submodule that is not a unit of
+    its own (verl's LoRA weight sync moves ``peft_model.base_model.model`` to the host and back, below the
+    root unit) replaces the root unit's parameters but leaves FSDP2's buffers over the old storages. The
+    offload releases every storage all the same (the old ones are FSDP2's no more) and training goes on
+    from the parameters, as after verl's own offload (``model.cpu()`` on the root, FSDP2's repair)."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import torchferry
+    from tests.helpers import fsdp_params
+
+    mesh = init_device_mesh(device.split(":")[0], (world,))
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank)).to(device)
+    runs = []
+    for ferried in (False, True):
+        torch.manual_seed(0)
+        # m[1] holds the root unit's parameters (5 rows: uneven over 2 ranks); m[0] is a unit of its own
+        m = nn.Sequential(nn.Linear(16, 11), nn.Sequential(nn.Linear(11, 5)), nn.Linear(5, 4)).to(device)
+        fully_shard(m[0], mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        ferry = torchferry.Ferry(m, skip_unchanged=True) if ferried else None
+        losses = []
+        for cycle in range(3):
+            loss = m(x * (cycle + 1)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+            m[1].to(torch.float64)  # new tensors: the root unit's buffers stay over the old storages
+            m[1].to(torch.float32)
+            if ferry is None:
+                m.to(device)  # verl's offload: model.cpu() on the root unit (FSDP2 re-points its buffers)
+                continue
+            ferry.offload().wait()
+            for fp in fsdp_params(m):  # nothing left on the device: no buffer over an old storage
+                assert fp._sharded_param_data.untyped_storage().nbytes() == 0, (cycle, tuple(fp._sharded_param_data.shape))
+            ferry.reload().wait()
+            for fp in fsdp_params(m):
+                local = fp.sharded_param._local_tensor
+                assert fp._sharded_param_data.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+        runs.append((torch.stack(losses), [p.full_tensor() for p in m.parameters()]))
+    torch.testing.assert_close(runs[1][0], runs[0][0], atol=0, rtol=0)
+    for a, b in zip(runs[1][1], runs[0][1], strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("check", [check_module_to_while_off_device, check_write_after_module_to_while_prefetching,
-                                   check_load_state_dict_of_a_root_unit_while_prefetching],
+                                   check_load_state_dict_of_a_root_unit_while_prefetching,
+                                   check_a_submodules_move_while_resident_leaves_nothing_behind],
                          ids=["module_to_keeps_training_exact", "write_after_module_to_is_not_lost",
-                              "root_unit_load_state_dict"])
+                              "root_unit_load_state_dict", "submodule_move_leaves_nothing_behind"])
 def test_fsdp2_off_the_device_two_ranks_gloo(check):
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed not available")

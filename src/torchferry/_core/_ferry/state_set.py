@@ -39,7 +39,7 @@ from .._schedules.early import EarlyOffload
 from .._schedules.prefetch import Group, Prefetch, PrefetchRun
 from .._schedules.release import PROGRESS_EVERY, ReleaseSchedule
 from .._schedules.unchanged import UnchangedStorages
-from .._state.fsdp import comm_streams, repoint_sharded_data
+from .._state.fsdp import comm_streams, repoint_sharded_data, resync_sharded_data
 from .._state.holders import shared_storages
 from .._state.parking import Parking
 from .._state.plan import Plan, PlanCache, build_plan, fingerprint, refuse_unresizable, storage_bytes, to_allocate
@@ -118,6 +118,8 @@ class StateSet:
             fp = fingerprint(targets)
         if self.cache is not None and fp == self.cache.fingerprint:
             return self.cache.plan
+        if resync_sharded_data([t for t in targets if isinstance(t, torch.nn.Module)]):
+            fp = fingerprint(targets)  # see [Note: FSDP2's shard buffer left by a submodule's move]
         plan = build_plan(targets, self.device if self.device_fixed else None)
         if not self.device_fixed and plan.tensors:
             self._set_device(plan.device)

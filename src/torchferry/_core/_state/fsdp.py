@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .host_blocks import in_host_pool
 from .tree import module_tree
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "local_of",
     "param_groups",
     "repoint_sharded_data",
+    "resync_sharded_data",
     "sharded_params",
     "reshard",
     "run_first",
@@ -250,6 +252,46 @@ def repoint_sharded_data(modules: list[nn.Module], host_side: dict[int, torch.Te
                 storage, 0, (numel,), (1,))
         else:
             fp.reset_sharded_param()
+        n += 1
+    return n
+
+
+def resync_sharded_data(modules: list[nn.Module]) -> int:
+    """Makes each FSDP2 shard buffer left over an old storage view its parameter's again, as FSDP2 would.
+
+    [Note: FSDP2's shard buffer left by a submodule's move]
+    ``nn.Module._apply`` (``.to()``, ``.float()``) of a submodule that is not a unit of its own gives
+    the parameters it holds new tensors, but only a unit's own ``_apply`` re-points its
+    ``FSDPParam._sharded_param_data`` (``reset_sharded_param()``): the unit above keeps its buffers over
+    the old storages, and all-gathers from them. verl's LoRA weight sync does this to the whole model
+    below the root unit (``peft_model.base_model.model.to("cpu")``, then back: ``collect_lora_params``),
+    so the root unit's embedding and LM head were left twice on the device. verl's own offload repairs
+    it without knowing (``model.cpu()`` on the root unit runs FSDP2's repair); an offload that moved the
+    parameters' storages and left the old ones to FSDP2 kept them allocated for good (933 MB with
+    Qwen2.5-1.5B's tied embedding, every phase of every step after the first sync:
+    ``benchmarks/results/verl_step_qwen2.5-1.5b_fsdp2-lora-compute-rich_h100x1_2026-12-07_580eb2a.json``,
+    ``left_behind_bytes_per_step``). So a new plan, made while the state is resident, first calls
+    ``reset_sharded_param()`` on each parameter whose buffer views another storage on the same device
+    (nothing in a ferry's host pool: that shard is offloaded, not stale), as the unit's own ``_apply`` would have
+    (``tests/cpu/test_fsdp2_module_to.py``).
+
+    Args:
+        modules: the targets' modules (their FSDP2 units are searched).
+
+    Returns:
+        How many buffers were re-pointed (0 unless a submodule was moved).
+    """
+    n = 0
+    for fp in _fsdp_params(modules):
+        data = getattr(fp, "_sharded_param_data", None)
+        local = getattr(getattr(fp, "sharded_param", None), "_local_tensor", None)
+        if not isinstance(data, torch.Tensor) or not isinstance(local, torch.Tensor) or local.is_meta:
+            continue
+        if data.device != local.device or _same_storage(data, local) or data.untyped_storage().nbytes() == 0:
+            continue
+        if in_host_pool(local.untyped_storage().data_ptr()) or in_host_pool(data.untyped_storage().data_ptr()):
+            continue
+        fp.reset_sharded_param()
         n += 1
     return n
 

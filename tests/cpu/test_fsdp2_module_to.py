@@ -192,7 +192,8 @@ def check_a_submodules_move_while_resident_leaves_nothing_behind(rank: int, worl
                 continue
             ferry.offload().wait()
             for fp in fsdp_params(m):  # nothing left on the device: no buffer over an old storage
-                assert fp._sharded_param_data.untyped_storage().nbytes() == 0, (cycle, tuple(fp._sharded_param_data.shape))
+                data = fp._sharded_param_data
+                assert data.untyped_storage().nbytes() == 0, (cycle, tuple(data.shape))
             ferry.reload().wait()
             for fp in fsdp_params(m):
                 local = fp.sharded_param._local_tensor

@@ -132,34 +132,38 @@ def _spread(xs: list[float]) -> dict:
 
 def _exposed(views: dict[str, dict], resident: str = "resident") -> dict:
     """What offload costs a step: per round, each strategy's step seconds less the resident step of
-    the same round (rank 0), over the rounds after the first; per phase too; and each against verl's."""
-    base = views[resident]["per_rank"][0]
-    rs = base["step_s"][1:]
+    the same round (rank 0), over the rounds after the first; per phase too; and each against verl's.
+    Without a resident strategy, only what needs none: the seconds inside the calls and the stalls."""
+    base = views[resident]["per_rank"][0] if resident in views else None
     out: dict = {"what": "per round after the first: the strategy's step seconds less the resident strategy's step "
                          "of the same round (rank 0); median, min, max over the rounds; per phase: the median of "
-                         "the phase's seconds less the resident's of the same round",
-                 "resident_step_s": _spread(rs),
-                 "resident_step_spread": (max(rs) - min(rs)) / _median(rs) if rs else None,
-                 "resident_phase_s": {k: _spread([p[k] for p in base["phase_s"][1:] if k in p])
-                                      for k in _keys(base["phase_s"][1:])}}
+                         "the phase's seconds less the resident's of the same round"}
+    if base is not None:
+        rs = base["step_s"][1:]
+        out.update({"resident_step_s": _spread(rs),
+                    "resident_step_spread": (max(rs) - min(rs)) / _median(rs) if rs else None,
+                    "resident_phase_s": {k: _spread([p[k] for p in base["phase_s"][1:] if k in p])
+                                         for k in _keys(base["phase_s"][1:])}})
     for label, v in views.items():
         if label == resident:
             continue
         r0 = v["per_rank"][0]
-        per_round = [a - b for a, b in zip(r0["step_s"][1:], base["step_s"][1:], strict=False)]
-        pairs = list(zip(r0["phase_s"][1:], base["phase_s"][1:], strict=False))
-        phases = {k: _median([a[k] - b[k] for a, b in pairs if k in a and k in b]) for k in _keys(r0["phase_s"][1:])}
+        phases = _keys(r0["phase_s"][1:])
         at_calls = [sum(e["seconds"] for e in r0["events"] if e["step"] == st) for st in range(1, len(r0["step_s"]))]
         at_phase = {k: _median([sum(e["seconds"] for e in r0["events"] if e["step"] == st and e["phase"] == k)
                                 for st in range(1, len(r0["step_s"]))]) for k in phases}
         host_phase = {k: _median([sum(e["host_s"] for e in r0["events"] if e["step"] == st and e["phase"] == k)
                                   for st in range(1, len(r0["step_s"]))]) for k in phases}
-        out[label] = {"step_s": _spread(r0["step_s"][1:]),
-                      "exposed_transfer_s_per_step": _spread(per_round), "exposed_s_per_phase": phases,
-                      "exposed_s_per_phase_per_round": [
-                          {k: a[k] - b[k] for k in a if k in b} for a, b in pairs],
-                      "transfer_at_calls_s_per_step": _spread(at_calls), "transfer_at_calls_s_per_phase": at_phase,
-                      "host_s_in_calls_per_phase": host_phase}
+        out[label] = {"step_s": _spread(r0["step_s"][1:]), "transfer_at_calls_s_per_step": _spread(at_calls),
+                      "transfer_at_calls_s_per_phase": at_phase, "host_s_in_calls_per_phase": host_phase}
+        if base is not None:
+            per_round = [a - b for a, b in zip(r0["step_s"][1:], base["step_s"][1:], strict=False)]
+            pairs = list(zip(r0["phase_s"][1:], base["phase_s"][1:], strict=False))
+            out[label].update({
+                "exposed_transfer_s_per_step": _spread(per_round),
+                "exposed_s_per_phase": {k: _median([a[k] - b[k] for a, b in pairs if k in a and k in b])
+                                        for k in phases},
+                "exposed_s_per_phase_per_round": [{k: a[k] - b[k] for k in a if k in b} for a, b in pairs]})
         stalls = [st or {} for st in (r0.get("stall_s") or [])[1:]]
         if len(stalls) == len(at_calls) and stalls:  # recorded on a GPU ([Note: stalls recorded])
             out[label]["stall_s_per_phase"] = {k: _median([st.get(k, 0.0) for st in stalls]) for k in phases}
@@ -279,8 +283,7 @@ def report(runs: dict, command: str | None = None) -> dict:
                      "weight_sync_tensors": r0["against_verl"]["compared"]["weight_sync"]},
         "torchferry_strategies": ferried,
     }
-    if "resident" in labels:
-        out["exposed"] = _exposed(views)
+    out["exposed"] = _exposed(views)
     out["strategies"] = {}
     for label in labels:  # per strategy, what the issue of the dock asks for: its peak against its budget
         ranks = views[label]["per_rank"]
@@ -288,7 +291,7 @@ def report(runs: dict, command: str | None = None) -> dict:
         entry: dict = {"kind": kinds[label], "peak_gpu_bytes": max(peaks) if peaks else None,
                        "bytes_moved_per_step": out["runs"][label]["bytes_moved_per_step"], **_memory(ranks[0])}
         ex = out.get("exposed", {}).get(label)
-        if isinstance(ex, dict):
+        if isinstance(ex, dict) and "exposed_transfer_s_per_step" in ex:
             entry["exposed_transfer_s_per_step"] = ex["exposed_transfer_s_per_step"]["median"]
             entry["exposed_over_verl"] = ex.get("over_verl")
         dock = ranks[0].get("dock")

@@ -46,6 +46,8 @@ def _lora_sync(rank: int, world: int) -> None:
         fsdp_utils.offload_fsdp_model_to_cpu(model)
         ferry = ferry_for(model)
         assert ferry is not None and ferry.residency is Residency.HOST
+        fsdp_utils.load_fsdp_model_to_gpu(model)  # one cycle first: its unchanged-storage baseline stays
+        fsdp_utils.offload_fsdp_model_to_cpu(model)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         # verl's first sync (the base, base_sync_done=False) moves the model below the root unit to the host

@@ -165,7 +165,9 @@ def test_fsdp2_inference_buffers_and_state_dict_after_prefetch_gloo():
 def check_local_shard_given_other_bytes_while_offloaded(rank, world):
     """``p._local_tensor.data = t`` while offloaded (before, a segfault: FSDP2's all-gather
     read its padded shard, whose storage the reload had left empty). Afterwards FSDP2 gathers what
-    its padded shard holds, as it would without a ferry: the forward matches a run without one."""
+    the parameter holds, as after a framework's own load (``model.to(device)`` on the root unit, which
+    re-points FSDP2's buffers: [Note: FSDP2's shard buffer left by a submodule's move]): the forward
+    matches a run without a ferry whose root was moved so."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -185,6 +187,8 @@ def check_local_shard_given_other_bytes_while_offloaded(rank, world):
         local.data = torch.full_like(local, 0.5)
         if ferry:
             ferry.reload()
+        else:
+            m.to("cpu")  # a framework's load: FSDP2 re-points its buffers
             torch.testing.assert_close(local, torch.full_like(local, 0.5), atol=0, rtol=0)
         out = m(x).detach()
         if ferry:

@@ -17,6 +17,7 @@ from .._api.residency import Residency
 from .._api.stats import StatsRecorder
 from .._schedules.prefetch import Group, Prefetch, PrefetchRun
 from .._schedules.release import ReleaseSchedule
+from .._state.fsdp import resync_sharded_data
 from .._state.targets import Targets
 from .._transfer.copies import transfer_range
 from .guards import OffloadGuards
@@ -134,6 +135,12 @@ class ResidencyMachine(NotCopyable):
             self._residency = Residency.DEVICE
         handle = self._issued(TransferHandle("h2d", nbytes, None))
         self._set.forget()  # re-planned at the next offload (a forget cut short is redone there)
+        # A submodule moved while offloaded (not a unit of its own: ``.to()`` below the root unit) left
+        # FSDP2's buffers over the storages reconcile just brought back: FSDP2 would all-gather the bytes
+        # of the offload until the next plan re-points them. Re-point them now, while resident, as the
+        # next plan would ([Note: FSDP2's shard buffer left by a submodule's move]); a failure here leaves
+        # the state resident and is redone by that plan.
+        resync_sharded_data(off.plan.modules)
         return handle
 
     # --------------------------------------------------------------- prefetch

@@ -143,6 +143,7 @@ from collections.abc import Iterable
 import torch
 
 from .._state.fsdp import local_of, storage_refs, versions
+from .._state.host_blocks import in_host_pool
 from .hash import hash_kind, hash_storages, stage_rows
 from .._host.layout import HostViews
 from .._state.plan import Plan
@@ -209,7 +210,12 @@ class UnchangedStorages:
         """Keeps the host twins of ``plan``, which the ferry drops, with their slots' ranges in pool block
         ``block`` ([Note: host tensors of earlier plans]); the twins of the baseline's plan are read as
         they were at the baseline, so a write since then is seen."""
-        held = [(ti, t) for ti, t in enumerate(twins) if t is not None and local_of(t).untyped_storage().nbytes()]
+        # Only twins over the pool watch a slot: a tensor assigned while offloaded (``p.data = t``,
+        # a submodule's ``.to()``) leaves its twin over the assigned bytes after the reconcile, and
+        # keeping that twin kept those bytes allocated at every later offload (a holder the
+        # ferry does not know: tests/cpu/test_skip_unchanged_assigned_while_offloaded.py).
+        held = [(ti, t) for ti, t in enumerate(twins) if t is not None and local_of(t).untyped_storage().nbytes()
+                and in_host_pool(local_of(t).untyped_storage().data_ptr())]
         now = versions([t for _, t in held]) if held else []
         at_baseline = self._host_versions if plan is self._plan else {}
         for (ti, t), v in zip(held, now, strict=True):

@@ -217,8 +217,8 @@ def repoint_sharded_data(modules: list[nn.Module], host_side: dict[int, torch.Te
     the host side it just left (its parked twin's local shard): a view of the padded
     size over the device storage, or, where that storage is too small for it,
     ``reset_sharded_param()``, FSDP2's own repair, now that the shard is on the device.
-    A buffer left elsewhere (``p._local_tensor.data = t`` by hand) is left as it is,
-    as FSDP2 would without a ferry.
+    A buffer over another device storage (``p._local_tensor.data = t``, a submodule's
+    ``.to()``) is :func:`resync_sharded_data`'s.
 
     Args:
         modules: the plan's modules (their FSDP2 units are searched).
@@ -273,7 +273,11 @@ def resync_sharded_data(modules: list[nn.Module]) -> int:
     ``left_behind_bytes_per_step``). So a new plan, made while the state is resident, first calls
     ``reset_sharded_param()`` on each parameter whose buffer views another storage on the same device
     (nothing in a ferry's host pool: that shard is offloaded, not stale), as the unit's own ``_apply`` would have
-    (``tests/cpu/test_fsdp2_module_to.py``).
+    (``tests/cpu/test_fsdp2_module_to.py``); so does a reload that reconciles a move made while offloaded
+    (``_ferry/machine.py``: until the next plan FSDP2 gathered the bytes of the offload,
+    ``tests/cpu/test_submodule_move_while_offloaded.py``). The rule is a framework's own load's
+    (``model.to(device)`` on the root unit): FSDP2 gathers what the parameters hold, a
+    ``p._local_tensor.data = t`` included.
 
     Args:
         modules: the targets' modules (their FSDP2 units are searched).

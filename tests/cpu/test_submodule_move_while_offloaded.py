@@ -21,21 +21,13 @@ def _model(mesh):
     return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
 
 
-def _step(m, opt, x):
-    loss = m(x).square().mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss.detach()
-
-
 def check_training_after_a_submodules_move_while_offloaded_is_exact(rank: int, world: int) -> None:
     import os
 
     from torch.distributed.device_mesh import init_device_mesh
 
     import torchferry
-    from tests.helpers import assert_same, fsdp_params, snapshot
+    from tests.helpers import assert_same, fsdp_params, snapshot, train_step
 
     prefetch = os.environ["TF_ADV_PREFETCH"] == "1"
     mesh = init_device_mesh("cpu", (world,))
@@ -45,7 +37,7 @@ def check_training_after_a_submodules_move_while_offloaded_is_exact(rank: int, w
     ferry = torchferry.Ferry(m, opt)
     for cycle in range(3):
         for mb in range(2):  # the second mini-batch reads the weights the first one stepped
-            a, b = _step(ref_m, ref_opt, x * (mb + 1)), _step(m, opt, x * (mb + 1))
+            a, b = (train_step(mm, o, x * (mb + 1), set_to_none=True) for mm, o in ((ref_m, ref_opt), (m, opt)))
             assert torch.equal(a, b), (rank, cycle, mb, a, b)
         for model in (ref_m, m):
             if model is m:

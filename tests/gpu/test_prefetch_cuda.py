@@ -24,18 +24,10 @@ def _build(mesh, width: int, layers: int):
     return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
 
 
-def _step(m, opt, x):
-    loss = m(x).square().mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss.detach()
-
-
 def _overlap_case(rank: int, world: int, slow_compute: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tests.helpers import assert_same, snapshot
+    from tests.helpers import assert_same, snapshot, train_step
     from torchferry import Ferry, Prefetch, Residency
 
     mesh = init_device_mesh("cuda", (world,))
@@ -48,13 +40,13 @@ def _overlap_case(rank: int, world: int, slow_compute: bool) -> None:
             layer.register_forward_pre_hook(lambda mod, args: torch.cuda._sleep(20_000_000))
     ferry = Ferry(m, opt)
     for step in range(4):
-        want = _step(ref_m, ref_opt, x)
+        want = train_step(ref_m, ref_opt, x, set_to_none=True)
         if step:
             ferry.offload()
             torch.cuda.empty_cache()
             ferry.reload(prefetch=Prefetch(lookahead_bytes=None if step % 2 else 1 << 20))
             assert ferry.residency is Residency.PREFETCHING
-        got = _step(m, opt, x)
+        got = train_step(m, opt, x, set_to_none=True)
         assert torch.equal(want, got), (step, want, got)
     torch.cuda.synchronize()
     assert_same(snapshot(ref_m, ref_opt), snapshot(m, opt))

@@ -34,6 +34,11 @@ units inside it, whose own ``state_dict()`` does the same) refuses both calls wh
 before FSDP1's (``run_first`` in ``_state/fsdp.py``): nothing of FSDP1 has run,
 and after ``reload()`` both work (verl's checkpoint manager loads the model before it saves or loads). Test:
 ``tests/cpu/test_integration_verl_fsdp1.py::test_an_fsdp1_state_dict_while_offloaded_is_refused_and_fsdp1_stays_usable``.
+``nn.Module._apply`` (``.to()``, ``.float()``, a parent's ``.double()``) of a unit with ``use_orig_params=True``
+is the same kind: FSDP1 exposes its flat parameter, which is not a registered parameter (the ferry re-points
+the original ones), and the cast read its released storage (a segfault on 2 gloo ranks). It is refused too,
+by an ``_apply`` on the unit itself while offloaded (``refuse_fsdp1_apply``):
+``tests/cpu/test_fsdp1_submodule_move.py``.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .._api.handle import TransferHandle
 from .._api.hooks import Uncopyable
-from .._state.fsdp import fsdp1_units, run_first
+from .._state.fsdp import fsdp1_units, refuse_fsdp1_apply, run_first
 from .._state.tree import module_tree
 
 __all__ = ["OffloadGuards", "dropped"]
@@ -106,6 +111,9 @@ class OffloadGuards:
                 first = unit.register_state_dict_pre_hook(refuse), unit.register_load_state_dict_pre_hook(refuse)
                 self._handles.extend(first)
                 run_first(unit, *first)
+                applied = refuse_fsdp1_apply(unit, Uncopyable(self._fsdp1_apply_hook(unit), during))
+                if applied is not None:
+                    self._handles.append(applied)  # pyright: ignore[reportArgumentType]  # has remove()
         for opt in optimizers:
             self._handles.append(opt.register_step_pre_hook(step))
             self._handles.append(opt.register_state_dict_pre_hook(wait))
@@ -139,6 +147,19 @@ class OffloadGuards:
             "storages the offload released; call ferry.reload() (with the verl helpers: "
             "load_fsdp_model_to_gpu(model)) first"
         )
+
+    def _fsdp1_apply_hook(self, unit: nn.Module):
+        name = type(unit).__name__
+
+        def hook(*args: object, **kwargs: object) -> None:
+            raise RuntimeError(
+                f"torchferry: .to() / .float() / .cuda() (nn.Module._apply) of the FSDP1 unit {name} "
+                f"(use_orig_params=True) while its state is offloaded ({self._describe()}): FSDP1's _apply reads "
+                "its flat parameter, whose device storage the offload released; refused before FSDP1 read it. "
+                "Call ferry.reload() (with the verl helpers: load_fsdp_model_to_gpu(model)) first"
+            )
+
+        return hook
 
     def _step_hook(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         raise RuntimeError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 import functools
 import sys
+import weakref
 
 import torch
 from torch import nn
@@ -27,6 +28,7 @@ __all__ = [
     "fsdp1_flat_storages",
     "fsdp1_offloads_params",
     "fsdp1_units",
+    "refuse_fsdp1_apply",
     "fsdp2_offloads_params",
     "fsdp_held",
     "fsdp_modules",
@@ -348,6 +350,28 @@ def run_first(module: nn.Module, state_dict_hook: RemovableHandle, load_hook: Re
     and there is no ``prepend``)."""
     module._state_dict_pre_hooks.move_to_end(state_dict_hook.id, last=False)
     module._load_state_dict_pre_hooks.move_to_end(load_hook.id, last=False)
+
+
+class _ApplyRefused:  # removes refuse_fsdp1_apply's override, as a RemovableHandle's remove()
+
+    def __init__(self, unit: nn.Module, fn: object) -> None:
+        self._unit, self._fn = weakref.ref(unit), fn
+        unit.__dict__["_apply"] = fn
+
+    def remove(self) -> None:
+        unit = self._unit()
+        if unit is not None and unit.__dict__.get("_apply") is self._fn:
+            del unit.__dict__["_apply"]
+
+
+def refuse_fsdp1_apply(unit: nn.Module, fn: object) -> _ApplyRefused | None:
+    """Makes ``fn`` run instead of ``nn.Module._apply`` (``.to()``, ``.float()``, ``.cuda()``, a parent's
+    too) of an FSDP1 unit whose flat parameter is not a registered parameter (``use_orig_params=True``),
+    until the handle's ``remove()``; ``None`` for any other module ([Note: FSDP1's state dict while offloaded]
+    in ``_ferry/guards.py``)."""
+    if not getattr(unit, "_use_orig_params", False) or "_apply" in unit.__dict__:
+        return None
+    return _ApplyRefused(unit, fn)
 
 
 def fsdp2_offloads_params(module: nn.Module) -> bool:

@@ -82,7 +82,7 @@ def _stays_with_verl(rank, world):
     assert ferry_for(m) is None  # verl's own FSDP1 code ran
     # A model whose units keep their flat parameters on the host is verl's (its offload, and
     # FSDP1's own lazy init, pin memory: not on a CPU-only build, so only the decision here).
-    from torchferry._core._state.fsdp import fsdp1_offloads_params
+    from torchferry._core._state.fsdp1 import fsdp1_offloads_params
 
     own, _ = _fsdp1(orig=False, cpu_offload=True)
     assert fsdp1_offloads_params(own) and not fsdp1_offloads_params(m)

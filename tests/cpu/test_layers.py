@@ -186,7 +186,8 @@ def _environment(tree: ast.AST) -> list[tuple[int, str]]:
 PROMISES = {  # rule -> (finder, the modules allowed to do it)
     "copies are queued only by _transfer": (_copies, lambda m: m.startswith(CORE + "_transfer.")),
     "streams and events are made only in _transfer/streams": (_streams, {CORE + "_transfer.streams"}.__contains__),
-    "torch's internals are read only in _state/fsdp": (_internals, {CORE + "_state.fsdp"}.__contains__),
+    "torch's internals are read only in _state/fsdp": (_internals,
+                                                        {CORE + "_state.fsdp", CORE + "_state.fsdp1"}.__contains__),
     "the core reads no environment": (_environment, lambda m: not m.startswith(CORE)),
 }
 

@@ -31,19 +31,22 @@ and left FSDP1 inside its unshard context, so every later ``state_dict()``, afte
 (``AssertionError: Entering the _unshard_fsdp_state_params context but _unshard_params_ctx[module] is not
 None``): checkpointing broken for the rest of the run. So every FSDP1 unit of a target (the root and the
 units inside it, whose own ``state_dict()`` does the same) refuses both calls while offloaded, in hooks placed
-before FSDP1's (``run_first`` in ``_state/fsdp.py``): nothing of FSDP1 has run,
+before FSDP1's (``run_first`` in ``_state/fsdp1.py``): nothing of FSDP1 has run,
 and after ``reload()`` both work (verl's checkpoint manager loads the model before it saves or loads). Test:
 ``tests/cpu/test_integration_verl_fsdp1.py::test_an_fsdp1_state_dict_while_offloaded_is_refused_and_fsdp1_stays_usable``.
 ``nn.Module._apply`` (``.to()``, ``.float()``, a parent's ``.double()``) of a unit with ``use_orig_params=True``
 is the same kind: FSDP1 exposes its flat parameter, which is not a registered parameter (the ferry re-points
 the original ones), and the cast read its released storage (a segfault on 2 gloo ranks). It is refused too,
 by an ``_apply`` on the unit itself while offloaded (``refuse_fsdp1_apply``):
-``tests/cpu/test_fsdp1_submodule_move.py``.
+``tests/cpu/test_fsdp1_submodule_move.py``. So is FSDP1's ``apply(fn)`` (any ``use_orig_params``), which
+unshards first and, with ``use_orig_params=False``, left ``state_dict()`` failing after ``reload()``
+(``tests/cpu/test_fsdp_ferry_dropped_while_offloaded.py``).
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 
 from collections.abc import Callable
 
@@ -53,7 +56,8 @@ from torch.utils.hooks import RemovableHandle
 
 from .._api.handle import TransferHandle
 from .._api.hooks import Uncopyable
-from .._state.fsdp import fsdp1_units, refuse_fsdp1_apply, run_first
+from .._state.fsdp import rehome_sharded_data
+from .._state.fsdp1 import fsdp1_units, refuse_fsdp1_apply, refuse_fsdp1_module_apply, rehome_flat_params, run_first
 from .._state.tree import module_tree
 
 __all__ = ["OffloadGuards", "dropped"]
@@ -87,6 +91,7 @@ class OffloadGuards:
     def __init__(self, describe: Callable[[], str]) -> None:
         self._describe = describe  # e.g. "Ferry(..., residency=HOST)"
         self._handles: list[RemovableHandle] = []
+        self._roots: list[weakref.ref[nn.Module]] = []  # the module targets, while installed
         self.pending: TransferHandle | None = None
 
     @property
@@ -99,6 +104,7 @@ class OffloadGuards:
         during = lambda: f"its state is offloaded ({self._describe()})"  # noqa: E731
         wait, step = Uncopyable(self._wait_hook, during), Uncopyable(self._step_hook, during)
         refuse = Uncopyable(self._fsdp1_state_dict_hook, during)
+        self._roots = [weakref.ref(m) for m in modules]
         for root in modules:  # hooks refuse copies: [Note: a module copied while its state is away] in _api/hooks
             for name, m in module_tree(root):
                 if m is root or _owns_state(m):
@@ -114,11 +120,19 @@ class OffloadGuards:
                 applied = refuse_fsdp1_apply(unit, Uncopyable(self._fsdp1_apply_hook(unit), during))
                 if applied is not None:
                     self._handles.append(applied)  # pyright: ignore[reportArgumentType]  # has remove()
+                applied = refuse_fsdp1_module_apply(unit, Uncopyable(self._fsdp1_module_apply_hook(unit), during))
+                if applied is not None:
+                    self._handles.append(applied)  # pyright: ignore[reportArgumentType]  # has remove()
         for opt in optimizers:
             self._handles.append(opt.register_step_pre_hook(step))
             self._handles.append(opt.register_state_dict_pre_hook(wait))
 
+    def roots(self) -> list[nn.Module]:
+        """The module targets the guards were installed on that are still alive."""
+        return [m for m in (r() for r in self._roots) if m is not None]
+
     def remove(self) -> None:
+        self._roots = []
         handles, self._handles = self._handles, []
         for h in handles:
             h.remove()
@@ -161,6 +175,19 @@ class OffloadGuards:
 
         return hook
 
+    def _fsdp1_module_apply_hook(self, unit: nn.Module):
+        name = type(unit).__name__
+
+        def hook(*args: object, **kwargs: object) -> None:
+            raise RuntimeError(
+                f"torchferry: apply(fn) of the FSDP1 unit {name} while its state is offloaded ({self._describe()}): "
+                "FSDP1's apply unshards the flat parameters, whose device storage the offload released; refused "
+                "before FSDP1 read it. Call ferry.reload() (with the verl helpers: load_fsdp_model_to_gpu(model)) "
+                "first"
+            )
+
+        return hook
+
     def _step_hook(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         raise RuntimeError(
             f"torchferry: {type(optimizer).__name__}.step() while its state is "
@@ -177,7 +204,11 @@ def dropped(guards: OffloadGuards, warn: bool = True) -> None:
     message naming a ``reload()`` nobody can call any more, so they go with the ferry, once its
     last offload's copies are complete (the ``state_dict()`` hooks waited for them: now nothing
     would); the module then runs on the host, or ``model.to(device)`` brings it back by ordinary
-    copies. Not at the interpreter's exit (the finalizer's ``atexit`` is off): a ferry still alive
+    copies. FSDP's own tensors that no target holds (FSDP2's shard buffers, FSDP1's local shard and, with
+    ``use_orig_params=True``, its flat parameter) viewed the released device storages: a forward segfaulted, a
+    ``.to()`` or ``state_dict()`` raised; they are pointed at the host state first (``rehome_sharded_data``,
+    ``rehome_flat_params``: ``tests/cpu/test_fsdp_ferry_dropped_while_offloaded.py``).
+    Not at the interpreter's exit (the finalizer's ``atexit`` is off): a ferry still alive
     then goes with the process, and a warning about it would only be noise after a program's output.
 
     [Note: a target collected while offloaded]
@@ -193,6 +224,9 @@ def dropped(guards: OffloadGuards, warn: bool = True) -> None:
         return
     if guards.pending is not None:
         guards.pending.wait()
+    roots = guards.roots()  # FSDP's own tensors over released storages: at the host state
+    rehome_sharded_data(roots)
+    rehome_flat_params(roots)
     guards.remove()
     if warn:
         logging.getLogger("torchferry").warning(

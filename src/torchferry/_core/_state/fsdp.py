@@ -1,7 +1,8 @@
-"""Every read of FSDP2's, DTensor's and torch's internals (private attributes and functions), in one place.
+"""Every read of FSDP2's, DTensor's and torch's internals (private attributes and functions), in one place
+(FSDP1's beside it, in ``fsdp1.py``).
 
-A torch upgrade that renames a private attribute touches this file only; the
-rest of torchferry asks it. Written against torch 2.11-2.13
+A torch upgrade that renames a private attribute touches these two files only; the
+rest of torchferry asks them. Written against torch 2.11-2.13
 (``torch/distributed/fsdp/_fully_shard/`` and ``torch/distributed/tensor/``).
 """
 
@@ -10,11 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 import functools
 import sys
-import weakref
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from .host_blocks import in_host_pool
 from .tree import module_tree
@@ -25,10 +24,6 @@ __all__ = [
     "comm_streams",
     "dtensor_twin",
     "forward_prefetch_units",
-    "fsdp1_flat_storages",
-    "fsdp1_offloads_params",
-    "fsdp1_units",
-    "refuse_fsdp1_apply",
     "fsdp2_offloads_params",
     "fsdp_held",
     "fsdp_modules",
@@ -37,11 +32,12 @@ __all__ = [
     "lazy_init_done",
     "local_of",
     "param_groups",
+    "released",
+    "rehome_sharded_data",
     "repoint_sharded_data",
     "resync_sharded_data",
     "sharded_params",
     "reshard",
-    "run_first",
     "foreach_copy",
     "set_local",
     "sharded_storages",
@@ -326,52 +322,21 @@ def sharded_storages(module: nn.Module) -> list[torch.UntypedStorage]:
     return out
 
 
-def fsdp1_offloads_params(module: nn.Module) -> bool:
-    """Whether an FSDP1 (``FullyShardedDataParallel``) module, or one nested in it, keeps its
-    flat parameters on the host itself (``cpu_offload=CPUOffload(offload_params=True)``)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return any(getattr(getattr(m, "cpu_offload", None), "offload_params", False)
-               for m in FullyShardedDataParallel.fsdp_modules(module))
+def released(t: object) -> bool:
+    """A non-empty tensor whose storage an offload released (``resize_(0)``)."""
+    return isinstance(t, torch.Tensor) and t.numel() > 0 and t.untyped_storage().nbytes() == 0
 
 
-def fsdp1_units(module: nn.Module) -> list[nn.Module]:
-    """The FSDP1 (``FullyShardedDataParallel``) units of ``module``'s tree, itself included."""
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:
-        return []
-    return [m for _, m in module_tree(module) if isinstance(m, FullyShardedDataParallel)]
-
-
-def run_first(module: nn.Module, state_dict_hook: RemovableHandle, load_hook: RemovableHandle) -> None:
-    """Moves the state-dict pre-hook and the load-state-dict pre-hook registered on ``module`` (their handles)
-    before its others, those FSDP1 registered at wrapping included (a module's hooks run in registration order,
-    and there is no ``prepend``)."""
-    module._state_dict_pre_hooks.move_to_end(state_dict_hook.id, last=False)
-    module._load_state_dict_pre_hooks.move_to_end(load_hook.id, last=False)
-
-
-class _ApplyRefused:  # removes refuse_fsdp1_apply's override, as a RemovableHandle's remove()
-
-    def __init__(self, unit: nn.Module, fn: object) -> None:
-        self._unit, self._fn = weakref.ref(unit), fn
-        unit.__dict__["_apply"] = fn
-
-    def remove(self) -> None:
-        unit = self._unit()
-        if unit is not None and unit.__dict__.get("_apply") is self._fn:
-            del unit.__dict__["_apply"]
-
-
-def refuse_fsdp1_apply(unit: nn.Module, fn: object) -> _ApplyRefused | None:
-    """Makes ``fn`` run instead of ``nn.Module._apply`` (``.to()``, ``.float()``, ``.cuda()``, a parent's
-    too) of an FSDP1 unit whose flat parameter is not a registered parameter (``use_orig_params=True``),
-    until the handle's ``remove()``; ``None`` for any other module ([Note: FSDP1's state dict while offloaded]
-    in ``_ferry/guards.py``)."""
-    if not getattr(unit, "_use_orig_params", False) or "_apply" in unit.__dict__:
-        return None
-    return _ApplyRefused(unit, fn)
+def rehome_sharded_data(modules: Sequence[nn.Module]) -> None:
+    """Points each FSDP2 shard buffer whose device storage an offload released at its parameter's host shard
+    (``reset_sharded_param()``): what a dropped ferry leaves ([Note: a ferry dropped while offloaded] in
+    ``_ferry/guards.py``), so the module runs on the host and ``model.to(device)`` copies the host bytes."""
+    with torch.no_grad():
+        for fp in _fsdp_params(list(modules)):
+            local = getattr(getattr(fp, "sharded_param", None), "_local_tensor", None)
+            if released(getattr(fp, "_sharded_param_data", None)) and isinstance(local, torch.Tensor) \
+                    and local.device.type == "cpu":
+                fp.reset_sharded_param()
 
 
 def fsdp2_offloads_params(module: nn.Module) -> bool:
@@ -457,18 +422,6 @@ def fsdp_held(modules: list[nn.Module]) -> list[torch.Tensor]:
         local = getattr(getattr(fp, "sharded_param", None), "_local_tensor", None)
         if isinstance(local, torch.Tensor) and local._is_view() and local._base is not None:
             out.append(local._base)
-    return out
-
-
-def fsdp1_flat_storages(modules: list[nn.Module]) -> set[int]:
-    """:func:`storage_key` of every FSDP1 ``FlatParameter``'s storage (and its local shard's) under
-    ``modules``; empty without FSDP1 units."""
-    out: set[int] = set()
-    for unit in (u for m in modules for u in fsdp1_units(m)):
-        flat = getattr(getattr(unit, "_handle", None), "flat_param", None)
-        for t in (flat, getattr(flat, "_local_shard", None)):
-            if isinstance(t, torch.Tensor):
-                out.add(storage_key(t.untyped_storage()))
     return out
 
 

@@ -59,7 +59,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .fsdp import base_held_by_python, fsdp1_flat_storages, fsdp_held, storage_key, storage_refs
+from .fsdp import base_held_by_python, fsdp_held, storage_key, storage_refs
+from .fsdp1 import fsdp1_flat_storages
 from .plan import Plan, own_views
 
 __all__ = ["shared_storages"]

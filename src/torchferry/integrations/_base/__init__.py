@@ -3,7 +3,8 @@
 
 from ..._core._api.args import check_bool
 from ..._core._dock.phase_dock import PhaseDock
-from ..._core._state.fsdp import fsdp1_offloads_params, fsdp2_offloads_params, idle_and_resharded, local_of
+from ..._core._state.fsdp import fsdp2_offloads_params, idle_and_resharded, local_of
+from ..._core._state.fsdp1 import fsdp1_offloads_params
 from ..._core._transfer.signals import deferred
 from ..._core._transfer.switch import whole_copies
 from .helpers import (PatchState, SeedHelpers, ferry_for, has_state, helpers_of, load_fsdp2_model_to_gpu,

@@ -70,6 +70,15 @@ def _owns_state(m: nn.Module) -> bool:
         bool(buffers) and any(v is not None for v in buffers.values()))
 
 
+# FSDP1 calls refused while offloaded: (install, the call, what FSDP1 would read), see
+# [Note: FSDP1's state dict while offloaded]
+_FSDP1_CALLS = (
+    (refuse_fsdp1_apply, ".to() / .float() / .cuda() (nn.Module._apply)",
+     "FSDP1's _apply reads its flat parameter (use_orig_params=True)"),
+    (refuse_fsdp1_module_apply, "apply(fn)", "FSDP1's apply unshards the flat parameters"),
+)
+
+
 class OffloadGuards:
     """Forward, step and state-dict pre-hooks, installed while offloaded.
 
@@ -117,12 +126,10 @@ class OffloadGuards:
                 first = unit.register_state_dict_pre_hook(refuse), unit.register_load_state_dict_pre_hook(refuse)
                 self._handles.extend(first)
                 run_first(unit, *first)
-                applied = refuse_fsdp1_apply(unit, Uncopyable(self._fsdp1_apply_hook(unit), during))
-                if applied is not None:
-                    self._handles.append(applied)  # pyright: ignore[reportArgumentType]  # has remove()
-                applied = refuse_fsdp1_module_apply(unit, Uncopyable(self._fsdp1_module_apply_hook(unit), during))
-                if applied is not None:
-                    self._handles.append(applied)  # pyright: ignore[reportArgumentType]  # has remove()
+                for refuse_call, call, why in _FSDP1_CALLS:
+                    applied = refuse_call(unit, Uncopyable(self._fsdp1_call_hook(unit, call, why), during))
+                    if applied is not None:
+                        self._handles.append(applied)  # pyright: ignore[reportArgumentType]  # has remove()
         for opt in optimizers:
             self._handles.append(opt.register_step_pre_hook(step))
             self._handles.append(opt.register_state_dict_pre_hook(wait))
@@ -162,28 +169,14 @@ class OffloadGuards:
             "load_fsdp_model_to_gpu(model)) first"
         )
 
-    def _fsdp1_apply_hook(self, unit: nn.Module):
+    def _fsdp1_call_hook(self, unit: nn.Module, call: str, why: str):
         name = type(unit).__name__
 
         def hook(*args: object, **kwargs: object) -> None:
             raise RuntimeError(
-                f"torchferry: .to() / .float() / .cuda() (nn.Module._apply) of the FSDP1 unit {name} "
-                f"(use_orig_params=True) while its state is offloaded ({self._describe()}): FSDP1's _apply reads "
-                "its flat parameter, whose device storage the offload released; refused before FSDP1 read it. "
-                "Call ferry.reload() (with the verl helpers: load_fsdp_model_to_gpu(model)) first"
-            )
-
-        return hook
-
-    def _fsdp1_module_apply_hook(self, unit: nn.Module):
-        name = type(unit).__name__
-
-        def hook(*args: object, **kwargs: object) -> None:
-            raise RuntimeError(
-                f"torchferry: apply(fn) of the FSDP1 unit {name} while its state is offloaded ({self._describe()}): "
-                "FSDP1's apply unshards the flat parameters, whose device storage the offload released; refused "
-                "before FSDP1 read it. Call ferry.reload() (with the verl helpers: load_fsdp_model_to_gpu(model)) "
-                "first"
+                f"torchferry: {call} of the FSDP1 unit {name} while its state is offloaded ({self._describe()}): "
+                f"{why}, whose device storage the offload released; refused before FSDP1 read it. Call "
+                "ferry.reload() (with the verl helpers: load_fsdp_model_to_gpu(model)) first"
             )
 
         return hook

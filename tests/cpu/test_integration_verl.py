@@ -48,7 +48,7 @@ def test_patch_reaches_verl_call_sites_and_round_trips_bit_exact(patched):
     verl_fsdp_utils.offload_fsdp_optimizer(opt)
     assert compat.ferry_for(m) is not None and compat.ferry_for(m).residency.on_host
     assert compat.ferry_for(opt).residency.on_host
-    with pytest.raises(RuntimeError, match="load_fsdp2_model_to_gpu"):
+    with pytest.raises(RuntimeError, match=r"load_fsdp_model_to_gpu\(model\)"):
         m(IDS)
     mod = engine or verl_fsdp_utils
     mod.load_fsdp_model_to_gpu(m)
@@ -258,7 +258,7 @@ def test_unpatch_that_cannot_bring_the_state_back_raises_and_stays_patched(monke
     assert tf_verl.is_patched() and {h: getattr(verl_fsdp_utils, h) for h in HELPERS} == patched
     assert fm.residency.on_host and fo.residency.on_host  # the model's reload undone
     assert compat.ferry_for(m) is fm and compat.ferry_for(opt) is fo
-    with pytest.raises(RuntimeError, match="load_fsdp2_model_to_gpu"):
+    with pytest.raises(RuntimeError, match=r"load_fsdp_model_to_gpu\(model\)"):
         m(IDS)  # still guarded: offloaded, as before the call
     monkeypatch.undo()
     tf_verl.unpatch()  # room again: it all comes back

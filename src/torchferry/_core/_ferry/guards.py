@@ -150,7 +150,7 @@ class OffloadGuards:
             raise RuntimeError(
                 f"torchferry: forward of {where} while its state is offloaded to host "
                 f"memory ({self._describe()}); call ferry.reload() (with the verl helpers: "
-                "load_fsdp2_model_to_gpu(model)) before running it"
+                "load_fsdp_model_to_gpu(model)) before running it"
             )
 
         return hook

@@ -37,7 +37,7 @@ and after ``reload()`` both work (verl's checkpoint manager loads the model befo
 ``nn.Module._apply`` (``.to()``, ``.float()``, a parent's ``.double()``) of a unit with ``use_orig_params=True``
 is the same kind: FSDP1 exposes its flat parameter, which is not a registered parameter (the ferry re-points
 the original ones), and the cast read its released storage (a segfault on 2 gloo ranks). It is refused too,
-by an ``_apply`` on the unit itself while offloaded (``refuse_fsdp1_apply``):
+by an ``_apply`` on the unit itself while offloaded (``refuse_fsdp1_call``):
 ``tests/cpu/test_fsdp1_submodule_move.py``. So is FSDP1's ``apply(fn)`` (any ``use_orig_params``), which
 unshards first and, with ``use_orig_params=False``, left ``state_dict()`` failing after ``reload()``
 (``tests/cpu/test_fsdp_ferry_dropped_while_offloaded.py``).
@@ -57,7 +57,7 @@ from torch.utils.hooks import RemovableHandle
 from .._api.handle import TransferHandle
 from .._api.hooks import Uncopyable
 from .._state.fsdp import rehome_sharded_data
-from .._state.fsdp1 import fsdp1_units, refuse_fsdp1_apply, refuse_fsdp1_module_apply, rehome_flat_params, run_first
+from .._state.fsdp1 import fsdp1_units, refuse_fsdp1_call, rehome_flat_params, run_first
 from .._state.tree import module_tree
 
 __all__ = ["OffloadGuards", "dropped"]
@@ -70,12 +70,12 @@ def _owns_state(m: nn.Module) -> bool:
         bool(buffers) and any(v is not None for v in buffers.values()))
 
 
-# FSDP1 calls refused while offloaded: (install, the call, what FSDP1 would read), see
+# FSDP1 calls refused while offloaded: (the method, the call, what FSDP1 would read), see
 # [Note: FSDP1's state dict while offloaded]
 _FSDP1_CALLS = (
-    (refuse_fsdp1_apply, ".to() / .float() / .cuda() (nn.Module._apply)",
+    ("_apply", ".to() / .float() / .cuda() (nn.Module._apply)",
      "FSDP1's _apply reads its flat parameter (use_orig_params=True)"),
-    (refuse_fsdp1_module_apply, "apply(fn)", "FSDP1's apply unshards the flat parameters"),
+    ("apply", "apply(fn)", "FSDP1's apply unshards the flat parameters"),
 )
 
 
@@ -126,8 +126,9 @@ class OffloadGuards:
                 first = unit.register_state_dict_pre_hook(refuse), unit.register_load_state_dict_pre_hook(refuse)
                 self._handles.extend(first)
                 run_first(unit, *first)
-                for refuse_call, call, why in _FSDP1_CALLS:
-                    applied = refuse_call(unit, Uncopyable(self._fsdp1_call_hook(unit, call, why), during))
+                for method, call, why in _FSDP1_CALLS:
+                    hook = Uncopyable(self._fsdp1_call_hook(unit, call, why), during)
+                    applied = refuse_fsdp1_call(unit, method, hook)
                     if applied is not None:
                         self._handles.append(applied)  # pyright: ignore[reportArgumentType]  # has remove()
         for opt in optimizers:

@@ -21,8 +21,7 @@ __all__ = [
     "fsdp1_flat_storages",
     "fsdp1_offloads_params",
     "fsdp1_units",
-    "refuse_fsdp1_apply",
-    "refuse_fsdp1_module_apply",
+    "refuse_fsdp1_call",
     "rehome_flat_params",
     "run_first",
 ]
@@ -54,35 +53,27 @@ def run_first(module: nn.Module, state_dict_hook: RemovableHandle, load_hook: Re
     module._load_state_dict_pre_hooks.move_to_end(load_hook.id, last=False)
 
 
-class _ApplyRefused:  # removes refuse_fsdp1_apply's override, as a RemovableHandle's remove()
+class _Refused:  # removes refuse_fsdp1_call's override, as a RemovableHandle's remove()
 
-    def __init__(self, unit: nn.Module, fn: object, attr: str = "_apply") -> None:
-        self._unit, self._fn, self._attr = weakref.ref(unit), fn, attr
-        unit.__dict__[attr] = fn
+    def __init__(self, unit: nn.Module, fn: object, method: str) -> None:
+        self._unit, self._fn, self._method = weakref.ref(unit), fn, method
+        unit.__dict__[method] = fn
 
     def remove(self) -> None:
         unit = self._unit()
-        if unit is not None and unit.__dict__.get(self._attr) is self._fn:
-            del unit.__dict__[self._attr]
+        if unit is not None and unit.__dict__.get(self._method) is self._fn:
+            del unit.__dict__[self._method]
 
 
-def refuse_fsdp1_module_apply(unit: nn.Module, fn: object) -> _ApplyRefused | None:
-    """Makes ``fn`` run instead of FSDP1's ``apply(fn)`` (``model.apply(init_fn)``) of an FSDP1 unit, any
-    ``use_orig_params``: FSDP1's ``apply`` unshards the unit first (``_unshard_params``), reading the storages
-    an offload released; until the handle's ``remove()``."""
-    if "apply" in unit.__dict__:
+def refuse_fsdp1_call(unit: nn.Module, method: str, fn: object) -> _Refused | None:
+    """Makes ``fn`` run instead of the FSDP1 unit's ``method`` until the handle's ``remove()``: ``"apply"``
+    (FSDP1's ``apply(fn)`` unshards the unit first, ``_unshard_params``) of any unit, ``"_apply"`` (``.to()``,
+    ``.float()``, ``.cuda()``, a parent's too) of a unit whose flat parameter is not a registered parameter
+    (``use_orig_params=True``): both read the storages an offload released. ``None`` where there is nothing to
+    refuse ([Note: FSDP1's state dict while offloaded] in ``_ferry/guards.py``)."""
+    if (method == "_apply" and not getattr(unit, "_use_orig_params", False)) or method in unit.__dict__:
         return None
-    return _ApplyRefused(unit, fn, "apply")
-
-
-def refuse_fsdp1_apply(unit: nn.Module, fn: object) -> _ApplyRefused | None:
-    """Makes ``fn`` run instead of ``nn.Module._apply`` (``.to()``, ``.float()``, ``.cuda()``, a parent's
-    too) of an FSDP1 unit whose flat parameter is not a registered parameter (``use_orig_params=True``),
-    until the handle's ``remove()``; ``None`` for any other module ([Note: FSDP1's state dict while offloaded]
-    in ``_ferry/guards.py``)."""
-    if not getattr(unit, "_use_orig_params", False) or "_apply" in unit.__dict__:
-        return None
-    return _ApplyRefused(unit, fn)
+    return _Refused(unit, fn, method)
 
 
 def _fsdp1_flat_on_host(flat: torch.Tensor) -> torch.Tensor | None:

@@ -67,7 +67,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from .._ferry.ferry import Ferry
-from .measure import appeared_bytes, ensure_plan, eviction_keeps, is_closed, kept_bytes, targets_of
+from .measure import appeared_bytes, ensure_plan, eviction_keeps, is_closed, kept_bytes, replan_if_moved, targets_of
 from .mover import Mover
 from .records import _Claimant, _fmt, _Set
 from .schedule import Schedule, belady, held, lru
@@ -237,10 +237,13 @@ class DockEngine:
     def refresh(self, adopt: bool = True) -> None:
         """Measures every set, at the start of a decision (see [Note: dock accounting]); an evicted set holding
         state on the device again is taken in as resident ([Note: state loaded behind the dock's back]), unless
-        ``adopt`` is off (a reading, which moves nothing: :meth:`appeared` counts those bytes instead)."""
+        ``adopt`` is off (a reading, which moves nothing: :meth:`appeared` counts those bytes instead); a resident
+        set a submodule's move left over old storages is planned again (``replan_if_moved``)."""
         for s in self.sets.values():
             if adopt and appeared_bytes(s.ferry):
                 self.mover.adopt(s)
+            if adopt:
+                replan_if_moved(s.ferry)
             self.measure(s)
 
     def appeared(self) -> int:

@@ -91,14 +91,14 @@ from collections.abc import Iterable
 
 from .._ferry.ferry import Ferry
 from .first_step import first_step_bytes
-from .._state.fsdp import local_of, sharded_storages, storage_key
+from .._state.fsdp import local_of, resync_sharded_data, sharded_data_left_behind, sharded_storages, storage_key
 from .._state.holders import shared_storages
 from .._state.host_blocks import in_host_pool
 from .._api.residency import Residency
 from .._state.targets import walk
 
 __all__ = ["appeared_bytes", "counted_bytes", "device_bytes", "device_storages", "ensure_plan", "eviction_keeps",
-           "is_closed", "kept_bytes", "kept_storages", "measured", "objects_bytes", "targets_of"]
+           "is_closed", "kept_bytes", "kept_storages", "measured", "objects_bytes", "replan_if_moved", "targets_of"]
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -237,6 +237,27 @@ def ensure_plan(ferry: Ferry) -> None:
     """
     if ferry._set.cache is None and not ferry.residency.on_host:
         ferry.reserve_host(background=True)
+
+
+def replan_if_moved(ferry: Ferry) -> None:
+    """Re-points and plans again a resident set whose FSDP2 shard buffers a submodule's move left over old
+    storages ([Note: FSDP2's shard buffer left by a submodule's move] in ``_state/fsdp.py``).
+
+    A dock keeps a set resident where the framework would have offloaded it, and the framework's own
+    offload (``model.cpu()`` on the root unit) is what re-pointed those buffers: without this, FSDP2
+    all-gathered the old bytes from then on (training diverged from the framework's own after the next
+    optimizer step) and the old plan kept the old storages allocated
+    (``tests/cpu/test_dock_submodule_move.py``).
+
+    Raises:
+        HostBudgetError, RuntimeError: as ``Ferry.reserve_host``.
+    """
+    if ferry.residency is not Residency.DEVICE:
+        return
+    modules = [t for t in targets_of(ferry) if isinstance(t, torch.nn.Module)]
+    if sharded_data_left_behind(modules):
+        resync_sharded_data(modules)
+        ferry.reserve_host(background=True)  # a new plan: the old one's storages go
 
 
 def first_step_projection(ferry: Ferry) -> int:

@@ -36,6 +36,7 @@ __all__ = [
     "rehome_sharded_data",
     "repoint_sharded_data",
     "resync_sharded_data",
+    "sharded_data_left_behind",
     "sharded_params",
     "reshard",
     "foreach_copy",
@@ -284,6 +285,19 @@ def resync_sharded_data(modules: list[nn.Module]) -> int:
         How many buffers were re-pointed (0 unless a submodule was moved).
     """
     n = 0
+    for fp in _left_over_old_storages(modules):
+        fp.reset_sharded_param()
+        n += 1
+    return n
+
+
+def sharded_data_left_behind(modules: list[nn.Module]) -> bool:
+    """Whether a submodule's move left an FSDP2 shard buffer over an old storage (what
+    :func:`resync_sharded_data` would re-point): one walk, nothing changed."""
+    return next(_left_over_old_storages(modules), None) is not None
+
+
+def _left_over_old_storages(modules: list[nn.Module]):
     for fp in _fsdp_params(modules):
         data = getattr(fp, "_sharded_param_data", None)
         local = getattr(getattr(fp, "sharded_param", None), "_local_tensor", None)
@@ -293,9 +307,7 @@ def resync_sharded_data(modules: list[nn.Module]) -> int:
             continue
         if in_host_pool(local.untyped_storage().data_ptr()) or in_host_pool(data.untyped_storage().data_ptr()):
             continue
-        fp.reset_sharded_param()
-        n += 1
-    return n
+        yield fp
 
 
 def _fsdp_params(modules: list[nn.Module]):

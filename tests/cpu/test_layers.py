@@ -486,6 +486,14 @@ def test_a_framework_folder_imports_only_torchferrys_public_names_and_base():
     assert not found, "\n".join(found)
 
 
+def test_the_integrations_stay_within_2000_lines_and_verls_dock_adapter_within_250():
+    """A framework folder says only what differs; growth past these is shared logic repeated (it belongs in ``_base``
+    or the core)."""
+    sizes = {m: sum(1 for _ in open(p, encoding="utf-8")) for m, p in _modules().items() if m.startswith(INTEGRATIONS)}
+    assert sum(sizes.values()) <= 2000, sorted(sizes.items(), key=lambda kv: -kv[1])
+    assert sizes[INTEGRATIONS + "verl._dock"] <= 250, sizes[INTEGRATIONS + "verl._dock"]
+
+
 def test_no_integration_module_keeps_mutable_state_at_module_level():
     found = [b for m, src in _integration_sources().items() if m != INTEGRATIONS + "_base.registry"
              for b in _module_state(m, src)]

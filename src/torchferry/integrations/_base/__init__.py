@@ -1,5 +1,4 @@
-"""What the framework folders (``verl/``, ``skyrl/``, ``areal/``) build on: the one face they import besides
-``torchferry``'s public names (``tests/cpu/test_layers.py`` holds it), with the few pieces of the core they need."""
+"""The one face the framework folders import besides ``torchferry``'s public names (``tests/cpu/test_layers.py``)."""
 
 from ..._core._api.args import check_bool
 from ..._core._dock.phase_dock import PhaseDock

@@ -6,7 +6,8 @@ is what re-pointed them ([Note: FSDP2's shard buffer left by a submodule's move]
 decision (``replan_if_moved`` in ``_core/_dock/measure.py``): training stays bit-identical to the
 framework's run, and the old storages are neither held nor counted.
 
-FSDP2 over gloo with 2 spawned CPU processes (uneven shards)."""
+FSDP2 over gloo with 2 spawned CPU processes (uneven shards); the GPU tier runs the check on one GPU over NCCL
+(``tests/gpu/test_dock_submodule_move_cuda.py``)."""
 
 from __future__ import annotations
 
@@ -66,8 +67,9 @@ def check_a_docked_sets_submodule_move(rank: int, world: int, device: str = "cpu
                 losses.append(loss.detach())
                 if where == "in use":
                     move(m)
-                if dock is None:
-                    m.cpu()  # the framework's offload (a move to where it is: FSDP2's repair)
+                if dock is None:  # the framework's offload and load: the root unit's _apply (FSDP2's repair)
+                    m.cpu()
+                    m.to(device)
                 else:
                     dock.release("actor")
                 if where == "idle":

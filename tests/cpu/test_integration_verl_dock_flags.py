@@ -2,8 +2,11 @@
 verl offloads is a state set, what it keeps resident is reserved; every combination of ``param_offload`` /
 ``optimizer_offload`` trains through a rollout within the budget; a checkpoint loaded while the optimizer was
 evicted is counted; an optimizer's first-step state is told from its layout; a dock replaced inside a phase
-releases it. Engines are verl's ``FSDPEngine`` with a plain module, as in ``test_integration_verl_dock.py``."""
+releases it; an optimizer re-created before or inside a phase is the set moved from then on, and a dropped one's set
+leaves before the next decision; only the budget's refusals are worded as such (a ``HostBudgetError`` is raised as
+it is). Engines are verl's ``FSDPEngine`` with a plain module, as in ``test_integration_verl_dock.py``."""
 
+import gc
 import types
 
 import pytest
@@ -13,7 +16,8 @@ pytest.importorskip("verl.workers.engine_workers", reason="verl's actor code and
 
 import torchferry.integrations.verl as tf_verl  # noqa: E402
 from torchferry._core._state.host_blocks import in_host_pool  # noqa: E402
-from torchferry.integrations._base import DOCK_ENV, REGISTRY  # noqa: E402
+from torchferry import HostBudgetError  # noqa: E402
+from torchferry.integrations._base import DOCK_ENV, REGISTRY, has_state  # noqa: E402
 
 from verl.workers.engine import base  # noqa: E402
 
@@ -149,3 +153,137 @@ def test_a_dock_replaced_inside_a_phase_releases_that_phase():
     _update(e)  # the next phase under the new dock: the old one lets the sets go
     new = tf_verl.docked()
     assert new is not old and set(new.sets) == {"engine0.params", "engine0.optimizer"} and not old.sets
+
+
+def _train_step(e):
+    e.module(torch.ones(2, 64)).sum().backward()
+    e.optimizer.step()
+    e.optimizer.zero_grad()
+
+
+def _state_tensors(opt):
+    return [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+
+
+def test_a_recreated_optimizers_state_is_the_set_the_dock_moves():
+    tf_verl.patch(dock=2**20)
+    vd = tf_verl.docked()
+    e = _engine(True, True, n=64)
+    for _ in range(2):
+        with base.BaseEngineCtx(e, "eval"):
+            pass
+        with base.BaseEngineCtx(e, "train"):
+            _train_step(e)
+    e.optimizer = torch.optim.AdamW(e.module.parameters(), lr=1e-4)  # re-created; the old one is dropped
+    gc.collect()
+    with base.BaseEngineCtx(e, "train"):
+        _train_step(e)
+    before = [t.clone() for t in _state_tensors(e.optimizer)]
+    # the rollout needs almost the whole budget: every set of the engine must leave
+    vd.wake({"rollout.kv_cache": 2**20 - 1000}, torch.device("cpu"), "the rollout's")
+    assert all(in_host_pool(t.data_ptr()) for t in _state_tensors(e.optimizer)), \
+        "the re-created optimizer's state was not moved by the dock"
+    assert vd.dock.ferry("engine0.optimizer").residency.on_host
+    vd.asleep()
+    with base.BaseEngineCtx(e, "train"):
+        assert before and all(torch.equal(a, b) for a, b in zip(before, _state_tensors(e.optimizer), strict=True))
+
+
+def test_a_phase_dock_takes_the_ferry_a_phase_names_for_its_set():
+    """The core's phase dock (SkyRL's helpers use it too): ``enter(..., optimizer=ferry)`` with the ferry of a
+    re-created optimizer keeps the first one as ``engine0.optimizer`` without a word."""
+    from torchferry import Ferry
+    from torchferry.integrations._base import PhaseDock
+
+    m = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(m.parameters())
+    _train_step(types.SimpleNamespace(module=m, optimizer=opt))
+    pd = PhaseDock(2**20, label="test dock")
+    cpu = torch.device("cpu")
+    pf, of = Ferry(m), Ferry(opt)
+    pd.enter(m, "train", device=cpu, params=pf, optimizer=of)
+    pd.leave(m, "train")
+    opt2 = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    _train_step(types.SimpleNamespace(module=m, optimizer=opt2))
+    of2 = Ferry(opt2)
+    pd.enter(m, "train", device=cpu, params=pf, optimizer=of2)
+    pd.leave(m, "train")
+    assert pd.dock.ferry("engine0.optimizer") is of2
+
+
+def _steps(e, n):
+    for _ in range(n):
+        with base.BaseEngineCtx(e, "eval"):
+            pass
+        with base.BaseEngineCtx(e, "train"):
+            _train_step(e)
+
+
+def test_an_optimizer_replaced_inside_a_train_phase_is_moved_and_trains_exactly():
+    ref, e = _engine(True, True, n=64), _engine(True, True, n=64)
+    e.module.load_state_dict(ref.module.state_dict())
+    for _ in range(3):  # verl's own run (nothing patched): 3 steps, the optimizer re-created, 2 steps
+        _train_step(ref)
+    ref.optimizer = torch.optim.AdamW(ref.module.parameters(), lr=1e-4)
+    for _ in range(2):
+        _train_step(ref)
+    tf_verl.patch(dock=2**20)
+    vd = tf_verl.docked()
+    _steps(e, 2)
+    with base.BaseEngineCtx(e, "train"):
+        _train_step(e)
+        e.optimizer = torch.optim.AdamW(e.module.parameters(), lr=1e-4)  # re-created inside the phase
+        _train_step(e)
+    vd.wake({"rollout.kv_cache": 2**20 - 1000}, torch.device("cpu"), "the rollout's")
+    assert all(in_host_pool(t.data_ptr()) for t in _state_tensors(e.optimizer))
+    assert vd.dock.ferry("engine0.optimizer").residency.on_host
+    vd.asleep()
+    with base.BaseEngineCtx(e, "train"):
+        _train_step(e)
+    for a, b in zip(ref.module.parameters(), e.module.parameters(), strict=True):
+        torch.testing.assert_close(b, a, atol=0, rtol=0)
+    for a, b in zip(_state_tensors(ref.optimizer), _state_tensors(e.optimizer), strict=True):
+        torch.testing.assert_close(b, a, atol=0, rtol=0)
+
+
+def test_a_dropped_optimizers_set_leaves_before_the_next_wake():
+    tf_verl.patch(dock=2**20)
+    vd = tf_verl.docked()
+    e = _engine(True, True, n=64)
+    _steps(e, 2)
+    assert vd.dock.has("engine0.optimizer")
+    e.optimizer = torch.optim.AdamW(e.module.parameters(), lr=1e-4)  # no step yet: the old one is dropped
+    gc.collect()
+    vd.wake({"rollout.kv_cache": 2**20 - 1000}, torch.device("cpu"), "the rollout's")
+    assert not vd.dock.has("engine0.optimizer")
+    assert vd.dock.ferry("engine0.params").residency.on_host
+    vd.asleep()
+    _steps(e, 1)  # the new optimizer's first step: its set from then on
+    assert vd.dock.has("engine0.optimizer") and has_state(e.optimizer)
+
+
+def test_a_phase_whose_host_pool_the_node_refuses_raises_host_budget_error(monkeypatch):
+    monkeypatch.setenv("TORCHFERRY_HOST_BUDGET_BYTES", "1000")  # the node cannot hold the set's 16,640-byte pool
+    tf_verl.patch(dock=10**8)
+    e = _engine(True, True, n=64)
+    with pytest.raises(HostBudgetError, match=r"needs 16640 bytes .* within the node.s host budget of 1000 bytes"):
+        with base.BaseEngineCtx(e, "eval"):
+            pass
+    assert not tf_verl.docked().dock.in_use and e.mode is None
+
+
+def test_a_rollout_wake_whose_eviction_the_host_refuses_raises_host_budget_error(monkeypatch):
+    tf_verl.patch(dock=2**20)
+    vd, e = tf_verl.docked(), _engine(True, True, n=64)
+    with base.BaseEngineCtx(e, "eval"):
+        pass
+    ferry = vd.dock.ferry("engine0.params")
+
+    def refused(*args, **kwargs):
+        raise HostBudgetError("torchferry: a host pool needs 16640 bytes of host memory, but only 0 are available",
+                              16640, 0)
+
+    monkeypatch.setattr(ferry, "offload", refused)
+    with pytest.raises(HostBudgetError):
+        vd.wake({"rollout.kv_cache": 2**20 - 1000}, torch.device("cpu"), "the rollout's")
+    assert not ferry.residency.on_host and not vd.dock.in_use

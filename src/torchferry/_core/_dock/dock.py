@@ -15,7 +15,7 @@ from .._ferry.ferry import Ferry
 from .._ferry.misuse import NotCopyable
 from .engine import DockEngine
 from .measure import counted_bytes, is_closed
-from .records import DockStats, Move, _fmt
+from .records import DockStats, Move, OverBudget, _fmt
 from .schedule import Schedule
 from .serial import serialized
 from .._transfer.signals import deferred
@@ -130,7 +130,7 @@ class Dock(NotCopyable):
         nbytes, fixed = counted_bytes(ferry), e.reserved()
         if nbytes + fixed > e.budget:
             beside = f" beside {_fmt(fixed)} reserved (Dock.reserve)" if fixed else ""
-            raise ValueError(
+            raise OverBudget(
                 f"torchferry: Dock.add: state set {name!r} is {_fmt(nbytes)}{beside} but the budget is "
                 f"{_fmt(e.budget)}; it could never be resident: raise budget_bytes or split the set "
                 "(e.g. parameters and optimizer state as two ferries)"
@@ -203,7 +203,7 @@ class Dock(NotCopyable):
             raise ValueError(f"torchferry: Dock.add_claimant: nbytes of {name!r} must be an int >= 0, got {nbytes!r}")
         budget = self._engine.budget
         if nbytes > budget:
-            raise ValueError(
+            raise OverBudget(
                 f"torchferry: Dock.add_claimant: claimant {name!r} needs {_fmt(nbytes)} but the budget is "
                 f"{_fmt(budget)}; it could never fit: raise budget_bytes or shrink it (e.g. the KV cache)"
             )

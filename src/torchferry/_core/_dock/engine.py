@@ -69,7 +69,7 @@ import torch
 from .._ferry.ferry import Ferry
 from .measure import appeared_bytes, ensure_plan, eviction_keeps, is_closed, kept_bytes, replan_if_moved, targets_of
 from .mover import Mover
-from .records import _Claimant, _fmt, _Set
+from .records import NoRoom, OverBudget, _Claimant, _fmt, _Set
 from .schedule import Schedule, belady, held, lru
 from .serial import DockLock
 
@@ -337,7 +337,7 @@ class DockEngine:
         if total + fixed > self.budget:
             each = ", ".join(f"{n!r} {self.nbytes(n)} bytes{self._grown(n)}" for n in names)
             beside = f" beside {_fmt(fixed)} reserved" if fixed else ""
-            raise ValueError(
+            raise OverBudget(
                 f"torchferry: Dock.use: {list(names)} need {_fmt(total)} together{beside} but the budget is "
                 f"{_fmt(self.budget)} ({each}): use them in separate phases or raise budget_bytes; nothing was moved"
             )
@@ -346,7 +346,7 @@ class DockEngine:
         base = self.pos if pos is None else pos
         victims = self._victims(names, base=base, ahead=False)
         if victims is None:
-            raise RuntimeError(self._no_room(names))
+            raise NoRoom(self._no_room(names))
         with torch.profiler.record_function("torchferry::dock.use"):
             hits = [n for n in names if self.resident(n)]
             prefetched = [n for n in names if n in self.sets and self.sets[n].prefetched]

@@ -44,8 +44,9 @@ from .._ferry.ferry import Ferry
 from .._transfer.signals import deferred
 from .dock import Dock
 from .first_step import first_step_bytes
-from .measure import objects_bytes
+from .measure import objects_bytes, targets_of
 from .phases import PhaseOrder
+from .records import NoRoom, OverBudget
 
 __all__ = ["WORKSPACE_MARGIN", "EngineNames", "PhaseDock"]
 
@@ -161,7 +162,7 @@ class PhaseDock:
                     self.dock.require(name)
                     return
                 self.dock.acquire(name)
-            except (ValueError, RuntimeError) as err:
+            except (OverBudget, NoRoom) as err:
                 raise type(err)(f"torchferry: {self.label}: {who} of {name} outside a phase does not fit the "
                                 f"budget ({self.hint}): {err}") from err
             self.dock.release(name)
@@ -210,6 +211,7 @@ class PhaseDock:
         e.kept, e.kept_why = tuple(kept), kept_why
         dock = self.dock_on(device)
         self.asleep()  # the driver slept the rollout before this phase
+        self._drop_dead(dock)
         names: list[str] = []
         try:
             self._reserve(dock)
@@ -221,7 +223,7 @@ class PhaseDock:
             self._size_workspace(dock, e, mode, names)
             names.append(e.workspace[mode])
             dock.acquire(*names)
-        except (ValueError, RuntimeError) as err:  # nothing acquired: the trainer's code has not run
+        except (OverBudget, NoRoom) as err:  # nothing acquired: the trainer's code has not run (others: as raised)
             raise type(err)(f"torchferry: {self.label}: the {mode} phase of {e.tag} does not fit its budget "
                             f"({self.hint}): {err}") from err
         try:
@@ -260,8 +262,10 @@ class PhaseDock:
             e.kept = tuple(kept)
         dock = self.dock
         names, start, prefetched, state0, device = e.open.pop(mode)
+        # an optimizer this phase held and replaced: its set follows the new one once the phase's names are released
+        late = optimizer is not None and e.optimizer in names and self.sets.get(e.optimizer) is not optimizer
         try:
-            if optimizer is not None:
+            if optimizer is not None and not late:
                 self._ensure_set(dock, e.optimizer, optimizer)
                 if e.optimizer not in names:  # this phase holds it from now on
                     self.order.joins(e.optimizer)
@@ -276,6 +280,8 @@ class PhaseDock:
             raise ValueError(f"torchferry: {self.label}: after the {mode} phase of {e.tag}: {err}") from err
         finally:
             dock.release(*names)
+        if late and optimizer is not None:
+            self._ensure_set(dock, e.optimizer, optimizer)
         self._reserve(dock)  # the first step's state of an optimizer kept resident, gradients kept
         self._size_workspace(dock, e, mode, [])  # measured now: what prefetches until its next entry plan with
         self.phase_log.append(("leave", names))
@@ -328,7 +334,7 @@ class PhaseDock:
         for e in list(self.engines.values()):
             nbytes = objects_bytes(e.kept, device) if e.kept else 0
             if nbytes > dock.budget_bytes:
-                raise ValueError(f"{e.tag} keeps {nbytes} bytes on the device ({e.kept_why or 'kept'}), more than "
+                raise OverBudget(f"{e.tag} keeps {nbytes} bytes on the device ({e.kept_why or 'kept'}), more than "
                                  f"the budget of {dock.budget_bytes} bytes: raise it or turn that offload on")
             if nbytes or dock.has(e.resident):
                 if not dock.has(e.resident):
@@ -344,16 +350,34 @@ class PhaseDock:
         held += self._reserved_bytes(dock)
         if made is None or held + made <= dock.budget_bytes:
             return
-        raise ValueError(f"{e.optimizer} would hold about {made} bytes after the first step "
+        raise OverBudget(f"{e.optimizer} would hold about {made} bytes after the first step "
                          f"({type(optimizer).__name__}'s state as its first step makes it) beside {held} bytes held, "
                          f"more than the budget of {dock.budget_bytes} bytes; raise {self.hint}")
 
     def _ensure_set(self, dock: Dock, name: str, ferry: Ferry) -> str:
-        if name not in self.sets:
-            dock.add(name, ferry)
-            self.sets[name] = ferry
-            self.order.added(dock)
+        """``name``'s set is ``ferry`` from now on: registered at its first phase; the set of an object the trainer
+        replaced (a re-created optimizer, another model) leaves the dock for the new one's (its ferry stays where it
+        is): the dock moves what the engine holds now."""
+        old = self.sets.get(name)
+        if old is ferry:
+            return name
+        if old is not None:
+            dock.remove(name)
+            del self.sets[name]
+        dock.add(name, ferry)
+        self.sets[name] = ferry
+        self.order.added(dock)
         return name
+
+    def _drop_dead(self, dock: Dock) -> None:
+        """Sets whose objects were all collected (an optimizer replaced and dropped) leave the dock before a decision
+        would move them: nothing of them is the trainer's any more."""
+        dead = tuple(n for n, f in self.sets.items() if n not in dock.in_use and not targets_of(f))
+        for n in dead:
+            dock.remove(n)
+            del self.sets[n]
+        if dead:
+            self.order.removed(dock, dead)
 
     def _size_workspace(self, dock: Dock, e: EngineNames, mode: str, sets: list[str]) -> None:
         """The workspace claimant: the rest of the budget until measured, then the largest measure plus
@@ -386,6 +410,7 @@ class PhaseDock:
             self.dock_on(device)
         dock = self.dock
         assert dock is not None
+        self._drop_dead(dock)
         if dock.device is not None:
             self._reserve(dock)  # a checkpoint load since the last phase: counted before the wake
         for name, nbytes in claimants.items():
@@ -408,7 +433,7 @@ class PhaseDock:
                 continue
             try:
                 dock.acquire(name)
-            except (ValueError, RuntimeError) as err:
+            except (OverBudget, NoRoom) as err:
                 raise type(err)(f"torchferry: {self.label}: {what} {name} do not fit the budget: {err}") from err
             self.awake.add(name)
             self.order.record(dock, (name,))

@@ -10,11 +10,19 @@ from typing import Literal, NamedTuple
 from .._ferry.ferry import Ferry
 from .._api.handle import TransferHandle
 
-__all__ = ["DockStats", "Move"]
+__all__ = ["DockStats", "Move", "NoRoom", "OverBudget"]
 
 
 def _fmt(nbytes: int) -> str:
     return f"{nbytes} bytes ({nbytes / 1e9:.2f} GB)"
+
+
+class OverBudget(ValueError):
+    """What a decision asks for cannot fit the budget together (``Dock.use``'s ``ValueError``; nothing moved)."""
+
+
+class NoRoom(RuntimeError):
+    """The room a decision needs is held by what is in use (``Dock.use``'s ``RuntimeError``; nothing moved)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from torchferry import Ferry
-from torchferry._public.env import OFF, ON, core_settings, env_bytes, env_choice, env_flag, env_int, parse_flag
+from torchferry._public.env import (
+    CORE_ENV, OFF, ON, core_settings, env_bytes, env_choice, env_flag, env_int, parse_flag,
+)
 
 ON_SPELLINGS = [s for on in ON for s in (on, on.upper(), on.capitalize(), f"  {on}\t")]
 OFF_SPELLINGS = [s for off in OFF for s in (off, off.upper(), off.capitalize(), f" {off} ")]
@@ -452,3 +454,21 @@ def test_a_refill_mark_above_the_window_is_refused_at_ferry():
 
     with pytest.raises(ValueError, match="refill mark must be in"):
         Ferry(torch.ones(3), settings=CoreSettings(issue_refill_bytes=ISSUE_WINDOW_BYTES + 1))
+
+
+BYTE_VARS = ["TORCHFERRY_HOST_BUDGET_BYTES", "TORCHFERRY_HOST_RESERVE_BYTES", "TORCHFERRY_SWITCH_BYTES",
+             "TORCHFERRY_ISSUE_REFILL_BYTES"]
+
+
+@pytest.mark.parametrize("name", BYTE_VARS)
+def test_a_byte_count_too_long_for_int_is_refused_naming_the_variable(monkeypatch, name):
+    """More ASCII digits than ``int()`` converts (4,300): refused by torchferry naming the variable, every time
+    (before: Python's "Exceeds the limit (4300 digits)", naming neither)."""
+    assert name in CORE_ENV
+    monkeypatch.setenv(name, "9" * 5000)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=rf"^torchferry: {name}"):
+            core_settings()
+    t = torch.arange(4.0)
+    with pytest.raises(ValueError, match=rf"^torchferry: {name}"):
+        Ferry(t)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 
 import pytest
@@ -305,3 +306,35 @@ def test_this_process_records_its_start_time_and_pending_time():
         e = json.load(f)[str(os.getpid())]
     assert e["held"] == 10 and e["pending"] == 0 and "since" not in e
     ledger.give_back(10)
+
+
+@pytest.mark.parametrize("entry", [
+    {"held": 1, "pending": 5, "since": 10 ** 400},  # an int beyond a float (before: OverflowError)
+    {"held": 1, "since": -(10 ** 400)},
+])
+def test_an_entry_whose_since_is_too_large_for_a_float_is_skipped(caplog, entry):
+    ledger = node_ledger()
+    with open(ledger.path, "w") as f:
+        json.dump({str(os.getppid()): entry}, f)
+    t = torch.arange(100.0)
+    ferry = Ferry(t)
+    for _ in range(2):  # not once: every offload (the ledger is never written back)
+        with caplog.at_level(logging.WARNING, logger="torchferry"):
+            ferry.offload()
+        ferry.reload()
+    assert torch.equal(t, torch.arange(100.0))
+    assert "skipped a corrupt entry of the host ledger" in caplog.text
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000, b'{"1":' * 100_000])
+def test_a_ledger_nested_too_deep_for_the_json_parser_is_started_over(caplog, raw):
+    ledger = node_ledger()
+    with open(ledger.path, "wb") as f:
+        f.write(raw)
+    t = torch.arange(100.0)
+    ferry = Ferry(t)
+    with caplog.at_level(logging.WARNING, logger="torchferry"):
+        ferry.offload()  # before: RecursionError from json.loads, at every offload
+    ferry.reload()
+    assert torch.equal(t, torch.arange(100.0))
+    assert "starting it over" in caplog.text

@@ -284,3 +284,44 @@ def test_a_meminfo_value_in_another_unit_or_form_is_left_out(tmp_path, monkeypat
     (node.proc / "meminfo").write_text("MemTotal: 8 kB\nMemAvailable: 5 MB\nMemFree: -3 kB\nHugePages_Total: 4\n"
                                        "Cached: \uff15 kB\n")
     assert meminfo() == {"MemTotal": 8192, "HugePages_Total": 4}
+
+
+# A count of more ASCII digits than int() converts (4,300) is malformed: no limit at that level, no page cache, the
+# line left out (before: a ValueError out of every offload).
+LONG = "9" * 5000  # ASCII digits, too many for int(): "Exceeds the limit (4300 digits) for integer string conversion"
+
+
+def _offload_works() -> None:
+    t = torch.arange(100.0)
+    ferry = Ferry(t)
+    ferry.offload()
+    assert ferry.residency is Residency.HOST
+    ferry.reload()
+    assert torch.equal(t, torch.arange(100.0))
+
+
+@pytest.mark.parametrize("where", ["memory.max", "memory.current"])
+def test_a_v2_count_too_long_for_int_counts_as_malformed(tmp_path, monkeypatch, where):
+    node = FakeNode(tmp_path, monkeypatch)
+    node.own("0::/a\n")
+    node.files("a", memory_max=str(8 * GiB), memory_current=str(GiB))
+    (node.cgroup / "a" / where).write_text(LONG + "\n")
+    assert cgroup_memory() is None  # no limit at that level
+    _offload_works()
+
+
+def test_a_memory_stat_count_too_long_for_int_counts_as_no_page_cache(tmp_path, monkeypatch):
+    node = FakeNode(tmp_path, monkeypatch)
+    node.own("0::/a\n")
+    d = node.files("a", memory_max=str(8 * GiB), memory_current=str(GiB))
+    (d / "memory.stat").write_text(f"anon 1\ninactive_file {LONG}\n")
+    got = cgroup_memory()
+    assert got is not None and got.headroom == 7 * GiB and got.reclaimable == 0
+    _offload_works()
+
+
+def test_a_meminfo_value_too_long_for_int_is_left_out(tmp_path, monkeypatch):
+    node = FakeNode(tmp_path, monkeypatch)
+    (node.proc / "meminfo").write_text(f"MemTotal:       {LONG} kB\nMemAvailable:   {100 * GiB // 1024} kB\n")
+    assert meminfo() == {"MemAvailable": 100 * GiB}
+    _offload_works()

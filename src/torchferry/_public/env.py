@@ -91,9 +91,12 @@ def env_int(name: str, default: int, *, hi: int | None = None, says: str) -> int
 # byte count is read by :func:`parse_bytes`: ASCII digits, or a mantissa of ASCII digits (with a
 # fraction) and a two-digit exponent whose value is a whole number (``40e9``, ``1.5e9``); nothing
 # else (no sign, underscore, space inside, ``inf``/``nan``).
-_DIGITS = re.compile(r"[0-9]+")
-_EXPONENT = re.compile(r"[0-9]+(?:\.[0-9]+)?[eE][0-9]{1,2}")
-BYTES_FORM = "ASCII digits, e.g. 40000000000, or a whole number in exponent form, e.g. 40e9; no sign, no underscores"
+# At most 30 digits (10**30 bytes): longer is no count, and ``int()`` refuses past 4,300 digits in a message
+# that names neither torchferry nor the variable.
+_DIGITS = re.compile(r"[0-9]{1,30}")
+_EXPONENT = re.compile(r"[0-9]{1,30}(?:\.[0-9]{1,30})?[eE][0-9]{1,2}")
+BYTES_FORM = ("ASCII digits (at most 30), e.g. 40000000000, or a whole number in exponent form, e.g. 40e9; no sign, "
+              "no underscores")
 
 
 def parse_bytes(raw: str, name: str, *, hi: int | None = None) -> int:

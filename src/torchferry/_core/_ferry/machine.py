@@ -168,7 +168,8 @@ class ResidencyMachine(NotCopyable):
     def _end_prefetch(self) -> TransferHandle:
         run = self._prefetch
         assert run is not None
-        self._prefetch = None
-        self._offloaded = None
-        self._residency = Residency.H2D_IN_FLIGHT if self._streams.is_cuda else Residency.DEVICE
-        return self._issued(run.handle())
+        # everything that may raise first, then the records together: a failure leaves the run to a retry
+        residency = Residency.H2D_IN_FLIGHT if self._streams.is_cuda else Residency.DEVICE
+        handle = run.handle()
+        self._prefetch, self._offloaded, self._residency = None, None, residency
+        return self._issued(handle)

@@ -58,7 +58,6 @@ import contextlib
 import fcntl
 import json
 import logging
-import math
 import os
 import re
 import tempfile
@@ -75,6 +74,7 @@ logger = logging.getLogger("torchferry")
 # A ledger entry's pid above this is corrupt: Linux's pid_max is at most 2^22 (PID_MAX_LIMIT, proc(5)
 # on /proc/sys/kernel/pid_max); os.kill() of a larger number raised OverflowError on every offload.
 _PID_MAX = 1 << 22
+_SINCE_MAX = 1e18  # a ledger time (seconds since the epoch) beyond this is corrupt
 _CANONICAL_PID = re.compile(r"[1-9][0-9]*")  # ASCII, no leading zero: one key per process
 
 _RESERVE_FRACTION = 0.05
@@ -135,7 +135,7 @@ def _valid(pid: object, entry: object) -> bool:
         return False
     since = entry.get("since", 0)
     return (all(type(entry.get(k, 0)) is int and entry.get(k, 0) >= 0 for k in ("held", "pending", "start"))
-            and type(since) in (int, float) and math.isfinite(since))
+            and type(since) in (int, float) and -_SINCE_MAX < since < _SINCE_MAX)  # NaN, inf and 10**400 too
 
 
 def _expire(pid: str, e: dict, now: float) -> bool:
@@ -157,7 +157,7 @@ def _live_entries(raw: bytes, path: str) -> dict[str, dict[str, int]]:
     dropped when the ledger is written back), a dead process's entry silently."""
     try:
         entries = json.loads(raw) if raw else {}
-    except ValueError:  # a torn file from a killed writer
+    except (ValueError, RecursionError):  # a torn file from a killed writer; nested past the parser's depth
         logger.warning("torchferry: the host ledger %s is not JSON (a writer killed mid-write?); starting it over",
                        path)
         return {}

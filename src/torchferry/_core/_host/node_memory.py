@@ -81,9 +81,12 @@ def _read(path: str) -> str | None:
         return None
 
 
+_COUNT_DIGITS = 20  # 10**20 bytes: more is no memory count (and int() refuses past 4,300 digits)
+
+
 def _count(text: str) -> int | None:
-    """``text`` as a count of ASCII digits, ``None`` for anything else."""
-    return int(text) if text.isascii() and text.isdigit() else None
+    """``text`` as a count of at most 20 ASCII digits, ``None`` for anything else."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= _COUNT_DIGITS else None
 
 
 def meminfo(proc_root: str | None = None) -> dict[str, int]:

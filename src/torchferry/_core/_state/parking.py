@@ -76,9 +76,15 @@ def _link_grad(t: torch.Tensor, g: torch.Tensor | None, name: str) -> None:
 
 
 def _exchange(a: torch.Tensor, b: torch.Tensor, dtensor: bool) -> None:
+    """Exchanges two objects' impls (and a DTensor's local shard slot) together or not at all: an exception
+    between the two steps puts the impls back (a half-exchanged ``.grad`` viewed the pool for good)."""
     swap_impls(a, b)
     if dtensor:
-        swap_local(a, b)
+        try:
+            swap_local(a, b)
+        except BaseException:
+            swap_impls(a, b)
+            raise
 
 
 class Move(NamedTuple):

@@ -13,8 +13,8 @@ import torch
 from .._api.args import check_callable, check_device, shown
 from .._ferry.ferry import Ferry
 from .._ferry.misuse import NotCopyable
+from .admit import check_new_set
 from .engine import DockEngine
-from .measure import counted_bytes, is_closed
 from .records import DockStats, Move, OverBudget, _fmt
 from .schedule import Schedule
 from .serial import serialized
@@ -97,8 +97,9 @@ class Dock(NotCopyable):
 
         Raises:
             ValueError: a name already registered, a ferry already added, a
-                ferry on another device than the dock's, or a set larger than
-                the budget (it could never be resident).
+                ferry on another device than the dock's, a set sharing a tensor
+                object with a set already added, or a set larger than the budget
+                (it could never be resident).
             TypeError: ``ferry`` is not a :class:`~torchferry.Ferry`.
             HostBudgetError: the node cannot hold the host pool its first eviction needs (a resident ferry
                 without a plan is planned here).
@@ -109,33 +110,8 @@ class Dock(NotCopyable):
         self._check_new_name(name)
         if not isinstance(ferry, Ferry):
             raise TypeError(f"torchferry: Dock.add: {name!r} must be a torchferry.Ferry, got {type(ferry).__name__}")
-        e = self._engine
-        for s in e.sets.values():
-            if s.ferry is ferry:
-                raise ValueError(f"torchferry: Dock.add: this ferry is already added as {s.name!r}")
-        other = DockEngine.holder(ferry)
-        if other is not None:
-            held_as = next(s.name for s in other.sets.values() if s.ferry is ferry)
-            raise RuntimeError(
-                f"torchferry: Dock.add: cannot add {name!r}: its ferry is held by another dock ({other.label()}) "
-                f"as {held_as!r}; a ferry belongs to one dock: remove it there first "
-                f"(dock.remove({held_as!r}) or dock.close())"
-            )
-        dev = e.device
-        if dev is not None and (ferry.device.type != dev.type
-                                or (dev.index is not None and ferry.device.index != dev.index)):
-            raise ValueError(f"torchferry: Dock.add: {name!r} is on {ferry.device} but the dock on {dev}")
-        if is_closed(ferry):
-            raise RuntimeError(f"torchferry: Dock.add: the ferry given for {name!r} is closed; make a new Ferry")
-        nbytes, fixed = counted_bytes(ferry), e.reserved()
-        if nbytes + fixed > e.budget:
-            beside = f" beside {_fmt(fixed)} reserved (Dock.reserve)" if fixed else ""
-            raise OverBudget(
-                f"torchferry: Dock.add: state set {name!r} is {_fmt(nbytes)}{beside} but the budget is "
-                f"{_fmt(e.budget)}; it could never be resident: raise budget_bytes or split the set "
-                "(e.g. parameters and optimizer state as two ferries)"
-            )
-        e.add_set(name, ferry)  # after the checks: a refused ferry is left as it was
+        check_new_set(self._engine, name, ferry)
+        self._engine.add_set(name, ferry)  # after the checks: a refused ferry is left as it was
 
     def remove(self, name: str) -> None:
         """Forgets a state set or claimant; its ferry may then join another dock.

@@ -33,29 +33,24 @@ taken in as resident at the next decision ([Note: state loaded behind the dock's
 back] in ``measure``), and right after a ``load_state_dict`` of one of its targets.
 
 [Note: one dock per ferry]
-Two docks holding one ferry would each evict it while the other's ``use()``
-holds it. ``Dock.add`` looks the ferry up in ``_HOLDERS`` (ferry -> weak
-reference to the engine of its dock, both held weakly: the engine lives as
-long as its dock) with ``DockEngine.holder`` and refuses it while another
-dock that is still alive holds it; ``remove()``, ``close()`` and the dock's
-garbage collection let it go.
+Two docks holding one ferry would each evict it while the other's ``use()`` holds it. ``Dock.add`` looks the
+ferry up in ``_HOLDERS`` (ferry -> weak reference to the engine of its dock, both held weakly: the engine lives as
+long as its dock) with ``DockEngine.holder`` and refuses it while another dock that is still alive holds it;
+``remove()``, ``close()`` and the dock's garbage collection let it go.
 
 [Note: prefetch]
 ``prefetch(name)`` plans the victims ``use(name)`` would need once the sets
 now in use are released (with a schedule, of two groups of equal cost the
 one with fewer members in use now), and acts only if none of them is in use
-now: then
-the victims leave at once (their D2H copies overlap the current phase's
+now: then the victims leave at once (their D2H copies overlap the current phase's
 compute) and a state set starts loading as soon as its room is free. Nothing
 else is evicted for a prefetch, so it never adds traffic ``use()`` would not
 have made; a claimant's ``wake()`` runs in ``use()``, only its room is made
 ahead. A prefetch that could not start is retried by every later dock call.
 
 [Note: released without a copy]
-A set evicted after a forward-only phase (reference log-probabilities) holds
-the bytes its host copy already has. The dock simply calls ``offload()``;
-skipping the D2H copies of storages whose host copy is still exact is the
-ferry's job, not the dock's.
+A set evicted after a forward-only phase holds the bytes its host copy has: the dock calls ``offload()``,
+and skipping the D2H copies of storages whose host copy is still exact is the ferry's job.
 """
 
 from __future__ import annotations
@@ -161,12 +156,20 @@ class DockEngine:
     def reserve(self, name: str, nbytes: int) -> None:
         """Registers (or re-sizes) checked reserved bytes; back within the budget if they grew."""
         c = self.claimants.get(name)
+        before = None if c is None else c.nbytes
         if c is None:
             self.claimants[name] = _Claimant(name, nbytes, self._order(), None, None, False, awake=True, fixed=True)
         else:
             c.nbytes = nbytes
-        self.refresh()
-        self._restore()
+        try:
+            self.refresh()
+            self._restore()
+        except BaseException:  # the room could not be made: the reservation is as it was
+            if before is None:
+                del self.claimants[name]
+            else:
+                self.claimants[name].nbytes = before
+            raise
 
     def reserved(self, names: tuple[str, ...] = ()) -> int:
         """Bytes reserved (``Dock.reserve``) under names other than ``names``."""

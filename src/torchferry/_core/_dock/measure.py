@@ -97,8 +97,11 @@ from .._state.host_blocks import in_host_pool
 from .._api.residency import Residency
 from .._state.targets import walk
 
-__all__ = ["appeared_bytes", "counted_bytes", "device_bytes", "device_storages", "ensure_plan", "eviction_keeps",
-           "is_closed", "kept_bytes", "kept_storages", "measured", "objects_bytes", "replan_if_moved", "targets_of"]
+__all__ = [
+    "appeared_bytes", "counted_bytes", "device_bytes", "device_storages", "ensure_plan", "eviction_keeps",
+    "is_closed", "kept_bytes", "kept_storages", "measured", "objects_bytes", "replan_if_moved", "targets_of",
+    "tensors_of",
+]
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -125,6 +128,11 @@ def _unique_storages(storages: Iterable[torch.UntypedStorage], dev: torch.device
 def _unique_bytes(storages: Iterable[torch.UntypedStorage], dev: torch.device, *, pool: bool = True) -> int:
     """Bytes of :func:`_unique_storages`."""
     return sum(_unique_storages(storages, dev, pool=pool).values())
+
+
+def tensors_of(ferry: Ferry) -> list[torch.Tensor]:
+    """The tensor objects the ferry's targets hold now (parameters, ``.grad``s, optimizer state, buffers)."""
+    return [t for _, t in walk(targets_of(ferry))]
 
 
 def targets_of(ferry: Ferry) -> list[object]:

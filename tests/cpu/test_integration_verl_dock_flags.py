@@ -4,7 +4,8 @@ verl offloads is a state set, what it keeps resident is reserved; every combinat
 evicted is counted; an optimizer's first-step state is told from its layout; a dock replaced inside a phase
 releases it; an optimizer re-created before or inside a phase is the set moved from then on, and a dropped one's set
 leaves before the next decision; only the budget's refusals are worded as such (a ``HostBudgetError`` is raised as
-it is). Engines are verl's ``FSDPEngine`` with a plain module, as in ``test_integration_verl_dock.py``."""
+it is); a context nested in one of the other mode fits at its first use. Engines are verl's ``FSDPEngine``
+with a plain module, as in ``test_integration_verl_dock.py``."""
 
 import gc
 import types
@@ -287,3 +288,29 @@ def test_a_rollout_wake_whose_eviction_the_host_refuses_raises_host_budget_error
     with pytest.raises(HostBudgetError):
         vd.wake({"rollout.kv_cache": 2**20 - 1000}, torch.device("cpu"), "the rollout's")
     assert not ferry.residency.on_host and not vd.dock.in_use
+
+
+def _nested_step(e, n):
+    e.module(torch.ones(2, n)).pow(2).sum().backward()
+    e.optimizer.step()
+    e.optimizer.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("outer,inner", [("train", "eval"), ("eval", "train")])
+def test_a_context_of_the_other_mode_nested_at_its_first_use_fits_and_keeps_the_outer_sets(outer, inner):
+    """A context of one mode nested in one of the other before the inner mode was measured fits beside what the
+    outer holds in use and opens; the outer keeps its sets (before: the inner's first workspace was the rest of the
+    budget less only its own sets, refused as "does not fit its budget")."""
+    p = (256 * 256 + 256) * 4
+    tf_verl.patch(dock=4 * p + (1 << 20))  # parameters and AdamW's state fit with 1 MiB to spare
+    vd = tf_verl.docked()
+    e = _engine(True, True, n=256, lr=1e-2)
+    with base.BaseEngineCtx(e, outer):  # only the outer mode measured; everything fits the budget
+        _nested_step(e, 256) if outer == "train" else None
+    assert vd.dock.resident_bytes <= 4 * p + (1 << 20)
+    with base.BaseEngineCtx(e, outer):
+        with base.BaseEngineCtx(e, inner):  # before: NoRoom "the <inner> phase of engine0 does not fit its budget"
+            e.module(torch.ones(2, 256))
+        assert "engine0.params" in vd.dock.in_use
+        _nested_step(e, 256) if outer == "train" else None
+    assert not vd.dock.in_use

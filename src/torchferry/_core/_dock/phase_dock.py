@@ -380,13 +380,15 @@ class PhaseDock:
             self.order.removed(dock, dead)
 
     def _size_workspace(self, dock: Dock, e: EngineNames, mode: str, sets: list[str]) -> None:
-        """The workspace claimant: the rest of the budget until measured, then the largest measure plus
-        :data:`WORKSPACE_MARGIN` (at most the budget: more would never fit)."""
+        """The workspace claimant: the rest of the budget until measured (beside the phase's sets, what is reserved
+        and what an open phase holds in use: a context nested in one of the other mode), then the largest measure
+        plus :data:`WORKSPACE_MARGIN` (at most the budget: more would never fit)."""
         name = e.workspace[mode]
         if mode in e.measured:
             want = min(int(e.measured[mode] * (1 + WORKSPACE_MARGIN)), dock.budget_bytes)
         else:
-            want = max(0, dock.budget_bytes - sum(dock.nbytes(n) for n in sets) - self._reserved_bytes(dock))
+            busy = sum(dock.nbytes(n) for n in dock.in_use if n not in sets and n != name)
+            want = max(0, dock.budget_bytes - sum(dock.nbytes(n) for n in sets) - self._reserved_bytes(dock) - busy)
         if not dock.has(name):
             dock.add_claimant(name, want)
             self.order.added(dock)

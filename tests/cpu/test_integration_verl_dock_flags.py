@@ -314,3 +314,18 @@ def test_a_context_of_the_other_mode_nested_at_its_first_use_fits_and_keeps_the_
         assert "engine0.params" in vd.dock.in_use
         _nested_step(e, 256) if outer == "train" else None
     assert not vd.dock.in_use
+
+
+def test_a_later_patch_without_dock_keeps_the_dock_in_its_settings(monkeypatch):
+    """``patch(dock=B)`` then ``patch(layerwise_reload=False)``: the dock stays, and the settings say so (before:
+    ``settings.dock`` read None while the dock stayed active); ``patch(dock=0)`` ends it, in the settings too."""
+    monkeypatch.setenv(DOCK_ENV, str(8 << 20))  # the environment's budget does not override the earlier patch's
+    tf_verl.patch(dock=B)
+    vd = tf_verl.docked()
+    tf_verl.patch(layerwise_reload=False)
+    state = REGISTRY.patched["verl"]
+    assert state.settings.dock == B and tf_verl.docked() is vd and state.settings.layerwise_reload is False
+    tf_verl.patch(dock=0)
+    assert REGISTRY.patched["verl"].settings.dock is None and tf_verl.docked() is None
+    tf_verl.patch()
+    assert REGISTRY.patched["verl"].settings.dock is None and tf_verl.docked() is None

@@ -28,8 +28,8 @@ from .._core._schedules.issuer import ISSUE_WINDOW_BYTES
 
 __all__ = ["ARENA_ENV", "BYTES_FORM", "CORE_ENV", "DRIVER_ENV", "HASH_CHOICES", "HASH_ENV", "HOST_BUDGET_ENV",
            "HOST_RESERVE_ENV", "LEDGER_DIR_ENV", "OFF", "ON", "REFILL_ENV", "SWITCH_ENV", "VERIFY_ENV",
-           "allocator_conf", "core_settings", "env_bytes", "env_choice", "env_flag", "env_int", "ledger_dir",
-           "parse_bytes", "parse_flag"]
+           "allocator_conf", "core_settings", "env_bytes", "env_choice", "env_flag", "env_int", "is_bytes",
+           "ledger_dir", "parse_bytes", "parse_flag"]
 
 ON = ("1", "true", "yes", "on")
 """The spellings of on (lower case; compared after ``strip().lower()``)."""
@@ -97,6 +97,12 @@ _DIGITS = re.compile(r"[0-9]{1,30}")
 _EXPONENT = re.compile(r"[0-9]{1,30}(?:\.[0-9]{1,30})?[eE][0-9]{1,2}")
 BYTES_FORM = ("ASCII digits (at most 30), e.g. 40000000000, or a whole number in exponent form, e.g. 40e9; no sign, "
               "no underscores")
+
+
+def is_bytes(text: str) -> bool:
+    """Whether ``text`` has a byte count's form (:func:`parse_bytes` may still refuse a fraction such as
+    ``1.55e1``, or a bound)."""
+    return bool(_DIGITS.fullmatch(text) or _EXPONENT.fullmatch(text))
 
 
 def parse_bytes(raw: str, name: str, *, hi: int | None = None) -> int:

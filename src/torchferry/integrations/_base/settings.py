@@ -1,6 +1,5 @@
 """An integration's settings, read once by its ``patch()`` ([Note: each integration's settings] in
-``docs/integrations.md``): the only module of ``integrations`` that reads ``TORCHFERRY_*`` variables (through
-``torchferry/_public/env``)."""
+``docs/integrations.md``), the one module of ``integrations`` reading ``TORCHFERRY_*`` variables (via ``env``)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from types import MappingProxyType
 
 from ..._core._api.args import check_optional_bool
 from ..._core._api.settings import CoreSettings
-from ..._public.env import OFF, core_settings, env_flag, parse_bytes
+from ..._public.env import OFF, core_settings, env_flag, is_bytes, parse_bytes
 
 __all__ = [
     "DOCK_ENV", "FORWARDED_SETTINGS", "FSDP1_ENV", "LAYERWISE_ENV", "OPTIMIZER_AT_STEP_ENV", "SKIP_ENV", "SWITCHES",
@@ -68,9 +67,10 @@ class Settings:
     @classmethod
     def read(cls, args: Mapping[str, bool | None], *, defaults: Mapping[str, bool] | None = None,
              earlier: Settings | None = None, with_dock: bool = False, dock: object = None) -> Settings:
-        """The settings of one ``patch()``: each switch of ``args`` (``None``: not given) from its argument, else
-        ``earlier``'s (a ``patch()`` still in force), else the environment, else ``defaults`` (the integration's),
-        else torchferry's; ``with_dock``: :func:`dock_budget` of ``dock`` too; :attr:`core` from the environment.
+        """One ``patch()``'s settings: each switch of ``args`` (``None``: not given) from its argument, else
+        ``earlier``'s (a ``patch()`` in force), else the environment, else ``defaults`` (the integration's), else
+        torchferry's; ``with_dock``: ``dock``'s budget, else ``earlier``'s, else the environment's; :attr:`core`: the
+        environment's.
 
         Raises:
             TypeError: an argument is neither ``None`` nor a bool.
@@ -84,7 +84,10 @@ class Settings:
             if value is not None:
                 chosen[env] = "1" if value else "0"
             values[name] = chosen[env] == "1" if env in chosen else read_switch(name, (defaults or {}).get(name))
-        budget = dock_budget(dock) if with_dock else None
+        if with_dock and dock is None and DOCK_ENV in chosen:  # an earlier patch(dock=...) still in force
+            budget = parse_budget(chosen[DOCK_ENV], "patch(dock=...)")
+        else:
+            budget = dock_budget(dock) if with_dock else None
         if with_dock and dock is not None:
             chosen[DOCK_ENV] = "0" if budget is None else str(budget)
         return cls(**values, dock=budget, chosen=tuple(sorted(chosen.items())), core=core_settings())
@@ -112,10 +115,8 @@ def parse_budget(value: object, where: str) -> int | float | None:
         text = value.strip()
         if text == "" or text.lower() in OFF:  # the off spellings of every switch (_public/env.OFF)
             return None
-        try:
-            value = parse_bytes(text, where)  # [Note: one parser for byte counts]
-        except ValueError:
-            value = float(text) if _FRACTION.fullmatch(text) else None
+        # a fraction, else a byte count as every other ([Note: one parser for byte counts]), else no budget
+        value = float(text) if _FRACTION.fullmatch(text) else parse_bytes(text, where) if is_bytes(text) else None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"torchferry: {where}: {raw!r} is not a dock budget: {hint}")
     if value == 0:
@@ -140,9 +141,8 @@ def dock_budget(choice: object) -> int | float | None:
     Raises:
         ValueError: a malformed budget (see :func:`parse_budget`).
     """
-    if choice is not None:
-        return parse_budget(choice, "patch(dock=...)")
-    return parse_budget(os.environ.get(DOCK_ENV), DOCK_ENV)
+    given = choice is not None
+    return parse_budget(choice if given else os.environ.get(DOCK_ENV), "patch(dock=...)" if given else DOCK_ENV)
 
 
 def check_environment(switches: Iterable[str] = tuple(SWITCHES), *, with_dock: bool = False) -> None:

@@ -1,4 +1,4 @@
-"""Engine acceptance run: FSDP2 parameters at Qwen2.5 sizes, torchferry vs the seed, one run.
+"""The engine on FSDP2 parameters at Qwen2.5 sizes, torchferry vs the seed, one run.
 
     torchrun --nproc_per_node 2 benchmarks/engine_fsdp2.py --preset qwen2.5-7b --json OUT.json
 

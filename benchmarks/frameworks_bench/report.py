@@ -8,7 +8,7 @@ from frameworks_bench.context import Run
 
 # --------------------------------------------------------------------------------------------- report
 def _checks(result: dict) -> dict:
-    """What the issue asks of the run: each patched full-state path at >= TARGET_FRAC of the peak, the
+    """The bars the run is held to: each patched full-state path at >= TARGET_FRAC of the peak, the
     forward-only patched offloads copying nothing after the first, every round trip bit-exact."""
     fw = result["frameworks"]
     sky, ar = fw.get("skyrl", {}), fw.get("areal", {})

@@ -285,7 +285,7 @@ def report(runs: dict, command: str | None = None) -> dict:
     }
     out["exposed"] = _exposed(views)
     out["strategies"] = {}
-    for label in labels:  # per strategy, what the issue of the dock asks for: its peak against its budget
+    for label in labels:  # per strategy, the dock's bar: its peak against its budget
         ranks = views[label]["per_rank"]
         peaks = [max(x["peak_own_gpu_bytes"]) for x in ranks if x.get("peak_own_gpu_bytes")]
         entry: dict = {"kind": kinds[label], "peak_gpu_bytes": max(peaks) if peaks else None,

@@ -144,10 +144,19 @@ def _attr_chain(node: ast.AST) -> str:
 
 
 def _copies(tree: ast.AST) -> list[tuple[int, str]]:
-    """Copies queued: ``x.copy_(...)``, ``switch.copy(dst, src)``, ``switch.copy_by_pointer(...)``."""
-    return [(n.lineno, n.func.attr) for n in ast.walk(tree)
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-            and (n.func.attr in ("copy_", "copy_by_pointer") or (n.func.attr == "copy" and n.args))]
+    """Copies queued: ``x.copy_(...)``, ``switch.copy(dst, src)``, ``switch.copy_by_pointer(...)``, a pinned staging
+    (``x.pin_memory()``), any call with ``non_blocking=``, ``torch.tensor(..., device=...)`` (an upload)."""
+    out = []
+    for n in ast.walk(tree):
+        if not isinstance(n, ast.Call):
+            continue
+        attr = n.func.attr if isinstance(n.func, ast.Attribute) else ""
+        keywords = {k.arg for k in n.keywords}
+        if (attr in ("copy_", "copy_by_pointer", "pin_memory") or (attr == "copy" and n.args)
+                or "non_blocking" in keywords
+                or (_attr_chain(n.func) in ("torch.tensor", "torch.as_tensor") and "device" in keywords)):
+            out.append((n.lineno, attr or _attr_chain(n.func)))
+    return out
 
 
 def _streams(tree: ast.AST) -> list[tuple[int, str]]:
@@ -254,6 +263,9 @@ def test_the_core_settings_are_read_from_nine_variables_and_the_core_names_no_ot
     ("copies are queued only by _transfer", "def f(sw, q, a, b):\n    sw.copy_by_pointer(q, a, b, 8)\n"),
     ("copies are queued only by _transfer",
      "def f(s, sw, d, x):\n    with torch.cuda.stream(s):\n        sw.copy(d, x)\n"),
+    ("copies are queued only by _transfer", "def f(t, dev):\n    return t.pin_memory().to(dev)\n"),
+    ("copies are queued only by _transfer", "def f(t, dev):\n    return t.to(dev, non_blocking=True)\n"),
+    ("copies are queued only by _transfer", "def f(vals, dev):\n    return torch.tensor(vals, device=dev)\n"),
     ("streams and events are made only in _transfer/streams", "s = torch.cuda.Stream(0)\n"),
     ("streams and events are made only in _transfer/streams", "e = torch.cuda.Event(enable_timing=True)\n"),
     ("torch's internals are read only in _state/fsdp", "k = st._cdata\n"),

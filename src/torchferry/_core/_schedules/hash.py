@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from .hash_rows import int64_on
+from .._transfer.batches import int64_on
 from .._host.slots import PackChunk
 from .._state.fsdp import foreach_copy
 

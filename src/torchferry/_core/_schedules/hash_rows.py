@@ -1,17 +1,13 @@
-"""The fused hash kernel's work table and the int64 upload both hashes use; apart from ``hash`` so
+"""The fused hash kernel's work table (its upload: ``_transfer/batches.int64_on``); apart from ``hash`` so
 that ``hash_triton`` (imported lazily by ``hash``) and ``hash`` do not import each other."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["int64_on", "row_table", "rows_per"]
+from .._transfer.batches import int64_on
 
-
-def int64_on(values: list, device: torch.device) -> torch.Tensor:
-    """An int64 tensor of ``values`` on ``device``, without a host sync (pinned, non-blocking)."""
-    t = torch.tensor(values, dtype=torch.int64)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+__all__ = ["row_table", "rows_per"]
 
 
 def rows_per(nbytes: list[int], piece_words: int) -> list[int]:

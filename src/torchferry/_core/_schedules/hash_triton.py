@@ -18,6 +18,7 @@ import torch
 import triton  # pyright: ignore[reportMissingImports]  # optional: CUDA builds of torch ship triton; CPU ones do not
 import triton.language as tl  # pyright: ignore[reportMissingImports]  # as above
 
+from .._transfer.batches import int64_on
 from .hash_rows import row_table, rows_per
 
 __all__ = ["ALIGN", "PIECE_WORDS", "hash_segments", "stage_row"]
@@ -83,7 +84,7 @@ def _consts(device: torch.device) -> torch.Tensor:
     c = _consts_on.get(device)
     if c is None:
         vals = [v - (1 << 64) if v >= 1 << 63 else v for v in _CONSTS]
-        c = _consts_on[device] = torch.tensor(vals, dtype=torch.int64, device=device)
+        c = _consts_on[device] = int64_on(vals, device)
     return c
 
 

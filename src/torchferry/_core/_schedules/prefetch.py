@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 from .._api.settings import CoreSettings
-from .._transfer.batches import copy_group_in, copy_now
+from .._transfer.batches import copy_group_in, copy_now, taken_to
 from .._transfer.copies import transfer_range, undo_allocations
 from .._state.fsdp import comm_streams, forward_prefetch_units, local_of, repoint_sharded_data, sharded_params, versions
 from .._api.hooks import PREFETCHING as _during, Uncopyable
@@ -481,7 +481,7 @@ class PrefetchRun:
             if (new.shape, new.stride(), new.dtype) == (local.shape, local.stride(), local.dtype):
                 copy_now(local, new)  # into the storage the ferry planned
             else:  # another shape or dtype (module.half()): the object takes it to the device, as a reconcile does
-                local.data = new.to(local.device)
+                local.data = taken_to(new, local.device)
 
     def _given_other_bytes(self, group: Group) -> dict[int, torch.Tensor]:
         """The group's tensors given other host bytes since the reload began (``module.half().float()``,

@@ -13,7 +13,7 @@ import torch
 from .._host.layout import HostViews
 from .._state.plan import Plan
 from .._transfer.batches import copy_now
-from .hash_rows import int64_on
+from .._transfer.batches import int64_on
 
 __all__ = ["Carried", "Retired", "Rules", "hashed_alike", "rules_of"]
 

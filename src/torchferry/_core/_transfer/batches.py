@@ -17,7 +17,7 @@ from .._state.plan import Plan
 from .driver import DriverQueue
 from .streams import TransferStreams
 
-__all__ = ["copy_group_in", "copy_now", "copy_out"]
+__all__ = ["copy_group_in", "copy_now", "copy_out", "int64_on", "taken_to"]
 
 
 def copy_out(streams: TransferStreams, slots: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
@@ -73,6 +73,19 @@ def copy_group_in(plan: Plan, storages: Iterable[int], slots: Sequence[torch.Ten
                 switch.copy(dst, slots[si])
         else:
             dst.copy_(slots[si])
+
+
+def int64_on(values: list, device: torch.device) -> torch.Tensor:
+    """An int64 tensor of ``values`` on ``device``, without a host sync (pinned, non-blocking): the hashes'
+    tables and constants."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def taken_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t.to(device)`` on the current stream: a tensor the caller gave another shape or dtype while its state
+    was away, taken to the device as it is (not into the planned storage: not a bulk transfer)."""
+    return t.to(device)
 
 
 def copy_now(dst: torch.Tensor, src: torch.Tensor) -> None:

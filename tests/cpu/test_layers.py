@@ -444,7 +444,8 @@ def test_the_callback_checker_sees_a_method_only_a_lower_layer_defines():
 INTEGRATIONS = "torchferry.integrations."
 FRAMEWORKS = ("verl", "skyrl", "areal")
 MUTABLE_CALLS = {"dict", "list", "set", "defaultdict", "deque", "WeakKeyDictionary", "WeakValueDictionary", "WeakSet",
-                 "ContextVar", "Registry", "Patcher", "PatchState", "OrderedDict", "Counter"}
+                 "ContextVar", "Registry", "Patcher", "PatchState", "OrderedDict", "Counter", "Queue", "SimpleQueue",
+                 "local", "Lock", "RLock", "Dock", "PhaseDock", "VerlDock", "Ferry", "bytearray"}
 
 
 def _framework_breaches(mod: str, source: str, modules: set[str], package: bool = False) -> list[str]:
@@ -478,12 +479,13 @@ def _module_state(mod: str, source: str) -> list[str]:
         if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
             continue
         targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-        names = [t.id for t in targets if isinstance(t, ast.Name)]
-        value = node.value
-        called = _attr_chain(value.func).split(".")[-1] if isinstance(value, ast.Call) else ""
-        display = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp))
-        if called in MUTABLE_CALLS or (display and any(not n.startswith("__") for n in names)):
-            out.append(f"{mod}:{node.lineno}: {', '.join(names)} = {called or type(value).__name__}")
+        names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]  # ``A, B = ...`` too
+        values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+        for value in values:
+            called = _attr_chain(value.func).split(".")[-1] if isinstance(value, ast.Call) else ""
+            display = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp))
+            if called in MUTABLE_CALLS or (display and any(not n.startswith("__") for n in names)):
+                out.append(f"{mod}:{node.lineno}: {', '.join(names)} = {called or type(value).__name__}")
     return out
 
 
@@ -553,6 +555,10 @@ def test_the_framework_import_checker_sees_a_planted_breach(planted):
     "def f():\n    global _x\n    _x = 1\n",
     "HELPERS = {'a': ('model',)}\n",
     "NAMES: list[str] = ['a']\n",
+    "DOCK = VerlDock(1 << 30)\n",
+    "import queue\nPENDING = queue.Queue()\n",
+    "import threading\nSEEN = threading.local()\n",
+    "A, B = [], {}\n",
 ])
 def test_the_module_state_checker_sees_a_planted_breach(planted):
     assert _module_state(INTEGRATIONS + "verl.planted", planted), planted

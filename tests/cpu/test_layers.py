@@ -129,8 +129,8 @@ def test_the_checker_sees_an_upward_import(tmp_path):
 # allowed to do it.
 
 CORE = "torchferry._core."
-TORCH_PRIVATE = {"_cdata", "_local_tensor", "_spec", "_sharded_param_data", "_swap_tensor_impl",
-                 "_foreach_copy_"}  # private attributes of torch, FSDP2 and DTensor the core needs
+TORCH_PRIVATE = {"_cdata", "_local_tensor", "_spec", "_sharded_param_data", "_swap_tensor_impl", "_foreach_copy_",
+                 "_parameters", "_buffers", "_modules", "_is_view", "_base"}  # torch's, FSDP2's, DTensor's the core needs
 ENV_PARSERS = {"env_flag", "env_int", "env_bytes", "env_choice"}  # _public/env's generic readers
 
 
@@ -272,6 +272,8 @@ def test_the_core_settings_are_read_from_nine_variables_and_the_core_names_no_ot
     ("torch's internals are read only in _state/fsdp", "t = p._local_tensor\n"),
     ("torch's internals are read only in _state/fsdp", "t = getattr(p, '_local_tensor', p)\n"),
     ("torch's internals are read only in _state/fsdp", "torch._C._swap_tensor_impl(a, b)\n"),
+    ("torch's internals are read only in _state/fsdp", "ps = m._parameters\n"),
+    ("torch's internals are read only in _state/fsdp", "b = t._base if t._is_view() else None\n"),
     ("the core reads no environment", "import os\nx = os.environ.get('TORCHFERRY_HASH')\n"),
     ("the core reads no environment", "import os\nx = os.getenv('TORCHFERRY_HASH')\n"),
     ("the core reads no environment", "from os import environ\n"),

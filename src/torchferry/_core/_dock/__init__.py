@@ -32,7 +32,8 @@ choice of victims, [Note: choosing victims]), ``mover`` (the :class:`Mover`
 that carries out the moves and keeps their record, [Note: prefetch hand-off]),
 ``engine`` (the :class:`DockEngine`: the dock's state, accounting and
 decisions, [Note: dock accounting], [Note: one dock per ferry], [Note:
-prefetch], [Note: released without a copy]) and ``dock`` (the public
+prefetch], [Note: released without a copy]), ``admit`` (what a set must be to join: ``Dock.add``'s
+checks) and ``dock`` (the public
 :class:`Dock`, which checks the arguments and holds its engine as
 ``_engine``).
 """

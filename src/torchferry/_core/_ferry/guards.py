@@ -56,7 +56,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .._api.handle import TransferHandle
 from .._api.hooks import Uncopyable
-from .._state.fsdp import rehome_sharded_data
+from .._state.fsdp import own_tensors, rehome_sharded_data
 from .._state.fsdp1 import fsdp1_units, refuse_fsdp1_call, rehome_flat_params, run_first
 from .._state.tree import module_tree
 
@@ -65,7 +65,7 @@ __all__ = ["OffloadGuards", "dropped"]
 
 def _owns_state(m: nn.Module) -> bool:
     """Whether ``m`` directly holds a parameter or buffer (``None`` entries do not count)."""
-    params, buffers = m._parameters, m._buffers  # most modules of a large model hold neither
+    params, buffers = own_tensors(m)  # most modules of a large model hold neither
     return bool(params) and any(v is not None for v in params.values()) or (
         bool(buffers) and any(v is not None for v in buffers.values()))
 

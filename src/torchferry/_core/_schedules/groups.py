@@ -7,7 +7,7 @@ import dataclasses
 
 from torch import nn
 
-from .._state.fsdp import fsdp_modules, lazy_init_done, unit_key
+from .._state.fsdp import fsdp_modules, lazy_init_done, own_tensors, unit_key
 from .._state.plan import Plan
 from .._state.tree import members, module_tree
 
@@ -123,7 +123,7 @@ def prefetch_groups(plan: Plan) -> list[Group] | None:
 # module strongly); any change to a tree (a module replaced, moved or wrapped, a parameter
 # re-registered) changes the signature and the groups are made again. Each call gets fresh lists.
 def _tree_signature(plan: Plan) -> tuple:
-    return tuple((id(m), tuple(map(id, m._parameters.values())), tuple(map(id, m._buffers.values())))
+    return tuple((id(m), *(tuple(map(id, own.values())) for own in own_tensors(m)))
                  for root in plan.modules for _, m in module_tree(root))
 
 

@@ -46,7 +46,9 @@ __all__ = [
     "storage_refs",
     "swap_impls",
     "swap_local",
+    "own_tensors",
     "unit_key",
+    "view_base",
     "versions",
 ]
 
@@ -180,6 +182,17 @@ def lazy_init_done(modules: list[nn.Module]) -> bool:
             if getattr(unit._get_fsdp_state(), "_is_root", None) is None:  # pyright: ignore[reportCallIssue]  # FSDP2 private _get_fsdp_state
                 return False
     return True
+
+
+def own_tensors(m: nn.Module) -> tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor | None]]:
+    """``m``'s own registered parameters and buffers (``nn.Module._parameters`` / ``_buffers``: no walk, ``None``
+    entries included)."""
+    return m._parameters, m._buffers  # pyright: ignore[reportReturnType]  # torch types them as dict[str, Parameter | None]
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``t`` views (``t._base``), ``None`` for a tensor that is no view."""
+    return t._base if t._is_view() else None
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -59,7 +59,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .fsdp import base_held_by_python, fsdp_held, storage_key, storage_refs
+from .fsdp import base_held_by_python, fsdp_held, storage_key, storage_refs, view_base
 from .fsdp1 import fsdp1_flat_storages
 from .plan import Plan, own_views
 
@@ -102,9 +102,7 @@ def shared_storages(plan: Plan, modules: list[nn.Module] | None = None) -> froze
         if refs <= len(objs):  # every holder known (each object one impl over it): no base to look for
             continue
         for t in list(objs.values()):
-            if not t._is_view():
-                continue
-            base = t._base
+            base = view_base(t)
             if base is None or id(base) in objs:
                 continue
             if id(base) in accounted:

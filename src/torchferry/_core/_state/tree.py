@@ -75,10 +75,10 @@ def _walk(root: nn.Module) -> list[tuple[str, nn.Module]]:
             return list(root.named_modules())
         seen.add(id(m))
         out.append((prefix, m))
-        children = m._modules
+        children = list(m.named_children())  # public: the private _modules is read in fsdp.py only
         if children:
             dot = prefix + "." if prefix else ""
-            stack.extend((dot + k, c) for k, c in reversed(children.items()) if c is not None)
+            stack.extend((dot + k, c) for k, c in reversed(children))
     return out
 
 

@@ -22,9 +22,9 @@ SWITCH_NAMES: tuple[str, ...] = ("skip_unchanged", "optimizer_at_step", "layerwi
 def _materialise_meta_buffers(model: nn.Module) -> None:
     """SkyRL's first step of ``offload_fsdp2_model_to_cpu``: meta buffers become empty CPU buffers."""
     for module in model.modules():
-        for key, buf in list(module._buffers.items()):
-            if buf is not None and buf.device.type == "meta":
-                module._buffers[key] = torch.empty(buf.shape, dtype=buf.dtype, device="cpu")
+        for key, buf in list(module.named_buffers(recurse=False)):
+            if buf.device.type == "meta":
+                setattr(module, key, torch.empty(buf.shape, dtype=buf.dtype, device="cpu"))  # stays a buffer
 
 
 def _replacements(fsdp_utils: ModuleType, original: Mapping[str, Callable]) -> dict[str, Callable]:

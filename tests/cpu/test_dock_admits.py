@@ -72,3 +72,16 @@ def test_a_reserve_that_cannot_make_room_leaves_the_reservation_as_it_was(monkey
             dock.reserve(name, size)  # the room needs the model out: its eviction fails
     assert not dock.has("new") and dock.nbytes("kept") == 1000
     assert ferry.residency is torchferry.Residency.DEVICE and dock.resident_bytes <= (1 << 20)
+
+
+def test_a_second_ferry_over_an_optimizer_without_state_is_refused():
+    """An optimizer before its first step holds no tensor: the target itself is compared (before: the second ferry
+    joined, and after the first step a use() of it reported resident state that lay in the other set's pool)."""
+    torch.manual_seed(0)
+    m = nn.Linear(16, 16)
+    opt = torch.optim.AdamW(m.parameters())
+    dock = Dock(1 << 20, device="cpu")
+    dock.add("params", Ferry(m, device="cpu"))
+    dock.add("opt", Ferry(opt, device="cpu"))
+    with pytest.raises(ValueError, match=r"'opt2' shares tensors with the set 'opt'"):  # before: it joined
+        dock.add("opt2", Ferry(opt, device="cpu"))

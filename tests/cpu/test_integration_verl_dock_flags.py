@@ -329,3 +329,22 @@ def test_a_later_patch_without_dock_keeps_the_dock_in_its_settings(monkeypatch):
     assert REGISTRY.patched["verl"].settings.dock is None and tf_verl.docked() is None
     tf_verl.patch()
     assert REGISTRY.patched["verl"].settings.dock is None and tf_verl.docked() is None
+
+
+@pytest.mark.parametrize("budget", [1e-5, 0.6, 1 / 3, 8 << 20])
+def test_a_later_patch_keeps_any_budget_the_first_accepted_and_passes_it_on_exactly(budget):
+    """The earlier budget is kept as a value (before: ``str(budget)`` was parsed again, and ``'1e-05'`` is no
+    budget's form: every later ``patch()`` raised); the workers' ``TORCHFERRY_VERL_DOCK`` reads back the same."""
+    from torchferry.integrations._base import parse_budget
+
+    tf_verl.patch(dock=budget)
+    tf_verl.patch(layerwise_reload=False)
+    settings = REGISTRY.patched["verl"].settings
+    assert settings.dock == budget
+    assert parse_budget(dict(settings.chosen)[DOCK_ENV], DOCK_ENV) == budget
+
+
+def test_a_budget_of_more_than_30_digits_is_refused_at_the_first_patch():
+    with pytest.raises(ValueError, match=r"^torchferry: patch\(dock=...\): 10+ is not a dock budget") as e:
+        tf_verl.patch(dock=10**31)
+    assert "\n" not in str(e.value) and "verl" not in REGISTRY.patched

@@ -29,7 +29,7 @@ from .._core._schedules.issuer import ISSUE_WINDOW_BYTES
 __all__ = ["ARENA_ENV", "BYTES_FORM", "CORE_ENV", "DRIVER_ENV", "HASH_CHOICES", "HASH_ENV", "HOST_BUDGET_ENV",
            "HOST_RESERVE_ENV", "LEDGER_DIR_ENV", "OFF", "ON", "REFILL_ENV", "SWITCH_ENV", "VERIFY_ENV",
            "allocator_conf", "core_settings", "env_bytes", "env_choice", "env_flag", "env_int", "is_bytes",
-           "ledger_dir", "parse_bytes", "parse_flag"]
+           "ledger_dir", "parse_bytes", "parse_flag", "positional"]
 
 ON = ("1", "true", "yes", "on")
 """The spellings of on (lower case; compared after ``strip().lower()``)."""
@@ -97,6 +97,12 @@ _DIGITS = re.compile(r"[0-9]{1,30}")
 _EXPONENT = re.compile(r"[0-9]{1,30}(?:\.[0-9]{1,30})?[eE][0-9]{1,2}")
 BYTES_FORM = ("ASCII digits (at most 30), e.g. 40000000000, or a whole number in exponent form, e.g. 40e9; no sign, "
               "no underscores")
+
+
+def positional(x: int | float) -> str:
+    """``x`` in ASCII digits with no exponent, exactly (``1e-05`` -> ``"0.00001"``): how a number goes to another
+    process's environment so that this module reads it back."""
+    return str(x) if isinstance(x, int) else format(decimal.Decimal(repr(x)), "f")
 
 
 def is_bytes(text: str) -> bool:

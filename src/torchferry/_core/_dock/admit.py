@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .._ferry.ferry import Ferry
 from .engine import DockEngine
-from .measure import counted_bytes, is_closed, tensors_of
+from .measure import counted_bytes, is_closed, targets_of, tensors_of
 from .records import OverBudget, _fmt
 
 __all__ = ["check_new_set"]
@@ -37,10 +37,10 @@ def check_new_set(e: DockEngine, name: str, ferry: Ferry) -> None:
         raise ValueError(f"torchferry: Dock.add: {name!r} is on {ferry.device} but the dock on {dev}")
     if is_closed(ferry):
         raise RuntimeError(f"torchferry: Dock.add: the ferry given for {name!r} is closed; make a new Ferry")
-    mine = tensors_of(ferry)  # held while compared: the ids stay unique
-    ids = {id(t) for t in mine}
+    mine = [*targets_of(ferry), *tensors_of(ferry)]  # held while compared: the ids stay unique
+    ids = {id(t) for t in mine}  # a target too: an optimizer before its first step holds no tensor yet
     for s in e.sets.values():
-        if any(id(t) in ids for t in tensors_of(s.ferry)):
+        if any(id(t) in ids for t in (*targets_of(s.ferry), *tensors_of(s.ferry))):
             raise ValueError(f"torchferry: Dock.add: {name!r} shares tensors with the set {s.name!r} (a ferry "
                              "over a module and another over its submodule?): a tensor belongs to one set; nothing "
                              "was added")

@@ -188,7 +188,9 @@ def appeared_bytes(ferry: Ferry) -> int:
     """Bytes an offloaded set's targets hold on its device outside any host pool now: state loaded behind
     the dock's back ([Note: state loaded behind the dock's back]); 0 for a resident or unchanged set."""
     off = ferry._offloaded
-    if ferry._closed or off is None or ferry._prefetch is not None or not ferry._set.replaced(off):
+    if ferry._closed or off is None or ferry._prefetch is not None or not targets_of(ferry):
+        return 0  # a set whose objects were collected holds nothing of the trainer's (a reading must not raise)
+    if not ferry._set.replaced(off):
         return 0
     storages = [local_of(t).untyped_storage() for _, t in walk(targets_of(ferry))]
     return _unique_bytes(storages, ferry.device, pool=False)

@@ -156,6 +156,7 @@ class PhaseDock:
         lazily)."""
         name = self._name_of(ferry)
         assert self.dock is not None and name is not None
+        self._drop_dead(self.dock)
         with deferred():  # a signal held during the acquire is raised after the release
             try:
                 if name in self.dock.in_use:
@@ -261,6 +262,7 @@ class PhaseDock:
         if kept is not None:
             e.kept = tuple(kept)
         dock = self.dock
+        self._drop_dead(dock)
         names, start, prefetched, state0, device = e.open.pop(mode)
         # an optimizer this phase held and replaced: its set follows the new one once the phase's names are released
         late = optimizer is not None and e.optimizer in names and self.sets.get(e.optimizer) is not optimizer
@@ -276,8 +278,8 @@ class PhaseDock:
                 grown = max(0, self._state_bytes(dock, e, device) - state0)
                 peak = torch.cuda.max_memory_allocated(device) - start - grown
                 e.measured[mode] = max(e.measured.get(mode, 0), int(peak))
-        except ValueError as err:
-            raise ValueError(f"torchferry: {self.label}: after the {mode} phase of {e.tag}: {err}") from err
+        except ValueError as err:  # a budget's refusal stays one (OverBudget)
+            raise type(err)(f"torchferry: {self.label}: after the {mode} phase of {e.tag}: {err}") from err
         finally:
             dock.release(*names)
         if late and optimizer is not None:
@@ -417,7 +419,7 @@ class PhaseDock:
             self._reserve(dock)  # a checkpoint load since the last phase: counted before the wake
         for name, nbytes in claimants.items():
             if nbytes > dock.budget_bytes:
-                raise ValueError(f"torchferry: {self.label}: {what} {name} take {nbytes} bytes, more than the budget "
+                raise OverBudget(f"torchferry: {self.label}: {what} {name} take {nbytes} bytes, more than the budget "
                                  f"of {dock.budget_bytes} bytes: the budget ({self.hint}) must hold them and what "
                                  "stays beside them")
         for name, nbytes in claimants.items():

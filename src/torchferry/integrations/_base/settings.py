@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 from ..._core._api.args import check_optional_bool
 from ..._core._api.settings import CoreSettings
-from ..._public.env import OFF, core_settings, env_flag, is_bytes, parse_bytes
+from ..._public.env import OFF, core_settings, env_flag, is_bytes, parse_bytes, positional
 
 __all__ = [
     "DOCK_ENV", "FORWARDED_SETTINGS", "FSDP1_ENV", "LAYERWISE_ENV", "OPTIMIZER_AT_STEP_ENV", "SKIP_ENV", "SWITCHES",
@@ -84,12 +84,10 @@ class Settings:
             if value is not None:
                 chosen[env] = "1" if value else "0"
             values[name] = chosen[env] == "1" if env in chosen else read_switch(name, (defaults or {}).get(name))
-        if with_dock and dock is None and DOCK_ENV in chosen:  # an earlier patch(dock=...) still in force
-            budget = parse_budget(chosen[DOCK_ENV], "patch(dock=...)")
-        else:
-            budget = dock_budget(dock) if with_dock else None
-        if with_dock and dock is not None:
-            chosen[DOCK_ENV] = "0" if budget is None else str(budget)
+        kept = with_dock and dock is None and earlier is not None and DOCK_ENV in chosen  # a patch(dock=...) in force
+        budget = (earlier.dock if kept and earlier is not None else dock_budget(dock)) if with_dock else None
+        if with_dock and dock is not None:  # the workers' form of it: a fraction in ASCII digits, not 1e-05
+            chosen[DOCK_ENV] = "0" if budget is None else positional(budget)
         return cls(**values, dock=budget, chosen=tuple(sorted(chosen.items())), core=core_settings())
 
 
@@ -123,7 +121,7 @@ def parse_budget(value: object, where: str) -> int | float | None:
         return None
     if isinstance(value, numbers.Integral):
         n = int(value)
-        if n >= MIN_BUDGET_BYTES:
+        if MIN_BUDGET_BYTES <= n < 10**30:  # at most 30 digits, as every byte count (_public/env)
             return n
         why = "1 is one byte, not 'on': 1.0 is the whole device" if n == 1 else f"{n} bytes is no GPU budget"
         raise ValueError(f"torchferry: {where}: {raw!r} is not a dock budget ({why}): {hint}")

@@ -56,7 +56,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .._api.handle import TransferHandle
 from .._api.hooks import Uncopyable
-from .._state.fsdp import own_tensors, rehome_sharded_data
+from .._state.fsdp import local_of, own_tensors, rehome_sharded_data
 from .._state.fsdp1 import fsdp1_units, refuse_fsdp1_call, rehome_flat_params, run_first
 from .._state.tree import module_tree
 
@@ -183,10 +183,28 @@ class OffloadGuards:
         return hook
 
     def _step_hook(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        if _changes_nothing(optimizer):  # see [Note: a step that changes nothing]
+            return
         raise RuntimeError(
             f"torchferry: {type(optimizer).__name__}.step() while its state is "
             f"offloaded to host memory ({self._describe()}); call ferry.reload() first"
         )
+
+
+def _changes_nothing(optimizer: torch.optim.Optimizer) -> bool:
+    """[Note: a step that changes nothing]
+    DCP's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` of an optimizer that has not stepped make its
+    state with one step that cannot move a parameter (``_init_optim_state``: every ``.grad`` zeros, every ``lr`` 0),
+    and put the ``lr`` back only after it. Refused, that step left ``lr`` at 0 and zero ``.grad``s behind. So a step
+    of an optimizer without state, every ``lr`` 0 and every gradient zero runs while offloaded: its state is made
+    where the parameters are (the pool's views) and taken to the device by the reload, as state a ``load_state_dict``
+    gives while offloaded (``tests/cpu/test_dcp_state_dict_while_offloaded.py``)."""
+    if optimizer.state:
+        return False
+    groups = optimizer.param_groups
+    if any(float(g.get("lr", 1.0)) != 0.0 for g in groups):
+        return False
+    return all(p.grad is None or not local_of(p.grad).any() for g in groups for p in g["params"])
 
 
 def dropped(guards: OffloadGuards, warn: bool = True) -> None:

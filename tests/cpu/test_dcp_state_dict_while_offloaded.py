@@ -12,6 +12,17 @@ from torch import nn
 import torchferry
 
 
+def _train_with_cycles(ferry, x, *runs) -> None:
+    """Two steps of each (model, optimizer), the ferry's cycled between them."""
+    for _ in range(2):
+        for mm, oo in runs:
+            mm(x).square().mean().backward()
+            oo.step()
+            oo.zero_grad()
+        ferry.offload()
+        ferry.reload()
+
+
 def _fresh():
     torch.manual_seed(0)
     m = nn.Linear(4, 2)
@@ -38,13 +49,7 @@ def test_get_optimizer_state_dict_of_an_unstepped_optimizer_while_offloaded_keep
     assert opt.param_groups[0]["lr"] == 1e-2
     assert all(p.grad is None for p in m.parameters())
     x = torch.randn(3, 4)
-    for _ in range(2):  # trains as the run without torchferry, cycles between steps
-        for mm, oo in ((m, opt), (ref, ref_opt)):
-            mm(x).square().mean().backward()
-            oo.step()
-            oo.zero_grad()
-        ferry.offload()
-        ferry.reload()
+    _train_with_cycles(ferry, x, (m, opt), (ref, ref_opt))  # as the run without torchferry
     assert torch.equal(m.weight, ref.weight) and torch.equal(m.bias, ref.bias)
 
 
@@ -81,13 +86,7 @@ def test_set_optimizer_state_dict_into_an_unstepped_optimizer_while_offloaded_re
     set_model_state_dict(m, msd)
     set_optimizer_state_dict(m, opt, osd)  # before: "AdamW.step() while its state is offloaded"
     ferry.reload()
-    for _ in range(2):
-        for mm, oo in ((m, opt), (ref, ref_opt)):
-            mm(x).square().mean().backward()
-            oo.step()
-            oo.zero_grad()
-        ferry.offload()
-        ferry.reload()
+    _train_with_cycles(ferry, x, (m, opt), (ref, ref_opt))
     assert torch.equal(m.weight, ref.weight) and torch.equal(m.bias, ref.bias)
 
 
@@ -108,13 +107,7 @@ def check_fsdp2_dcp_init_while_offloaded(rank: int, world: int) -> None:
     ferry.offload()
     get_optimizer_state_dict(m, opt)
     ferry.reload()
-    for _ in range(2):
-        for mm, oo in ((m, opt), (ref, ref_opt)):
-            mm(x).square().mean().backward()
-            oo.step()
-            oo.zero_grad()
-        ferry.offload()
-        ferry.reload()
+    _train_with_cycles(ferry, x, (m, opt), (ref, ref_opt))
     assert_same(snapshot(ref, ref_opt), snapshot(m, opt))
 
 

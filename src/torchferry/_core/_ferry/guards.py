@@ -184,6 +184,7 @@ class OffloadGuards:
 
     def _step_hook(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         if _changes_nothing(optimizer):  # see [Note: a step that changes nothing]
+            self._wait_hook()  # it reads and writes the pool's views: after the offload's copies into them
             return
         raise RuntimeError(
             f"torchferry: {type(optimizer).__name__}.step() while its state is "
@@ -197,8 +198,9 @@ def _changes_nothing(optimizer: torch.optim.Optimizer) -> bool:
     state with one step that cannot move a parameter (``_init_optim_state``: every ``.grad`` zeros, every ``lr`` 0),
     and put the ``lr`` back only after it. Refused, that step left ``lr`` at 0 and zero ``.grad``s behind. So a step
     of an optimizer without state, every ``lr`` 0 and every gradient zero runs while offloaded: its state is made
-    where the parameters are (the pool's views) and taken to the device by the reload, as state a ``load_state_dict``
-    gives while offloaded (``tests/cpu/test_dcp_state_dict_while_offloaded.py``)."""
+    where the parameters are (the pool's views, once the offload's copies into them are done) and taken to the device
+    by the reload, as state a ``load_state_dict`` gives while offloaded
+    (``tests/cpu/test_dcp_state_dict_while_offloaded.py``)."""
     if optimizer.state:
         return False
     groups = optimizer.param_groups

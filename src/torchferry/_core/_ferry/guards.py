@@ -195,16 +195,17 @@ class OffloadGuards:
 def _changes_nothing(optimizer: torch.optim.Optimizer) -> bool:
     """[Note: a step that changes nothing]
     DCP's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` of an optimizer that has not stepped make its
-    state with one step that cannot move a parameter (``_init_optim_state``: every ``.grad`` zeros, every ``lr`` 0),
-    and put the ``lr`` back only after it. Refused, that step left ``lr`` at 0 and zero ``.grad``s behind. So a step
-    of an optimizer without state, every ``lr`` 0 and every gradient zero runs while offloaded: its state is made
-    where the parameters are (the pool's views, once the offload's copies into them are done) and taken to the device
-    by the reload, as state a ``load_state_dict`` gives while offloaded
-    (``tests/cpu/test_dcp_state_dict_while_offloaded.py``)."""
+    state with one step (``_init_optim_state``: every ``.grad`` zeros, every ``lr`` a group has 0) and put the
+    ``lr`` back only after it. Refused, that step left ``lr`` at 0 and zero ``.grad``s behind. So a step of an
+    optimizer without state, every ``lr`` 0 (where a group has one) and every gradient zero runs while offloaded, as
+    it would without torchferry: its state is made where the parameters are (the pool's views, once the offload's
+    copies into them are done) and taken to the device by the reload, as state a ``load_state_dict`` gives while
+    offloaded (``tests/cpu/test_dcp_state_dict_while_offloaded.py``, ``tests/cpu/test_step_guard_noop_step.py``)."""
     if optimizer.state:
         return False
-    groups = optimizer.param_groups
-    if any(float(g.get("lr", 1.0)) != 0.0 for g in groups):
+    groups = optimizer.param_groups  # DCP zeroes every lr a group has (None too); a group without one keeps none
+    if any("lr" in g and not (isinstance(g["lr"], (int, float, torch.Tensor)) and float(g["lr"]) == 0.0)
+           for g in groups):
         return False
     return all(p.grad is None or not local_of(p.grad).any() for g in groups for p in g["params"])
 

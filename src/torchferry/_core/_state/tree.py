@@ -29,7 +29,7 @@ from torch import nn
 
 __all__ = ["members", "module_tree", "named_tensors", "tensors_of", "tree_memo"]
 
-_STANDARD = (nn.Module.named_modules, nn.Module.named_parameters, nn.Module.named_buffers)
+_STANDARD = (nn.Module.named_modules, nn.Module.named_parameters, nn.Module.named_buffers, nn.Module.named_children)
 _memo = threading.local()
 
 
@@ -71,7 +71,7 @@ def _walk(root: nn.Module) -> list[tuple[str, nn.Module]]:
         if id(m) in seen:
             continue
         cls = type(m)
-        if (cls.named_modules, cls.named_parameters, cls.named_buffers) != _STANDARD:
+        if (cls.named_modules, cls.named_parameters, cls.named_buffers, cls.named_children) != _STANDARD:
             return list(root.named_modules())
         seen.add(id(m))
         out.append((prefix, m))

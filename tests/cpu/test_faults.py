@@ -350,23 +350,29 @@ def test_an_ignored_sigint_stays_ignored_through_a_transfer(monkeypatch):
     ferry.reload()
 
 
-def _prefetch_body(rank, world):
+def fsdp2_stepped(mesh):
+    """Three Linears (two FSDP2 units and the root's), AdamW stepped once: gradients kept, state made."""
     from torch.distributed.fsdp import fully_shard
 
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))
+    for layer in m:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    x = torch.randn(4, 8)
+    m(x).square().mean().backward()
+    opt.step()
+    return m, opt, x
+
+
+def _prefetch_body(rank, world):
     from tests.helpers import cpu_mesh
 
     mesh = cpu_mesh(world)
 
     def build():
-        torch.manual_seed(0)
-        m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))
-        for layer in m:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(m, mesh=mesh)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-        x = torch.randn(4, 8)
-        m(x).square().mean().backward()
-        opt.step()
+        m, opt, x = fsdp2_stepped(mesh)
         opt.zero_grad(set_to_none=True)  # a layer-wise reload moves no grads
         return _counting_hooks(Case(m, opt, x, Ferry(m, opt, device="cpu", skip_unchanged=True)))
 

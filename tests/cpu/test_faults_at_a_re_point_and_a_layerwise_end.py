@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import sys
 
-import torch
-from torch import nn
 
 import torchferry
 from torchferry import Ferry
 from torchferry._core._state.host_blocks import in_host_pool
-from tests.cpu.test_faults import SRC, Case, _counting_hooks
+from tests.cpu.test_faults import SRC, Case, _counting_hooks, _run, fsdp2_stepped
 from tests.helpers import assert_same, snapshot
 from tests.spawn import run_spawned
 
@@ -35,43 +33,17 @@ class _RaiseAt:
         return None
 
 
-def _faulted(fn, inj: _RaiseAt) -> BaseException | None:
-    sys.settrace(inj)
-    try:
-        fn()
-    except BaseException as e:  # noqa: B036
-        return e
-    finally:
-        sys.settrace(None)
-    return None
-
-
-def _fsdp2(mesh, layers=2):
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    m = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)], nn.Linear(8, 4))
-    for layer in m:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(m, mesh=mesh)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    x = torch.randn(4, 8)
-    m(x).square().mean().backward()
-    opt.step()
-    return m, opt, x
-
-
 def _offload_with_grads_body(rank, world):
     from tests.helpers import cpu_mesh
 
     for exc in (RuntimeError, SystemExit, KeyboardInterrupt):
-        m, opt, x = _fsdp2(cpu_mesh(world))  # grads kept: they move with the parameters
+        m, opt, x = fsdp2_stepped(cpu_mesh(world))  # grads kept: they move with the parameters
         case = _counting_hooks(Case(m, opt, x, Ferry(m, opt, device="cpu")))
         case.ferry.offload()
         case.ferry.reload()
         want = snapshot(m, opt)
         inj = _RaiseAt("swap_local", exc)  # the re-point of the first DTensor parameter
-        err = _faulted(case.ferry.offload, inj)
+        err = _run(case.ferry.offload, inj)
         assert inj.hit and err is not None, exc
         what = f"{exc.__name__} at swap_local: {err!r}"
         assert case.ferry.residency is torchferry.Residency.DEVICE, what
@@ -103,7 +75,7 @@ def test_a_failed_re_point_of_an_fsdp2_offload_with_grads_leaves_the_grads_as_th
 def _end_of_layerwise_body(rank, world):
     from tests.helpers import cpu_mesh
 
-    m, opt, x = _fsdp2(cpu_mesh(world))
+    m, opt, x = fsdp2_stepped(cpu_mesh(world))
     opt.zero_grad(set_to_none=True)  # a layer-wise reload moves no grads
     ferry = Ferry(m, opt, device="cpu")
     ferry.offload()
@@ -113,7 +85,7 @@ def _end_of_layerwise_body(rank, world):
     ferry.reload(prefetch=True)
     # the run's bookkeeping is dropped, then residency is set: a fault between the two
     inj = _RaiseAt("is_cuda", RuntimeError, caller="_end_prefetch")
-    err = _faulted(ferry.reload, inj)
+    err = _run(ferry.reload, inj)
     assert inj.hit and err is not None
     ferry.reload()  # a retry completes it
     assert ferry.residency is torchferry.Residency.DEVICE, f"after {err!r} and a retried reload(): {ferry.residency}"

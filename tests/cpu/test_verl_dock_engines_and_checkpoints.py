@@ -5,7 +5,6 @@ nested contexts, checkpoints while evicted, the rollout's resume / release, and 
 
 import asyncio
 import copy
-import gc
 import itertools
 import types
 
@@ -74,6 +73,13 @@ def _on_device(*engines) -> int:
                 for t in ts if t.numel() and not in_host_pool(t.data_ptr())}.values())
 
 
+def _rollout_holds_only_the_kept(vd, kv, *engines) -> None:
+    """The rollout's KV cache woken: the dock holds it and what the engines keep on the device, within the budget."""
+    vd.rollout_wakes(["kv_cache"], {"weights": 0, "kv_cache": kv})
+    assert _on_device(*engines) + kv == vd.dock.resident_bytes <= B
+    vd.rollout_asleep()
+
+
 def _reference(steps, seed):
     torch.manual_seed(seed)
     m = torch.nn.Linear(N, N)
@@ -104,9 +110,7 @@ def test_two_engines_in_one_dock_train_through_rollouts_within_the_budget_and_ex
         _update(critic)
         _update(actor)
         assert not vd.dock.in_use
-        vd.rollout_wakes(["kv_cache"], {"weights": 0, "kv_cache": kv})
-        assert _on_device(actor, critic) + kv == vd.dock.resident_bytes <= B
-        vd.rollout_asleep()
+        _rollout_holds_only_the_kept(vd, kv, actor, critic)
     for e, seed in ((actor, 1), (critic, 2)):
         with base.BaseEngineCtx(e, "eval"):
             _same(e, _reference(3, seed))
@@ -123,7 +127,7 @@ def test_a_forward_only_engine_beside_a_docked_one_is_left_to_verl():
         vd.rollout_wakes(["kv_cache"], {"weights": 0, "kv_cache": B - 2 * P})
         vd.rollout_asleep()
     assert ref not in vd.engines
-    assert all(torch.equal(a, b) for a, b in zip(before, ref.module.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, ref.module.parameters(), strict=True))
 
 
 def test_verls_nested_mini_batch_contexts_with_disable_auto_offload_train_exactly():
@@ -177,7 +181,7 @@ def test_nested_contexts_of_an_engine_keep_its_sets_until_the_outer_exit(outer, 
         with base.BaseEngineCtx(e, inner):
             pass
         assert "engine0.params" in vd.dock.in_use, "the outer phase lost its parameters"
-        with pytest.raises(Exception):  # the rollout may not take what the open phase holds
+        with pytest.raises(RuntimeError, match="do not fit the budget"):  # not what the open phase holds
             vd.rollout_wakes(["kv_cache"], {"weights": 0, "kv_cache": B - 1000})
         assert _on_device(e) > 0
         if outer == "train":
@@ -204,9 +208,7 @@ def test_save_checkpoint_while_every_set_is_evicted_saves_the_state_and_keeps_th
     assert all(torch.equal(v, saved["model"][k]) for k, v in want_m.items())
     for k, s in want_o.items():
         assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(saved["optim"][k][n])) for n, v in s.items())
-    vd.rollout_wakes(["kv_cache"], {"weights": 0, "kv_cache": kv})
-    assert _on_device(e) + kv == vd.dock.resident_bytes <= B
-    vd.rollout_asleep()
+    _rollout_holds_only_the_kept(vd, kv, e)
     _update(e)
     with base.BaseEngineCtx(e, "eval"):
         _same(e, _reference(2, 7))
@@ -228,9 +230,7 @@ def test_load_checkpoint_while_the_sets_are_evicted_is_counted_and_trains(monkey
     monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: None)
     e.load_checkpoint("unused")
     kv = B - (0 if param_offload else P) - 1000
-    vd.rollout_wakes(["kv_cache"], {"weights": 0, "kv_cache": kv})
-    assert _on_device(e) + kv == vd.dock.resident_bytes <= B
-    vd.rollout_asleep()
+    _rollout_holds_only_the_kept(vd, kv, e)
     _update(e)
     with base.BaseEngineCtx(e, "eval"):
         _same(e, _reference(2, 8))
@@ -348,9 +348,7 @@ def test_a_first_step_made_outside_the_dock_then_docked_phases_train_exactly_wit
     for _ in range(2):
         _update(e)
         kv = B - 1000
-        vd.rollout_wakes(["kv_cache"], {"weights": 0, "kv_cache": kv})
-        assert _on_device(e) + kv == vd.dock.resident_bytes <= B
-        vd.rollout_asleep()
+        _rollout_holds_only_the_kept(vd, kv, e)
     with base.BaseEngineCtx(e, "eval"):
         _same(e, _reference(3, 13))
 
@@ -375,9 +373,7 @@ def test_the_dock_switched_off_while_sets_are_evicted_then_on_again_trains_exact
     assert tf_verl.docked() is vd
     _update(e)
     kv = B - 1000
-    vd.rollout_wakes(["kv_cache"], {"weights": 0, "kv_cache": kv})
-    assert _on_device(e) + kv == vd.dock.resident_bytes <= B
-    vd.rollout_asleep()
+    _rollout_holds_only_the_kept(vd, kv, e)
     with base.BaseEngineCtx(e, "eval"):
         _same(e, _reference(3, 14))
 
